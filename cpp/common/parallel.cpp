@@ -1,0 +1,125 @@
+#include "common/parallel.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace mixbits {
+
+namespace {
+
+class Pool {
+ public:
+  explicit Pool(int n) : size_(n) {
+    for (int i = 1; i < n; ++i) workers_.emplace_back([this] { loop(); });
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+  int size() const { return size_; }
+
+  // Returns false (and does nothing) when another job holds the pool.
+  bool try_run(int64_t nchunks,
+               const std::function<void(int64_t)>& chunk_fn) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy.owns_lock()) return false;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      job_ = &chunk_fn;
+      nchunks_ = nchunks;
+      next_.store(0);
+      done_ = 0;
+      ++epoch_;
+    }
+    cv_.notify_all();
+    work();
+    std::unique_lock<std::mutex> lk(mu_);
+    done_cv_.wait(lk, [&] { return done_ == nchunks_; });
+    job_ = nullptr;
+    return true;
+  }
+
+ private:
+  void work() {
+    int64_t finished = 0;
+    for (int64_t c; (c = next_.fetch_add(1)) < nchunks_;) {
+      (*job_)(c);
+      ++finished;
+    }
+    if (finished) {
+      std::lock_guard<std::mutex> lk(mu_);
+      done_ += finished;
+      if (done_ == nchunks_) done_cv_.notify_all();
+    }
+  }
+  void loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return stop_ || (epoch_ != seen && job_); });
+        if (stop_) return;
+        seen = epoch_;
+      }
+      work();
+    }
+  }
+
+  int size_;
+  std::vector<std::thread> workers_;
+  std::mutex busy_, mu_;
+  std::condition_variable cv_, done_cv_;
+  const std::function<void(int64_t)>* job_ = nullptr;
+  int64_t nchunks_ = 0, done_ = 0;
+  std::atomic<int64_t> next_{0};
+  uint64_t epoch_ = 0;
+  bool stop_ = false;
+};
+
+Pool& pool() {
+  static Pool p(num_threads());
+  return p;
+}
+
+}  // namespace
+
+int num_threads() {
+  static int n = [] {
+    if (const char* e = std::getenv("MIXBITS_NUM_THREADS")) {
+      int v = std::atoi(e);
+      if (v > 0) return v;
+    }
+    return int(std::max(1u, std::thread::hardware_concurrency()));
+  }();
+  return n;
+}
+
+void parallel_for(int64_t n, int64_t grain,
+                  const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  grain = std::max<int64_t>(grain, 1);
+  int64_t nthreads = std::min<int64_t>(num_threads(), (n + grain - 1) / grain);
+  if (nthreads <= 1) {
+    fn(0, n);
+    return;
+  }
+  // A few chunks per thread balances uneven cores without much overhead.
+  int64_t nchunks = std::min<int64_t>(nthreads * 4, (n + grain - 1) / grain);
+  int64_t step = (n + nchunks - 1) / nchunks;
+  std::function<void(int64_t)> chunk = [&](int64_t c) {
+    int64_t b = c * step, e = std::min(n, b + step);
+    if (b < e) fn(b, e);
+  };
+  if (!pool().try_run(nchunks, chunk)) fn(0, n);
+}
+
+}  // namespace mixbits

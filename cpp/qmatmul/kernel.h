@@ -1,0 +1,59 @@
+// Backend-neutral description of a mixed-segment quantized matrix and the
+// signature every CPU backend (ref, avx2, neon) implements. No MLX types
+// here, so kernels can be tested and benchmarked on raw buffers.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "common/half.h"
+
+namespace mixbits {
+
+// One K-segment, stored exactly as MLX stores a quantized matrix.
+struct SegView {
+  int bits;        // 2,3,4,5,6,8
+  int group_size;  // 32,64,128
+  int k0;          // first input column (in the permuted order)
+  int k;           // number of columns
+  const uint32_t* wq;    // [N, k*bits/32], LSB-first bitstream per row
+  const void* scales;    // [N, k/group_size], dtype = QMatView::sdtype
+  const void* biases;    // same shape and dtype as scales
+  int64_t words_per_row() const { return int64_t(k) * bits / 32; }
+  int64_t groups_per_row() const { return k / group_size; }
+};
+
+struct QMatView {
+  int N = 0;
+  int K = 0;
+  DType sdtype = DType::f32;
+  std::vector<SegView> segs;
+};
+
+// y[m, n] = sum_k x[m, k] * W[n, k] for rows m < M and outputs n in [n0, n1).
+// x is float32 [M, K], already gathered through the permutation; y is
+// float32 [M, N] (row stride N). Every backend has this signature.
+using QmmFn = void (*)(const float* x, int M, const QMatView& w, float* y,
+                       int n0, int n1);
+
+enum class Backend : int { Auto = 0, Ref = 1, Avx2 = 2, Neon = 3 };
+
+void qmm_ref(const float* x, int M, const QMatView& w, float* y, int n0,
+             int n1);
+
+// The backend used for `requested` on this CPU; throws if it is forced but
+// unavailable. Auto picks the fastest available.
+QmmFn select_qmm(Backend requested);
+// Names of backends usable on this machine, for tests and benchmarks.
+std::vector<Backend> available_qmm_backends();
+
+// Extract code j (0-based) of a row bitstream: the LSB-first layout MLX uses.
+inline uint32_t unpack_code(const uint32_t* row, int64_t j, int bits) {
+  int64_t bit = j * bits;
+  int64_t w = bit >> 5;
+  int sh = int(bit & 31);
+  uint64_t v = row[w] >> sh;
+  if (sh + bits > 32) v |= uint64_t(row[w + 1]) << (32 - sh);
+  return uint32_t(v) & ((1u << bits) - 1u);
+}
+
+}  // namespace mixbits

@@ -1,0 +1,221 @@
+// MixedQMatmul: argument checks, graph construction, and the CPU evaluation
+// that gathers x through the permutation and hands raw views to a backend.
+#include "qmatmul/qmatmul.h"
+
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <sstream>
+#include <stdexcept>
+
+#include "common/parallel.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+namespace mixbits {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) {
+  throw std::invalid_argument("qmatmul: " + msg);
+}
+
+std::string shape_str(const mx::array& a) {
+  std::ostringstream os;
+  os << "(";
+  for (int i = 0; i < a.ndim(); ++i) os << (i ? ", " : "") << a.shape(i);
+  os << ")";
+  return os.str();
+}
+
+bool is_float(mx::Dtype t) {
+  return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
+}
+
+DType to_dtype(mx::Dtype t) {
+  if (t == mx::float16) return DType::f16;
+  if (t == mx::bfloat16) return DType::bf16;
+  return DType::f32;
+}
+
+}  // namespace
+
+mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm,
+                        const std::vector<mx::array>& packed,
+                        const std::vector<SegSpec>& segs, Backend backend,
+                        mx::StreamOrDevice s) {
+  if (segs.empty()) fail("at least one segment is required");
+  if (packed.size() != 3 * segs.size())
+    fail("expected 3 arrays (wq, scales, biases) per segment, got " +
+         std::to_string(packed.size()) + " for " +
+         std::to_string(segs.size()) + " segments");
+  if (x.ndim() < 1) fail("x must have at least one dimension");
+  if (!is_float(x.dtype()))
+    fail("x must be float32, float16 or bfloat16");
+  int K = 0;
+  int N = -1;
+  mx::Dtype sdt = packed[1].dtype();
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const SegSpec& sg = segs[i];
+    std::string tag = "segment " + std::to_string(i) + ": ";
+    if (sg.bits != 2 && sg.bits != 3 && sg.bits != 4 && sg.bits != 5 &&
+        sg.bits != 6 && sg.bits != 8)
+      fail(tag + "bits must be one of 2,3,4,5,6,8, got " +
+           std::to_string(sg.bits));
+    if (sg.group_size != 32 && sg.group_size != 64 && sg.group_size != 128)
+      fail(tag + "group_size must be 32, 64 or 128, got " +
+           std::to_string(sg.group_size));
+    if (sg.k <= 0 || sg.k % sg.group_size != 0)
+      fail(tag + "column count " + std::to_string(sg.k) +
+           " is not a positive multiple of group_size " +
+           std::to_string(sg.group_size));
+    const mx::array& wq = packed[3 * i];
+    const mx::array& sc = packed[3 * i + 1];
+    const mx::array& bi = packed[3 * i + 2];
+    if (wq.dtype() != mx::uint32) fail(tag + "wq must be uint32");
+    if (wq.ndim() != 2) fail(tag + "wq must be 2-D, got " + shape_str(wq));
+    if (N < 0) N = wq.shape(0);
+    int words = sg.k * sg.bits / 32;
+    if (wq.shape(0) != N || wq.shape(1) != words)
+      fail(tag + "wq shape " + shape_str(wq) + " != (" + std::to_string(N) +
+           ", " + std::to_string(words) + ")");
+    int groups = sg.k / sg.group_size;
+    for (const mx::array* a : {&sc, &bi}) {
+      const char* nm = (a == &sc) ? "scales" : "biases";
+      if (!is_float(a->dtype()))
+        fail(tag + nm + " must be float32, float16 or bfloat16");
+      if (a->dtype() != sdt)
+        fail(tag + nm + " dtype differs from segment 0's scales");
+      if (a->ndim() != 2 || a->shape(0) != N || a->shape(1) != groups)
+        fail(tag + nm + " shape " + shape_str(*a) + " != (" +
+             std::to_string(N) + ", " + std::to_string(groups) + ")");
+    }
+    K += sg.k;
+  }
+  if (x.shape(-1) != K)
+    fail("x has " + std::to_string(x.shape(-1)) +
+         " input features but the segments cover K=" + std::to_string(K));
+  if (perm) {
+    if (perm->dtype() != mx::int32 && perm->dtype() != mx::uint32)
+      fail("perm must be int32 or uint32");
+    if (perm->ndim() != 1 || perm->shape(0) != K)
+      fail("perm shape " + shape_str(*perm) + " != (" + std::to_string(K) +
+           ",)");
+  }
+  select_qmm(backend);  // throws now, not inside the graph, if unavailable
+
+  auto stream = mx::to_stream(s);
+  std::vector<mx::array> inputs{x};
+  if (perm) inputs.push_back(mx::contiguous(*perm, false, stream));
+  for (const auto& a : packed) inputs.push_back(mx::contiguous(a, false, stream));
+  mx::Shape out_shape = x.shape();
+  out_shape.back() = N;
+  return mx::array(
+      out_shape, x.dtype(),
+      std::make_shared<MixedQMatmul>(stream, segs, bool(perm), backend),
+      std::move(inputs));
+}
+
+std::vector<mx::Shape> MixedQMatmul::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  mx::Shape s = inputs[0].shape();
+  s.back() = inputs[has_perm_ ? 2 : 1].shape(0);
+  return {s};
+}
+
+bool MixedQMatmul::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const MixedQMatmul&>(other);
+  return segs_ == o.segs_ && has_perm_ == o.has_perm_ && backend_ == o.backend_;
+}
+
+void MixedQMatmul::eval_cpu(const std::vector<mx::array>& inputs,
+                            mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+
+  // Capturing the arrays keeps their buffers alive until the task has run.
+  enc.dispatch([inputs, out = mx::array::unsafe_weak_copy(out),
+                segs = segs_, has_perm = has_perm_,
+                fn = select_qmm(backend_)]() mutable {
+    const mx::array& x = inputs[0];
+    const int first = has_perm ? 2 : 1;
+    QMatView w;
+    w.N = inputs[first].shape(0);
+    w.sdtype = to_dtype(inputs[first + 1].dtype());
+    int k0 = 0;
+    for (size_t i = 0; i < segs.size(); ++i) {
+      const auto& wq = inputs[first + 3 * i];
+      w.segs.push_back({segs[i].bits, segs[i].group_size, k0, segs[i].k,
+                        wq.data<uint32_t>(), inputs[first + 3 * i + 1].data<void>(),
+                        inputs[first + 3 * i + 2].data<void>()});
+      k0 += segs[i].k;
+    }
+    w.K = k0;
+    const int K = w.K;
+    const int64_t M = x.size() / K;
+    if (M == 0 || w.N == 0) return;
+
+    // x may be strided (a view or a transpose): read it element by element
+    // into a dense float32 buffer, gathered through the permutation.
+    const int32_t* perm = has_perm ? inputs[1].data<int32_t>() : nullptr;
+    std::vector<float> xf(size_t(M) * K);
+    const DType xt = to_dtype(x.dtype());
+    const int nd = x.ndim();
+    const int64_t kstride = x.strides()[nd - 1];
+    const char* xbase = x.data<char>();
+    const size_t isz = x.itemsize();
+    bool perm_ok = true;
+    if (perm)
+      for (int k = 0; k < K; ++k)
+        perm_ok &= (perm[k] >= 0 && perm[k] < K);
+    parallel_for(M, 64, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        int64_t off = 0, rem = m;
+        for (int d = nd - 2; d >= 0; --d) {
+          off += (rem % x.shape(d)) * x.strides()[d];
+          rem /= x.shape(d);
+        }
+        const void* row = xbase + off * int64_t(isz);
+        float* dst = xf.data() + m * K;
+        for (int k = 0; k < K; ++k) {
+          int64_t src = perm ? (perm_ok ? perm[k] : 0) : k;
+          dst[k] = load_as_f32(row, src * kstride, xt);
+        }
+      }
+    });
+    const int N = w.N;
+    const DType ot = to_dtype(out.dtype());
+    float* y = nullptr;
+    std::vector<float> yf;
+    if (ot == DType::f32) {
+      y = out.data<float>();
+    } else {
+      yf.resize(size_t(M) * N);
+      y = yf.data();
+    }
+    if (!perm_ok) {
+      // Never silent garbage: a broken permutation poisons the output.
+      std::fill(y, y + M * N, std::numeric_limits<float>::quiet_NaN());
+    } else {
+      // Each worker owns a slice of outputs and runs all M rows on it, so
+      // every weight is decoded once per slice.
+      parallel_for(N, 16, [&](int64_t n0, int64_t n1) {
+        fn(xf.data(), int(M), w, y, int(n0), int(n1));
+      });
+    }
+    if (ot != DType::f32) {
+      void* o = out.data<void>();
+      for (int64_t i = 0; i < M * N; ++i) store_from_f32(o, i, y[i], ot);
+    }
+  });
+}
+
+#ifndef _METAL_
+void MixedQMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("qmatmul: this build of mixbits has no GPU kernels");
+}
+#endif
+
+}  // namespace mixbits

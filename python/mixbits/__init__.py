@@ -1,0 +1,9 @@
+"""mixbits: mixed-precision quantized matmul, KL and bit allocation for MLX."""
+
+import mlx.core as _mx  # noqa: F401  (registers mlx's array type for _ext)
+
+from .layout import QuantizedTensor, quantize
+from .ops import qmatmul, quantized_matmul
+
+__all__ = ["QuantizedTensor", "quantize", "qmatmul", "quantized_matmul"]
+__version__ = "0.1.0"

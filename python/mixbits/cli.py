@@ -1,0 +1,44 @@
+"""The ``mixbits`` command. Each subcommand lives in mixbits.commands.<name>
+as ``add_arguments(parser)`` and ``run(args) -> int``; modules are imported
+only when their subcommand runs, so ``mixbits --help`` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> one-line help. A name listed here must have its module.
+COMMANDS = {
+    "demo": "quantize a random matrix into mixed segments; error and bits per weight",
+}
+
+
+def _module(name: str):
+    return importlib.import_module(f"mixbits.commands.{name}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mixbits", description="Mixed-precision quantization for MLX.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        sp.set_defaults(_name=name)
+        if len(sys.argv) > 1 and sys.argv[1] == name:
+            _module(name).add_arguments(sp)
+    return p
+
+
+def main(argv=None) -> int:
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:])
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    return int(_module(args._name).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of the ``mixbits`` command line (see mixbits.cli)."""

@@ -1,0 +1,233 @@
+"""Weight layout: segments, packing, permutation. The one place in Python
+that knows the bit layout (LSB-first bitstream per row, as MLX stores it).
+
+A quantized tensor W (N outputs x K inputs) is a list of K-segments, each an
+MLX affine-quantized matrix with its own bits and group size, plus an
+optional input permutation ``perm``: the tensor stores ``w[:, perm]`` and
+``qmatmul(x, qt) == x[..., perm] @ qt.dequantize().T``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+TERNARY = "ternary"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One K-segment: MLX's (wq, scales, biases) triplet for ``k`` columns."""
+
+    bits: int
+    group_size: int
+    k: int
+    wq: mx.array
+    scales: mx.array
+    biases: mx.array
+
+    @property
+    def spec(self) -> tuple[int, int, int]:
+        return (self.bits, self.group_size, self.k)
+
+
+# ---------------------------------------------------------------- packing
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Pack integer codes [N, k] (0 <= c < 2**bits) into uint32 [N, k*bits/32].
+
+    Code j of a row occupies bits [j*bits, (j+1)*bits) of the row's
+    bitstream; stream bit i lives in word i // 32 at bit i % 32.
+    """
+    codes = np.asarray(codes)
+    n, k = codes.shape
+    if (k * bits) % 32:
+        raise ValueError(f"k={k} columns at {bits} bits do not fill whole words")
+    if codes.size and (codes.min() < 0 or codes.max() >= 1 << bits):
+        raise ValueError(f"codes out of range for {bits} bits")
+    bitplanes = (codes.astype(np.uint32)[..., None] >> np.arange(bits, dtype=np.uint32)) & 1
+    packed = np.packbits(bitplanes.astype(np.uint8).reshape(n, -1), axis=1, bitorder="little")
+    return np.ascontiguousarray(packed).view(np.uint32).reshape(n, k * bits // 32)
+
+
+def unpack_codes(wq: np.ndarray, bits: int) -> np.ndarray:
+    """Inverse of :func:`pack_codes`: uint32 [N, W] -> int codes [N, W*32/bits]."""
+    wq = np.ascontiguousarray(np.asarray(wq, dtype=np.uint32))
+    n = wq.shape[0]
+    stream = np.unpackbits(wq.view(np.uint8).reshape(n, -1), axis=1, bitorder="little")
+    weights = (1 << np.arange(bits)).astype(np.int64)
+    return stream.reshape(n, -1, bits) @ weights
+
+
+def ternary_triplet(w: mx.array, group_size: int, dtype=None):
+    """Quantize ``w`` [N, k] to {-s, 0, +s} per group as a 2-bit affine segment.
+
+    s is the group's mean |w| (absmean, as ternary LLMs use); codes 0, 1, 2
+    decode as scale * code + bias with scale = s, bias = -s.
+    """
+    dtype = dtype or w.dtype
+    wn = np.asarray(w.astype(mx.float32))
+    n, k = wn.shape
+    g = wn.reshape(n, k // group_size, group_size)
+    s = np.abs(g).mean(axis=-1, keepdims=True)
+    s = np.where(s > 0, s, 1.0).astype(np.float32)
+    t = np.clip(np.rint(g / s), -1, 1)
+    codes = (t + 1).astype(np.int64).reshape(n, k)
+    scales = mx.array(s[..., 0]).astype(dtype)
+    wq = mx.array(pack_codes(codes, 2))
+    return wq, scales, -scales
+
+
+# ---------------------------------------------------------------- tensor
+
+
+def _as_segment_spec(spec, i: int) -> tuple[object, int, int]:
+    try:
+        bits, group_size, k = spec
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"segments[{i}] must be (bits, group_size, k_columns), got {spec!r}"
+        ) from None
+    if bits != TERNARY and bits not in BITS:
+        raise ValueError(f"segments[{i}]: bits must be one of {BITS} or 'ternary', got {bits!r}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"segments[{i}]: group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+    if not isinstance(k, (int, np.integer)) or k <= 0 or k % group_size:
+        raise ValueError(
+            f"segments[{i}]: k_columns={k!r} must be a positive multiple of group_size {group_size}"
+        )
+    return bits, int(group_size), int(k)
+
+
+def _check_perm(perm, K: int) -> mx.array:
+    p = np.asarray(perm)
+    if p.ndim != 1 or p.shape[0] != K:
+        raise ValueError(f"perm must have shape ({K},), got {p.shape}")
+    if not np.issubdtype(p.dtype, np.integer):
+        raise TypeError(f"perm must be an integer array, got dtype {p.dtype}")
+    if not np.array_equal(np.sort(p), np.arange(K)):
+        raise ValueError(f"perm is not a permutation of range({K})")
+    return mx.array(p.astype(np.int32))
+
+
+class QuantizedTensor:
+    """A mixed-segment quantized matrix; see the module docstring."""
+
+    def __init__(self, segments: Sequence[Segment], perm=None):
+        segments = list(segments)
+        if not segments:
+            raise ValueError("a QuantizedTensor needs at least one segment")
+        n = None
+        sdtype = segments[0].scales.dtype
+        for i, s in enumerate(segments):
+            if not isinstance(s, Segment):
+                raise TypeError(f"segments[{i}] must be a mixbits.layout.Segment")
+            _as_segment_spec(s.spec, i)
+            if s.wq.dtype != mx.uint32 or s.wq.ndim != 2:
+                raise TypeError(f"segments[{i}].wq must be a 2-D uint32 array")
+            n = s.wq.shape[0] if n is None else n
+            if s.wq.shape != (n, s.k * s.bits // 32):
+                raise ValueError(
+                    f"segments[{i}].wq shape {s.wq.shape} != {(n, s.k * s.bits // 32)}"
+                )
+            for name in ("scales", "biases"):
+                a = getattr(s, name)
+                if a.dtype not in FLOAT_DTYPES:
+                    raise TypeError(f"segments[{i}].{name} must be float32/float16/bfloat16")
+                if a.dtype != sdtype:
+                    raise TypeError(f"segments[{i}].{name} dtype {a.dtype} != segment 0 scales {sdtype}")
+                if a.shape != (n, s.k // s.group_size):
+                    raise ValueError(
+                        f"segments[{i}].{name} shape {a.shape} != {(n, s.k // s.group_size)}"
+                    )
+        self.segments = segments
+        self.shape = (n, sum(s.k for s in segments))
+        self.perm = None if perm is None else _check_perm(perm, self.shape[1])
+
+    @property
+    def specs(self) -> list[tuple[int, int, int]]:
+        return [s.spec for s in self.segments]
+
+    @property
+    def dtype(self):
+        return self.segments[0].scales.dtype
+
+    def arrays(self) -> list[mx.array]:
+        out = []
+        for s in self.segments:
+            out += [s.wq, s.scales, s.biases]
+        return out
+
+    def dequantize(self, unpermute: bool = False) -> mx.array:
+        """The dense [N, K] matrix in stored (permuted) column order, so
+        ``qmatmul(x, qt) == x[..., perm] @ qt.dequantize().T``. With
+        ``unpermute=True`` columns are in the original order instead."""
+        parts = [
+            mx.dequantize(s.wq, s.scales, s.biases, group_size=s.group_size, bits=s.bits)
+            for s in self.segments
+        ]
+        w = mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        if unpermute and self.perm is not None:
+            w = w[:, mx.argsort(self.perm)]
+        return w
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(a.nbytes for a in self.arrays())
+        return n + (self.perm.nbytes if self.perm is not None else 0)
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Storage bits per weight: codes plus scales and biases (perm excluded)."""
+        n, k = self.shape
+        return 8.0 * sum(a.nbytes for a in self.arrays()) / (n * k)
+
+    def __repr__(self) -> str:
+        segs = ", ".join(f"{b}b/g{g}x{k}" for b, g, k in self.specs)
+        p = ", perm" if self.perm is not None else ""
+        return f"QuantizedTensor(shape={self.shape}, [{segs}]{p}, {self.bits_per_weight:.3f} bpw)"
+
+
+def quantize(w, segments, perm=None, dtype=None) -> QuantizedTensor:
+    """Quantize ``w`` [N, K] into K-segments.
+
+    ``segments``: list of ``(bits, group_size, k_columns)`` with columns
+    summing to K, in order; bits may be ``"ternary"`` (a 2-bit segment with
+    codes {0, 1, 2} = {-s, 0, +s}). ``perm``: optional int array of length K;
+    the tensor then stores ``w[:, perm]`` and segment columns count in that
+    order. Scales and biases take ``dtype`` (default: w's float dtype).
+    """
+    if not isinstance(w, mx.array):
+        w = mx.array(np.asarray(w))
+    if w.ndim != 2:
+        raise ValueError(f"w must be 2-D [N, K], got shape {w.shape}")
+    if w.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"w must be float32/float16/bfloat16, got {w.dtype}")
+    specs = [_as_segment_spec(s, i) for i, s in enumerate(segments)]
+    n, k_total = w.shape
+    if sum(k for _, _, k in specs) != k_total:
+        raise ValueError(
+            f"segment columns sum to {sum(k for _, _, k in specs)} but w has K={k_total}"
+        )
+    dtype = dtype or w.dtype
+    if perm is not None:
+        perm = _check_perm(perm, k_total)
+        w = w[:, perm]
+    out, k0 = [], 0
+    for bits, gs, k in specs:
+        part = w[:, k0 : k0 + k]
+        if bits == TERNARY:
+            wq, sc, bi = ternary_triplet(part, gs, dtype)
+            bits = 2
+        else:
+            wq, sc, bi = mx.quantize(part.astype(dtype), group_size=gs, bits=bits)
+        out.append(Segment(bits, gs, k, wq, sc.astype(dtype), bi.astype(dtype)))
+        k0 += k
+    return QuantizedTensor(out, perm)

@@ -1,0 +1,74 @@
+"""Public ops. The only module that calls mixbits._ext: every argument is
+checked here, with a message naming it, before any kernel runs."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import _ext
+from .layout import BITS, FLOAT_DTYPES, GROUP_SIZES, QuantizedTensor, Segment
+
+BACKENDS = {"auto": 0, "ref": 1, "avx2": 2, "neon": 3}
+
+
+def available_backends() -> list[str]:
+    """CPU backends of the quantized matmul usable on this machine."""
+    names = {v: k for k, v in BACKENDS.items()}
+    return [names[b] for b in _ext.qmm_backends()]
+
+
+def _backend_id(backend: str | None) -> int:
+    if backend is None:
+        return 0
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    if backend != "auto" and backend not in available_backends():
+        raise ValueError(f"backend {backend!r} is not available on this CPU")
+    return BACKENDS[backend]
+
+
+def _check_x(x, K: int, name: str = "x") -> None:
+    if not isinstance(x, mx.array):
+        raise TypeError(f"{name} must be an mlx.core.array, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.ndim < 1 or x.shape[-1] != K:
+        raise ValueError(f"{name} has last dimension {x.shape[-1:]} but the weight has K={K}")
+
+
+def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None) -> mx.array:
+    """``x @ W.T`` for a mixed-segment quantized W; any leading dims of x.
+
+    With a permutation this is ``x[..., perm] @ qt.dequantize().T``. The
+    output has x's dtype; accumulation is float32.
+    """
+    if not isinstance(qt, QuantizedTensor):
+        raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
+    _check_x(x, qt.shape[1])
+    return _ext.qmatmul(x, qt.perm, qt.arrays(), qt.specs, _backend_id(backend))
+
+
+def quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int = 64,
+    bits: int = 4,
+    *,
+    backend: str | None = None,
+) -> mx.array:
+    """Same meaning as ``mx.quantized_matmul(x, w, scales, biases,
+    transpose=True, group_size=group_size, bits=bits)``."""
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+    for name, a in (("w", w), ("scales", scales), ("biases", biases)):
+        if not isinstance(a, mx.array):
+            raise TypeError(f"{name} must be an mlx.core.array, got {type(a).__name__}")
+    if w.dtype != mx.uint32 or w.ndim != 2:
+        raise TypeError(f"w must be a 2-D uint32 array, got {w.dtype} with shape {w.shape}")
+    k = w.shape[1] * 32 // bits
+    qt = QuantizedTensor([Segment(bits, group_size, k, w, scales, biases)])
+    return qmatmul(x, qt, backend=backend)
