@@ -1,0 +1,45 @@
+"""Independent references for kernel tests: MLX's own dequantize, then
+float64 numpy matmul. Nothing here uses mixbits' kernels or packing."""
+
+import mlx.core as mx
+import numpy as np
+
+
+def dequantize_f64(qt) -> np.ndarray:
+    """Dense float64 [N, K] in stored (permuted) order via mx.dequantize."""
+    parts = []
+    for s in qt.segments:
+        w = mx.dequantize(s.wq, s.scales.astype(mx.float32), s.biases.astype(mx.float32),
+                          group_size=s.group_size, bits=s.bits)
+        parts.append(np.array(w, dtype=np.float64))
+    return np.concatenate(parts, axis=1)
+
+
+def to_f64(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32), dtype=np.float64)
+
+
+def qmatmul_f64(x: mx.array, qt):
+    """(reference y, error bound scale) for x @ W.T with W = qt (float64)."""
+    xf = to_f64(x)
+    if qt.perm is not None:
+        xf = xf[..., np.array(qt.perm)]
+    w = dequantize_f64(qt)
+    return xf @ w.T, np.abs(xf) @ np.abs(w).T
+
+
+OUT_EPS = {mx.float32: 2.0**-23, mx.float16: 2.0**-10, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
+
+
+def assert_matmul_close(y: mx.array, ref: np.ndarray, mag: np.ndarray, acc_rtol: float = 2e-5):
+    """|y - ref| <= acc_rtol * sum|x||w| (float32 accumulation) + output rounding."""
+    got = to_f64(y)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert np.isfinite(got).all()
+    tol = acc_rtol * mag + 2 * OUT_EPS[y.dtype] * np.abs(ref) + 1e-30
+    bad = np.abs(got - ref) > tol
+    if bad.any():
+        i = np.argwhere(bad)[0]
+        raise AssertionError(
+            f"{bad.sum()} of {bad.size} outputs off; first at {tuple(i)}: "
+            f"got {got[tuple(i)]}, want {ref[tuple(i)]}, tol {tol[tuple(i)]}")
