@@ -1,0 +1,135 @@
+"""Errors and checked accessors for the file formats.
+
+Every reader in :mod:`mixbits.formats` walks untrusted JSON through the
+helpers here, so a malformed file fails with a :class:`FormatError` that
+names the exact key path (``measurement['model.layers.3.mlp'][2]['accuracy']``)
+instead of a bare ``KeyError``/``TypeError`` from deep inside the parser.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+
+class FormatError(ValueError):
+    """A file or object does not follow the format it claims to be."""
+
+
+def at(where: str, key) -> str:
+    """The path of ``key`` inside the object at ``where``."""
+    return f"{where}[{key!r}]"
+
+
+def _kind(obj) -> str:
+    if obj is None:
+        return "null"
+    if isinstance(obj, bool):
+        return "a boolean"
+    if isinstance(obj, str):
+        return repr(obj) if len(obj) <= 40 else repr(obj[:37] + "...")
+    if isinstance(obj, dict):
+        return "an object"
+    if isinstance(obj, list):
+        return "a list"
+    return repr(obj)
+
+
+def expect_dict(obj, where: str) -> dict:
+    if not isinstance(obj, dict):
+        raise FormatError(f"{where}: expected an object, got {_kind(obj)}")
+    return obj
+
+
+def expect_list(obj, where: str) -> list:
+    if not isinstance(obj, list):
+        raise FormatError(f"{where}: expected a list, got {_kind(obj)}")
+    return obj
+
+
+def expect_str(obj, where: str) -> str:
+    if not isinstance(obj, str):
+        raise FormatError(f"{where}: expected a string, got {_kind(obj)}")
+    return obj
+
+
+def expect_number(obj, where: str, *, lo=None, hi=None, lo_open=False) -> float:
+    """A finite JSON number (bool is rejected: ``true`` is not 1 here)."""
+    if isinstance(obj, bool) or not isinstance(obj, (int, float)):
+        raise FormatError(f"{where}: expected a number, got {_kind(obj)}")
+    if not math.isfinite(obj):
+        raise FormatError(f"{where}: expected a finite number, got {obj!r}")
+    if lo is not None and (obj <= lo if lo_open else obj < lo):
+        raise FormatError(f"{where}: must be {'>' if lo_open else '>='} {lo}, got {obj!r}")
+    if hi is not None and obj > hi:
+        raise FormatError(f"{where}: must be <= {hi}, got {obj!r}")
+    return obj
+
+
+def expect_int(obj, where: str, *, lo=None) -> int:
+    """A JSON integer; ``12.0`` is accepted (some writers emit it) as 12."""
+    if isinstance(obj, float) and obj.is_integer():
+        obj = int(obj)
+    if isinstance(obj, bool) or not isinstance(obj, int):
+        raise FormatError(f"{where}: expected an integer, got {_kind(obj)}")
+    if lo is not None and obj < lo:
+        raise FormatError(f"{where}: must be >= {lo}, got {obj!r}")
+    return obj
+
+
+def require(d: dict, key: str, where: str):
+    if key not in d:
+        raise FormatError(f"{where}: missing key {key!r}")
+    return d[key]
+
+
+def check_close(stored: float, recomputed: float, where: str, what: str, rel: float = 1e-9):
+    """Stored summary values must match what the body implies."""
+    if not math.isclose(stored, recomputed, rel_tol=rel, abs_tol=rel):
+        raise FormatError(f"{where}: stored {what} {stored!r} != {recomputed!r} recomputed from the entries")
+
+
+def load_json(source, name: str):
+    """Parse ``source`` (a path, or an already-parsed object) as JSON.
+
+    Truncated or invalid JSON becomes a FormatError naming the file, line and
+    column, so the user sees which file is broken and where."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise FormatError(f"{name}: file not found: {path}") from None
+        except UnicodeDecodeError as e:
+            raise FormatError(f"{name}: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise FormatError(
+                f"{name}: {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+            ) from None
+    return source
+
+
+def write_json_atomic(obj, path, indent: int | None = 2) -> None:
+    """Write JSON through a temp file, fsync and rename: a crash leaves the
+    old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=indent, allow_nan=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
