@@ -1,0 +1,88 @@
+"""Quantization candidates a sweep tries for each tensor.
+
+A candidate is named by a short string so tables stay readable:
+  ``4b_g64``              uniform affine, 4 bits, group 64
+  ``ternary_g64``         {-s, 0, +s} per group of 64 (a 2-bit segment)
+  ``4b10_3b_g64``         10% of the columns at 4 bits, the rest at 3 bits;
+                          the 4-bit columns are those with the largest
+                          weight-column norms (stored first via a permutation)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..layout import BITS, GROUP_SIZES, TERNARY
+
+_UNIFORM = re.compile(r"^(\d)b_g(\d+)$")
+_TERNARY = re.compile(r"^ternary_g(\d+)$")
+_MIXED = re.compile(r"^(\d)b(\d+)_(\d)b_g(\d+)$")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    kind: str  # "uniform", "ternary" or "mixed"
+    group_size: int
+    bits: int | None = None  # uniform
+    hi_bits: int | None = None  # mixed
+    hi_percent: int | None = None
+    lo_bits: int | None = None
+
+    def segments(self, k: int) -> list[tuple]:
+        """Segment spec for a tensor with k input columns."""
+        gs = self.group_size
+        if k % gs:
+            raise ValueError(f"candidate {self.name}: K={k} is not a multiple of group size {gs}")
+        if self.kind == "uniform":
+            return [(self.bits, gs, k)]
+        if self.kind == "ternary":
+            return [(TERNARY, gs, k)]
+        k_hi = int(round(k * self.hi_percent / 100 / gs)) * gs
+        k_hi = min(max(k_hi, gs), k - gs) if k > gs else k
+        specs = [(self.hi_bits, gs, k_hi)]
+        if k - k_hi:
+            specs.append((self.lo_bits, gs, k - k_hi))
+        return specs
+
+    def perm(self, w: np.ndarray):
+        """Input order for mixed candidates: salient (large-norm) columns first."""
+        if self.kind != "mixed":
+            return None
+        norms = np.linalg.norm(np.asarray(w, dtype=np.float32), axis=0)
+        return np.argsort(-norms, kind="stable").astype(np.int32)
+
+
+def parse_candidate(name: str) -> Candidate:
+    if m := _UNIFORM.match(name):
+        bits, gs = int(m[1]), int(m[2])
+        cand = Candidate(name, "uniform", gs, bits=bits)
+        _check(name, gs, [bits])
+    elif m := _TERNARY.match(name):
+        cand = Candidate(name, "ternary", int(m[1]))
+        _check(name, cand.group_size, [])
+    elif m := _MIXED.match(name):
+        hi, pct, lo, gs = int(m[1]), int(m[2]), int(m[3]), int(m[4])
+        if not 0 < pct < 100:
+            raise ValueError(f"candidate {name!r}: the high-bit share must be 1..99 percent")
+        cand = Candidate(name, "mixed", gs, hi_bits=hi, hi_percent=pct, lo_bits=lo)
+        _check(name, gs, [hi, lo])
+    else:
+        raise ValueError(
+            f"unknown candidate {name!r}; expected e.g. '4b_g64', 'ternary_g64' or '4b10_3b_g64'"
+        )
+    return cand
+
+
+def _check(name: str, gs: int, bits: list[int]) -> None:
+    if gs not in GROUP_SIZES:
+        raise ValueError(f"candidate {name!r}: group size must be one of {GROUP_SIZES}")
+    for b in bits:
+        if b not in BITS:
+            raise ValueError(f"candidate {name!r}: bits must be one of {BITS}")
+
+
+DEFAULT_CANDIDATES = ("2b_g64", "3b_g64", "4b_g64", "8b_g64", "ternary_g64", "4b10_3b_g64")

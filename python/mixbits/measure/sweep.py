@@ -1,0 +1,267 @@
+"""Per-tensor sensitivity sweep: quantize one tensor at one candidate, run
+the model on calibration tokens, KL of the final logits vs the reference.
+
+Speed comes from three things:
+- the reference hidden state at the input of every layer is computed once,
+  so a tensor in layer i only reruns layers i..L-1;
+- layer i runs once per candidate, then all candidates' outputs go through
+  the shared suffix as one batch (``max_batch`` sequences at a time);
+- every linear runs through mixbits kernels (``patch`` the model first).
+
+Results are checkpointed atomically after every tensor; ``resume=True``
+skips the tensors already in the file, and because each tensor is always
+computed whole and in the same way, a resumed sweep equals an
+uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..layout import quantize as quantize_tensor
+from .candidates import Candidate, parse_candidate
+from .checkpoint import atomic_write_json, read_json
+from .model import LayeredModel, Site, dense_weight
+
+TABLE_FORMAT = "mixbits.sensitivity"
+TABLE_VERSION = 1
+
+
+def kl_per_token(ref_logits: mx.array, logits: mx.array) -> mx.array:
+    """KL(P_ref || Q) per token, float32, over the last axis."""
+    try:
+        from ..kl import kl_divergence
+    except ImportError:  # built without the fused kernel: MLX ops
+        lp = ref_logits - mx.logsumexp(ref_logits, axis=-1, keepdims=True)
+        lq = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+        return (mx.exp(lp) * (lp - lq)).sum(-1)
+    return kl_divergence(ref_logits, logits)
+
+
+def tokens_digest(tokens: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(tokens, dtype=np.int64).tobytes()).hexdigest()[:16]
+
+
+@dataclass
+class SweepConfig:
+    candidates: list[str]
+    max_batch: int = 8  # sequences per suffix forward (candidates x sequences)
+    scale_dtype: object = mx.float16
+    sites: list[str] | None = None  # restrict to these paths (default: all)
+
+
+@dataclass
+class SiteResult:
+    site: Site
+    kl: dict[str, float]
+    kl_stderr: dict[str, float]
+    storage_bits: dict[str, int]
+    seconds: float
+    candidates: dict[str, Candidate] = field(default_factory=dict)
+
+    def to_entry(self) -> dict:
+        cands = []
+        for name, c in self.candidates.items():
+            nominal = c.bits if c.kind == "uniform" else (2 if c.kind == "ternary" else None)
+            if nominal is None:  # mixed: share-weighted nominal width
+                nominal = (c.hi_percent * c.hi_bits + (100 - c.hi_percent) * c.lo_bits) / 100
+            cands.append({
+                "kind": name,
+                "bits": nominal,
+                "kl": self.kl[name],
+                "kl_stderr": self.kl_stderr[name],
+                "storage_bits": self.storage_bits[name],
+                "bpw": self.storage_bits[name] / self.site.nparams,
+                "group_size": c.group_size,
+            })
+        return {
+            "path": self.site.path,
+            "layer": self.site.layer,
+            "nparams": self.site.nparams,
+            "shape": list(self.site.shape),
+            "candidates": cands,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+class Reference:
+    """Reference activations for the calibration set, computed once: the
+    hidden state entering every layer and the final logits, per chunk of
+    sequences."""
+
+    def __init__(self, lm: LayeredModel, tokens: np.ndarray, chunk: int):
+        self.chunks = [mx.array(tokens[i : i + chunk]) for i in range(0, len(tokens), chunk)]
+        self.hidden = []  # [chunk][layer] -> h entering that layer
+        self.logits = []
+        for toks in self.chunks:
+            h = lm.embed(toks)
+            hs = []
+            for i in range(len(lm.layers)):
+                hs.append(h)
+                h = lm.run_layers(h, i, i + 1)
+                mx.eval(h)
+            self.hidden.append(hs)
+            logits = lm.head(h).astype(mx.float32)
+            mx.eval(logits)
+            self.logits.append(logits)
+
+
+def candidate_layer(w: mx.array, bias, cand: Candidate, scale_dtype):
+    from ..nn import MixedQuantizedLinear
+
+    perm = cand.perm(np.array(w)) if cand.kind == "mixed" else None
+    qt = quantize_tensor(w, cand.segments(w.shape[1]), perm=perm, dtype=scale_dtype)
+    kinds = ["ternary" if cand.kind == "ternary" else "affine"] * len(qt.segments)
+    return MixedQuantizedLinear.from_tensor(qt, bias, kinds=kinds), qt
+
+
+def _bias_of(module):
+    return module["bias"] if "bias" in module else None
+
+
+def measure_site(lm: LayeredModel, ref: Reference, site: Site, cands: list[Candidate],
+                 cfg: SweepConfig) -> SiteResult:
+    """KL of every candidate for one tensor, via the shared-suffix batch."""
+    t0 = time.perf_counter()
+    original = lm.get(site)
+    w = dense_weight(original)
+    bias = _bias_of(original)
+    layers = []
+    storage = {}
+    for c in cands:
+        layer, qt = candidate_layer(w, bias, c, cfg.scale_dtype)
+        layers.append(layer)
+        storage[c.name] = int(round(qt.bits_per_weight * site.nparams))
+    sums = {c.name: [] for c in cands}
+    try:
+        for ci, toks in enumerate(ref.chunks):
+            h_in = ref.hidden[ci][site.layer]
+            outs = []
+            for layer in layers:
+                lm.set(site, layer)
+                outs.append(lm.run_layers(h_in, site.layer, site.layer + 1))
+            lm.set(site, original)
+            b = toks.shape[0]
+            # Candidates share the suffix: push them through as one batch.
+            per = max(1, cfg.max_batch // b)
+            for j in range(0, len(cands), per):
+                group = outs[j : j + per]
+                h = mx.concatenate(group, axis=0) if len(group) > 1 else group[0]
+                logits = lm.head(lm.run_layers(h, site.layer + 1))
+                ref_l = mx.concatenate([ref.logits[ci]] * len(group), axis=0)
+                kl = kl_per_token(ref_l, logits)
+                mx.eval(kl)
+                kl = np.array(kl, dtype=np.float64).reshape(len(group), -1)
+                for g, row in enumerate(kl):
+                    sums[cands[j + g].name].append(row)
+    finally:
+        lm.set(site, original)
+    kl_mean, kl_se = {}, {}
+    for name, parts in sums.items():
+        v = np.concatenate(parts)
+        kl_mean[name] = float(v.mean())
+        kl_se[name] = float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else 0.0
+    return SiteResult(site, kl_mean, kl_se, storage, time.perf_counter() - t0,
+                      {c.name: c for c in cands})
+
+
+def measure_site_naive(lm: LayeredModel, tokens: np.ndarray, site: Site, cand: Candidate,
+                       cfg: SweepConfig, ref_logits: list[mx.array], chunk: int) -> float:
+    """The slow baseline: one full forward per candidate, no reuse."""
+    original = lm.get(site)
+    layer, _ = candidate_layer(dense_weight(original), _bias_of(original), cand, cfg.scale_dtype)
+    lm.set(site, layer)
+    try:
+        parts = []
+        for ci, i in enumerate(range(0, len(tokens), chunk)):
+            logits = lm.logits(mx.array(tokens[i : i + chunk]))
+            parts.append(np.array(kl_per_token(ref_logits[ci], logits), dtype=np.float64).ravel())
+        return float(np.concatenate(parts).mean())
+    finally:
+        lm.set(site, original)
+
+
+def _meta(lm, tokens, cfg, model_id, sites):
+    return {
+        "model": model_id,
+        "tokens_sha256_16": tokens_digest(tokens),
+        "n_sequences": int(tokens.shape[0]),
+        "seq_len": int(tokens.shape[1]),
+        "candidates": list(cfg.candidates),
+        "scale_dtype": str(cfg.scale_dtype).replace("mlx.core.", ""),
+        "sites": [s.path for s in sites],
+    }
+
+
+def sweep(model, tokens, out: str | Path, candidates=None, *, resume: bool = False,
+          model_id: str = "", max_batch: int = 8, sites: list[str] | None = None,
+          rank: int = 0, world: int = 1, progress: bool = True, on_site=None) -> dict:
+    """Measure every (tensor, candidate) of ``model`` on ``tokens`` [B, T].
+
+    Writes the sensitivity table to ``out`` after every tensor (atomic).
+    With ``world > 1`` this process measures every ``world``-th tensor
+    starting at ``rank`` (see :mod:`mixbits.measure.distributed`).
+    Returns the table dict.
+    """
+    from tqdm import tqdm
+
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise ValueError(f"tokens must be [sequences, length>=2], got shape {tokens.shape}")
+    cfg = SweepConfig(list(candidates or []), max_batch=max_batch, sites=sites)
+    if not cfg.candidates:
+        raise ValueError("at least one candidate is required")
+    cands = [parse_candidate(c) for c in cfg.candidates]
+    lm = LayeredModel(model)
+    all_sites = lm.sites()
+    if sites is not None:
+        unknown = sorted(set(sites) - {s.path for s in all_sites})
+        if unknown:
+            raise ValueError(f"unknown tensor paths: {unknown[:5]}")
+        all_sites = [s for s in all_sites if s.path in set(sites)]
+    for s in all_sites:
+        for c in cands:
+            c.segments(s.shape[1])  # refuse now, not after hours of work
+    meta = _meta(lm, tokens, cfg, model_id, all_sites)
+    mine = all_sites[rank::world]
+    out = Path(out)
+    done: dict[str, dict] = {}
+    if out.exists():
+        if not resume:
+            raise FileExistsError(f"{out} exists; pass resume=True (--resume) to continue it")
+        prev = read_json(out, "sweep checkpoint")
+        if prev.get("meta") != meta:
+            diff = [k for k in meta if prev.get("meta", {}).get(k) != meta[k]]
+            raise ValueError(f"{out} was made with different settings ({', '.join(diff)}); "
+                             "use another --out or the same settings")
+        done = {e["path"]: e for e in prev.get("entries", [])}
+    todo = [s for s in mine if s.path not in done]
+    chunk = max(1, min(len(tokens), max_batch))
+    ref = Reference(lm, tokens, chunk) if todo else None
+
+    def table(complete: bool) -> dict:
+        entries = [done[s.path] for s in all_sites if s.path in done]
+        return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "metric": "kl",
+                "meta": meta, "complete": complete, "entries": entries}
+
+    bar = tqdm(total=len(mine) * len(cands), initial=(len(mine) - len(todo)) * len(cands),
+               unit="cand", desc=f"sweep{'' if world == 1 else f' rank {rank}'}",
+               disable=not progress, smoothing=0.1)
+    for site in todo:
+        res = measure_site(lm, ref, site, cands, cfg)
+        done[site.path] = res.to_entry()
+        atomic_write_json(out, table(complete=False))
+        bar.update(len(cands))
+        if on_site:
+            on_site(res)
+    bar.close()
+    result = table(complete=all(s.path in done for s in mine))
+    atomic_write_json(out, result)
+    return result
