@@ -11,6 +11,7 @@ import sys
 # name -> one-line help. A name listed here must have its module.
 COMMANDS = {
     "demo": "quantize a random matrix into mixed segments; error and bits per weight",
+    "plot": "heatmap of a sensitivity table (layers x tensor kinds, per candidate)",
 }
 
 

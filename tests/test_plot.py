@@ -1,0 +1,38 @@
+import json
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from mixbits.cli import main  # noqa: E402
+
+
+def _table():
+    entries = []
+    for layer in range(3):
+        for kind in ("q_proj", "down_proj"):
+            entries.append({"path": f"model.layers.{layer}.mlp.{kind}", "layer": layer, "nparams": 10,
+                            "candidates": [{"kind": "2b_g64", "bits": 2, "kl": 0.1 * (layer + 1)},
+                                           {"kind": "4b_g64", "bits": 4, "kl": 0.0}]})
+    return {"format": "mixbits.sensitivity", "version": 1, "entries": entries}
+
+
+def test_plot_writes_png(tmp_path):
+    t = tmp_path / "t.json"
+    t.write_text(json.dumps(_table()))
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps({"average_bits": 3.0, "assignment": [
+        {"path": e["path"], "bits": 2 + 2 * (i % 2)} for i, e in enumerate(_table()["entries"])]}))
+    out = tmp_path / "f.png"
+    assert main(["plot", str(t), "--out", str(out), "--allocation", str(a)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_plot_rejects_non_table(tmp_path):
+    t = tmp_path / "t.json"
+    t.write_text('{"entries": 3}')
+    with pytest.raises(SystemExit, match="not a sensitivity table"):
+        main(["plot", str(t), "--out", str(tmp_path / "f.png")])
+    t.write_text('{"entries": [')
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        main(["plot", str(t), "--out", str(tmp_path / "f.png")])
