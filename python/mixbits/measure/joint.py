@@ -1,0 +1,65 @@
+"""Joint KL: quantize every tensor as an assignment says, run the whole
+model on calibration sequences, KL of the final logits vs the reference."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from .candidates import parse_candidate
+from .model import LayeredModel, dense_weight
+from .sweep import _bias_of, candidate_layer, kl_per_token
+
+
+class JointEvaluator:
+    """Holds the reference logits and a cache of quantized candidate layers,
+    so trying many assignments re-quantizes each (tensor, candidate) once."""
+
+    def __init__(self, model, tokens, chunk: int = 4, scale_dtype=mx.float16):
+        self.lm = LayeredModel(model)
+        self.sites = {s.path: s for s in self.lm.sites()}
+        self.tokens = np.asarray(tokens)
+        self.chunk = max(1, chunk)
+        self.scale_dtype = scale_dtype
+        self.originals = {p: self.lm.get(s) for p, s in self.sites.items()}
+        self._layers: dict[tuple[str, str], object] = {}
+        self.ref_logits = [self._logits(i) for i in range(0, len(self.tokens), self.chunk)]
+        self.evaluations = 0
+
+    def _logits(self, i):
+        out = self.lm.logits(mx.array(self.tokens[i : i + self.chunk])).astype(mx.float32)
+        mx.eval(out)
+        return out
+
+    def layer(self, path: str, cand_name: str):
+        key = (path, cand_name)
+        if key not in self._layers:
+            orig = self.originals[path]
+            layer, _ = candidate_layer(dense_weight(orig), _bias_of(orig),
+                                       parse_candidate(cand_name), self.scale_dtype)
+            mx.eval(layer.parameters())
+            self._layers[key] = layer
+        return self._layers[key]
+
+    def joint_kl(self, assignment: dict[str, str]) -> tuple[float, float]:
+        """(mean, standard error) of per-token KL with ``assignment``
+        (tensor path -> candidate name; others stay as loaded)."""
+        unknown = sorted(set(assignment) - set(self.sites))
+        if unknown:
+            raise ValueError(f"assignment names unknown tensors: {unknown[:5]}")
+        try:
+            for path, cand in assignment.items():
+                self.lm.set(self.sites[path], self.layer(path, cand))
+            parts = []
+            for ci, i in enumerate(range(0, len(self.tokens), self.chunk)):
+                logits = self.lm.logits(mx.array(self.tokens[i : i + self.chunk]))
+                kl = kl_per_token(self.ref_logits[ci], logits)
+                parts.append(np.array(kl, dtype=np.float64).ravel())
+        finally:
+            for path in assignment:
+                self.lm.set(self.sites[path], self.originals[path])
+        self.evaluations += 1
+        v = np.concatenate(parts)
+        return float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else 0.0

@@ -1,0 +1,156 @@
+"""From a sensitivity table to an allocation.json: the exact knapsack
+optimum of summed per-tensor KL under a bits budget, then swaps (one
+tensor up, another down, budget kept) kept only when they lower the
+*measured* joint KL on the calibration set.
+
+Budgets count storage bits by default (codes plus fp16 scales and biases,
+as mlx-lm counts bits per weight: 4-bit g64 = 4.5 bpw); ``count="nominal"``
+counts ``nparams * bits`` as allocation.json's ``average_bits`` does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..alloc import MCKProblem, solve
+
+
+def _option_bits(c: dict, nparams: int, count: str) -> int:
+    if count == "storage":
+        if "storage_bits" not in c:
+            raise ValueError(f"candidate {c.get('kind')!r} has no storage_bits; use count='nominal'")
+        return int(c["storage_bits"])
+    return int(round(float(c["bits"]) * nparams))
+
+
+def table_problem(table: dict, count: str = "storage") -> MCKProblem:
+    entries = table["entries"]
+    if not entries:
+        raise ValueError("the sensitivity table has no entries")
+    weights = [[_option_bits(c, e["nparams"], count) for c in e["candidates"]] for e in entries]
+    costs = [[float(c["kl"]) for c in e["candidates"]] for e in entries]
+    return MCKProblem(weights, costs, [e["path"] for e in entries], [e["nparams"] for e in entries])
+
+
+def _entry(e: dict, c: dict) -> dict:
+    bits = c["bits"]
+    return {"path": e["path"], "layer": e["layer"], "nparams": e["nparams"],
+            "bits": int(bits) if float(bits).is_integer() else bits, "kind": c["kind"],
+            "kl": c["kl"], "storage_bits": c.get("storage_bits")}
+
+
+def allocation_from_choice(table: dict, choice, low_avg: float | None, high_avg: float,
+                           count: str) -> dict:
+    entries = table["entries"]
+    assign = [_entry(e, e["candidates"][j]) for e, j in zip(entries, choice)]
+    total = sum(a["nparams"] for a in assign)
+    avg = sum(a["nparams"] * float(a["bits"]) for a in assign) / total
+    out = {
+        "average_bits": avg,
+        "embed_bits": table.get("embed_bits", 8),
+        "budget": {"low_avg": low_avg, "high_avg": high_avg, "count": count},
+        "sum_kl": math.fsum(a["kl"] for a in assign),
+        "dp_sum_kl": None,
+        "assignment": assign,
+    }
+    if all(a["storage_bits"] is not None for a in assign):
+        out["average_bpw_storage"] = sum(a["storage_bits"] for a in assign) / total
+    return out
+
+
+def allocate_table(table: dict, high_avg: float, low_avg: float | None = None,
+                   count: str = "storage"):
+    """Exact optimum of summed KL with low_avg <= bits/weight <= high_avg."""
+    prob = table_problem(table, count)
+    total = int(prob.nparams.sum())
+    budget = int(math.floor(high_avg * total))
+    lower = None if low_avg is None else int(math.ceil(low_avg * total))
+    sol = solve(prob, budget, lower)
+    alloc = allocation_from_choice(table, sol.choice, low_avg, high_avg, count)
+    alloc["dp_sum_kl"] = sol.cost
+    return alloc, sol, prob
+
+
+def _moves(prob: MCKProblem, choice, total_bits, budget, lower):
+    """Candidate swaps: slot a to its next option with more bits and less
+    KL, slot b to its next option with fewer bits; predicted change of
+    summed KL, most promising first."""
+    ups, downs = [], []
+    for i, (w, c) in enumerate(zip(prob.weights, prob.costs)):
+        j = choice[i]
+        more = [k for k in range(len(w)) if w[k] > w[j] and c[k] < c[j]]
+        if more:
+            k = min(more, key=lambda k: (w[k], c[k]))
+            ups.append((i, k, int(w[k] - w[j]), float(c[k] - c[j])))
+        fewer = [k for k in range(len(w)) if w[k] < w[j]]
+        if fewer:
+            k = max(fewer, key=lambda k: (w[k], -c[k]))
+            downs.append((i, k, int(w[k] - w[j]), float(c[k] - c[j])))
+    out = []
+    for a, ka, dwa, dca in ups:
+        for b, kb, dwb, dcb in downs:
+            if a == b:
+                continue
+            nb = total_bits + dwa + dwb
+            if nb <= budget and (lower is None or nb >= lower):
+                out.append((dca + dcb, a, ka, b, kb, nb))
+    out.sort(key=lambda t: t[0])
+    return out
+
+
+def refine(table: dict, evaluator, high_avg: float, low_avg: float | None = None,
+           count: str = "storage", max_evals: int = 30, calibration_ids=None,
+           progress: bool = True) -> dict:
+    """Allocation dict (allocation.json layout) after joint-KL swaps."""
+    from tqdm import tqdm
+
+    alloc, sol, prob = allocate_table(table, high_avg, low_avg, count)
+    names = prob.names
+    cand_names = [[c["kind"] for c in e["candidates"]] for e in table["entries"]]
+    choice = [int(j) for j in sol.choice]
+
+    def assignment(ch):
+        return {names[i]: cand_names[i][j] for i, j in enumerate(ch)}
+
+    before, _ = evaluator.joint_kl(assignment(choice))
+    current, bits = before, sol.bits
+    tried, log = set(), []
+    bar = tqdm(total=max_evals, desc="joint refine", unit="eval", disable=not progress)
+    evals = 0
+    while evals < max_evals:
+        moves = [m for m in _moves(prob, choice, bits, sol.budget, sol.lower)
+                 if (m[1], m[2], m[3], m[4], tuple(choice)) not in tried]
+        if not moves:
+            break
+        pred, a, ka, b, kb, nb = moves[0]
+        tried.add((a, ka, b, kb, tuple(choice)))
+        trial = list(choice)
+        trial[a], trial[b] = ka, kb
+        kl, _ = evaluator.joint_kl(assignment(trial))
+        evals += 1
+        bar.update(1)
+        kept = kl < current
+        log.append({"up": names[a], "up_to": cand_names[a][ka], "down": names[b],
+                    "down_to": cand_names[b][kb], "predicted_delta_sum_kl": pred,
+                    "joint_kl": kl, "kept": kept})
+        if kept:
+            choice, current, bits = trial, kl, nb
+    bar.close()
+    out = allocation_from_choice(table, choice, low_avg, high_avg, count)
+    out["dp_sum_kl"] = sol.cost
+    ids = list(calibration_ids) if calibration_ids is not None else list(range(len(evaluator.tokens)))
+    out["joint_refine"] = {
+        "calibration_n": len(ids),
+        "calibration_ids": ids,
+        "joint_kl_before": before,
+        "joint_kl_after": current,
+        "swaps": sum(1 for s in log if s["kept"]),
+        "evaluations": evals,
+        "log": log,
+    }
+    out["lagrangian_lower_bound"] = sol.lower_bound
+    keys = ["average_bits", "embed_bits", "budget", "sum_kl", "dp_sum_kl", "joint_refine",
+            "assignment"]
+    return {k: out[k] for k in keys} | {k: v for k, v in out.items() if k not in keys}

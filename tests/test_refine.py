@@ -1,0 +1,68 @@
+"""Allocation from a sweep table, and joint-KL refinement on a tiny model."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_lm")
+
+from mixbits.measure.joint import JointEvaluator  # noqa: E402
+from mixbits.measure.refine import allocate_table, refine  # noqa: E402
+from mixbits.measure.sweep import sweep  # noqa: E402
+from tiny_model import tiny_llama, tiny_tokens  # noqa: E402
+
+CANDS = ["2b_g64", "3b_g64", "4b_g64", "8b_g64"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model = tiny_llama(layers=2)
+    toks = tiny_tokens(n=3)
+    table = sweep(model, toks, tmp_path_factory.mktemp("s") / "t.json", CANDS, progress=False)
+    return model, toks, table
+
+
+def test_allocation_meets_budget_and_is_optimal_by_brute_force_on_subsets(setup):
+    _, _, table = setup
+    alloc, sol, prob = allocate_table(table, high_avg=3.6)
+    total = sum(e["nparams"] for e in table["entries"])
+    storage = sum(a["storage_bits"] for a in alloc["assignment"])
+    assert storage <= 3.6 * total
+    assert alloc["average_bpw_storage"] == pytest.approx(storage / total)
+    assert alloc["sum_kl"] == pytest.approx(sum(a["kl"] for a in alloc["assignment"]))
+    # greedy check of optimality: no single-tensor change that fits the
+    # budget lowers the summed KL
+    choice = list(sol.choice)
+    for i in range(prob.n_slots):
+        for k in range(len(prob.weights[i])):
+            bits = sol.bits - prob.weights[i][choice[i]] + prob.weights[i][k]
+            if bits <= sol.budget:
+                assert prob.costs[i][k] >= prob.costs[i][choice[i]] - 1e-12
+
+
+def test_refine_never_worse_than_dp_and_reports(setup):
+    model, toks, table = setup
+    ev = JointEvaluator(model, toks, chunk=2)
+    out = refine(table, ev, high_avg=3.6, max_evals=6, progress=False)
+    jr = out["joint_refine"]
+    assert jr["joint_kl_after"] <= jr["joint_kl_before"]
+    assert jr["evaluations"] == len(jr["log"]) <= 6
+    assert jr["swaps"] == sum(s["kept"] for s in jr["log"])
+    # the reported joint KL of the final assignment is reproducible
+    final = {a["path"]: a["kind"] for a in out["assignment"]}
+    assert ev.joint_kl(final)[0] == pytest.approx(jr["joint_kl_after"], rel=1e-6)
+    total = sum(a["nparams"] for a in out["assignment"])
+    assert sum(a["storage_bits"] for a in out["assignment"]) <= 3.6 * total
+    assert list(out)[:7] == ["average_bits", "embed_bits", "budget", "sum_kl", "dp_sum_kl",
+                             "joint_refine", "assignment"]
+
+
+def test_joint_kl_of_empty_assignment_is_zero_and_grows_with_damage(setup):
+    model, toks, _ = setup
+    ev = JointEvaluator(model, toks, chunk=2)
+    assert ev.joint_kl({})[0] == pytest.approx(0.0, abs=1e-6)
+    paths = list(ev.sites)
+    one = ev.joint_kl({paths[0]: "2b_g64"})[0]
+    allp = ev.joint_kl({p: "2b_g64" for p in paths})[0]
+    assert 0 < one < allp
+    with pytest.raises(ValueError, match="unknown tensors"):
+        ev.joint_kl({"model.layers.9.mlp.up_proj": "2b_g64"})
