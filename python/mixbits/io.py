@@ -1,0 +1,231 @@
+"""Save a (possibly mixed-precision) model to a folder and load it back.
+
+Folder layout, as mlx-lm writes it: ``model.safetensors``, ``config.json``
+and the tokenizer files. In config.json:
+
+- ``"quantization"`` (copied to ``"quantization_config"``): mlx-lm's dict,
+  ``{"group_size": 64, "bits": 4, "mode": "affine", "<module path>":
+  {"group_size": .., "bits": ..}, ...}`` with an entry for every layer whose
+  weight is a single MLX affine segment -- stock quantized layers and
+  single-segment mixbits layers (ternary included: it is stored as 2-bit
+  affine). When every quantized layer is of that kind the folder loads
+  with ``mlx_lm.load`` unchanged.
+- ``"mixbits"``: ``{"format": 1, "layers": {"<module path>": {"segments":
+  [[bits, group_size, k], ...], "kinds": [...], "perm": bool}}}`` for every
+  mixbits layer. Multi-segment or permuted layers appear only here (their
+  parameters are ``<path>.segments.<i>.weight/scales/biases`` and
+  ``<path>.perm``); :func:`load` reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .formats.mlx_config import MlxQuantization, with_quantization
+from .layout import QuantizedTensor, Segment
+from .nn import MixedQuantizedEmbedding, MixedQuantizedLinear, _MixedWeight, _set_module
+from .nn import patch as _patch
+
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+
+# Keys of a model config that describe weights, not architecture: rebuilt on save.
+_QUANT_KEYS = ("quantization", "quantization_config", "mixbits")
+
+
+
+def _model_config(model, config) -> dict:
+    if config is not None:
+        if not isinstance(config, dict):
+            raise TypeError(f"config must be a dict, got {type(config).__name__}")
+        return {k: v for k, v in config.items() if k not in _QUANT_KEYS}
+    args = getattr(model, "args", None)
+    if args is not None and dataclasses.is_dataclass(args):
+        return {k: v for k, v in dataclasses.asdict(args).items() if v is not None}
+    raise ValueError(
+        "config is required: pass the model's config dict (architecture keys such as "
+        "model_type, hidden_size ...) -- the model has no dataclass `args` to take it from"
+    )
+
+
+def quantization_config(model: nn.Module) -> tuple[MlxQuantization | None, dict]:
+    """(mlx-lm quantization block or None, mixbits ``layers`` dict) describing
+    every quantized layer of ``model``. Every MLX-loadable layer gets its
+    own override entry, so the block does not depend on the defaults."""
+    mlx_entries, mixbits_layers = {}, {}
+    for path, m in model.named_modules():
+        if isinstance(m, _MixedWeight):
+            mixbits_layers[path] = m.layout.config()
+            if m.layout.is_mlx_affine:
+                bits, gs, _ = m.layout.specs[0]
+                mlx_entries[path] = {"group_size": gs, "bits": bits, "mode": "affine"}
+        elif isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            mlx_entries[path] = {"group_size": m.group_size, "bits": m.bits, "mode": getattr(m, "mode", "affine")}
+    if not mlx_entries:
+        return None, mixbits_layers
+    counts = {}
+    for e in mlx_entries.values():
+        key = (e["group_size"], e["bits"], e["mode"])
+        counts[key] = counts.get(key, 0) + 1
+    gs, bits, mode = max(counts, key=counts.get)
+    quant = MlxQuantization(group_size=gs, bits=bits, mode=mode)
+    for path, e in mlx_entries.items():
+        quant.set_override(path, e["bits"], e["group_size"], None if e["mode"] == "affine" else e["mode"])
+    return quant, mixbits_layers
+
+
+def _replace_atomic(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.stem + ".", suffix=path.suffix)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save(model: nn.Module, folder, config: dict | None = None, tokenizer=None) -> Path:
+    """Write ``model`` (weights, config.json, tokenizer) to ``folder``.
+
+    ``config``: the model's architecture config (as mlx-lm's config.json);
+    taken from ``model.args`` when omitted. Quantization keys are rebuilt
+    from the layers. ``tokenizer``: a mixbits tokenizer (``.save``) or a
+    transformers/mlx-lm one (``.save_pretrained``).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = _model_config(model, config)
+    quant, layers = quantization_config(model)
+    if quant is not None:
+        cfg = with_quantization(cfg, quant)
+    if layers:
+        cfg["mixbits"] = {"format": FORMAT_VERSION, "layers": layers}
+
+    weights = dict(tree_flatten(model.parameters()))
+    _replace_atomic(
+        folder / WEIGHTS_FILE, lambda p: mx.save_safetensors(p, weights, metadata={"format": "mlx"})
+    )
+    text = json.dumps(cfg, indent=2, sort_keys=False)
+    _replace_atomic(folder / "config.json", lambda p: Path(p).write_text(text))
+    if tokenizer is not None:
+        if hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(str(folder))
+        elif hasattr(tokenizer, "save"):
+            tokenizer.save(folder)
+        else:
+            raise TypeError(f"tokenizer {type(tokenizer).__name__} has neither save() nor save_pretrained()")
+    return folder
+
+
+def _tensor_from_weights(weights: dict, path: str, desc: dict) -> QuantizedTensor:
+    try:
+        specs = [tuple(int(v) for v in s) for s in desc["segments"]]
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"config.json mixbits.layers[{path!r}] has no valid 'segments'") from None
+    single = len(specs) == 1 and not desc.get("perm", False)
+    segs = []
+    for i, (bits, gs, k) in enumerate(specs):
+        prefix = f"{path}." if single else f"{path}.segments.{i}."
+        try:
+            w, s, b = (weights[prefix + n] for n in ("weight", "scales", "biases"))
+        except KeyError as e:
+            raise ValueError(f"{WEIGHTS_FILE} lacks {e.args[0]!r} for mixbits layer {path!r}") from None
+        segs.append(Segment(bits, gs, k, w, s, b))
+    perm = None
+    if desc.get("perm", False):
+        if f"{path}.perm" not in weights:
+            raise ValueError(f"{WEIGHTS_FILE} lacks {path + '.perm'!r} for mixbits layer {path!r}")
+        perm = weights[f"{path}.perm"]
+    return QuantizedTensor(segs, perm)
+
+
+def _load_folder(folder: Path, patch: bool):
+    from mlx_lm.utils import load_model
+
+    from .models.tokenizer import Tokenizer
+
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{folder} has no config.json")
+    config = json.loads(cfg_path.read_text())
+    layers = (config.get("mixbits") or {}).get("layers", {})
+    weights = {}
+    for f in sorted(folder.glob("model*.safetensors")):
+        weights.update(mx.load(str(f)))
+    if not weights:
+        raise FileNotFoundError(f"{folder} has no model*.safetensors")
+
+    # mlx-lm builds the architecture and loads every stock layer; layers
+    # only mixbits understands are still float placeholders afterwards and
+    # are swapped below. strict=False because of those; completeness is
+    # checked after the swap instead.
+    model, config = load_model(folder, strict=False)
+    modules = dict(model.named_modules())
+    for path, desc in layers.items():
+        if path not in modules:
+            raise ValueError(f"config.json mixbits.layers names {path!r}, which the model does not have")
+        m = modules[path]
+        qt = _tensor_from_weights(weights, path, desc)
+        kinds = desc.get("kinds")
+        if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)):
+            new = MixedQuantizedEmbedding.from_tensor(qt, kinds)
+        else:
+            new = MixedQuantizedLinear.from_tensor(qt, weights.get(f"{path}.bias"), kinds)
+        _set_module(model, path, new)
+
+    have = dict(tree_flatten(model.parameters()))
+    missing = sorted(k for k in have if k not in weights)
+    extra = sorted(k for k in weights if k not in have and not k.startswith("lm_head.") and "rotary_emb" not in k)
+    if missing or extra:
+        raise ValueError(
+            f"{folder}: weights do not match the model: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
+    bad = [k for k, v in have.items() if v.shape != weights[k].shape]
+    if bad:
+        raise ValueError(f"{folder}: shape mismatch for {bad[:5]}")
+    mx.eval(model.parameters())
+    model.eval()
+    if patch:
+        _patch(model)
+    eos = config.get("eos_token_id")
+    eos = [eos] if isinstance(eos, int) else eos
+    tokenizer = Tokenizer.from_folder(folder, eos_token_ids=eos) if (folder / "tokenizer.json").exists() else None
+    return model, tokenizer, config
+
+
+def load(path, *, patch: bool = False):
+    """(model, tokenizer, config) from a folder written by :func:`save` (or
+    mlx-lm), a llama ``.gguf`` file, or the keyword ``"smollm2"``.
+
+    ``patch=True`` also swaps every remaining stock quantized layer for a
+    mixbits one (see :func:`mixbits.patch`).
+    """
+    if str(path) == "smollm2":
+        from .models import smollm2
+
+        path = smollm2.fetch()
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        from .models.gguf import load_gguf
+
+        model, tokenizer, config = load_gguf(p)
+        if patch:
+            _patch(model)
+        return model, tokenizer, config
+    if p.is_dir():
+        return _load_folder(p, patch)
+    raise FileNotFoundError(f"model not found: {path!r} (expected 'smollm2', a .gguf file, or a model folder)")

@@ -1,0 +1,152 @@
+"""A byte-level BPE tokenizer rebuilt from a GGUF's vocabulary and merges,
+and read back from / written to a model folder (tokenizer.json +
+tokenizer_config.json, the files ``mlx_lm.load`` / transformers read).
+
+Uses only the ``tokenizers`` package. The pre-tokenizer for GGUF
+``tokenizer.ggml.pre`` values of the StarCoder family (SmolLM uses it):
+digits split one by one, then GPT-2's byte-level regex split; the same
+rules llama.cpp applies for these models.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# GGUF token types (llama.cpp's enum): 1 normal, 2 unknown, 3 control,
+# 4 user-defined, 5 unused, 6 byte.
+_CONTROL, _USER_DEFINED = 3, 4
+_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"}
+_PLAIN_GPT2_PRE = {"gpt2", "default", "mpt", "olmo", "jais"}
+
+
+class Tokenizer:
+    """encode/decode plus the ids generation needs; saves to a model folder."""
+
+    def __init__(self, tk, *, eos_token_ids, bos_token_id=None, add_bos=False, special=None, chat_template=None):
+        self.tk = tk
+        self.eos_token_ids = sorted(set(int(i) for i in eos_token_ids))
+        self.bos_token_id = bos_token_id
+        self.add_bos = bool(add_bos)
+        self.special = dict(special or {})  # role -> token text
+        self.chat_template = chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tk.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tk.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids) -> str:
+        return self.tk.decode(list(ids), skip_special_tokens=False)
+
+    # ------------------------------------------------------------ files
+
+    def save(self, folder) -> None:
+        folder = Path(folder)
+        self.tk.save(str(folder / "tokenizer.json"))
+        cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": self.add_bos,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            **{f"{role}_token": tok for role, tok in self.special.items()},
+        }
+        if self.chat_template:
+            cfg["chat_template"] = self.chat_template
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+
+    @classmethod
+    def from_folder(cls, folder, eos_token_ids=None) -> "Tokenizer":
+        from tokenizers import Tokenizer as _Tk
+
+        folder = Path(folder)
+        tk = _Tk.from_file(str(folder / "tokenizer.json"))
+        cfg_path = folder / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        special = {}
+        for role in ("bos", "eos", "unk", "pad"):
+            tok = cfg.get(f"{role}_token")
+            if isinstance(tok, dict):
+                tok = tok.get("content")
+            if tok is not None:
+                special[role] = tok
+        if eos_token_ids is None:
+            eos_token_ids = [tk.token_to_id(special["eos"])] if "eos" in special else []
+        bos = tk.token_to_id(special["bos"]) if "bos" in special else None
+        return cls(
+            tk,
+            eos_token_ids=[i for i in eos_token_ids if i is not None],
+            bos_token_id=bos,
+            add_bos=cfg.get("add_bos_token", False),
+            special=special,
+            chat_template=cfg.get("chat_template"),
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
+        """Build from ``tokenizer.ggml.*`` keys (``mx.load(..., return_metadata=True)``)."""
+        from tokenizers import AddedToken, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as _Tk
+
+        kind = str(meta.get("tokenizer.ggml.model", ""))
+        if kind != "gpt2":
+            raise ValueError(f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, got {kind!r}")
+        tokens = list(meta["tokenizer.ggml.tokens"])
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        types = [int(t) for t in _as_list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))]
+        pre = str(meta.get("tokenizer.ggml.pre", "gpt2"))
+        if pre not in _DIGIT_SPLIT_PRE | _PLAIN_GPT2_PRE:
+            raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (known: {sorted(_DIGIT_SPLIT_PRE | _PLAIN_GPT2_PRE)})")
+
+        tk = _Tk(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+        if pre in _DIGIT_SPLIT_PRE:
+            tk.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level]
+            )
+        else:
+            tk.pre_tokenizer = byte_level
+        tk.decoder = decoders.ByteLevel()
+        specials = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
+        users = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED]
+        if specials:
+            tk.add_special_tokens(specials)
+        if users:
+            tk.add_tokens(users)
+
+        def tid(key):
+            v = meta.get(f"tokenizer.ggml.{key}_token_id")
+            return None if v is None else int(_scalar(v))
+
+        ids = {role: tid(role) for role in ("bos", "eos", "unknown", "padding")}
+        names = {"bos": "bos", "eos": "eos", "unknown": "unk", "padding": "pad"}
+        special = {names[r]: tokens[i] for r, i in ids.items() if i is not None}
+        add_bos = bool(_scalar(meta.get("tokenizer.ggml.add_bos_token", False)))
+        template = meta.get("tokenizer.chat_template")
+        return cls(
+            tk,
+            eos_token_ids=[ids["eos"]] if ids["eos"] is not None else [],
+            bos_token_id=ids["bos"],
+            add_bos=add_bos,
+            special=special,
+            chat_template=str(template) if template is not None else None,
+        )
+
+
+def _scalar(v):
+    try:
+        return v.item()
+    except AttributeError:
+        return v
+
+
+def _as_list(v):
+    try:
+        return v.tolist()
+    except AttributeError:
+        return list(v)

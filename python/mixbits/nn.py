@@ -1,0 +1,549 @@
+"""Drop-in quantized layers backed by ``mixbits.qmatmul``.
+
+:class:`MixedQuantizedLinear` is called exactly like ``mlx.nn.QuantizedLinear``
+(``layer(x)``, optional bias) but its weight is a mixbits tensor: one or more
+K-segments (bits, group size, columns; ``"ternary"`` allowed) and an optional
+input permutation. :class:`MixedQuantizedEmbedding` does the same for
+``mlx.nn.QuantizedEmbedding``, including ``as_linear`` for tied output heads.
+
+Parameters live in the module tree as MLX arrays, so ``model.parameters()``,
+``save_weights`` and ``load_weights`` work. Their names:
+
+- one segment, no permutation: ``weight``, ``scales``, ``biases`` (and
+  ``bias``) -- exactly the names and layout of ``nn.QuantizedLinear``, so a
+  saved file reads back into stock MLX layers;
+- otherwise ``segments.<i>.weight/scales/biases`` and ``perm``.
+
+:func:`patch` swaps every affine quantized layer of a loaded model for these
+layers without re-quantizing; :func:`quantize_model` applies a per-tensor
+assignment of bits / group size / segments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .layout import BITS, GROUP_SIZES, TERNARY, QuantizedTensor, Segment, _as_segment_spec
+from .layout import quantize as _quantize
+from .ops import qmatmul
+
+__all__ = [
+    "MixedQuantizedLinear",
+    "MixedQuantizedEmbedding",
+    "patch",
+    "quantize_model",
+    "parse_assignment_spec",
+    "quantized_layers",
+]
+
+DEFAULT_GROUP_SIZE = 64
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Static description of a layer's weight (not a parameter: MLX would
+    try to treat a list attribute as part of the parameter tree)."""
+
+    specs: tuple  # ((bits, group_size, k), ...) as stored; ternary stored as 2
+    kinds: tuple  # per segment: "affine" or "ternary"
+    has_perm: bool
+
+    @property
+    def is_mlx_affine(self) -> bool:
+        """True when the stored weight is exactly an MLX affine quantized matrix."""
+        return len(self.specs) == 1 and not self.has_perm
+
+    def config(self) -> dict:
+        return {
+            "segments": [list(s) for s in self.specs],
+            "kinds": list(self.kinds),
+            "perm": self.has_perm,
+        }
+
+
+def _normalize_specs(segments, K: int | None = None, name: str = "segments"):
+    """(bits|'ternary', gs, k) list -> (stored specs, kinds), validated."""
+    if isinstance(segments, (str, bytes)) or not isinstance(segments, Iterable):
+        raise ValueError(f"{name} must be a list of (bits, group_size, k_columns), got {segments!r}")
+    specs, kinds = [], []
+    for i, s in enumerate(segments):
+        bits, gs, k = _as_segment_spec(s, i)
+        kinds.append("ternary" if bits == TERNARY else "affine")
+        specs.append((2 if bits == TERNARY else int(bits), gs, k))
+    if not specs:
+        raise ValueError(f"{name} must hold at least one segment")
+    if K is not None and sum(k for _, _, k in specs) != K:
+        raise ValueError(
+            f"{name}: segment columns sum to {sum(k for _, _, k in specs)} but the weight has K={K}"
+        )
+    return tuple(specs), tuple(kinds)
+
+
+def _placeholder_triplet(n: int, bits: int, gs: int, k: int, dtype):
+    """Zero-filled storage of the right shapes; real values come from load_weights."""
+    return (
+        mx.zeros((n, k * bits // 32), dtype=mx.uint32),
+        mx.ones((n, k // gs), dtype=dtype),
+        mx.zeros((n, k // gs), dtype=dtype),
+    )
+
+
+class _TensorCache:
+    """Holds the QuantizedTensor built from the layer's current arrays.
+    A plain object on purpose: MLX modules put tuples/lists/arrays into the
+    parameter tree, and this must stay out of it. Identity checks (``is``)
+    on the held arrays detect replacement by load_weights / update."""
+
+    def __init__(self):
+        self.tensor = None
+        self.arrays = []
+
+
+class _MixedWeight(nn.Module):
+    """Shared storage logic of the linear and embedding layers."""
+
+    def _set_storage(self, layout: _Layout, triplets, perm) -> None:
+        self._layout = layout
+        self._cache = _TensorCache()
+        if layout.is_mlx_affine:
+            self.weight, self.scales, self.biases = triplets[0]
+        else:
+            self.segments = [
+                {"weight": w, "scales": s, "biases": b} for (w, s, b) in triplets
+            ]
+            if layout.has_perm:
+                self.perm = perm
+
+    def _triplets(self):
+        if self._layout.is_mlx_affine:
+            return [(self["weight"], self["scales"], self["biases"])]
+        return [(d["weight"], d["scales"], d["biases"]) for d in self["segments"]]
+
+    @property
+    def layout(self) -> _Layout:
+        return self._layout
+
+    def quantized_tensor(self) -> QuantizedTensor:
+        """The weight as a mixbits QuantizedTensor, rebuilt only when a
+        parameter array was replaced (e.g. by load_weights / update)."""
+        triplets = self._triplets()
+        perm = self.get("perm") if self._layout.has_perm else None
+        arrays = [a for t in triplets for a in t] + [perm]
+        cache = self._cache
+        if cache.tensor is None or len(cache.arrays) != len(arrays) or any(
+            a is not b for a, b in zip(cache.arrays, arrays)
+        ):
+            segs = [
+                Segment(bits, gs, k, w, s, b)
+                for (bits, gs, k), (w, s, b) in zip(self._layout.specs, triplets)
+            ]
+            cache.tensor = QuantizedTensor(segs, perm)
+            cache.arrays = arrays
+        return cache.tensor
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.quantized_tensor().bits_per_weight
+
+    def _layout_repr(self) -> str:
+        segs = ", ".join(
+            ("ternary" if kind == "ternary" else f"{b}b") + f"/g{g}x{k}"
+            for (b, g, k), kind in zip(self._layout.specs, self._layout.kinds)
+        )
+        return f"[{segs}]" + (", perm" if self._layout.has_perm else "")
+
+
+class MixedQuantizedLinear(_MixedWeight):
+    """``y = x @ W.T (+ bias)`` with W a mixed-segment mixbits tensor.
+
+    Construct with shapes (zero-filled placeholders, as ``nn.QuantizedLinear``
+    does before ``load_weights``), or from an existing layer:
+    :meth:`from_linear`, :meth:`from_quantized`, :meth:`from_tensor`.
+    """
+
+    def __init__(
+        self,
+        input_dims: int,
+        output_dims: int,
+        bias: bool = True,
+        segments=None,
+        perm: bool = False,
+        dtype=mx.float16,
+    ):
+        super().__init__()
+        if segments is None:
+            segments = [(4, DEFAULT_GROUP_SIZE, input_dims)]
+        specs, kinds = _normalize_specs(segments, input_dims)
+        triplets = [_placeholder_triplet(output_dims, b, g, k, dtype) for b, g, k in specs]
+        perm_arr = mx.arange(input_dims, dtype=mx.int32) if perm else None
+        self._set_storage(_Layout(specs, kinds, bool(perm)), triplets, perm_arr)
+        if bias:
+            self.bias = mx.zeros((output_dims,), dtype=dtype)
+        self.freeze()
+
+    # ------------------------------------------------------------ builders
+
+    @classmethod
+    def from_tensor(cls, qt: QuantizedTensor, bias: mx.array | None = None, kinds=None):
+        """Wrap an existing QuantizedTensor (no copy, no re-quantization)."""
+        if not isinstance(qt, QuantizedTensor):
+            raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
+        n, k = qt.shape
+        if bias is not None and (not isinstance(bias, mx.array) or bias.shape != (n,)):
+            raise ValueError(f"bias must be an mlx array of shape ({n},), got {getattr(bias, 'shape', bias)!r}")
+        kinds = tuple(kinds) if kinds is not None else ("affine",) * len(qt.segments)
+        if len(kinds) != len(qt.segments):
+            raise ValueError(f"kinds has {len(kinds)} entries for {len(qt.segments)} segments")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layout = _Layout(tuple(qt.specs), kinds, qt.perm is not None)
+        layer._set_storage(layout, [(s.wq, s.scales, s.biases) for s in qt.segments], qt.perm)
+        if bias is not None:
+            layer.bias = bias
+        layer.freeze()
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, segments, perm=None, dtype=None):
+        """Quantize a float ``nn.Linear`` into ``segments`` (list of
+        ``(bits | "ternary", group_size, k_columns)``), optionally through
+        an input permutation ``perm``."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an mlx.nn.Linear, got {type(linear).__name__}")
+        w = linear.weight
+        specs, kinds = _normalize_specs(segments, w.shape[1])
+        qt = _quantize(w, segments, perm=perm, dtype=dtype or w.dtype)
+        return cls.from_tensor(qt, linear.get("bias"), kinds)
+
+    @classmethod
+    def from_quantized(cls, ql: nn.QuantizedLinear):
+        """Take over an ``nn.QuantizedLinear``'s arrays as they are."""
+        if not isinstance(ql, nn.QuantizedLinear):
+            raise TypeError(f"ql must be an mlx.nn.QuantizedLinear, got {type(ql).__name__}")
+        qt = _tensor_from_mlx_layer(ql, "QuantizedLinear")
+        return cls.from_tensor(qt, ql.get("bias"))
+
+    # ------------------------------------------------------------ call
+
+    @property
+    def input_dims(self) -> int:
+        return sum(k for _, _, k in self._layout.specs)
+
+    @property
+    def output_dims(self) -> int:
+        return self._triplets()[0][0].shape[0]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = qmatmul(x, self.quantized_tensor())
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+    def _extra_repr(self) -> str:
+        return (
+            f"input_dims={self.input_dims}, output_dims={self.output_dims}, "
+            f"bias={'bias' in self}, {self._layout_repr()}"
+        )
+
+
+class MixedQuantizedEmbedding(_MixedWeight):
+    """``nn.QuantizedEmbedding`` with a mixbits weight [num_embeddings, dims].
+
+    Lookups dequantize the selected rows (segment by segment, then undo the
+    permutation); ``as_linear`` -- the tied output head -- runs
+    ``mixbits.qmatmul``.
+    """
+
+    def __init__(self, num_embeddings: int, dims: int, segments=None, perm: bool = False, dtype=mx.float16):
+        super().__init__()
+        if segments is None:
+            segments = [(4, DEFAULT_GROUP_SIZE, dims)]
+        specs, kinds = _normalize_specs(segments, dims)
+        triplets = [_placeholder_triplet(num_embeddings, b, g, k, dtype) for b, g, k in specs]
+        perm_arr = mx.arange(dims, dtype=mx.int32) if perm else None
+        self._set_storage(_Layout(specs, kinds, bool(perm)), triplets, perm_arr)
+        self.freeze()
+
+    @classmethod
+    def from_tensor(cls, qt: QuantizedTensor, kinds=None):
+        if not isinstance(qt, QuantizedTensor):
+            raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
+        kinds = tuple(kinds) if kinds is not None else ("affine",) * len(qt.segments)
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layout = _Layout(tuple(qt.specs), kinds, qt.perm is not None)
+        layer._set_storage(layout, [(s.wq, s.scales, s.biases) for s in qt.segments], qt.perm)
+        layer.freeze()
+        return layer
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, segments, perm=None, dtype=None):
+        if not isinstance(emb, nn.Embedding):
+            raise TypeError(f"emb must be an mlx.nn.Embedding, got {type(emb).__name__}")
+        w = emb.weight
+        _, kinds = _normalize_specs(segments, w.shape[1])
+        qt = _quantize(w, segments, perm=perm, dtype=dtype or w.dtype)
+        return cls.from_tensor(qt, kinds)
+
+    @classmethod
+    def from_quantized(cls, qe: nn.QuantizedEmbedding):
+        if not isinstance(qe, nn.QuantizedEmbedding):
+            raise TypeError(f"qe must be an mlx.nn.QuantizedEmbedding, got {type(qe).__name__}")
+        return cls.from_tensor(_tensor_from_mlx_layer(qe, "QuantizedEmbedding"))
+
+    @property
+    def num_embeddings(self) -> int:
+        return self._triplets()[0][0].shape[0]
+
+    @property
+    def dims(self) -> int:
+        return sum(k for _, _, k in self._layout.specs)
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        parts = [
+            mx.dequantize(w[ids], scales=s[ids], biases=b[ids], group_size=g, bits=bits)
+            for (bits, g, _), (w, s, b) in zip(self._layout.specs, self._triplets())
+        ]
+        out = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+        if self._layout.has_perm:
+            # Stored column j holds original column perm[j].
+            out = mx.take(out, mx.argsort(self["perm"]), axis=-1)
+        return out
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        """``x @ W.T``: the tied output head, through mixbits.qmatmul."""
+        return qmatmul(x, self.quantized_tensor())
+
+    def _extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.dims}, {self._layout_repr()}"
+
+
+def _tensor_from_mlx_layer(layer, what: str) -> QuantizedTensor:
+    mode = getattr(layer, "mode", "affine")
+    if mode != "affine":
+        raise ValueError(
+            f"{what} uses mode={mode!r}; mixbits takes over affine quantized layers only "
+            "(other modes have no per-group bias and different scale formats)"
+        )
+    if layer.bits not in BITS:
+        raise ValueError(f"{what} has bits={layer.bits}; mixbits supports bits {BITS}")
+    if layer.group_size not in GROUP_SIZES:
+        raise ValueError(
+            f"{what} has group_size={layer.group_size}; mixbits supports group sizes {GROUP_SIZES}"
+        )
+    w, s, b = layer["weight"], layer["scales"], layer.get("biases")
+    if b is None:
+        raise ValueError(f"{what} has no biases; affine layers must have them")
+    k = w.shape[1] * 32 // layer.bits
+    return QuantizedTensor([Segment(layer.bits, layer.group_size, k, w, s, b)])
+
+
+# ---------------------------------------------------------------- model-level
+
+
+def _get_child(module, part: str):
+    if isinstance(module, list):
+        return module[int(part)]
+    if isinstance(module, dict):
+        return module[part]
+    raise KeyError(part)
+
+
+def _resolve(model: nn.Module, path: str):
+    """(parent, last key, module) for a dotted module path; KeyError if absent."""
+    parts = path.split(".")
+    parent = model
+    try:
+        for p in parts[:-1]:
+            parent = _get_child(parent, p)
+        child = _get_child(parent, parts[-1])
+    except (KeyError, IndexError, ValueError):
+        raise KeyError(path) from None
+    return parent, parts[-1], child
+
+
+def _set_module(model: nn.Module, path: str, new) -> None:
+    parent, key, _ = _resolve(model, path)
+    if isinstance(parent, list):
+        parent[int(key)] = new
+    else:
+        setattr(parent, key, new)
+
+
+def quantized_layers(model: nn.Module) -> dict:
+    """path -> module for every quantized linear/embedding (stock or mixbits)."""
+    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding, MixedQuantizedLinear, MixedQuantizedEmbedding)
+    return {p: m for p, m in model.named_modules() if isinstance(m, kinds)}
+
+
+def patch(model: nn.Module, *, strict: bool = True) -> list[str]:
+    """Replace, in place, every ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding``
+    of ``model`` by its mixbits counterpart, sharing the same arrays (no
+    re-quantization). Returns the replaced module paths.
+
+    Layers mixbits cannot take over (non-affine modes, unsupported bits or
+    group sizes) raise a ValueError naming the path, or are left as they are
+    with ``strict=False``. Nothing is replaced if any layer fails in strict
+    mode.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
+    planned = []
+    for path, m in model.named_modules():
+        try:
+            if isinstance(m, nn.QuantizedLinear):
+                planned.append((path, MixedQuantizedLinear.from_quantized(m)))
+            elif isinstance(m, nn.QuantizedEmbedding):
+                planned.append((path, MixedQuantizedEmbedding.from_quantized(m)))
+        except ValueError as e:
+            if strict:
+                raise ValueError(f"cannot patch {path!r}: {e}") from None
+    for path, new in planned:
+        _set_module(model, path, new)
+    return [p for p, _ in planned]
+
+
+# ---------------------------------------------------------------- assignment
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One assignment entry, normalized: segments with original-order
+    columns counted after ``perm``."""
+
+    segments: tuple  # ((bits | "ternary", group_size, k), ...) ; k may be None = all of K
+    perm: object = None
+
+    def resolve(self, K: int):
+        segs = [(b, g, K if k is None else k) for b, g, k in self.segments]
+        return segs
+
+
+def parse_assignment_spec(spec, path: str = "?") -> TensorSpec:
+    """Accepted forms of one assignment value:
+
+    - ``4`` (bits; group size 64), ``"ternary"``;
+    - ``(bits, group_size)`` or ``{"bits": b, "group_size": g}`` (bits may be
+      ``"ternary"``);
+    - ``[(bits, group_size, k), ...]`` within-tensor segments;
+    - ``{"segments": [...], "perm": array-or-None}``.
+    """
+    where = f"assignment[{path!r}]"
+    if isinstance(spec, TensorSpec):
+        return spec
+    if isinstance(spec, bool):
+        raise ValueError(f"{where}: expected bits, (bits, group_size), or segments, got {spec!r}")
+    if isinstance(spec, int) or spec == TERNARY:
+        return TensorSpec(((spec, DEFAULT_GROUP_SIZE, None),))
+    if isinstance(spec, Mapping):
+        if "segments" in spec:
+            return TensorSpec(_segment_list(spec["segments"], where), spec.get("perm"))
+        if "bits" not in spec:
+            raise ValueError(f"{where}: a dict needs 'bits' (and optional 'group_size') or 'segments'")
+        return TensorSpec(((spec["bits"], spec.get("group_size", DEFAULT_GROUP_SIZE), None),))
+    if isinstance(spec, (list, tuple)):
+        if len(spec) == 2 and not isinstance(spec[0], (list, tuple)):
+            return TensorSpec(((spec[0], spec[1], None),))
+        return TensorSpec(_segment_list(spec, where))
+    raise ValueError(f"{where}: expected bits, (bits, group_size), or segments, got {spec!r}")
+
+
+def _segment_list(segs, where: str) -> tuple:
+    out = []
+    for i, s in enumerate(segs):
+        if not isinstance(s, (list, tuple)) or len(s) != 3:
+            raise ValueError(f"{where}: segment {i} must be (bits, group_size, k_columns), got {s!r}")
+        out.append(tuple(s))
+    if not out:
+        raise ValueError(f"{where}: segments list is empty")
+    return tuple(out)
+
+
+def _float_weight(m) -> mx.array:
+    """The dense weight of a (possibly quantized) linear/embedding, original column order."""
+    if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return mx.dequantize(
+            m["weight"], m["scales"], m.get("biases"), group_size=m.group_size, bits=m.bits,
+            mode=getattr(m, "mode", "affine"),
+        )
+    if isinstance(m, _MixedWeight):
+        return m.quantized_tensor().dequantize(unpermute=True)
+    return m.weight
+
+
+def quantize_model(model: nn.Module, assignment: Mapping, *, dtype=None) -> list[str]:
+    """Quantize the tensors named in ``assignment`` (module path -> spec,
+    see :func:`parse_assignment_spec`) in place; other modules are left as
+    they are. Linear layers become :class:`MixedQuantizedLinear`, embeddings
+    :class:`MixedQuantizedEmbedding`. Already-quantized layers are
+    dequantized first. Scales/biases take ``dtype`` (default: the source
+    scales' dtype for quantized layers, the weight dtype for float ones).
+
+    Every entry is validated (path exists, module kind, segment columns sum
+    to K, group sizes divide) before any module is changed. Returns the
+    replaced paths.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
+    if not isinstance(assignment, Mapping):
+        raise TypeError(f"assignment must be a mapping of module path -> spec, got {type(assignment).__name__}")
+    modules = dict(model.named_modules())
+    linear_kinds = (nn.Linear, nn.QuantizedLinear, MixedQuantizedLinear)
+    embed_kinds = (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding)
+    unknown = [p for p in assignment if p not in modules]
+    if unknown:
+        known = [p for p, m in modules.items() if isinstance(m, linear_kinds + embed_kinds)]
+        raise KeyError(
+            f"assignment names {len(unknown)} path(s) not in the model: {unknown[:5]}"
+            + (" ..." if len(unknown) > 5 else "")
+            + f"; quantizable paths look like {known[:3]}"
+        )
+    plan = []
+    for path, raw in assignment.items():
+        m = modules[path]
+        if not isinstance(m, linear_kinds + embed_kinds):
+            raise TypeError(
+                f"assignment[{path!r}]: module is {type(m).__name__}, not a linear or embedding layer"
+            )
+        spec = parse_assignment_spec(raw, path)
+        w_shape = _weight_shape(m)
+        segs = spec.resolve(w_shape[1])
+        try:
+            _normalize_specs(segs, w_shape[1])
+        except ValueError as e:
+            raise ValueError(f"assignment[{path!r}]: {e} (weight shape {w_shape})") from None
+        plan.append((path, m, segs, spec.perm))
+    replaced = []
+    for path, m, segs, perm in plan:
+        w = _float_weight(m)
+        if dtype is not None:
+            dt = dtype
+        elif isinstance(m, _MixedWeight):
+            dt = m.quantized_tensor().dtype
+        elif isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            dt = m["scales"].dtype
+        else:
+            dt = w.dtype
+        _, kinds = _normalize_specs(segs)
+        qt = _quantize(w, segs, perm=perm, dtype=dt)
+        if isinstance(m, linear_kinds):
+            new = MixedQuantizedLinear.from_tensor(qt, m.get("bias"), kinds)
+        else:
+            new = MixedQuantizedEmbedding.from_tensor(qt, kinds)
+        mx.eval(new.parameters())
+        _set_module(model, path, new)
+        replaced.append(path)
+    return replaced
+
+
+def _weight_shape(m) -> tuple[int, int]:
+    if isinstance(m, _MixedWeight):
+        return m.quantized_tensor().shape
+    if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        w = m["weight"]
+        return (w.shape[0], w.shape[1] * 32 // m.bits)
+    return tuple(m.weight.shape)
