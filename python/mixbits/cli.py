@@ -12,6 +12,8 @@ import sys
 COMMANDS = {
     "demo": "quantize a random matrix into mixed segments; error and bits per weight",
     "plot": "heatmap of a sensitivity table (layers x tensor kinds, per candidate)",
+    "generate": "greedy text generation with a real model (stock MLX or --patch mixbits layers)",
+    "quantize": "apply an allocation.json to a model and save it as a folder",
 }
 
 

@@ -380,6 +380,16 @@ def quantized_layers(model: nn.Module) -> dict:
     return {p: m for p, m in model.named_modules() if isinstance(m, kinds)}
 
 
+_LINEAR_KINDS = (nn.Linear, nn.QuantizedLinear, MixedQuantizedLinear)
+_EMBED_KINDS = (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding)
+
+
+def weight_layers(model: nn.Module) -> dict:
+    """path -> module for every linear or embedding layer, float or quantized:
+    the tensors an assignment can name."""
+    return {p: m for p, m in model.named_modules() if isinstance(m, _LINEAR_KINDS + _EMBED_KINDS)}
+
+
 def patch(model: nn.Module, *, strict: bool = True) -> list[str]:
     """Replace, in place, every ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding``
     of ``model`` by its mixbits counterpart, sharing the same arrays (no
@@ -492,8 +502,7 @@ def quantize_model(model: nn.Module, assignment: Mapping, *, dtype=None) -> list
     if not isinstance(assignment, Mapping):
         raise TypeError(f"assignment must be a mapping of module path -> spec, got {type(assignment).__name__}")
     modules = dict(model.named_modules())
-    linear_kinds = (nn.Linear, nn.QuantizedLinear, MixedQuantizedLinear)
-    embed_kinds = (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding)
+    linear_kinds, embed_kinds = _LINEAR_KINDS, _EMBED_KINDS
     unknown = [p for p in assignment if p not in modules]
     if unknown:
         known = [p for p, m in modules.items() if isinstance(m, linear_kinds + embed_kinds)]

