@@ -238,7 +238,7 @@ class MixedQuantizedLinear(_MixedWeight):
         return self._triplets()[0][0].shape[0]
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = qmatmul(x, self.quantized_tensor())
+        y = qmatmul(_promote(x, self.quantized_tensor()), self.quantized_tensor())
         if "bias" in self:
             y = y + self["bias"]
         return y
@@ -316,10 +316,23 @@ class MixedQuantizedEmbedding(_MixedWeight):
 
     def as_linear(self, x: mx.array) -> mx.array:
         """``x @ W.T``: the tied output head, through mixbits.qmatmul."""
-        return qmatmul(x, self.quantized_tensor())
+        qt = self.quantized_tensor()
+        return qmatmul(_promote(x, qt), qt)
 
     def _extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.dims}, {self._layout_repr()}"
+
+
+def _promote(x, qt: QuantizedTensor):
+    """x cast to the dtype MLX's quantized_matmul would return for (x,
+    scales) -- e.g. float16 x with float32 scales gives float32 -- so the
+    layer's output dtype matches the stock layer it replaces. Cast before
+    the matmul (not after) so no precision is lost."""
+    if isinstance(x, mx.array) and x.dtype != qt.dtype:
+        dt = mx.result_type(x.dtype, qt.dtype)
+        if dt != x.dtype:
+            return x.astype(dt)
+    return x
 
 
 def _tensor_from_mlx_layer(layer, what: str) -> QuantizedTensor:
