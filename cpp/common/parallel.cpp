@@ -103,11 +103,22 @@ int num_threads() {
   return n;
 }
 
+namespace {
+std::atomic<int> g_max_threads{0};
+}
+
+void set_max_threads(int n) { g_max_threads.store(n > 0 ? n : 0); }
+
+int max_threads() {
+  int cap = g_max_threads.load();
+  return cap > 0 ? std::min(cap, num_threads()) : num_threads();
+}
+
 void parallel_for(int64_t n, int64_t grain,
                   const std::function<void(int64_t, int64_t)>& fn) {
   if (n <= 0) return;
   grain = std::max<int64_t>(grain, 1);
-  int64_t nthreads = std::min<int64_t>(num_threads(), (n + grain - 1) / grain);
+  int64_t nthreads = std::min<int64_t>(max_threads(), (n + grain - 1) / grain);
   if (nthreads <= 1) {
     fn(0, n);
     return;

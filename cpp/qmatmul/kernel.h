@@ -40,9 +40,24 @@ enum class Backend : int { Auto = 0, Ref = 1, Avx2 = 2, Neon = 3 };
 void qmm_ref(const float* x, int M, const QMatView& w, float* y, int n0,
              int n1);
 
+// A whole evaluation: y = x · Wᵀ over all M rows and N outputs, float32 in
+// and out. A backend does its once-per-call work here (activations
+// re-ordered for its decode, per-group sums of x) and then splits the
+// outputs over threads with parallel_for.
+using QmmRun = void (*)(const float* x, int M, const QMatView& w, float* y);
+
+void qmm_ref_run(const float* x, int M, const QMatView& w, float* y);
+#if defined(MIXBITS_HAVE_AVX2)
+void qmm_avx2_run(const float* x, int M, const QMatView& w, float* y);
+bool cpu_has_avx2();  // AVX2 + FMA + F16C, checked at run time (dispatch.cpp)
+#endif
+#if defined(MIXBITS_HAVE_NEON)
+void qmm_neon_run(const float* x, int M, const QMatView& w, float* y);
+#endif
+
 // The backend used for `requested` on this CPU; throws if it is forced but
 // unavailable. Auto picks the fastest available.
-QmmFn select_qmm(Backend requested);
+QmmRun select_qmm(Backend requested);
 // Names of backends usable on this machine, for tests and benchmarks.
 std::vector<Backend> available_qmm_backends();
 

@@ -199,15 +199,15 @@ void MixedQMatmul::eval_cpu(const std::vector<mx::array>& inputs,
       // Never silent garbage: a broken permutation poisons the output.
       std::fill(y, y + M * N, std::numeric_limits<float>::quiet_NaN());
     } else {
-      // Each worker owns a slice of outputs and runs all M rows on it, so
-      // every weight is decoded once per slice.
-      parallel_for(N, 16, [&](int64_t n0, int64_t n1) {
-        fn(xf.data(), int(M), w, y, int(n0), int(n1));
-      });
+      // The backend splits the outputs over threads; each worker runs all M
+      // rows on its slice, so every weight is decoded once per call.
+      fn(xf.data(), int(M), w, y);
     }
     if (ot != DType::f32) {
       void* o = out.data<void>();
-      for (int64_t i = 0; i < M * N; ++i) store_from_f32(o, i, y[i], ot);
+      parallel_for(M * N, 1 << 14, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) store_from_f32(o, i, y[i], ot);
+      });
     }
   });
 }

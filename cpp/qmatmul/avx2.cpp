@@ -1,0 +1,500 @@
+// AVX2 + FMA + F16C backend of the mixed-segment quantized matmul.
+//
+// Decode. Codes are read 32 at a time (a "unit": every group size is a
+// multiple of 32, so a unit never straddles a group or a segment). Each of
+// the 8 lanes gets a 32-bit window of the row's bitstream holding 4
+// consecutive codes: lane i holds codes 4i..4i+3 at bit offsets
+// s_i + k*bits (s_i = 4 for odd lanes of 3- and 5-bit rows, else 0).
+// Extraction k is then a single AND with a per-lane mask and an int->float
+// convert: lane i yields code(4i+k) * 2^(s_i + k*bits). No shifts: the
+// power of two is divided out of the activations instead, once per call
+// (exact in float). So x is re-ordered per unit into "decode order"
+// (position 8k+i holds column 4i+k) and pre-scaled per segment.
+//
+// Three regimes, chosen by M (see kSmallM):
+//  - M <= kSmallM: every weight is decoded once into a vector of floats and
+//    FMA'd against up to 8 activation rows; the affine bias is folded:
+//    y = sum_g s_g * (sum q x) + b_g * (sum x), sum x per group computed
+//    once per call.
+//  - larger M: tiles of W are dequantized (s*q + b) into an L2-resident
+//    float buffer and a 4x3 register-blocked micro-kernel runs over them,
+//    so decode cost is amortized over all M rows.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "common/parallel.h"
+#include "qmatmul/kernel.h"
+
+namespace mixbits {
+namespace {
+
+constexpr int kUnit = 32;    // codes per decode unit
+constexpr int kSmallM = 16;  // above this, the dequantized-tile GEMM path
+constexpr int kMaxMB = 8;    // activation rows per pass of the small path
+constexpr int kKC = 512;     // GEMM: columns per dequantized tile
+constexpr int kNB = 48;      // GEMM: W rows per dequantized tile
+
+// ------------------------------------------------------------ decode
+
+constexpr int lane_shift(int B, int i) { return ((B & 1) && (i & 1)) ? 4 : 0; }
+
+// Bit position of code (4i+k) inside lane i's window; the 8-bit top code
+// is shifted down instead of masked (its mask would hit the sign bit).
+constexpr int code_exp(int B, int k, int i) {
+  return (B == 8 && k == 3) ? 0 : lane_shift(B, i) + k * B;
+}
+
+constexpr int lane_mask(int B, int k, int i) {
+  return int(((1u << B) - 1u) << code_exp(B, k, i));
+}
+
+template <int B>
+inline __m256i load_unit(const uint8_t* p);
+
+// 2-bit: 8 bytes, lane i = byte i.
+template <>
+inline __m256i load_unit<2>(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+}
+// 4-bit: 16 bytes, lane i = bytes 2i..2i+1.
+template <>
+inline __m256i load_unit<4>(const uint8_t* p) {
+  return _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+}
+// 8-bit: 32 bytes, lane i = word i.
+template <>
+inline __m256i load_unit<8>(const uint8_t* p) {
+  return _mm256_loadu_si256((const __m256i*)p);
+}
+// 3-bit: 12 bytes; lanes start at bytes 0,1,3,4 | 6,7,9,10 (2 bytes each).
+// The two halves are loaded separately so no load leaves the unit.
+template <>
+inline __m256i load_unit<3>(const uint8_t* p) {
+  const __m128i lo = _mm_loadl_epi64((const __m128i*)p);
+  const __m128i hi = _mm_loadl_epi64((const __m128i*)(p + 4));
+  const __m256i ctrl = _mm256_setr_epi8(
+      0, 1, -1, -1, 1, 2, -1, -1, 3, 4, -1, -1, 4, 5, -1, -1,  //
+      2, 3, -1, -1, 3, 4, -1, -1, 5, 6, -1, -1, 6, 7, -1, -1);
+  return _mm256_shuffle_epi8(_mm256_set_m128i(hi, lo), ctrl);
+}
+// 5-bit: 20 bytes; lanes start at bytes 0,2,5,7 | 10,12,15,17 (3 bytes).
+template <>
+inline __m256i load_unit<5>(const uint8_t* p) {
+  const __m128i lo = _mm_loadu_si128((const __m128i*)p);
+  const __m128i hi = _mm_loadu_si128((const __m128i*)(p + 4));
+  const __m256i ctrl = _mm256_setr_epi8(
+      0, 1, 2, -1, 2, 3, 4, -1, 5, 6, 7, -1, 7, 8, 9, -1,  //
+      6, 7, 8, -1, 8, 9, 10, -1, 11, 12, 13, -1, 13, 14, 15, -1);
+  return _mm256_shuffle_epi8(_mm256_set_m128i(hi, lo), ctrl);
+}
+// 6-bit: 24 bytes; lanes start at bytes 3i (3 bytes each).
+template <>
+inline __m256i load_unit<6>(const uint8_t* p) {
+  const __m128i lo = _mm_loadu_si128((const __m128i*)p);
+  const __m128i hi = _mm_loadu_si128((const __m128i*)(p + 8));
+  const __m256i ctrl = _mm256_setr_epi8(
+      0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1,  //
+      4, 5, 6, -1, 7, 8, 9, -1, 10, 11, 12, -1, 13, 14, 15, -1);
+  return _mm256_shuffle_epi8(_mm256_set_m128i(hi, lo), ctrl);
+}
+
+// Codes (4i+k), i = 0..7, as floats times 2^code_exp(B, k, i).
+template <int B, int K>
+inline __m256 extract(__m256i win) {
+  if constexpr (B == 8 && K == 3) {
+    return _mm256_cvtepi32_ps(_mm256_srli_epi32(win, 24));
+  } else {
+    const __m256i m = _mm256_setr_epi32(
+        lane_mask(B, K, 0), lane_mask(B, K, 1), lane_mask(B, K, 2),
+        lane_mask(B, K, 3), lane_mask(B, K, 4), lane_mask(B, K, 5),
+        lane_mask(B, K, 6), lane_mask(B, K, 7));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(win, m));
+  }
+}
+
+// 2^-code_exp per decode position (8k + i) of a unit.
+template <int B>
+struct UnitScale {
+  float v[kUnit];
+  constexpr UnitScale() : v() {
+    for (int k = 0; k < 4; ++k)
+      for (int i = 0; i < 8; ++i) {
+        float f = 1.0f;
+        for (int e = 0; e < code_exp(B, k, i); ++e) f *= 0.5f;
+        v[8 * k + i] = f;
+      }
+  }
+};
+
+// ------------------------------------------------------------ helpers
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// n scales or biases from element `off` of src, as float32.
+void to_f32(const void* src, int64_t off, int n, DType t, float* dst) {
+  int i = 0;
+  if (t == DType::f32) {
+    std::memcpy(dst, static_cast<const float*>(src) + off, sizeof(float) * n);
+    return;
+  }
+  const uint16_t* p = static_cast<const uint16_t*>(src) + off;
+  if (t == DType::f16) {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i,
+                       _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + i))));
+    for (; i < n; ++i) dst[i] = f16_to_f32(p[i]);
+  } else {
+    for (; i + 8 <= n; i += 8) {
+      __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + i)));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+    }
+    for (; i < n; ++i) dst[i] = bf16_to_f32(p[i]);
+  }
+}
+
+float dot(const float* a, const float* b, int n) {
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Column c of a row, in decode order: position 8k+i of a unit <- 4i+k.
+inline void to_decode_order(const float* src, int n, float* dst) {
+  for (int u = 0; u < n; u += kUnit)
+    for (int k = 0; k < 4; ++k)
+      for (int i = 0; i < 8; ++i) dst[u + 8 * k + i] = src[u + 4 * i + k];
+}
+
+// Everything one call prepares once and every worker reads.
+struct Prepared {
+  int M = 0, K = 0;
+  std::vector<float> xd;  // [M, K] decode order (GEMM path)
+  // Small-M path, per segment: x in decode order times 2^-code_exp
+  // ([M, k]) and per-group sums of x ([M, groups]).
+  std::vector<std::vector<float>> xq, xs;
+};
+
+// ------------------------------------------------------------ small M
+
+// Rows [n0, n1) (a multiple of R) of one segment against MB activation
+// rows; adds into y (row stride ldy). A accumulators per (row, x-row) keep
+// enough independent FMA chains in flight when R*MB is small.
+//
+// With one activation row the group scale is applied to the per-group sum
+// (one FMA per group, the decode stays and+cvt+fma per 8 weights). With
+// several rows, a per-group accumulator for each would not fit in the 16
+// registers, so the decoded weights are multiplied by the scale once and
+// then reused for all rows (one extra multiply shared by MB FMAs).
+template <int B, int G, int MB, int R, int A>
+void gemv_rows(const SegView& s, DType sdt, const float* xq, const float* xs,
+               int ldx, int n0, int n1, float* y, int ldy) {
+  constexpr bool kScaleW = MB >= 2;
+  const int ngroups = s.k / G;
+  const int64_t row_bytes = int64_t(s.k) * B / 8;
+  thread_local std::vector<float> scratch;
+  scratch.resize(size_t(2) * R * ngroups);
+  float* sc = scratch.data();
+  float* bi = sc + size_t(R) * ngroups;
+  for (int n = n0; n < n1; n += R) {
+    const uint8_t* rowp[R];
+    for (int r = 0; r < R; ++r) {
+      rowp[r] = reinterpret_cast<const uint8_t*>(s.wq) + int64_t(n + r) * row_bytes;
+      to_f32(s.scales, int64_t(n + r) * ngroups, ngroups, sdt, sc + r * ngroups);
+      to_f32(s.biases, int64_t(n + r) * ngroups, ngroups, sdt, bi + r * ngroups);
+    }
+    __m256 tot[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) tot[r][m] = _mm256_setzero_ps();
+    __m256 acc[R][MB][A];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m)
+        for (int a = 0; a < A; ++a) acc[r][m][a] = _mm256_setzero_ps();
+    for (int g = 0; g < ngroups; ++g) {
+      __m256 sv[R];
+      for (int r = 0; r < R; ++r) sv[r] = _mm256_broadcast_ss(sc + r * ngroups + g);
+#pragma GCC unroll 4
+      for (int u = 0; u < G / kUnit; ++u) {
+        const int c = g * G + u * kUnit;
+        const float* xp = xq + c;
+        for (int r = 0; r < R; ++r) {
+          const __m256i win = load_unit<B>(rowp[r] + c * B / 8);
+          auto step = [&]<int K>() {
+            __m256 wf = extract<B, K>(win);
+            if constexpr (kScaleW) wf = _mm256_mul_ps(wf, sv[r]);
+            for (int m = 0; m < MB; ++m)
+              acc[r][m][K % A] = _mm256_fmadd_ps(
+                  wf, _mm256_loadu_ps(xp + m * ldx + 8 * K), acc[r][m][K % A]);
+          };
+          step.template operator()<0>();
+          step.template operator()<1>();
+          step.template operator()<2>();
+          step.template operator()<3>();
+        }
+      }
+      if constexpr (!kScaleW) {
+        for (int r = 0; r < R; ++r)
+          for (int m = 0; m < MB; ++m) {
+            __m256 a = acc[r][m][0];
+            if constexpr (A > 1) a = _mm256_add_ps(a, acc[r][m][1]);
+            tot[r][m] = _mm256_fmadd_ps(a, sv[r], tot[r][m]);
+            for (int i = 0; i < A; ++i) acc[r][m][i] = _mm256_setzero_ps();
+          }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) {
+        __m256 t = tot[r][m];
+        if constexpr (kScaleW) {
+          t = acc[r][m][0];
+          if constexpr (A > 1) t = _mm256_add_ps(t, acc[r][m][1]);
+        }
+        y[int64_t(m) * ldy + n + r] +=
+            hsum(t) + dot(bi + r * ngroups, xs + m * ngroups, ngroups);
+      }
+  }
+}
+
+template <int B, int G, int MB>
+void gemv_mb(const SegView& s, DType sdt, const float* xq, const float* xs,
+             int ldx, int n0, int n1, float* y, int ldy) {
+  constexpr int R = MB == 1 ? 4 : (MB <= 3 ? 2 : 1);
+  constexpr int A = R * MB <= 4 ? 2 : 1;
+  const int nfull = n0 + (n1 - n0) / R * R;
+  gemv_rows<B, G, MB, R, A>(s, sdt, xq, xs, ldx, n0, nfull, y, ldy);
+  if (nfull < n1)
+    gemv_rows<B, G, MB, 1, 2>(s, sdt, xq, xs, ldx, nfull, n1, y, ldy);
+}
+
+template <int B, int G>
+void gemv_seg(const SegView& s, DType sdt, const float* xq, const float* xs,
+              int ldx, int mb, int n0, int n1, float* y, int ldy) {
+  switch (mb) {
+#define MIXBITS_MB(V) \
+  case V: return gemv_mb<B, G, V>(s, sdt, xq, xs, ldx, n0, n1, y, ldy);
+    MIXBITS_MB(1) MIXBITS_MB(2) MIXBITS_MB(3) MIXBITS_MB(4)
+    MIXBITS_MB(5) MIXBITS_MB(6) MIXBITS_MB(7) MIXBITS_MB(8)
+#undef MIXBITS_MB
+  }
+}
+
+// ------------------------------------------------------------ large M
+
+// Dequantizes rows [n, n+nr) x columns [c0, c1) (group-aligned) of one
+// segment into dst (row stride ld), in decode order: w = s*q + b.
+template <int B, int G>
+void dequant_tile(const SegView& s, DType sdt, int n, int nr, int c0, int c1,
+                  float* dst, int ld) {
+  static constexpr UnitScale<B> us{};
+  const int ngroups = s.k / G;
+  const int64_t row_bytes = int64_t(s.k) * B / 8;
+  const int g0 = c0 / G, g1 = c1 / G;
+  float sc[kKC / 32], bi[kKC / 32];
+  for (int r = 0; r < nr; ++r) {
+    const uint8_t* rowp =
+        reinterpret_cast<const uint8_t*>(s.wq) + int64_t(n + r) * row_bytes;
+    to_f32(s.scales, int64_t(n + r) * ngroups + g0, g1 - g0, sdt, sc);
+    to_f32(s.biases, int64_t(n + r) * ngroups + g0, g1 - g0, sdt, bi);
+    float* d = dst + int64_t(r) * ld - c0;
+    for (int g = g0; g < g1; ++g) {
+      const __m256 sv = _mm256_set1_ps(sc[g - g0]);
+      const __m256 bv = _mm256_set1_ps(bi[g - g0]);
+      const __m256 s0 = _mm256_mul_ps(sv, _mm256_loadu_ps(us.v + 0));
+      const __m256 s1 = _mm256_mul_ps(sv, _mm256_loadu_ps(us.v + 8));
+      const __m256 s2 = _mm256_mul_ps(sv, _mm256_loadu_ps(us.v + 16));
+      const __m256 s3 = _mm256_mul_ps(sv, _mm256_loadu_ps(us.v + 24));
+      for (int u = 0; u < G / kUnit; ++u) {
+        const int c = g * G + u * kUnit;
+        const __m256i win = load_unit<B>(rowp + c * B / 8);
+        _mm256_storeu_ps(d + c + 0, _mm256_fmadd_ps(extract<B, 0>(win), s0, bv));
+        _mm256_storeu_ps(d + c + 8, _mm256_fmadd_ps(extract<B, 1>(win), s1, bv));
+        _mm256_storeu_ps(d + c + 16, _mm256_fmadd_ps(extract<B, 2>(win), s2, bv));
+        _mm256_storeu_ps(d + c + 24, _mm256_fmadd_ps(extract<B, 3>(win), s3, bv));
+      }
+    }
+  }
+}
+
+// y[i, j] += sum_p x[i, p] * w[j, p] for an MR x NR block, lanes along p.
+template <int MR, int NR>
+void micro(const float* x, int ldx, const float* w, int ldw, int kc, float* y,
+           int ldy) {
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int p = 0; p < kc; p += 8) {
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * ldw + p);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * ldx + p);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] += hsum(acc[i][j]);
+}
+
+using MicroFn = void (*)(const float*, int, const float*, int, int, float*, int);
+template <int MR>
+constexpr MicroFn micro_row[4] = {nullptr, micro<MR, 1>, micro<MR, 2>, micro<MR, 3>};
+constexpr const MicroFn* micro_table[5] = {nullptr, micro_row<1>, micro_row<2>,
+                                           micro_row<3>, micro_row<4>};
+
+// ------------------------------------------------------------ ladder
+
+using GemvFn = void (*)(const SegView&, DType, const float*, const float*, int,
+                        int, int, int, float*, int);
+using DequantFn = void (*)(const SegView&, DType, int, int, int, int, float*, int);
+
+struct SegFns {
+  GemvFn gemv;
+  DequantFn dequant;
+};
+
+template <int B, int G>
+constexpr SegFns make_fns() {
+  return {gemv_seg<B, G>, dequant_tile<B, G>};
+}
+
+template <int B>
+constexpr SegFns pick_g(int gs) {
+  return gs == 32 ? make_fns<B, 32>() : gs == 64 ? make_fns<B, 64>() : make_fns<B, 128>();
+}
+
+SegFns seg_fns(int bits, int gs) {
+  switch (bits) {
+    case 2: return pick_g<2>(gs);
+    case 3: return pick_g<3>(gs);
+    case 4: return pick_g<4>(gs);
+    case 5: return pick_g<5>(gs);
+    case 6: return pick_g<6>(gs);
+    default: return pick_g<8>(gs);
+  }
+}
+
+const float* unit_scale(int bits) {
+  static constexpr UnitScale<2> u2{};
+  static constexpr UnitScale<3> u3{};
+  static constexpr UnitScale<4> u4{};
+  static constexpr UnitScale<5> u5{};
+  static constexpr UnitScale<6> u6{};
+  static constexpr UnitScale<8> u8{};
+  switch (bits) {
+    case 2: return u2.v;
+    case 3: return u3.v;
+    case 4: return u4.v;
+    case 5: return u5.v;
+    case 6: return u6.v;
+    default: return u8.v;
+  }
+}
+
+// ------------------------------------------------------------ slices
+
+void small_slice(const Prepared& pr, const QMatView& w,
+                 const std::vector<SegFns>& fns, float* y, int n0, int n1) {
+  const int N = w.N;
+  for (int m0 = 0; m0 < pr.M; m0 += kMaxMB) {
+    const int mb = std::min(kMaxMB, pr.M - m0);
+    for (int m = 0; m < mb; ++m)
+      std::fill(y + int64_t(m0 + m) * N + n0, y + int64_t(m0 + m) * N + n1, 0.0f);
+    for (size_t si = 0; si < w.segs.size(); ++si) {
+      const SegView& s = w.segs[si];
+      const int ng = s.k / s.group_size;
+      fns[si].gemv(s, w.sdtype, pr.xq[si].data() + int64_t(m0) * s.k,
+                   pr.xs[si].data() + int64_t(m0) * ng, s.k, mb, n0, n1,
+                   y + int64_t(m0) * N, N);
+    }
+  }
+}
+
+void gemm_slice(const Prepared& pr, const QMatView& w,
+                const std::vector<SegFns>& fns, float* y, int n0, int n1) {
+  const int N = w.N, M = pr.M, K = pr.K;
+  thread_local std::vector<float> tile;
+  tile.resize(size_t(kNB) * kKC);
+  for (int m = 0; m < M; ++m)
+    std::fill(y + int64_t(m) * N + n0, y + int64_t(m) * N + n1, 0.0f);
+  for (size_t si = 0; si < w.segs.size(); ++si) {
+    const SegView& s = w.segs[si];
+    for (int c0 = 0; c0 < s.k; c0 += kKC) {
+      const int c1 = std::min(s.k, c0 + kKC), kc = c1 - c0;
+      for (int nt = n0; nt < n1; nt += kNB) {
+        const int nb = std::min(kNB, n1 - nt);
+        fns[si].dequant(s, w.sdtype, nt, nb, c0, c1, tile.data(), kKC);
+        const float* xb = pr.xd.data() + s.k0 + c0;
+        for (int m = 0; m < M; m += 4) {
+          const int mr = std::min(4, M - m);
+          for (int j = 0; j < nb; j += 3) {
+            const int nr = std::min(3, nb - j);
+            micro_table[mr][nr](xb + int64_t(m) * K, K, tile.data() + j * kKC,
+                                kKC, kc, y + int64_t(m) * N + nt + j, N);
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void qmm_avx2_run(const float* x, int M, const QMatView& w, float* y) {
+  Prepared pr;
+  pr.M = M;
+  pr.K = w.K;
+  const int K = w.K;
+  const bool small = M <= kSmallM;
+  std::vector<SegFns> fns;
+  for (const SegView& s : w.segs) fns.push_back(seg_fns(s.bits, s.group_size));
+
+  if (small) {
+    pr.xq.resize(w.segs.size());
+    pr.xs.resize(w.segs.size());
+    std::vector<float> tmp(kUnit);
+    for (size_t si = 0; si < w.segs.size(); ++si) {
+      const SegView& s = w.segs[si];
+      const int ng = s.k / s.group_size;
+      const float* us = unit_scale(s.bits);
+      pr.xq[si].resize(size_t(M) * s.k);
+      pr.xs[si].resize(size_t(M) * ng);
+      for (int m = 0; m < M; ++m) {
+        const float* src = x + int64_t(m) * K + s.k0;
+        float* dq = pr.xq[si].data() + int64_t(m) * s.k;
+        to_decode_order(src, s.k, dq);
+        for (int c = 0; c < s.k; ++c) dq[c] *= us[c & (kUnit - 1)];
+        for (int g = 0; g < ng; ++g) {
+          // Summed in float64 then rounded: the b*sum(x) term is the one
+          // that can cancel against s*sum(q x).
+          double acc = 0.0;
+          for (int c = 0; c < s.group_size; ++c) acc += src[g * s.group_size + c];
+          pr.xs[si][int64_t(m) * ng + g] = float(acc);
+        }
+      }
+    }
+    parallel_for(w.N, 16, [&](int64_t n0, int64_t n1) {
+      small_slice(pr, w, fns, y, int(n0), int(n1));
+    });
+  } else {
+    pr.xd.resize(size_t(M) * K);
+    parallel_for(M, 32, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        to_decode_order(x + m * K, K, pr.xd.data() + m * K);
+    });
+    parallel_for(w.N, kNB, [&](int64_t n0, int64_t n1) {
+      gemm_slice(pr, w, fns, y, int(n0), int(n1));
+    });
+  }
+}
+
+}  // namespace mixbits
