@@ -1,0 +1,25 @@
+// Prelude of every mixbits .metal source. On a Mac it pulls in the Metal
+// standard library and defines how kernels are instantiated under their
+// [[host_name]]; compiled as C++ for the CPU emulator, tests/metal/
+// metal_compat.h (included before this) provides the same names.
+#pragma once
+
+#if defined(__METAL_VERSION__)
+#include <metal_simdgroup>
+#include <metal_stdlib>
+using namespace metal;
+
+// One explicit instantiation of kernel template `func`, visible to the host
+// as `name` (the host asks the library for this string).
+#define MB_INSTANTIATE_KERNEL(name, func, ...) \
+  template [[host_name(name)]] [[kernel]] decltype(func<__VA_ARGS__>) func<__VA_ARGS__>;
+#define MB_UNROLL _Pragma("clang loop unroll(full)")
+
+#else
+
+#if !defined(MIXBITS_METAL_EMULATION)
+#error "compile .metal sources as C++ only after including tests/metal/metal_compat.h"
+#endif
+#define MB_UNROLL
+
+#endif

@@ -1,0 +1,3 @@
+// kl.metal, unchanged, compiled as C++ for the SIMT emulator.
+#include "metal_compat.h"
+#include "kl.metal"

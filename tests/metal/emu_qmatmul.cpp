@@ -1,0 +1,3 @@
+// qmatmul.metal, unchanged, compiled as C++ for the SIMT emulator.
+#include "metal_compat.h"
+#include "qmatmul.metal"

@@ -1,0 +1,225 @@
+"""Builds the Metal-kernel emulator library with g++ and calls it via ctypes.
+
+The .metal sources (metal/) are compiled unchanged as C++ through
+tests/metal/metal_compat.h and linked with the SIMT emulator and the
+launch harness into one shared library. The build is cached under
+build/metal-emu/<hash of every source, the flags and the compiler>/, so only
+a change to a kernel, header or emulator file rebuilds it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+METAL_DIR = ROOT / "metal"
+EMU_DIR = ROOT / "tests" / "metal"
+BUILD_ROOT = ROOT / "build" / "metal-emu"
+
+UNITS = ["simt.cpp", "harness.cpp", "emu_qmatmul.cpp", "emu_kl.cpp", "emu_selftest.cpp"]
+FLAGS = [
+    "-std=c++20", "-O2", "-fPIC", "-pthread", "-Wall", "-Wextra",
+    "-Wno-unknown-pragmas", "-Wno-register", "-Wno-unused-parameter",
+    f"-I{METAL_DIR}", f"-I{EMU_DIR}",
+]
+
+ACT_TYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
+ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
+PATHS = {"auto": 0, "gemv": 1, "tiled": 2}
+
+
+class EmulatorError(RuntimeError):
+    """A kernel broke a synchronization rule, or the launch failed."""
+
+
+def compiler() -> str | None:
+    cxx = os.environ.get("CXX", "g++")
+    return shutil.which(cxx)
+
+
+def _sources() -> list[Path]:
+    files = sorted(METAL_DIR.glob("*.h")) + sorted(METAL_DIR.glob("*.metal"))
+    files += sorted(EMU_DIR.glob("*.h")) + sorted(EMU_DIR.glob("*.cpp"))
+    files += sorted(EMU_DIR.glob("*.metal"))
+    return files
+
+
+def _build_key(cxx: str) -> str:
+    h = hashlib.sha256()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    h.update(version.encode())
+    h.update(" ".join(FLAGS).encode())
+    for f in _sources():
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build() -> Path:
+    """Path of the emulator library, building it if no cached build matches."""
+    cxx = compiler()
+    if cxx is None:
+        raise FileNotFoundError("no C++ compiler (g++ or $CXX) on PATH")
+    key = _build_key(cxx)
+    lib = BUILD_ROOT / key / "libmbemu.so"
+    if lib.exists():
+        return lib
+    BUILD_ROOT.mkdir(parents=True, exist_ok=True)
+    with open(BUILD_ROOT / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent test runs build once
+        if lib.exists():
+            return lib
+        tmp = Path(tempfile.mkdtemp(dir=BUILD_ROOT, prefix=".tmp-"))
+        try:
+            def compile_unit(unit: str) -> Path:
+                obj = tmp / (Path(unit).stem + ".o")
+                r = subprocess.run([cxx, *FLAGS, "-c", str(EMU_DIR / unit), "-o", str(obj)],
+                                   capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise RuntimeError(f"compiling {unit} failed:\n{r.stderr[-8000:]}")
+                return obj
+
+            jobs = max(1, min(len(UNITS), os.cpu_count() or 1))
+            with ThreadPoolExecutor(jobs) as pool:
+                objs = list(pool.map(compile_unit, UNITS))
+            out = tmp / "libmbemu.so"
+            r = subprocess.run([cxx, "-shared", "-pthread", *map(str, objs), "-o", str(out)],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"linking the emulator failed:\n{r.stderr[-8000:]}")
+            final = BUILD_ROOT / key
+            os.replace(tmp, final)  # atomic: a half-built directory is never seen
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return lib
+
+
+_LIB = None
+
+
+def lib() -> ctypes.CDLL:
+    global _LIB
+    if _LIB is None:
+        L = ctypes.CDLL(str(build()))
+        P, I, U64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64
+        L.mbemu_qmm.argtypes = [I, I, I, P, P, P, I, P, P, P, P, P, I, P, I, I, U64,
+                                ctypes.c_char_p, I]
+        L.mbemu_kl.argtypes = [I, I, I, P, P, I, I, P, P, P, P, P, P, I, U64,
+                               ctypes.c_char_p, I]
+        L.mbemu_selftest.argtypes = [ctypes.c_char_p, I, I, P, P, I, I, U64,
+                                     ctypes.c_char_p, I]
+        L.mbemu_kernel_count.argtypes = []
+        for f in (L.mbemu_qmm, L.mbemu_kl, L.mbemu_selftest, L.mbemu_kernel_count):
+            f.restype = I
+        _LIB = L
+    return _LIB
+
+
+def _ptr(a: np.ndarray | None):
+    return None if a is None else a.ctypes.data_as(ctypes.c_void_p)
+
+
+def _check(rc: int, err: ctypes.Array) -> None:
+    if rc != 0:
+        raise EmulatorError(err.value.decode(errors="replace"))
+
+
+# ---------------------------------------------------------------- dtypes
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (round to nearest even)."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return r
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def storage_to_f64(a: np.ndarray, act: str) -> np.ndarray:
+    if act == "bfloat16":
+        return bf16_to_f32(a).astype(np.float64)
+    return a.astype(np.float64)
+
+
+def storage_dtype(act: str):
+    return {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[act]
+
+
+# ---------------------------------------------------------------- kernels
+
+def qmatmul(x: np.ndarray, act: str, segments, N: int, perm=None, scale_type: str = "float32",
+            path: str = "auto", order: str = "shuffle", seed: int = 1) -> np.ndarray:
+    """Run the Metal quantized matmul on the emulator.
+
+    x: [M, K] storage array of `act` (bfloat16 as uint16 bits);
+    segments: list of (bits, group_size, k, wq uint32, scales, biases) with
+    scales/biases as storage arrays of `scale_type`. Returns [M, N] storage.
+    """
+    x = np.ascontiguousarray(x)
+    M, K = x.shape
+    n = len(segments)
+    bits = np.array([s[0] for s in segments], dtype=np.int32)
+    gs = np.array([s[1] for s in segments], dtype=np.int32)
+    ks = np.array([s[2] for s in segments], dtype=np.int32)
+    assert ks.sum() == K
+    keep = []
+    wq_p, sc_p, bi_p = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)()
+    for i, (_, _, _, wq, sc, bi) in enumerate(segments):
+        wq, sc, bi = (np.ascontiguousarray(a) for a in (wq, sc, bi))
+        keep += [wq, sc, bi]
+        wq_p[i], sc_p[i], bi_p[i] = wq.ctypes.data, sc.ctypes.data, bi.ctypes.data
+    perm_a = None if perm is None else np.ascontiguousarray(perm, dtype=np.int32)
+    out = np.zeros((M, N), dtype=storage_dtype(act))
+    err = ctypes.create_string_buffer(2048)
+    rc = lib().mbemu_qmm(M, N, n, _ptr(bits), _ptr(gs), _ptr(ks), ACT_TYPES[act], _ptr(x),
+                         _ptr(perm_a), wq_p, sc_p, bi_p, ACT_TYPES[scale_type], _ptr(out),
+                         PATHS[path], ORDERS[order], seed, err, len(err))
+    _check(rc, err)
+    return out
+
+
+def kl(a: np.ndarray, b: np.ndarray, act: str, extras: bool = True, threads: int = 256,
+       order: str = "shuffle", seed: int = 1) -> dict:
+    """Run the Metal KL kernel on the emulator over rows of a (reference) and b."""
+    a = np.ascontiguousarray(a)
+    b = np.ascontiguousarray(b)
+    assert a.shape == b.shape and a.ndim == 2
+    rows, V = a.shape
+    res = {k: np.zeros(rows, np.float32) for k in ("kl", "lse_q", "lse_ref")}
+    res.update({k: np.zeros(rows, np.int32) for k in ("argmax_q", "argmax_ref", "status")})
+    err = ctypes.create_string_buffer(2048)
+    rc = lib().mbemu_kl(rows, V, ACT_TYPES[act], _ptr(a), _ptr(b), int(extras), threads,
+                        *(_ptr(res[k]) for k in ("kl", "lse_q", "lse_ref", "argmax_q",
+                                                 "argmax_ref", "status")),
+                        ORDERS[order], seed, err, len(err))
+    _check(rc, err)
+    return res if extras else {"kl": res["kl"]}
+
+
+def selftest(name: str, inp: np.ndarray, groups: int, threads: int, out_len: int,
+             order: str = "shuffle", seed: int = 1) -> np.ndarray:
+    inp = np.ascontiguousarray(inp, dtype=np.float32)
+    assert inp.size == groups * threads
+    out = np.zeros(out_len, np.float32)
+    err = ctypes.create_string_buffer(2048)
+    rc = lib().mbemu_selftest(name.encode(), groups, threads, _ptr(inp), _ptr(out), out_len,
+                              ORDERS[order], seed, err, len(err))
+    _check(rc, err)
+    return out
+
+
+def kernel_count() -> int:
+    return lib().mbemu_kernel_count()

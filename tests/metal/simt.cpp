@@ -1,0 +1,347 @@
+// The SIMT emulator: one ucontext fiber per kernel thread, a cooperative
+// scheduler per threadgroup, and strict checking of every synchronization
+// point (see simt.h for the rules).
+#include "simt.h"
+
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <vector>
+
+namespace simt {
+
+namespace {
+
+enum class State { Runnable, AtSimd, AtBarrier, Done };
+
+struct Fiber {
+  ucontext_t ctx;
+  State state = State::Runnable;
+  const char* op = nullptr;  // simd op name while State::AtSimd
+  std::source_location loc;  // where it waits
+  uint64_t simd_seq = 0;     // simd ops completed so far
+  ThreadIds ids;
+};
+
+// Stacks for every fiber of a threadgroup, each above a PROT_NONE guard page
+// so an overflow faults instead of corrupting a neighbour.
+class Stacks {
+ public:
+  Stacks(size_t n, size_t bytes) {
+    page_ = size_t(sysconf(_SC_PAGESIZE));
+    per_ = (bytes + page_ - 1) / page_ * page_ + page_;
+    total_ = per_ * n;
+    void* p = mmap(nullptr, total_, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw Error("simt: cannot allocate fiber stacks");
+    base_ = static_cast<char*>(p);
+    for (size_t i = 0; i < n; ++i) mprotect(base_ + i * per_, page_, PROT_NONE);
+  }
+  ~Stacks() { munmap(base_, total_); }
+  Stacks(const Stacks&) = delete;
+  Stacks& operator=(const Stacks&) = delete;
+  char* stack(size_t i) const { return base_ + i * per_ + page_; }
+  size_t size() const { return per_ - page_; }
+
+ private:
+  char* base_ = nullptr;
+  size_t page_ = 0, per_ = 0, total_ = 0;
+};
+
+struct Group {
+  ucontext_t sched;
+  std::vector<Fiber> fibers;
+  // Simd exchange slots: [simdgroup][parity][lane][kMaxSimdValueBytes].
+  // Two parities: a lane can deposit for op s+1 only after every lane of its
+  // simdgroup left op s, so slots of op s are never overwritten while read.
+  std::vector<unsigned char> slots;
+  const Body* body = nullptr;
+  std::exception_ptr error;
+  int current = -1;
+  uint32_t threads = 0;
+};
+
+thread_local Group* g_group = nullptr;
+
+std::string where(const std::source_location& l) {
+  std::ostringstream os;
+  const char* f = l.file_name();
+  const char* slash = std::strrchr(f, '/');
+  os << (slash ? slash + 1 : f) << ":" << l.line();
+  return os.str();
+}
+
+std::string dim_str(const Dim3& d) {
+  std::ostringstream os;
+  os << "(" << d.x << "," << d.y << "," << d.z << ")";
+  return os.str();
+}
+
+bool same_site(const Fiber& a, const Fiber& b) {
+  return a.loc.line() == b.loc.line() && a.loc.column() == b.loc.column() &&
+         std::strcmp(a.loc.file_name(), b.loc.file_name()) == 0;
+}
+
+std::string describe(const Fiber& f) {
+  switch (f.state) {
+    case State::Done: return "returned";
+    case State::AtBarrier: return "waits at threadgroup_barrier " + where(f.loc);
+    case State::AtSimd:
+      return std::string("waits at ") + f.op + " " + where(f.loc);
+    default: return "runnable";
+  }
+}
+
+void fiber_entry() {
+  Group* g = g_group;
+  Fiber& f = g->fibers[g->current];
+  try {
+    (*g->body)(f.ids);
+  } catch (...) {
+    if (!g->error) g->error = std::current_exception();
+  }
+  f.state = State::Done;
+  // Returning resumes uc_link, the scheduler.
+}
+
+Fiber& current_fiber() {
+  if (!g_group || g_group->current < 0)
+    throw Error("simt: a simdgroup op or barrier was called outside a kernel");
+  return g_group->fibers[g_group->current];
+}
+
+void yield_to_scheduler(Fiber& f) { swapcontext(&f.ctx, &g_group->sched); }
+
+// Releases lanes and threads waiting at synchronization points that every
+// participant has reached. Called when no thread can run; throws on a
+// deadlock (a synchronization point that can never complete).
+void resolve(Group& g, const Dim3& tg) {
+  const uint32_t n = g.threads;
+  const uint32_t nsimd = (n + kSimdWidth - 1) / kSimdWidth;
+  bool progress = false;
+  for (uint32_t s = 0; s < nsimd; ++s) {
+    const uint32_t lo = s * kSimdWidth, hi = std::min(n, lo + kSimdWidth);
+    int first = -1, waiting = 0;
+    for (uint32_t i = lo; i < hi; ++i)
+      if (g.fibers[i].state == State::AtSimd) {
+        if (first < 0) first = int(i);
+        ++waiting;
+      }
+    if (first < 0) continue;
+    const Fiber& a = g.fibers[first];
+    std::ostringstream os;
+    if (uint32_t(waiting) != hi - lo) {
+      os << "simt: " << a.op << " at " << where(a.loc) << " reached by only "
+         << waiting << " of " << (hi - lo) << " lanes of simdgroup " << s
+         << " in threadgroup " << dim_str(tg) << " (divergent simd op)";
+      for (uint32_t i = lo; i < hi; ++i)
+        if (g.fibers[i].state != State::AtSimd) {
+          os << "; lane " << (i - lo) << " " << describe(g.fibers[i]);
+          break;
+        }
+      throw Error(os.str());
+    }
+    for (uint32_t i = lo; i < hi; ++i) {
+      const Fiber& b = g.fibers[i];
+      if (!same_site(a, b) || std::strcmp(a.op, b.op) != 0 ||
+          a.simd_seq != b.simd_seq) {
+        os << "simt: lanes of simdgroup " << s << " in threadgroup "
+           << dim_str(tg) << " meet at different simd ops: lane "
+           << (first - int(lo)) << " at " << a.op << " " << where(a.loc)
+           << ", lane " << (i - lo) << " at " << b.op << " " << where(b.loc);
+        throw Error(os.str());
+      }
+    }
+    for (uint32_t i = lo; i < hi; ++i) g.fibers[i].state = State::Runnable;
+    progress = true;
+  }
+  if (progress) return;
+
+  // No simd op is pending, so every thread still alive waits at a barrier.
+  int first = -1;
+  uint32_t at_barrier = 0;
+  for (uint32_t i = 0; i < n; ++i)
+    if (g.fibers[i].state == State::AtBarrier) {
+      if (first < 0) first = int(i);
+      ++at_barrier;
+    }
+  const Fiber& a = g.fibers[first];
+  if (at_barrier != n) {
+    std::ostringstream os;
+    os << "simt: threadgroup_barrier at " << where(a.loc) << " reached by "
+       << at_barrier << " of " << n << " threads of threadgroup "
+       << dim_str(tg) << "; the others returned without reaching it";
+    throw Error(os.str());
+  }
+  for (uint32_t i = 0; i < n; ++i) {
+    if (!same_site(a, g.fibers[i])) {
+      std::ostringstream os;
+      os << "simt: threads of threadgroup " << dim_str(tg)
+         << " wait at different barriers: thread " << first << " at "
+         << where(a.loc) << ", thread " << i << " at "
+         << where(g.fibers[i].loc);
+      throw Error(os.str());
+    }
+  }
+  for (uint32_t i = 0; i < n; ++i) g.fibers[i].state = State::Runnable;
+}
+
+struct GroupGuard {
+  ~GroupGuard() { g_group = nullptr; }
+};
+
+}  // namespace
+
+bool in_kernel() { return g_group && g_group->current >= 0; }
+
+uint32_t current_lane() {
+  return current_fiber().ids.thread_index_in_simdgroup;
+}
+
+void barrier(const std::source_location& loc) {
+  Fiber& f = current_fiber();
+  f.state = State::AtBarrier;
+  f.loc = loc;
+  yield_to_scheduler(f);
+}
+
+const unsigned char* simd_rendezvous(const char* op, const void* value,
+                                     size_t size, int* lanes,
+                                     const std::source_location& loc) {
+  Fiber& f = current_fiber();
+  if (size > kMaxSimdValueBytes)
+    throw Error("simt: simd op value larger than kMaxSimdValueBytes");
+  Group& g = *g_group;
+  const uint32_t sg = f.ids.simdgroup_index_in_threadgroup;
+  const uint32_t lane = f.ids.thread_index_in_simdgroup;
+  unsigned char* base =
+      g.slots.data() +
+      (size_t(sg) * 2 + (f.simd_seq & 1)) * kSimdWidth * kMaxSimdValueBytes;
+  std::memcpy(base + lane * kMaxSimdValueBytes, value, size);
+  f.state = State::AtSimd;
+  f.op = op;
+  f.loc = loc;
+  yield_to_scheduler(f);
+  f.simd_seq++;
+  const uint32_t lo = sg * kSimdWidth;
+  *lanes = int(std::min<uint32_t>(g.threads - lo, kSimdWidth));
+  return base;
+}
+
+void dispatch_threadgroups(Dim3 groups, Dim3 threads, const Body& body,
+                           const Options& opt) {
+  if (g_group) throw Error("simt: nested dispatch from inside a kernel");
+  const uint32_t n = threads.count();
+  if (n == 0 || n > uint32_t(kMaxThreadsPerGroup))
+    throw Error("simt: threads per threadgroup must be in 1..1024, got " +
+                std::to_string(n));
+  if (groups.count() == 0) return;
+
+  Stacks stacks(n, opt.stack_bytes);
+  Group g;
+  g.threads = n;
+  g.body = &body;
+  g.fibers.resize(n);
+  const uint32_t nsimd = (n + kSimdWidth - 1) / kSimdWidth;
+  g.slots.assign(size_t(nsimd) * 2 * kSimdWidth * kMaxSimdValueBytes, 0);
+  std::mt19937_64 rng(opt.seed);
+  std::vector<uint32_t> order(n);
+  GroupGuard guard;
+  g_group = &g;
+
+  for (uint32_t gz = 0; gz < groups.z; ++gz)
+    for (uint32_t gy = 0; gy < groups.y; ++gy)
+      for (uint32_t gx = 0; gx < groups.x; ++gx) {
+        const Dim3 tg{gx, gy, gz};
+        if (opt.group_start) opt.group_start(tg);
+        for (uint32_t i = 0; i < n; ++i) {
+          Fiber& f = g.fibers[i];
+          f.state = State::Runnable;
+          f.simd_seq = 0;
+          f.op = nullptr;
+          ThreadIds& t = f.ids;
+          t.threadgroup_position_in_grid = tg;
+          t.thread_position_in_threadgroup = {i % threads.x,
+                                              (i / threads.x) % threads.y,
+                                              i / (threads.x * threads.y)};
+          t.thread_position_in_grid = {
+              gx * threads.x + t.thread_position_in_threadgroup.x,
+              gy * threads.y + t.thread_position_in_threadgroup.y,
+              gz * threads.z + t.thread_position_in_threadgroup.z};
+          t.threads_per_threadgroup = threads;
+          t.threadgroups_per_grid = groups;
+          t.thread_index_in_threadgroup = i;
+          t.simdgroup_index_in_threadgroup = i / kSimdWidth;
+          t.thread_index_in_simdgroup = i % kSimdWidth;
+          t.simdgroups_per_threadgroup = nsimd;
+          t.threads_per_simdgroup = kSimdWidth;
+          getcontext(&f.ctx);
+          f.ctx.uc_stack.ss_sp = stacks.stack(i);
+          f.ctx.uc_stack.ss_size = stacks.size();
+          f.ctx.uc_link = &g.sched;
+          makecontext(&f.ctx, fiber_entry, 0);
+        }
+        for (;;) {
+          std::iota(order.begin(), order.end(), 0u);
+          if (opt.order == Order::Reverse)
+            std::reverse(order.begin(), order.end());
+          else if (opt.order == Order::Shuffle)
+            std::shuffle(order.begin(), order.end(), rng);
+          for (uint32_t i : order) {
+            if (g.fibers[i].state != State::Runnable) continue;
+            g.current = int(i);
+            swapcontext(&g.sched, &g.fibers[i].ctx);
+            g.current = -1;
+            if (g.error) std::rethrow_exception(g.error);
+          }
+          bool all_done = true;
+          for (const Fiber& f : g.fibers) all_done &= f.state == State::Done;
+          if (all_done) break;
+          resolve(g, tg);
+        }
+      }
+}
+
+// ---- registry -------------------------------------------------------------
+
+namespace {
+struct Entry {
+  void* fn;
+  const std::type_info* type;
+  int count;
+};
+std::map<std::string, Entry>& registry() {
+  static std::map<std::string, Entry> r;
+  return r;
+}
+}  // namespace
+
+void register_kernel_raw(const char* name, void* fn, const std::type_info& t) {
+  auto [it, fresh] = registry().try_emplace(name, Entry{fn, &t, 0});
+  it->second.count++;
+}
+
+void* find_kernel_raw(const std::string& name, const std::type_info& t) {
+  auto it = registry().find(name);
+  if (it == registry().end())
+    throw Error("simt: no kernel instantiated with host_name \"" + name + "\"");
+  if (it->second.count != 1)
+    throw Error("simt: host_name \"" + name + "\" is instantiated " +
+                std::to_string(it->second.count) + " times");
+  if (*it->second.type != t)
+    throw Error("simt: kernel \"" + name +
+                "\" has a different signature than the caller expects");
+  return it->second.fn;
+}
+
+size_t kernel_count() { return registry().size(); }
+
+}  // namespace simt

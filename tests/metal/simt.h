@@ -1,0 +1,117 @@
+// A CPU SIMT emulator for running Metal compute kernels (compiled as C++ with
+// metal_compat.h) on Linux.
+//
+// Every thread of a threadgroup is a fiber (ucontext with its own stack); the
+// threads of one threadgroup run concurrently in the sense that matters for
+// a kernel: they interleave only at synchronization points, and every
+// synchronization point (simdgroup op, barrier) waits for the threads it
+// names, exactly as on the GPU. Threadgroups run one after another.
+//
+// The emulator is strict where the GPU would silently misbehave:
+//  - a simdgroup op that some lanes of the simdgroup never reach (they
+//    finished, or wait elsewhere), or lanes meeting at different simd ops,
+//    raises simt::Error naming the source lines;
+//  - a threadgroup_barrier not reached by every thread of the threadgroup
+//    (some returned early, or wait at another barrier) raises simt::Error.
+// Between synchronization points the order in which threads run is
+// configurable (forward, reverse, shuffled), so a missing barrier shows up
+// as a wrong result rather than depending on luck.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <source_location>
+#include <stdexcept>
+#include <string>
+#include <typeinfo>
+
+namespace simt {
+
+constexpr int kSimdWidth = 32;
+constexpr int kMaxThreadsPerGroup = 1024;
+// Largest value a simdgroup op can exchange (float4 / uint4 fit).
+constexpr size_t kMaxSimdValueBytes = 16;
+
+struct Error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Dim3 {
+  uint32_t x = 1, y = 1, z = 1;
+  uint32_t count() const { return x * y * z; }
+};
+
+// Every thread-position attribute Metal offers, for one thread.
+struct ThreadIds {
+  Dim3 threadgroup_position_in_grid;
+  Dim3 thread_position_in_threadgroup;
+  Dim3 thread_position_in_grid;
+  Dim3 threads_per_threadgroup;
+  Dim3 threadgroups_per_grid;
+  uint32_t thread_index_in_threadgroup = 0;
+  uint32_t simdgroup_index_in_threadgroup = 0;
+  uint32_t thread_index_in_simdgroup = 0;
+  uint32_t simdgroups_per_threadgroup = 0;
+  uint32_t threads_per_simdgroup = kSimdWidth;
+};
+
+enum class Order { Forward, Reverse, Shuffle };
+
+struct Options {
+  Order order = Order::Shuffle;
+  uint64_t seed = 0x5eed;
+  size_t stack_bytes = 128 * 1024;
+  // Called before each threadgroup starts (e.g. to poison threadgroup
+  // memory, whose contents are undefined at that point on the GPU).
+  std::function<void(const Dim3& threadgroup)> group_start;
+};
+
+using Body = std::function<void(const ThreadIds&)>;
+
+// Runs `body` once per thread of a grid of `groups` threadgroups of `threads`
+// threads each (Metal's dispatchThreadgroups). Throws simt::Error on a
+// synchronization fault; rethrows an exception thrown by a kernel thread.
+void dispatch_threadgroups(Dim3 groups, Dim3 threads, const Body& body,
+                           const Options& opt = {});
+
+// ---- used by metal_compat.h from inside kernel threads -------------------
+
+// True while the calling code runs as an emulated kernel thread.
+bool in_kernel();
+
+// Threadgroup barrier: returns when every thread of the threadgroup reached
+// the same barrier.
+void barrier(const std::source_location& loc);
+
+// Simdgroup rendezvous: deposits `size` bytes from `value`, waits until every
+// lane of the simdgroup reached the same op (same `op` name and call site),
+// and returns the lane-indexed slots (slot i at base + i * kMaxSimdValueBytes)
+// and the number of lanes in this simdgroup. Valid until the lane's next
+// simd op.
+const unsigned char* simd_rendezvous(const char* op, const void* value,
+                                     size_t size, int* lanes,
+                                     const std::source_location& loc);
+
+// The calling thread's lane index (for simd ops that need it).
+uint32_t current_lane();
+
+// ---- kernel registry: [[host_name]] instantiations register here ---------
+
+void register_kernel_raw(const char* name, void* fn, const std::type_info& t);
+void* find_kernel_raw(const std::string& name, const std::type_info& t);
+size_t kernel_count();
+
+template <typename Fn>
+bool register_kernel(const char* name, Fn* fn) {
+  register_kernel_raw(name, reinterpret_cast<void*>(fn), typeid(Fn*));
+  return true;
+}
+
+// The kernel instantiated under `name` with signature Fn; throws if no such
+// name exists or it was instantiated with another signature.
+template <typename Fn>
+Fn* find_kernel(const std::string& name) {
+  return reinterpret_cast<Fn*>(find_kernel_raw(name, typeid(Fn*)));
+}
+
+}  // namespace simt
