@@ -14,6 +14,7 @@ COMMANDS = {
     "plot": "heatmap of a sensitivity table (layers x tensor kinds, per candidate)",
     "generate": "greedy text generation with a real model (stock MLX or --patch mixbits layers)",
     "quantize": "apply an allocation.json to a model and save it as a folder",
+    "bench": "quantized-matmul benchmark vs MLX and numpy, with a memory-bandwidth probe",
 }
 
 

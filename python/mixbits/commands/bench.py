@@ -1,0 +1,317 @@
+"""``mixbits bench``: the quantized-matmul benchmark, with its baselines
+measured in the same run.
+
+For each weight shape N x K, activation rows M and weight kind it times
+mixbits.qmatmul, mx.quantized_matmul on the same weights (a mixed tensor
+is one MLX call per segment), and numpy float32 ``x @ W.T`` on the
+dequantized weights; a multithreaded stream-read probe gives the memory
+roofline. The table shows time, GB/s of weight bytes, % of the probe,
+speedup over MLX and GFLOP/s against numpy; a JSON file keeps it all.
+
+bench/bench_qmatmul.py runs the same cases under pytest-benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+SHAPES_FULL = [(4096, 4096), (11008, 4096), (4096, 11008), (1536, 576), (49152, 576)]
+SHAPES_QUICK = [(4096, 4096), (4096, 11008)]
+MS_FULL = [1, 4, 8, 128, 512]
+MS_QUICK = [1, 8, 128]
+KINDS_FULL = ["2bit", "3bit", "4bit", "8bit", "mixed"]
+KINDS_QUICK = ["4bit", "mixed"]
+GROUP_SIZE = 64
+# MLX's CPU quantized matmul is scalar: skip it where one call would take
+# longer than this (estimated from its M=1 time, which scales with M).
+MLX_BUDGET_S = 3.0
+PROBE_BYTES = 1 << 30  # much larger than the caches the kernels reuse
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--full", action="store_true",
+                   help="all shapes, M in {1,4,8,128,512}, 2/3/4/8-bit and mixed "
+                        "(default: a quick subset)")
+    p.add_argument("--shapes", help="override shapes, e.g. 4096x4096,1536x576 (N x K)")
+    p.add_argument("--m", help="override rows M, e.g. 1,8,128")
+    p.add_argument("--kinds", help="override weight kinds: 2bit,3bit,4bit,5bit,6bit,8bit,mixed")
+    p.add_argument("--min-time", type=float, default=0.3,
+                   help="seconds of repetitions per measurement (default 0.3)")
+    p.add_argument("--no-baselines", action="store_true", help="time mixbits only")
+    p.add_argument("--json", default="qmatmul_bench.json",
+                   help="where to save the results (default ./qmatmul_bench.json)")
+
+
+# ---------------------------------------------------------------- cases
+
+
+@dataclass(frozen=True)
+class Case:
+    n: int
+    k: int
+    m: int
+    kind: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.n}x{self.k}-M{self.m}-{self.kind}"
+
+
+def cases(full: bool = False, shapes=None, ms=None, kinds=None) -> list[Case]:
+    shapes = shapes or (SHAPES_FULL if full else SHAPES_QUICK)
+    ms = ms or (MS_FULL if full else MS_QUICK)
+    kinds = kinds or (KINDS_FULL if full else KINDS_QUICK)
+    return [Case(n, k, m, kind) for (n, k) in shapes for kind in kinds for m in ms]
+
+
+def segments_for(kind: str, k: int):
+    """(segments, use_perm): uniform kinds are one segment; "mixed" is 10%
+    of the columns at 4 bits (act-order first) and the rest at 3 bits."""
+    if kind == "mixed":
+        hi = max(GROUP_SIZE, round(k * 0.10 / GROUP_SIZE) * GROUP_SIZE)
+        return [(4, GROUP_SIZE, hi), (3, GROUP_SIZE, k - hi)], True
+    bits = int(kind.removesuffix("bit"))
+    return [(bits, GROUP_SIZE, k)], False
+
+
+class Weights:
+    """One quantized weight and everything the three implementations need."""
+
+    def __init__(self, n: int, k: int, kind: str, seed: int = 0):
+        import mlx.core as mx
+        import numpy as np
+
+        import mixbits
+
+        rng = np.random.default_rng(seed)
+        w = mx.array(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k))
+        segs, use_perm = segments_for(kind, k)
+        perm = rng.permutation(k).astype(np.int32) if use_perm else None
+        self.qt = mixbits.quantize(w.astype(mx.float16), segs, perm=perm)
+        mx.eval(self.qt.arrays())
+        self.nbytes = self.qt.nbytes
+        self.bpw = self.qt.bits_per_weight
+        self._dense = None
+
+    def dense(self):
+        """float32 [N, K] in stored (permuted) order, for numpy."""
+        import mlx.core as mx
+        import numpy as np
+
+        if self._dense is None:
+            self._dense = np.ascontiguousarray(
+                np.array(self.qt.dequantize().astype(mx.float32)))
+        return self._dense
+
+
+def make_x(case: Case, seed: int = 1):
+    import mlx.core as mx
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = mx.array(rng.standard_normal((case.m, case.k), dtype=np.float32))
+    mx.eval(x)
+    return x
+
+
+def runners(wt: Weights, x):
+    """name -> zero-argument callable doing one full evaluation."""
+    import mlx.core as mx
+    import numpy as np
+
+    import mixbits
+
+    qt = wt.qt
+
+    def run_mixbits():
+        mx.eval(mixbits.qmatmul(x, qt))
+
+    def run_mlx():
+        xs = x if qt.perm is None else mx.take(x, qt.perm, axis=-1)
+        y, k0 = None, 0
+        for s in qt.segments:
+            part = mx.quantized_matmul(xs[..., k0 : k0 + s.k], s.wq, s.scales, s.biases,
+                                       transpose=True, group_size=s.group_size, bits=s.bits)
+            y = part if y is None else y + part
+            k0 += s.k
+        mx.eval(y)
+
+    xn = np.array(x) if qt.perm is None else np.array(x)[:, np.array(qt.perm)]
+    xn = np.ascontiguousarray(xn)
+
+    def run_numpy():
+        xn @ wt.dense().T
+
+    return {"mixbits": run_mixbits, "mlx": run_mlx, "numpy": run_numpy}
+
+
+def time_call(fn, min_time: float = 0.3, max_reps: int = 200, min_reps: int = 3) -> dict:
+    """Best and median of repeated calls after one warm-up (the best is the
+    least disturbed by other processes on a shared machine)."""
+    fn()
+    ts: list[float] = []
+    start = time.perf_counter()
+    while len(ts) < max_reps and (len(ts) < min_reps or time.perf_counter() - start < min_time):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return {"best_s": ts[0], "median_s": ts[len(ts) // 2], "reps": len(ts)}
+
+
+def mlx_estimate(fn) -> float:
+    """Seconds of one MLX call at M=1 (MLX's CPU path scales ~linearly in M)."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def probe_gbps(nbytes: int = PROBE_BYTES, reps: int = 5) -> float:
+    from mixbits import _ext
+
+    return float(_ext.read_bandwidth_gbps(int(nbytes), int(reps)))
+
+
+# ---------------------------------------------------------------- results
+
+
+@dataclass
+class Row:
+    case: Case
+    bpw: float
+    weight_bytes: int
+    times: dict = field(default_factory=dict)  # impl -> time_call dict or {"skipped": why}
+
+    def best(self, impl):
+        t = self.times.get(impl) or {}
+        return t.get("best_s")
+
+    def derived(self, probe: float) -> dict:
+        c = self.case
+        t = self.best("mixbits")
+        flops = 2.0 * c.m * c.n * c.k
+        out = {"mixbits_ms": t * 1e3, "gbps": self.weight_bytes / t / 1e9,
+               "pct_probe": 100.0 * self.weight_bytes / t / 1e9 / probe,
+               "gflops": flops / t / 1e9}
+        if self.best("mlx"):
+            out["mlx_ms"] = self.best("mlx") * 1e3
+            out["speedup_vs_mlx"] = self.best("mlx") / t
+        if self.best("numpy"):
+            out["numpy_ms"] = self.best("numpy") * 1e3
+            out["numpy_gflops"] = flops / self.best("numpy") / 1e9
+            out["pct_numpy_gflops"] = 100.0 * self.best("numpy") / t
+        return out
+
+
+def format_table(rows: list[Row], probe: float) -> str:
+    hdr = (f"{'N x K':>12} {'M':>4} {'weights':>8} {'bpw':>5} {'mixbits ms':>10} "
+           f"{'GB/s':>6} {'%probe':>7} {'MLX ms':>10} {'vs MLX':>7} {'numpy ms':>9} "
+           f"{'GFLOP/s':>8} {'numpy GF':>9} {'%numpy':>7}")
+    lines = [hdr, "-" * len(hdr)]
+    for r in rows:
+        c, d = r.case, r.derived(probe)
+        mlx = r.times.get("mlx", {})
+        if "skipped" in mlx:
+            mlx_ms, sp = f"skip~{mlx['estimate_s']:.0f}s", "-"
+        elif "mlx_ms" in d:
+            mlx_ms, sp = f"{d['mlx_ms']:.2f}", f"{d['speedup_vs_mlx']:.1f}x"
+        else:
+            mlx_ms, sp = "-", "-"
+        np_ms = f"{d['numpy_ms']:.2f}" if "numpy_ms" in d else "-"
+        np_gf = f"{d['numpy_gflops']:.1f}" if "numpy_gflops" in d else "-"
+        pct_np = f"{d['pct_numpy_gflops']:.0f}%" if "pct_numpy_gflops" in d else "-"
+        lines.append(
+            f"{c.n:>6}x{c.k:<5} {c.m:>4} {c.kind:>8} {r.bpw:5.2f} {d['mixbits_ms']:10.3f} "
+            f"{d['gbps']:6.1f} {d['pct_probe']:6.0f}% {mlx_ms:>10} {sp:>7} {np_ms:>9} "
+            f"{d['gflops']:8.1f} {np_gf:>9} {pct_np:>7}")
+    return "\n".join(lines)
+
+
+def machine_info() -> dict:
+    from mixbits import _ext, ops
+
+    return {"platform": platform.platform(), "machine": platform.machine(),
+            "python": sys.version.split()[0], "threads": _ext.num_threads(),
+            "backends": ops.available_backends(),
+            "openblas_env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
+                                                        "OPENBLAS_NUM_THREADS")
+                             if k in os.environ}}
+
+
+def save_json(path: str, probe: dict, rows: list[Row], notes: list[str]) -> None:
+    data = {"machine": machine_info(), "probe_gbps": probe, "notes": notes,
+            "rows": [{"case": asdict(r.case), "bpw": r.bpw, "weight_bytes": r.weight_bytes,
+                      "times": r.times, **r.derived(probe["dram"])} for r in rows]}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _parse_list(s, conv):
+    return [conv(v) for v in s.split(",")] if s else None
+
+
+def run(args) -> int:
+    import gc
+
+    shapes = _parse_list(args.shapes, lambda v: tuple(int(t) for t in v.lower().split("x")))
+    ms = _parse_list(args.m, int)
+    kinds = _parse_list(args.kinds, str)
+    for kd in kinds or []:
+        if kd != "mixed" and kd.removesuffix("bit") not in ("2", "3", "4", "5", "6", "8"):
+            raise SystemExit(f"--kinds: unknown kind {kd!r}")
+    todo = cases(args.full, shapes, ms, kinds)
+    notes = []
+    if any(k in os.environ for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")):
+        notes.append("OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE set: numpy may be slowed; "
+                     "run as `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE mixbits bench`")
+        print("note:", notes[-1], file=sys.stderr)
+    probe = {"dram": probe_gbps(PROBE_BYTES), "32MiB": probe_gbps(32 << 20)}
+    print(f"read-bandwidth probe: {probe['dram']:.1f} GB/s over 1 GiB, "
+          f"{probe['32MiB']:.1f} GB/s over 32 MiB; {len(todo)} cases", flush=True)
+    rows: list[Row] = []
+    by_weight: dict = {}
+    for c in todo:
+        key = (c.n, c.k, c.kind)
+        if key not in by_weight:
+            by_weight.clear()
+            gc.collect()
+            by_weight[key] = Weights(c.n, c.k, c.kind)
+        wt = by_weight[key]
+        fns = runners(wt, make_x(c))
+        row = Row(c, wt.bpw, wt.nbytes)
+        row.times["mixbits"] = time_call(fns["mixbits"], args.min_time)
+        if not args.no_baselines:
+            est = mlx_estimate(fns["mlx"]) if c.m == 1 else None
+            if c.m > 1:
+                ref = next((r for r in rows if r.case == Case(c.n, c.k, 1, c.kind)), None)
+                t1 = ref.best("mlx") if ref and ref.best("mlx") else mlx_estimate(
+                    runners(wt, make_x(Case(c.n, c.k, 1, c.kind)))["mlx"])
+                est = t1 * c.m
+            if est > MLX_BUDGET_S:
+                row.times["mlx"] = {"skipped": f"estimated {est:.1f} s per call", "estimate_s": est}
+            else:
+                row.times["mlx"] = time_call(fns["mlx"], args.min_time, max_reps=50, min_reps=2)
+            row.times["numpy"] = time_call(fns["numpy"], args.min_time)
+        rows.append(row)
+        print(format_table([row], probe["dram"]).splitlines()[-1], flush=True)
+    skipped = sum("skipped" in r.times.get("mlx", {}) for r in rows)
+    if skipped:
+        notes.append(f"MLX skipped in {skipped} cases where one call was estimated "
+                     f"over {MLX_BUDGET_S:.0f} s (skip~Ns = the estimate).")
+    print()
+    print(format_table(rows, probe["dram"]))
+    for n in notes:
+        print("note:", n)
+    save_json(args.json, probe, rows, notes)
+    print(f"saved {args.json}")
+    return 0
