@@ -66,3 +66,27 @@ def test_joint_kl_of_empty_assignment_is_zero_and_grows_with_damage(setup):
     assert 0 < one < allp
     with pytest.raises(ValueError, match="unknown tensors"):
         ev.joint_kl({"model.layers.9.mlp.up_proj": "2b_g64"})
+
+
+def test_compare_strategies_table(setup):
+    from mixbits.measure.compare import compare, entry_bpw, format_rows, mixed_rule, nearest_uniform
+
+    model, toks, table = setup
+    ev = JointEvaluator(model, toks, chunk=2)
+    # 3-bit g64 with fp16 scale+bias stores 3.5 bits per weight
+    assert nearest_uniform(table, 3.4) == ("3b_g64", pytest.approx(3.5))
+    rule = mixed_rule(table, "3b_g64", "4b_g64")
+    fake = {"entries": [{"path": f"model.layers.{i}.{m}.{k}", "layer": i}
+                        for i in range(16) for m, k in (("self_attn", "v_proj"), ("self_attn", "q_proj"),
+                                                        ("mlp", "down_proj"))]}
+    hi = mixed_rule(fake, "lo", "hi")
+    # 16 layers: first and last eighth (0, 1, 14, 15) and every third between (4, 7, 10, 13)
+    assert sorted({int(p.split(".")[2]) for p, v in hi.items() if v == "hi"}) == [0, 1, 4, 7, 10, 13, 14, 15]
+    assert not any(v == "hi" for p, v in hi.items() if p.endswith("q_proj"))
+    rows = compare(table, ev, [3.5], max_evals=3)
+    assert len(rows) == 2
+    for r in rows:
+        assert r["dp"]["bpw"] <= r["target_bpw"] + 1e-9
+        assert r["refined"]["joint_kl"] <= r["dp"]["joint_kl"] + 1e-9
+    assert rows[1]["target_bpw"] == pytest.approx(entry_bpw(table, rule))
+    assert "| 3.500 | uniform 3b_g64 |" in format_rows(rows)

@@ -1,0 +1,88 @@
+"""Joint KL of allocation strategies at matched bits per weight:
+our refined allocation, the knapsack optimum before refinement, uniform
+quantization at the nearest bpw, and mlx-lm's ``mixed_3_4``-style rule
+(more bits for v_proj and down_proj in the first and last eighth of the
+layers and in every third layer between)."""
+
+from __future__ import annotations
+
+from .refine import allocate_table, refine
+
+
+def entry_bpw(table: dict, assignment: dict[str, str]) -> float:
+    """Storage bits per weight of an assignment over the table's tensors."""
+    bits = total = 0
+    for e in table["entries"]:
+        cands = {c["kind"]: c for c in e["candidates"]}
+        name = assignment[e["path"]]
+        if name not in cands:
+            raise ValueError(f"{e['path']}: candidate {name!r} was not measured")
+        bits += cands[name]["storage_bits"]
+        total += e["nparams"]
+    return bits / total
+
+
+def uniform(table: dict, cand: str) -> dict[str, str]:
+    return {e["path"]: cand for e in table["entries"]}
+
+
+def nearest_uniform(table: dict, bpw: float) -> tuple[str, float]:
+    """The uniform candidate whose storage bpw is closest to ``bpw``."""
+    names = [c["kind"] for c in table["entries"][0]["candidates"]]
+    scored = [(abs(entry_bpw(table, uniform(table, n)) - bpw), n) for n in names
+              if all(n in {c["kind"] for c in e["candidates"]} for e in table["entries"])]
+    _, best = min(scored)
+    return best, entry_bpw(table, uniform(table, best))
+
+
+def mixed_rule(table: dict, low: str, high: str) -> dict[str, str]:
+    n_layers = 1 + max(e["layer"] for e in table["entries"])
+    eighth = n_layers // 8
+
+    def more_bits(layer: int) -> bool:
+        return layer < eighth or layer >= 7 * n_layers // 8 or (layer - eighth) % 3 == 2
+
+    out = {}
+    for e in table["entries"]:
+        kind = e["path"].rsplit(".", 1)[-1]
+        out[e["path"]] = high if kind in ("v_proj", "down_proj") and more_bits(e["layer"]) else low
+    return out
+
+
+def compare(table: dict, evaluator, targets: list[float], low: str = "3b_g64",
+            high: str = "4b_g64", max_evals: int = 20, progress: bool = False) -> list[dict]:
+    rows = []
+    rule = mixed_rule(table, low, high)
+    rule_bpw = entry_bpw(table, rule)
+    for bpw in [*targets, rule_bpw]:
+        alloc, sol, _ = allocate_table(table, bpw)
+        dp_assign = {a["path"]: a["kind"] for a in alloc["assignment"]}
+        ref = refine(table, evaluator, bpw, max_evals=max_evals, progress=progress)
+        row = {"target_bpw": bpw,
+               "dp": {"bpw": entry_bpw(table, dp_assign), "sum_kl": sol.cost,
+                      "joint_kl": evaluator.joint_kl(dp_assign)[0]},
+               "refined": {"bpw": ref["average_bpw_storage"],
+                           "joint_kl": ref["joint_refine"]["joint_kl_after"],
+                           "swaps": ref["joint_refine"]["swaps"],
+                           "evaluations": ref["joint_refine"]["evaluations"]}}
+        if bpw is rule_bpw:
+            row["baseline"] = {"name": f"mixed rule {low}/{high}", "bpw": rule_bpw,
+                               "joint_kl": evaluator.joint_kl(rule)[0]}
+        else:
+            name, ubpw = nearest_uniform(table, bpw)
+            row["baseline"] = {"name": f"uniform {name}", "bpw": ubpw,
+                               "joint_kl": evaluator.joint_kl(uniform(table, name))[0]}
+        rows.append(row)
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = ["| target bpw | baseline | baseline bpw | baseline joint KL | DP bpw | DP joint KL "
+             "| refined bpw | refined joint KL | swaps kept/tried |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b, d, f = r["baseline"], r["dp"], r["refined"]
+        lines.append(f"| {r['target_bpw']:.3f} | {b['name']} | {b['bpw']:.3f} | {b['joint_kl']:.4f} "
+                     f"| {d['bpw']:.3f} | {d['joint_kl']:.4f} | {f['bpw']:.3f} | {f['joint_kl']:.4f} "
+                     f"| {f['swaps']}/{f['evaluations']} |")
+    return "\n".join(lines)
