@@ -6,8 +6,11 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <nanobind/ndarray.h>
+
 #include "bench/probe.h"
 #include "common/parallel.h"
+#include "kl/kl.h"
 #include "qmatmul/qmatmul.h"
 
 namespace nb = nanobind;
@@ -39,6 +42,44 @@ NB_MODULE(_ext, m) {
         return out;
       },
       "Backends usable on this CPU (1=ref, 2=avx2, 3=neon).");
+
+  m.def(
+      "kl_divergence",
+      [](const mx::array& ref, const mx::array& logits,
+         const std::optional<mx::array>& row_param, int mode, int backend) {
+        return mixbits::kl_divergence(ref, logits, row_param,
+                                      mixbits::KLMode(mode),
+                                      mixbits::KLBackend(backend));
+      },
+      "ref"_a, "logits"_a, "row_param"_a.none(), "mode"_a = 0, "backend"_a = 0,
+      "Per-row KL(P_ref || Q) over the last axis: [kl, status, argmax_q, "
+      "lse_q, argmax_ref, lse_ref]. mode 0 logits, 1 fixed shift, 2 probs.");
+  m.def(
+      "kl_backends",
+      [] {
+        std::vector<int> out;
+        for (auto b : mixbits::available_kl_backends()) out.push_back(int(b));
+        return out;
+      },
+      "KL backends usable on this CPU (1=ref, 2=avx2, 3=neon).");
+  m.def(
+      "kl_vector_exp",
+      [](nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> x,
+         nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu> y,
+         int backend) {
+        if (x.shape(0) != y.shape(0))
+          throw std::invalid_argument("kl_vector_exp: x and y differ in length");
+        mixbits::kl_vector_exp(mixbits::KLBackend(backend), x.data(), y.data(),
+                               int64_t(x.shape(0)));
+      },
+      "x"_a, "y"_a, "backend"_a = 0, "y[:] = exp(x) with the KL kernel's exp.");
+  m.def(
+      "kl_exp_seconds",
+      [](int64_t n, int backend) {
+        return mixbits::kl_exp_seconds(mixbits::KLBackend(backend), n);
+      },
+      "n_exps"_a, "backend"_a = 0,
+      "Seconds for all threads to evaluate n_exps cache-resident exps.");
 
   m.def("num_threads", &mixbits::num_threads,
         "Worker threads used by the CPU kernels.");

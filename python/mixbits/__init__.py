@@ -4,6 +4,7 @@ import mlx.core as _mx  # noqa: F401  (registers mlx's array type for _ext)
 
 from .layout import QuantizedTensor, quantize
 from .ops import qmatmul, quantized_matmul
+from .kl import kl_divergence  # noqa: E402
 from . import nn
 from .nn import patch, quantize_model
 from .io import load, save

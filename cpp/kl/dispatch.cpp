@@ -1,0 +1,126 @@
+// Picks the KL chunk backend from what this CPU can run, and hosts the
+// exp helpers used by tests and benchmarks.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "common/parallel.h"
+#include "kl/kernel.h"
+
+namespace mixbits {
+
+namespace {
+
+bool cpu_has_avx2() {
+#if defined(MIXBITS_HAVE_AVX2)
+  static const bool ok = __builtin_cpu_supports("avx2") &&
+                         __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+bool available(KLBackend b) {
+  switch (b) {
+    case KLBackend::Ref: return true;
+    case KLBackend::Avx2: return cpu_has_avx2();
+#if defined(MIXBITS_HAVE_NEON)
+    case KLBackend::Neon: return true;
+#endif
+    default: return false;
+  }
+}
+
+KLBackend resolve(KLBackend requested) {
+  if (requested == KLBackend::Auto) {
+    if (available(KLBackend::Avx2)) return KLBackend::Avx2;
+    if (available(KLBackend::Neon)) return KLBackend::Neon;
+    return KLBackend::Ref;
+  }
+  if (!available(requested))
+    throw std::invalid_argument("kl_divergence: backend " +
+                                std::to_string(int(requested)) +
+                                " is not available on this CPU");
+  return requested;
+}
+
+// Scalar exp sum, the reference backend's share of the throughput probe.
+double exp_sum_ref(const float* x, int64_t n, int64_t reps) {
+  double s = 0;
+  for (int64_t r = 0; r < reps; ++r)
+    for (int64_t i = 0; i < n; ++i) s += std::exp(x[i]);
+  return s;
+}
+
+}  // namespace
+
+std::vector<KLBackend> available_kl_backends() {
+  std::vector<KLBackend> out;
+  for (auto b : {KLBackend::Ref, KLBackend::Avx2, KLBackend::Neon})
+    if (available(b)) out.push_back(b);
+  return out;
+}
+
+KLChunkFn select_kl(KLBackend requested) {
+  switch (resolve(requested)) {
+#if defined(MIXBITS_HAVE_AVX2)
+    case KLBackend::Avx2: return kl_chunk_avx2;
+#endif
+#if defined(MIXBITS_HAVE_NEON)
+    case KLBackend::Neon: return kl_chunk_neon;
+#endif
+    default: return kl_chunk_ref;
+  }
+}
+
+void kl_vector_exp(KLBackend backend, const float* x, float* y, int64_t n) {
+  switch (resolve(backend)) {
+#if defined(MIXBITS_HAVE_AVX2)
+    case KLBackend::Avx2: return kl_exp_avx2(x, y, n);
+#endif
+#if defined(MIXBITS_HAVE_NEON)
+    case KLBackend::Neon: return kl_exp_neon(x, y, n);
+#endif
+    default:
+      for (int64_t i = 0; i < n; ++i) y[i] = float(std::exp(double(x[i])));
+  }
+}
+
+double kl_exp_seconds(KLBackend backend, int64_t n_exps) {
+  const KLBackend b = resolve(backend);
+  // 1024 arguments spread over [-20, 0]: L1-resident, so only the exp
+  // arithmetic is timed. Each thread evaluates its share n_exps/threads.
+  constexpr int64_t kN = 1024;
+  const int64_t threads = num_threads();
+  const int64_t reps = std::max<int64_t>(1, n_exps / (kN * threads));
+  std::vector<double> sink(threads, 0.0);
+  auto t0 = std::chrono::steady_clock::now();
+  parallel_for(threads, 1, [&](int64_t t0_, int64_t t1_) {
+    float x[kN];
+    for (int64_t i = 0; i < kN; ++i) x[i] = -20.0f * float(i) / kN;
+    for (int64_t t = t0_; t < t1_; ++t) {
+      switch (b) {
+#if defined(MIXBITS_HAVE_AVX2)
+        case KLBackend::Avx2: sink[t] = kl_exp_sum_avx2(x, kN, reps); break;
+#endif
+#if defined(MIXBITS_HAVE_NEON)
+        case KLBackend::Neon: sink[t] = kl_exp_sum_neon(x, kN, reps); break;
+#endif
+        default: sink[t] = exp_sum_ref(x, kN, reps);
+      }
+    }
+  });
+  auto t1 = std::chrono::steady_clock::now();
+  double s = 0;
+  for (double v : sink) s += v;
+  if (!(s > 0)) throw std::runtime_error("exp probe produced no sum");
+  // Scale to exactly n_exps in case of rounding of reps.
+  double secs = std::chrono::duration<double>(t1 - t0).count();
+  return secs * double(n_exps) / double(reps * kN * threads);
+}
+
+}  // namespace mixbits
