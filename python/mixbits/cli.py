@@ -11,6 +11,9 @@ import sys
 # name -> one-line help. A name listed here must have its module.
 COMMANDS = {
     "demo": "quantize a random matrix into mixed segments; error and bits per weight",
+    "measure": "per-tensor sensitivity sweep (KL of final logits per candidate), resumable",
+    "refine": "sensitivity table -> allocation.json: exact optimum, then joint-KL swaps",
+    "compare": "joint KL of allocation strategies (ours, DP, uniform, mixed rule) at matched bpw",
     "plot": "heatmap of a sensitivity table (layers x tensor kinds, per candidate)",
     "generate": "greedy text generation with a real model (stock MLX or --patch mixbits layers)",
     "quantize": "apply an allocation.json to a model and save it as a folder",

@@ -1,0 +1,33 @@
+"""``mixbits compare``: joint KL of allocation strategies at matched bpw."""
+
+from __future__ import annotations
+
+
+def add_arguments(p) -> None:
+    from ..measure.calib import add_calibration_arguments
+
+    p.add_argument("table", help="sensitivity table from `mixbits measure`")
+    p.add_argument("--model", required=True, help="the model the table was measured on")
+    add_calibration_arguments(p)
+    p.add_argument("--bpw", type=float, nargs="+", default=[3.5, 4.5], help="targets (storage bpw)")
+    p.add_argument("--low", default="3b_g64", help="low candidate of the mixed rule")
+    p.add_argument("--high", default="4b_g64", help="high candidate of the mixed rule")
+    p.add_argument("--max-evals", type=int, default=20, help="joint-KL swaps tried per target")
+    p.add_argument("--json", help="also write the rows as JSON here")
+
+
+def run(args) -> int:
+    from ..measure.calib import load_model_and_tokens
+    from ..measure.checkpoint import atomic_write_json, read_json
+    from ..measure.compare import compare, format_rows
+    from ..measure.joint import JointEvaluator
+
+    table = read_json(args.table, "sensitivity table")
+    model, tokens = load_model_and_tokens(args)
+    ev = JointEvaluator(model, tokens, chunk=4)
+    rows = compare(table, ev, args.bpw, args.low, args.high, args.max_evals, progress=True)
+    print(f"joint KL on {tokens.shape[0]} x {tokens.shape[1]} calibration tokens")
+    print(format_rows(rows))
+    if args.json:
+        atomic_write_json(args.json, rows)
+    return 0
