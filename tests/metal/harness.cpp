@@ -7,10 +7,13 @@
 // PROT_NONE page: reading or writing past its end faults. Outputs and
 // threadgroup memory start as NaN, so an element a kernel forgets to
 // write, or a threadgroup slot read before it is written, shows.
+#include <setjmp.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -75,12 +78,64 @@ simt::Options options(int order, uint64_t seed) {
 simt::Dim3 dim(const uint32_t v[3]) { return {v[0], v[1], v[2]}; }
 uint3 u3(const simt::Dim3& d) { return uint3(d.x, d.y, d.z); }
 
-int report(const std::exception& e, char* err, int errlen) {
+int report(const char* msg, char* err, int errlen) {
   if (err && errlen > 0) {
-    std::strncpy(err, e.what(), size_t(errlen) - 1);
+    std::strncpy(err, msg, size_t(errlen) - 1);
     err[errlen - 1] = 0;
   }
   return 1;
+}
+
+// A kernel that touches a guard page raises SIGSEGV; instead of taking the
+// test process down, the handler jumps back to the entry point, which
+// reports the fault as an error (the interrupted launch's memory leaks).
+thread_local sigjmp_buf* g_fault_jump = nullptr;
+thread_local void* g_fault_addr = nullptr;
+
+void on_fault(int sig, siginfo_t* si, void*) {
+  if (g_fault_jump) {
+    g_fault_addr = si->si_addr;
+    siglongjmp(*g_fault_jump, 1);
+  }
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+template <typename F>
+int guarded_call(F&& f, char* err, int errlen) {
+  static thread_local std::vector<char> altstack(1 << 16);
+  stack_t ss{}, old_ss{};
+  ss.ss_sp = altstack.data();
+  ss.ss_size = altstack.size();
+  sigaltstack(&ss, &old_ss);  // the fault may be a fiber stack overflow
+  struct sigaction sa{}, old_segv{}, old_bus{};
+  sa.sa_sigaction = on_fault;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGSEGV, &sa, &old_segv);
+  sigaction(SIGBUS, &sa, &old_bus);
+  sigjmp_buf jb;
+  volatile int rc = 0;
+  if (sigsetjmp(jb, 1) == 0) {
+    g_fault_jump = &jb;
+    try {
+      f();
+    } catch (const std::exception& e) {
+      rc = report(e.what(), err, errlen);
+    }
+  } else {
+    simt::abandon_dispatch();
+    char msg[160];
+    std::snprintf(msg, sizeof msg,
+                  "kernel accessed memory out of bounds (fault at %p, a guard "
+                  "page after a buffer or a fiber stack)", g_fault_addr);
+    rc = report(msg, err, errlen);
+  }
+  g_fault_jump = nullptr;
+  sigaction(SIGSEGV, &old_segv, nullptr);
+  sigaction(SIGBUS, &old_bus, nullptr);
+  sigaltstack(&old_ss, nullptr);
+  return rc;
 }
 
 // ---- qmatmul ---------------------------------------------------------------
@@ -215,7 +270,7 @@ int mbemu_qmm(int M, int N, int nseg, const int* bits, const int* group_size,
               const uint32_t* const* wq, const void* const* scales,
               const void* const* biases, int scale_type, void* out, int path,
               int order, uint64_t seed, char* err, int errlen) {
-  try {
+  return guarded_call([&] {
     std::vector<QmmSegment> segs;
     for (int i = 0; i < nseg; ++i) segs.push_back({bits[i], group_size[i], k[i]});
     const simt::Options o = options(order, seed);
@@ -227,17 +282,14 @@ int mbemu_qmm(int M, int N, int nseg, const int* bits, const int* group_size,
       run_qmm<half>(M, N, segs, at, x, perm, wq, scales, biases, scale_type, out, p, o);
     else
       run_qmm<uint16_t>(M, N, segs, at, x, perm, wq, scales, biases, scale_type, out, p, o);
-    return 0;
-  } catch (const std::exception& e) {
-    return report(e, err, errlen);
-  }
+  }, err, errlen);
 }
 
 int mbemu_kl(int rows, int V, int type, const void* a, const void* b,
              int extras, int threads, float* kl, float* lse_q, float* lse_ref,
              int32_t* arg_q, int32_t* arg_ref, int32_t* status, int order,
              uint64_t seed, char* err, int errlen) {
-  try {
+  return guarded_call([&] {
     const simt::Options o = options(order, seed);
     const auto at = ActType(type);
     if (type == 0)
@@ -246,10 +298,7 @@ int mbemu_kl(int rows, int V, int type, const void* a, const void* b,
       run_kl<half>(rows, V, at, a, b, extras, threads, kl, lse_q, lse_ref, arg_q, arg_ref, status, o);
     else
       run_kl<uint16_t>(rows, V, at, a, b, extras, threads, kl, lse_q, lse_ref, arg_q, arg_ref, status, o);
-    return 0;
-  } catch (const std::exception& e) {
-    return report(e, err, errlen);
-  }
+  }, err, errlen);
 }
 
 // Runs a selftest.metal kernel over `groups` threadgroups of `threads`
@@ -257,7 +306,7 @@ int mbemu_kl(int rows, int V, int type, const void* a, const void* b,
 int mbemu_selftest(const char* name, int groups, int threads, const float* in,
                    float* out, int out_len, int order, uint64_t seed,
                    char* err, int errlen) {
-  try {
+  return guarded_call([&] {
     auto* fn = simt::find_kernel<StFn>(name);
     Guarded gin(size_t(groups) * threads * 4, in);
     Guarded gout(size_t(out_len) * 4);
@@ -273,10 +322,7 @@ int mbemu_selftest(const char* name, int groups, int threads, const float* in,
              t.thread_index_in_simdgroup);
         }, o);
     std::memcpy(out, gout.as<float>(), size_t(out_len) * 4);
-    return 0;
-  } catch (const std::exception& e) {
-    return report(e, err, errlen);
-  }
+  }, err, errlen);
 }
 
 // Every [[host_name]] the libraries registered (for the name checks).

@@ -113,6 +113,13 @@ template <int unused>
   out[gid] = simd_shuffle(in[gid], ushort(40));
 }
 
+// WRONG: the last threadgroup writes one threadgroup past the end of out.
+template <int unused>
+[[kernel]] void st_write_past_end(ST_ARGS) {
+  const uint gid = tgid.x * ntg + lid;
+  out[gid + ntg] = in[gid];
+}
+
 MB_INSTANTIATE_KERNEL("st_group_sum", st_group_sum, 0)
 MB_INSTANTIATE_KERNEL("st_reverse", st_reverse, 0)
 MB_INSTANTIATE_KERNEL("st_reverse_no_barrier", st_reverse_no_barrier, 0)
@@ -122,3 +129,4 @@ MB_INSTANTIATE_KERNEL("st_split_sum", st_split_sum, 0)
 MB_INSTANTIATE_KERNEL("st_early_return", st_early_return, 0)
 MB_INSTANTIATE_KERNEL("st_barrier_mismatch", st_barrier_mismatch, 0)
 MB_INSTANTIATE_KERNEL("st_bad_lane", st_bad_lane, 0)
+MB_INSTANTIATE_KERNEL("st_write_past_end", st_write_past_end, 0)

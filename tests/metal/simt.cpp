@@ -200,6 +200,8 @@ struct GroupGuard {
 
 }  // namespace
 
+void abandon_dispatch() { g_group = nullptr; }
+
 bool in_kernel() { return g_group && g_group->current >= 0; }
 
 uint32_t current_lane() {

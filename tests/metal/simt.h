@@ -74,6 +74,11 @@ using Body = std::function<void(const ThreadIds&)>;
 void dispatch_threadgroups(Dim3 groups, Dim3 threads, const Body& body,
                            const Options& opt = {});
 
+// Forgets a dispatch that was interrupted by a fault handler jumping out of
+// it (its fibers are abandoned, their memory leaked), so the next dispatch
+// can start.
+void abandon_dispatch();
+
 // ---- used by metal_compat.h from inside kernel threads -------------------
 
 // True while the calling code runs as an emulated kernel thread.

@@ -1,0 +1,155 @@
+"""The SIMT emulator's own tests: correct kernels give the right answers in
+every thread order, and deliberately wrong kernels (missing barrier,
+divergent simd ops, a barrier skipped by some threads) fail."""
+
+import re
+
+import numpy as np
+import pytest
+
+import metal_emu as E
+
+ORDERS = ["forward", "reverse", "shuffle"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def emulator():
+    if E.compiler() is None:
+        pytest.skip("no C++ compiler to build the Metal emulator")
+    E.lib()
+
+
+def data(groups, threads, seed=0):
+    return np.random.default_rng(seed).standard_normal(groups * threads).astype(np.float32)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("threads", [32, 48, 96, 256, 1024])
+def test_group_sum(threads, order):
+    groups = 3
+    x = data(groups, threads)
+    got = E.selftest("st_group_sum", x, groups, threads, groups, order=order)
+    want = x.reshape(groups, threads).astype(np.float64).sum(axis=1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_threadgroup_memory_shared_within_and_separate_across_groups(order):
+    groups, threads = 4, 128
+    x = data(groups, threads, seed=1)
+    got = E.selftest("st_reverse", x, groups, threads, groups * threads, order=order)
+    np.testing.assert_array_equal(got, x.reshape(groups, threads)[:, ::-1].ravel())
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_missing_barrier_gives_wrong_result(order):
+    # The same exchange as st_reverse without its barrier: in every order some
+    # thread reads its mirror's slot before the mirror wrote it.
+    groups, threads = 2, 128
+    x = data(groups, threads, seed=2)
+    got = E.selftest("st_reverse_no_barrier", x, groups, threads, groups * threads, order=order)
+    want = x.reshape(groups, threads)[:, ::-1].ravel()
+    wrong = ~(got == want)
+    assert wrong.sum() >= threads // 2, f"only {wrong.sum()} wrong outputs"
+
+
+@pytest.mark.parametrize("threads", [32, 64, 40])
+def test_shuffles_match_lane_arithmetic(threads):
+    groups = 2
+    x = np.arange(groups * threads, dtype=np.float32) * 1.5 - 7
+    got = E.selftest("st_shuffles", x, groups, threads, groups * threads * 6).reshape(-1, 6)
+    for t in range(groups * threads):
+        base = (t // threads) * threads + ((t % threads) // 32) * 32
+        n = min(32, (t // threads + 1) * threads - base)  # lanes of this simdgroup
+        lane = t - base
+        sg = x[base:base + n]
+        down = sg[lane + 3] if lane + 3 < n else x[t]
+        xor = sg[lane ^ 5] if (lane ^ 5) < n else x[t]
+        up = sg[lane - 2] if lane >= 2 else x[t]
+        want = [down, xor, sg[7], sg.max(), up, sg.min()]
+        np.testing.assert_array_equal(got[t], want, err_msg=f"thread {t}")
+
+
+def test_divergent_simd_sum_fails():
+    with pytest.raises(E.EmulatorError, match=r"simd_sum at selftest.metal:\d+ reached by only "
+                                             r"16 of 32 lanes"):
+        E.selftest("st_divergent_sum", data(1, 64), 1, 64, 64)
+
+
+def test_simd_ops_at_different_sites_fail():
+    with pytest.raises(E.EmulatorError, match="meet at different simd ops"):
+        E.selftest("st_split_sum", data(1, 32), 1, 32, 32)
+
+
+def test_barrier_skipped_by_some_threads_fails():
+    with pytest.raises(E.EmulatorError, match=r"threadgroup_barrier at selftest.metal:\d+ "
+                                             r"reached by 32 of 128 threads"):
+        E.selftest("st_early_return", data(1, 128), 1, 128, 128)
+
+
+def test_threads_at_different_barriers_fail():
+    with pytest.raises(E.EmulatorError, match="wait at different barriers"):
+        E.selftest("st_barrier_mismatch", data(1, 64), 1, 64, 64)
+
+
+def test_shuffle_from_missing_lane_fails():
+    with pytest.raises(E.EmulatorError, match="reads lane 40"):
+        E.selftest("st_bad_lane", data(1, 32), 1, 32, 32)
+
+
+def test_out_of_bounds_write_is_reported_not_fatal():
+    with pytest.raises(E.EmulatorError, match="out of bounds"):
+        E.selftest("st_write_past_end", data(2, 64), 2, 64, 128)
+    # The emulator is usable again afterwards.
+    x = data(1, 64)
+    np.testing.assert_array_equal(E.selftest("st_reverse", x, 1, 64, 64), x[::-1])
+
+
+def test_unknown_kernel_name_fails():
+    with pytest.raises(E.EmulatorError, match="no kernel instantiated"):
+        E.selftest("st_nope", data(1, 32), 1, 32, 32)
+
+
+def test_every_instantiation_registered():
+    # qmatmul: 3 activation types x 6 widths x 3 group sizes x 2 kernels;
+    # kl: 3 types; selftest: 10 kernels. Duplicate host names would collapse.
+    assert E.kernel_count() == 3 * 6 * 3 * 2 + 3 + 10
+
+
+METAL_SOURCES = sorted(E.METAL_DIR.glob("*.metal")) + sorted(E.EMU_DIR.glob("*.metal"))
+
+
+@pytest.mark.parametrize("src", METAL_SOURCES, ids=lambda p: p.name)
+def test_no_function_local_threadgroup_arrays(src):
+    # The emulator shares threadgroup memory only through [[threadgroup(i)]]
+    # parameters; a local `threadgroup T x[n];` would silently be per-thread.
+    text = src.read_text()
+    bad = re.findall(r"^\s*threadgroup\s+[\w:<>]+\s+\w+\s*\[", text, flags=re.M)
+    assert not bad, bad
+
+
+def kernel_buffer_indices(text: str) -> dict[str, list[int]]:
+    out = {}
+    for m in re.finditer(r"\[\[kernel\]\]\s+void\s+(\w+)\s*\((.*?)\)\s*\{", text, flags=re.S):
+        out[m.group(1)] = [int(i) for i in re.findall(r"\[\[buffer\((\d+)\)\]\]", m.group(2))]
+    return out
+
+
+def enum_values(text: str, enum: str) -> list[int]:
+    body = re.search(r"enum\s+" + enum + r"\s*\{(.*?)\};", text, flags=re.S).group(1)
+    return [int(v) for v in re.findall(r"=\s*(\d+)\s*,", body)]
+
+
+@pytest.mark.parametrize("metal,params,enum,n", [
+    ("qmatmul.metal", "qmatmul_params.h", "MbQmmBuffer", 8),
+    ("kl.metal", "kl_params.h", "MbKlBuffer", 9),
+])
+def test_buffer_indices_follow_declaration_order(metal, params, enum, n):
+    # The harness binds buffers by position and the Mac host by the enum in
+    # the params header: both agree with [[buffer(i)]] only if the i-th
+    # buffer parameter has index i and the enum numbers them 0..n-1.
+    kernels = kernel_buffer_indices((E.METAL_DIR / metal).read_text())
+    assert kernels
+    for name, idx in kernels.items():
+        assert idx == list(range(n)), (name, idx)
+    assert enum_values((E.METAL_DIR / params).read_text(), enum) == list(range(n))

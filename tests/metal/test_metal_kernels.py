@@ -1,0 +1,302 @@
+"""The Metal kernels (metal/*.metal), run unchanged on the SIMT emulator,
+against independent references: float64 numpy of mx.dequantize for the
+quantized matmul, float64 numpy for the KL divergence.
+
+This checks kernel logic, indexing, the bit layout and the host launch plan
+(metal/*_host.h); it does not check Metal compilation or speed."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import metal_emu as E
+
+BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+ACTS = ("float32", "float16", "bfloat16")
+MX_DTYPE = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+OUT_EPS = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def emulator():
+    if E.compiler() is None:
+        pytest.skip("no C++ compiler to build the Metal emulator")
+    E.lib()
+
+
+# ---------------------------------------------------------------- helpers
+
+def to_storage(a: mx.array) -> np.ndarray:
+    """An MLX array as the raw storage a kernel reads (bfloat16 as bits)."""
+    if a.dtype == mx.bfloat16:
+        return np.array(a.view(mx.uint16))
+    return np.array(a)
+
+
+def make_segments(rng, N, specs, scale_act):
+    """Quantize random weights per segment with mx.quantize; return kernel
+    inputs and the float64 dense reference (via mx.dequantize)."""
+    segs, dense = [], []
+    for bits, gs, k in specs:
+        w = mx.array(rng.standard_normal((N, k)).astype(np.float32)).astype(MX_DTYPE[scale_act])
+        wq, s, b = mx.quantize(w, group_size=gs, bits=bits)
+        segs.append((bits, gs, k, np.array(wq), to_storage(s), to_storage(b)))
+        deq = mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32), group_size=gs,
+                            bits=bits)
+        dense.append(np.array(deq, dtype=np.float64))
+    return segs, np.concatenate(dense, axis=1)
+
+
+def make_x(rng, M, K, act):
+    x = mx.array(rng.standard_normal((M, K)).astype(np.float32)).astype(MX_DTYPE[act])
+    return to_storage(x)
+
+
+def assert_close(got_storage, act, ref, mag, acc_rtol=2e-5):
+    got = E.storage_to_f64(got_storage, act)
+    assert got.shape == ref.shape
+    assert np.isfinite(got).all(), "some outputs never written (NaN sentinel) or not finite"
+    tol = acc_rtol * mag + 2 * OUT_EPS[act] * np.abs(ref) + 1e-30
+    bad = np.abs(got - ref) > tol
+    if bad.any():
+        i = tuple(np.argwhere(bad)[0])
+        raise AssertionError(f"{bad.sum()}/{bad.size} off; first {i}: got {got[i]}, "
+                             f"want {ref[i]}, tol {tol[i]}")
+
+
+def run_case(rng, M, N, specs, act, scale_act=None, perm=True, paths=("gemv", "tiled"),
+             order="shuffle"):
+    scale_act = scale_act or act
+    segs, W = make_segments(rng, N, specs, scale_act)
+    K = W.shape[1]
+    x = make_x(rng, M, K, act)
+    p = rng.permutation(K).astype(np.int32) if perm else None
+    xf = E.storage_to_f64(x, act)
+    if p is not None:
+        xf = xf[:, p]
+    ref, mag = xf @ W.T, np.abs(xf) @ np.abs(W).T
+    for path in paths:
+        y = E.qmatmul(x, act, segs, N, perm=p, scale_type=scale_act, path=path, order=order,
+                      seed=int(rng.integers(1 << 30)))
+        assert y.dtype == E.storage_dtype(act)
+        assert_close(y, act, ref, mag)
+
+
+# ---------------------------------------------------------------- qmatmul
+
+@pytest.mark.parametrize("bits,gs", list(itertools.product(BITS, GROUP_SIZES)))
+@pytest.mark.parametrize("act", ACTS)
+def test_qmatmul_every_width_group_and_dtype(bits, gs, act):
+    rng = np.random.default_rng(bits * 1000 + gs + 7 * ACTS.index(act))
+    # N not a multiple of the 8 rows of a GEMV threadgroup nor of the 32 of
+    # a tile; K spans a partial 512-column GEMV block.
+    N = int(rng.choice([5, 13, 37]))
+    k = gs * int(rng.integers(1, 5))
+    for M in (1, 3, 8, 33):
+        run_case(rng, M, N, [(bits, gs, k)], act, perm=bool(M % 2))
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 33])
+@pytest.mark.parametrize("act", ACTS)
+def test_qmatmul_mixed_segments_with_perm(M, act):
+    rng = np.random.default_rng(100 + M)
+    specs = [(8, 128, 128), (6, 64, 64), (5, 32, 96), (4, 64, 640), (3, 32, 32), (2, 128, 128)]
+    run_case(rng, M, 67, specs, act, perm=True)
+
+
+@pytest.mark.parametrize("act,scale_act", [("float32", "float16"), ("float32", "bfloat16"),
+                                           ("float16", "float32"), ("bfloat16", "float16")])
+def test_qmatmul_scale_dtype_differs_from_x(act, scale_act):
+    rng = np.random.default_rng(5)
+    run_case(rng, 3, 21, [(5, 64, 128), (3, 32, 96)], act, scale_act=scale_act)
+    run_case(rng, 33, 21, [(5, 64, 128), (3, 32, 96)], act, scale_act=scale_act)
+
+
+@pytest.mark.parametrize("N", [1, 4, 7, 9, 31, 33])
+def test_qmatmul_small_and_ragged_n(N):
+    rng = np.random.default_rng(N)
+    run_case(rng, 2, N, [(4, 32, 64), (6, 128, 128)], "float32")
+    run_case(rng, 40, N, [(4, 32, 64), (6, 128, 128)], "float32", paths=("tiled",))
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+def test_qmatmul_thread_orders(order):
+    # The tiled kernel shares tiles through threadgroup memory: a missing
+    # barrier would show in at least one of these orders.
+    rng = np.random.default_rng(11)
+    run_case(rng, 33, 40, [(3, 32, 96), (5, 64, 64)], "float16", order=order)
+
+
+def test_qmatmul_long_k_many_gemv_blocks():
+    rng = np.random.default_rng(3)
+    run_case(rng, 1, 9, [(4, 64, 2048 + 64), (2, 32, 544)], "float32")
+
+
+def test_qmatmul_auto_path_threshold():
+    # Auto picks GEMV up to 8 rows and the tiled kernel above; both must agree
+    # with the reference at the boundary.
+    rng = np.random.default_rng(4)
+    for M in (8, 9):
+        run_case(rng, M, 12, [(4, 64, 128)], "float32", paths=("auto",))
+
+
+# ---------------------------------------------------------------- KL
+
+def kl_ref(a64: np.ndarray, b64: np.ndarray):
+    """float64 KL(softmax(a) || softmax(b)) per row, lse of both, argmaxes."""
+    def lse(z):
+        m = np.max(z, axis=-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        with np.errstate(divide="ignore"):
+            return (m + np.log(np.sum(np.exp(z - m), axis=-1, keepdims=True)))[:, 0]
+    la, lb = lse(a64), lse(b64)
+    logp = a64 - la[:, None]
+    logq = b64 - lb[:, None]
+    p = np.exp(logp)
+    with np.errstate(invalid="ignore"):
+        terms = np.where(p > 0, p * (logp - logq), 0.0)
+    return terms.sum(axis=-1), lb, la, np.argmax(b64, -1), np.argmax(a64, -1)
+
+
+def kl_inputs(a32, b32, act):
+    a = to_storage(mx.array(a32).astype(MX_DTYPE[act]))
+    b = to_storage(mx.array(b32).astype(MX_DTYPE[act]))
+    return a, b, E.storage_to_f64(a, act), E.storage_to_f64(b, act)
+
+
+def check_kl(a32, b32, act, threads=256, order="shuffle"):
+    a, b, a64, b64 = kl_inputs(a32, b32, act)
+    r = E.kl(a, b, act, threads=threads, order=order)
+    kl, lq, lr, aq, ar = kl_ref(a64, b64)
+    V = a.shape[1]
+    # float32 sums of V terms: error ~ eps * (log V + mean |a - b| + |lse|).
+    with np.errstate(invalid="ignore"):
+        d = np.abs(a64 - b64)
+    scale = 1 + np.log(V) + np.where(np.isfinite(d), d, 0).max(axis=1)
+    np.testing.assert_allclose(r["kl"], kl, rtol=1e-4, atol=3e-6 * scale.max())
+    np.testing.assert_allclose(r["lse_q"], lq, rtol=2e-6, atol=2e-5 * (1 + np.log(V)))
+    np.testing.assert_allclose(r["lse_ref"], lr, rtol=2e-6, atol=2e-5 * (1 + np.log(V)))
+    np.testing.assert_array_equal(r["argmax_q"], aq)
+    np.testing.assert_array_equal(r["argmax_ref"], ar)
+    np.testing.assert_array_equal(r["status"], 0)
+    return r
+
+
+@pytest.mark.parametrize("V", [1, 31, 32, 257, 1000, 4099])
+@pytest.mark.parametrize("act", ACTS)
+def test_kl_random(V, act):
+    rng = np.random.default_rng(V)
+    a = (3 * rng.standard_normal((3, V))).astype(np.float32)
+    b = (a + 0.3 * rng.standard_normal((3, V))).astype(np.float32)
+    check_kl(a, b, act)
+
+
+@pytest.mark.parametrize("threads", [32, 64, 1024])
+def test_kl_threadgroup_sizes(threads):
+    rng = np.random.default_rng(threads)
+    a = (2 * rng.standard_normal((2, 3001))).astype(np.float32)
+    b = rng.standard_normal((2, 3001)).astype(np.float32)
+    check_kl(a, b, "float32", threads=threads)
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+def test_kl_thread_orders(order):
+    rng = np.random.default_rng(9)
+    a = rng.standard_normal((2, 777)).astype(np.float32)
+    b = rng.standard_normal((2, 777)).astype(np.float32)
+    check_kl(a, b, "float32", order=order)
+
+
+def test_kl_large_offsets_do_not_overflow_or_cancel():
+    rng = np.random.default_rng(1)
+    base = rng.standard_normal((4, 2000)).astype(np.float32)
+    a = base + np.array([[0], [1e4], [-1e4], [3e4]], np.float32)
+    b = base + 1e-3 * rng.standard_normal(base.shape).astype(np.float32) + np.float32(-500)
+    a, b = a.astype(np.float32), b.astype(np.float32)
+    r = check_kl(a, b, "float32")
+    assert (r["kl"] < 1e-3).all()
+
+
+def test_kl_identical_rows_give_zero():
+    rng = np.random.default_rng(2)
+    a = (5 * rng.standard_normal((3, 1500))).astype(np.float32)
+    r = check_kl(a, a.copy(), "float32")
+    assert np.all(r["kl"] <= 1e-6)
+
+
+def test_kl_peaked_and_shifted_rows():
+    V = 600
+    a = np.full((3, V), -100.0, np.float32)
+    b = np.full((3, V), -100.0, np.float32)
+    a[0, 17], b[0, 17] = 100.0, 100.0           # same one-hot
+    a[1, 17], b[1, 400] = 100.0, 100.0          # different peaks: KL ~ 200
+    a[2, :], b[2, :] = 7.0, -3.0                # constant rows (ties -> index 0)
+    r = check_kl(a, b, "float32")
+    assert r["kl"][1] > 100
+
+
+def test_kl_ties_pick_first_index_across_threads():
+    V = 1000
+    a = np.zeros((1, V), np.float32)
+    b = np.zeros((1, V), np.float32)
+    a[0, [700, 33, 901]] = 5.0   # thread 33 % 256 holds the first maximum
+    b[0, [999, 300]] = 2.0
+    r = check_kl(a, b, "float32")
+    assert r["argmax_ref"][0] == 33 and r["argmax_q"][0] == 300
+
+
+def test_kl_masked_vocabulary():
+    rng = np.random.default_rng(6)
+    a = rng.standard_normal((2, 900)).astype(np.float32)
+    b = rng.standard_normal((2, 900)).astype(np.float32)
+    a[:, 500:] = -np.inf                 # p = 0 there: any q is fine
+    b[0, 500:] = -np.inf
+    check_kl(a, b, "float32")
+
+
+def test_kl_zero_q_where_p_positive_is_inf():
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((2, 600)).astype(np.float32)
+    b = rng.standard_normal((2, 600)).astype(np.float32)
+    b[0, 250] = -np.inf
+    # Row 1: the infinite term comes first in thread 0's elements, then a
+    # much larger logit rebases that thread's sums by e^-300 = 0 in float32;
+    # the infinity must survive (0 * inf would be NaN).
+    a[1, 0], b[1, 0] = -200.0, -np.inf
+    a[1, 256] = 100.0
+    r = E.kl(a, b, "float32")
+    assert r["kl"].tolist() == [np.inf, np.inf] and r["status"].tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("where,value,flag", [
+    ("a", np.nan, 1), ("b", np.nan, 2), ("a", np.inf, 4), ("b", np.inf, 8),
+])
+def test_kl_bad_values_set_status_and_nan(where, value, flag):
+    rng = np.random.default_rng(8)
+    a = rng.standard_normal((3, 500)).astype(np.float32)
+    b = rng.standard_normal((3, 500)).astype(np.float32)
+    (a if where == "a" else b)[1, 123] = value
+    r = E.kl(a, b, "float32")
+    assert np.isnan(r["kl"][1]) and np.isnan(r["lse_q"][1]) and r["status"][1] == flag
+    assert np.isfinite(r["kl"][[0, 2]]).all() and (r["status"][[0, 2]] == 0).all()
+
+
+def test_kl_empty_rows_flagged():
+    a = np.full((2, 100), -np.inf, np.float32)
+    b = np.zeros((2, 100), np.float32)
+    a[1] = 0.0
+    b[1] = -np.inf
+    r = E.kl(a, b, "float32")
+    assert r["status"].tolist() == [16, 32] and np.isnan(r["kl"]).all()
+
+
+def test_kl_without_extras_writes_only_kl():
+    rng = np.random.default_rng(10)
+    a = rng.standard_normal((4, 333)).astype(np.float32)
+    b = rng.standard_normal((4, 333)).astype(np.float32)
+    r = E.kl(a, b, "float32", extras=False)
+    np.testing.assert_allclose(r["kl"], kl_ref(a.astype(np.float64), b.astype(np.float64))[0],
+                               rtol=1e-4, atol=1e-5)
