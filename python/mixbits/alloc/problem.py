@@ -1,0 +1,122 @@
+"""Multiple-choice knapsack instances: one option per slot, each option an
+integer bit count and a float cost; built from an ExLlamaV2 measurement or a
+per-tensor sensitivity table."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class InfeasibleBudget(ValueError):
+    """No choice of one option per slot meets the bit budget."""
+
+
+@dataclass
+class MCKProblem:
+    """``weights[i][j]``: bits of option j in slot i (non-negative ints);
+    ``costs[i][j]``: its cost (finite floats). ``names`` label the slots,
+    ``nparams`` (optional) count the weights per slot for bits-per-weight."""
+
+    weights: list[np.ndarray]
+    costs: list[np.ndarray]
+    names: list[str] | None = None
+    nparams: np.ndarray | None = None
+
+    def __post_init__(self):
+        if len(self.weights) != len(self.costs):
+            raise ValueError(f"{len(self.weights)} weight rows but {len(self.costs)} cost rows")
+        if not self.weights:
+            raise ValueError("a problem needs at least one slot")
+        ws, cs = [], []
+        for i, (w, c) in enumerate(zip(self.weights, self.costs)):
+            w_arr = np.asarray(w)
+            c_arr = np.asarray(c, dtype=np.float64)
+            if w_arr.ndim != 1 or c_arr.ndim != 1 or len(w_arr) != len(c_arr) or len(w_arr) == 0:
+                raise ValueError(f"slot {i}: weights and costs must be equal-length non-empty 1-D lists")
+            if not np.issubdtype(w_arr.dtype, np.integer):
+                if not np.all(np.isfinite(w_arr)) or not np.all(np.asarray(w_arr) == np.round(w_arr)):
+                    raise ValueError(f"slot {i}: bit counts must be integers, got {w_arr.tolist()}")
+            w_arr = w_arr.astype(np.int64)
+            if np.any(w_arr < 0):
+                raise ValueError(f"slot {i}: bit counts must be >= 0, got {w_arr.tolist()}")
+            if not np.all(np.isfinite(c_arr)):
+                raise ValueError(f"slot {i}: costs must be finite, got {c_arr.tolist()}")
+            ws.append(w_arr)
+            cs.append(c_arr)
+        self.weights, self.costs = ws, cs
+        if self.names is not None and len(self.names) != len(ws):
+            raise ValueError(f"{len(self.names)} names for {len(ws)} slots")
+        if self.nparams is not None:
+            self.nparams = np.asarray(self.nparams, dtype=np.int64)
+            if self.nparams.shape != (len(ws),) or np.any(self.nparams <= 0):
+                raise ValueError("nparams must hold one positive count per slot")
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.weights)
+
+    @property
+    def min_bits(self) -> int:
+        return int(sum(int(w.min()) for w in self.weights))
+
+    @property
+    def max_bits(self) -> int:
+        return int(sum(int(w.max()) for w in self.weights))
+
+    @property
+    def total_params(self) -> int | None:
+        return None if self.nparams is None else int(self.nparams.sum())
+
+    def evaluate(self, choice) -> tuple[float, int]:
+        """(cost, bits) of one option index per slot."""
+        choice = [int(j) for j in choice]
+        if len(choice) != self.n_slots:
+            raise ValueError(f"choice has {len(choice)} entries for {self.n_slots} slots")
+        cost = math.fsum(float(self.costs[i][j]) for i, j in enumerate(choice))
+        bits = sum(int(self.weights[i][j]) for i, j in enumerate(choice))
+        return cost, bits
+
+    def budget_from_bpw(self, bpw: float) -> int:
+        """floor(bpw * total weights), as ExLlamaV2 turns a bpw target into bits."""
+        if self.nparams is None:
+            raise ValueError("a bits-per-weight budget needs the tensor shapes (nparams)")
+        if not (isinstance(bpw, (int, float)) and math.isfinite(bpw) and bpw > 0):
+            raise ValueError(f"bpw must be a positive number, got {bpw!r}")
+        return int(math.floor(bpw * self.total_params))
+
+    # ------------------------------------------------------------ builders
+
+    @classmethod
+    def from_measurement(cls, measurement, power: float = 2.0, shapes=None) -> "MCKProblem":
+        """Slots = measured modules, options = their EXL2 options; cost
+        ``(1 - accuracy) ** power``, bits ``total_bits`` (ExLlamaV2's
+        objective). With ``shapes`` (projection -> (K, N)), total_bits are
+        checked against the shapes and nparams filled in."""
+        if not (isinstance(power, (int, float)) and math.isfinite(power) and power > 0):
+            raise ValueError(f"power must be a positive number, got {power!r}")
+        mods = measurement.measured()
+        nparams = None
+        if shapes is not None:
+            measurement.check_total_bits(shapes)
+            npm = measurement.module_nparams(shapes)
+            nparams = [npm[k] for k in mods]
+        return cls(
+            weights=[np.array([o.total_bits for o in opts], dtype=np.int64) for opts in mods.values()],
+            costs=[np.array([o.cost(power) for o in opts]) for opts in mods.values()],
+            names=list(mods),
+            nparams=nparams,
+        )
+
+    @classmethod
+    def from_table(cls, table) -> "MCKProblem":
+        """Slots = tensors, options = candidates; cost ``kl``, bits
+        ``nparams * bits`` (so average bits = total / sum(nparams))."""
+        return cls(
+            weights=[np.array([e.nparams * c.bits for c in e.candidates], dtype=np.int64) for e in table.entries],
+            costs=[np.array([c.kl for c in e.candidates]) for e in table.entries],
+            names=[e.path for e in table.entries],
+            nparams=[e.nparams for e in table.entries],
+        )
