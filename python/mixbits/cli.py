@@ -11,6 +11,7 @@ import sys
 # name -> one-line help. A name listed here must have its module.
 COMMANDS = {
     "demo": "quantize a random matrix into mixed segments; error and bits per weight",
+    "allocate": "exact bit allocation from an ExLlamaV2 measurement or a sensitivity table",
     "measure": "per-tensor sensitivity sweep (KL of final logits per candidate), resumable",
     "refine": "sensitivity table -> allocation.json: exact optimum, then joint-KL swaps",
     "compare": "joint KL of allocation strategies (ours, DP, uniform, mixed rule) at matched bpw",

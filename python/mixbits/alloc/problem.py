@@ -111,11 +111,27 @@ class MCKProblem:
         )
 
     @classmethod
-    def from_table(cls, table) -> "MCKProblem":
-        """Slots = tensors, options = candidates; cost ``kl``, bits
-        ``nparams * bits`` (so average bits = total / sum(nparams))."""
+    def from_table(cls, table, count: str = "nominal") -> "MCKProblem":
+        """Slots = tensors, options = candidates; cost ``kl``. Bits are
+        ``round(nparams * bits)`` for ``count="nominal"`` (so the average is
+        allocation.json's average_bits) or each candidate's ``storage_bits``
+        for ``count="storage"``."""
+        if count not in ("nominal", "storage"):
+            raise ValueError(f"count must be 'nominal' or 'storage', got {count!r}")
+
+        def bits_of(e, i, c, j):
+            if count == "nominal":
+                return int(round(e.nparams * c.bits))
+            if c.storage_bits is None:
+                raise ValueError(
+                    f"entries[{i}]['candidates'][{j}] ({e.path}, {c.kind}): no storage_bits, "
+                    "which a storage-bits budget needs"
+                )
+            return int(c.storage_bits)
+
         return cls(
-            weights=[np.array([e.nparams * c.bits for c in e.candidates], dtype=np.int64) for e in table.entries],
+            weights=[np.array([bits_of(e, i, c, j) for j, c in enumerate(e.candidates)], dtype=np.int64)
+                     for i, e in enumerate(table.entries)],
             costs=[np.array([c.kl for c in e.candidates]) for e in table.entries],
             names=[e.path for e in table.entries],
             nparams=[e.nparams for e in table.entries],

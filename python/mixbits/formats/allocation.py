@@ -11,11 +11,18 @@ Layout (all keys but ``assignment`` and ``average_bits`` optional)::
      "assignment": [{"path": "...mlp.down_proj", "layer": 19, "nparams": 12582912,
                      "bits": 2, "kind": "ternary", "kl": 0.0068}, ...]}
 
-``kind`` names the candidate (``"2"``..``"8"`` or ``"ternary"``, stored as a
-2-bit segment); ``bits`` is its nominal width. Reading recomputes
-``average_bits`` and ``sum_kl`` and rejects a file whose stored values
-disagree, or whose average lies outside its own budget. Unknown keys are kept,
-so ``save(load(f))`` is JSON-equal to ``f``.
+``kind`` names the candidate (``"2"``..``"8"``, ``"ternary"``, or a
+sweep's candidate name such as ``"4b_g64"``); ``bits`` is its nominal width:
+an integer width in 2,3,4,5,6,8 (ternary counts as 2), or for a mixed
+candidate the share-weighted width (a fraction between 2 and 8). Entries may
+carry ``storage_bits`` (exact storage including scales and biases); the
+budget may carry ``"count": "nominal"|"storage"`` saying which bits
+``low_avg``/``high_avg`` bound (default nominal), and ``low_avg`` may be
+null (no lower bound).
+
+Reading recomputes ``average_bits`` and ``sum_kl`` and rejects a file whose
+stored values disagree, or whose average lies outside its own budget.
+Unknown keys are kept, so ``save(load(f))`` is JSON-equal to ``f``.
 """
 
 from __future__ import annotations
@@ -42,20 +49,34 @@ ALLOWED_BITS = (2, 3, 4, 5, 6, 8)
 TERNARY = "ternary"
 
 
-def check_kind_bits(kind: str, bits: int, where: str) -> None:
+def check_kind_bits(kind: str, bits, where: str) -> None:
     """A numeric kind must equal its bits; ternary is stored as 2 bits."""
-    if kind == TERNARY:
+    if kind == TERNARY or kind.startswith(TERNARY + "_"):
         if bits != 2:
             raise FormatError(f"{where}: kind 'ternary' is stored as 2 bits, got bits={bits}")
     elif kind.isdigit() and int(kind) != bits:
         raise FormatError(f"{where}: kind {kind!r} disagrees with bits={bits}")
 
 
-def expect_bits(obj, where: str) -> int:
-    b = expect_int(obj, where)
-    if b not in ALLOWED_BITS:
-        raise FormatError(f"{where}: unknown bit width {b!r}; expected one of {ALLOWED_BITS}")
+def expect_bits(obj, where: str):
+    """A nominal width: an integer in ALLOWED_BITS, or a fraction in
+    [2, 8] (a mixed candidate's share-weighted width)."""
+    b = expect_number(obj, where)
+    if float(b).is_integer():
+        if int(b) not in ALLOWED_BITS:
+            raise FormatError(f"{where}: unknown bit width {obj!r}; expected one of {ALLOWED_BITS}")
+        return int(b)
+    if not (min(ALLOWED_BITS) < b < max(ALLOWED_BITS)):
+        raise FormatError(f"{where}: fractional width {obj!r} outside ({min(ALLOWED_BITS)}, {max(ALLOWED_BITS)})")
     return b
+
+
+def expect_storage_bits(d: dict, where: str):
+    """Optional exact storage bits (null allowed)."""
+    v = d.get("storage_bits")
+    if v is not None:
+        expect_int(v, at(where, "storage_bits"), lo=1)
+    return v
 
 
 @dataclass
@@ -63,7 +84,7 @@ class AllocationEntry:
     path: str
     layer: int | None
     nparams: int
-    bits: int
+    bits: int | float
     kind: str
     kl: float
     extra: dict = field(default_factory=dict)
@@ -82,6 +103,7 @@ class AllocationEntry:
         kind = expect_str(require(d, "kind", where), at(where, "kind"))
         check_kind_bits(kind, bits, where)
         kl = expect_number(require(d, "kl", where), at(where, "kl"))
+        expect_storage_bits(d, where)
         extra = {k: v for k, v in d.items() if k not in cls._KEYS}
         return cls(path, layer, nparams, bits, kind, kl, extra)
 
@@ -99,6 +121,13 @@ def average_bits(entries) -> float:
     return sum(e.nparams * e.bits for e in entries) / n
 
 
+def average_storage_bits(entries) -> float | None:
+    """Storage bits per weight, if every entry has storage_bits."""
+    if any(e.extra.get("storage_bits") is None for e in entries):
+        return None
+    return sum(e.extra["storage_bits"] for e in entries) / sum(e.nparams for e in entries)
+
+
 @dataclass
 class Allocation:
     assignment: list[AllocationEntry]
@@ -109,19 +138,22 @@ class Allocation:
     dp_sum_kl: float | None = None
     joint_refine: dict | None = None
     extra: dict = field(default_factory=dict)
+    null_keys: tuple = ()  # optional keys the file gave as null (written back as null)
 
     _KEYS = ("average_bits", "embed_bits", "budget", "sum_kl", "dp_sum_kl", "joint_refine", "assignment")
 
     @classmethod
     def from_entries(cls, entries, *, low_avg=None, high_avg=None, embed_bits=None,
-                     dp_sum_kl=None) -> "Allocation":
+                     dp_sum_kl=None, count: str = "nominal") -> "Allocation":
         """A fresh allocation with its summaries computed from ``entries``."""
         entries = list(entries)
         if not entries:
             raise ValueError("an allocation needs at least one entry")
         budget = None
         if high_avg is not None:
-            budget = {"low_avg": low_avg if low_avg is not None else 0.0, "high_avg": high_avg}
+            budget = {"low_avg": low_avg, "high_avg": high_avg}
+            if count != "nominal":
+                budget["count"] = count
         return cls(entries, average_bits(entries), sum(e.kl for e in entries), embed_bits,
                    budget, dp_sum_kl)
 
@@ -151,10 +183,15 @@ class Allocation:
         if budget is not None:
             bw = at(where, "budget")
             budget = expect_dict(budget, bw)
-            lo = expect_number(require(budget, "low_avg", bw), at(bw, "low_avg"), lo=0)
+            lo = budget.get("low_avg")
+            if lo is not None:
+                lo = expect_number(lo, at(bw, "low_avg"), lo=0)
             hi = expect_number(require(budget, "high_avg", bw), at(bw, "high_avg"), lo=0)
-            if lo > hi:
+            if lo is not None and lo > hi:
                 raise FormatError(f"{bw}: low_avg {lo} > high_avg {hi}")
+            count = budget.get("count", "nominal")
+            if count not in ("nominal", "storage"):
+                raise FormatError(f"{at(bw, 'count')}: expected 'nominal' or 'storage', got {count!r}")
         dp = d.get("dp_sum_kl")
         if dp is not None:
             dp = expect_number(dp, at(where, "dp_sum_kl"))
@@ -173,7 +210,9 @@ class Allocation:
                 if "calibration_n" in jr and len(ids) != jr["calibration_n"]:
                     raise FormatError(f"{jw}: calibration_n {jr['calibration_n']} but {len(ids)} calibration_ids")
         extra = {k: v for k, v in d.items() if k not in cls._KEYS}
-        out = cls(entries, avg, sum_kl, embed, budget, dp, jr, extra)
+        nulls = tuple(k for k in ("embed_bits", "budget", "sum_kl", "dp_sum_kl", "joint_refine")
+                      if k in d and d[k] is None)
+        out = cls(entries, avg, sum_kl, embed, budget, dp, jr, extra, nulls)
         if check:
             out.check(where)
         return out
@@ -184,11 +223,14 @@ class Allocation:
         if self.sum_kl is not None:
             check_close(self.sum_kl, math.fsum(e.kl for e in self.assignment), at(where, "sum_kl"), "sum_kl")
         if self.budget is not None:
-            lo, hi = self.budget["low_avg"], self.budget["high_avg"]
-            if not (lo - 1e-9 <= self.average_bits <= hi + 1e-9):
-                raise FormatError(
-                    f"{at(where, 'average_bits')}: {self.average_bits} outside the budget [{lo}, {hi}]"
-                )
+            lo, hi = self.budget.get("low_avg"), self.budget["high_avg"]
+            lo = 0.0 if lo is None else lo
+            if self.budget.get("count", "nominal") == "nominal":
+                avg, what = self.average_bits, "average_bits"
+            else:
+                avg, what = average_storage_bits(self.assignment), "storage bits per weight"
+            if avg is not None and not (lo - 1e-9 <= avg <= hi + 1e-9):
+                raise FormatError(f"{at(where, 'budget')}: {what} {avg} outside the budget [{lo}, {hi}]")
 
     @classmethod
     def load(cls, source, check: bool = True) -> "Allocation":
@@ -196,15 +238,15 @@ class Allocation:
 
     def to_dict(self) -> dict:
         out = {"average_bits": self.average_bits}
-        if self.embed_bits is not None:
+        if self.embed_bits is not None or "embed_bits" in self.null_keys:
             out["embed_bits"] = self.embed_bits
-        if self.budget is not None:
+        if self.budget is not None or "budget" in self.null_keys:
             out["budget"] = self.budget
-        if self.sum_kl is not None:
+        if self.sum_kl is not None or "sum_kl" in self.null_keys:
             out["sum_kl"] = self.sum_kl
-        if self.dp_sum_kl is not None:
+        if self.dp_sum_kl is not None or "dp_sum_kl" in self.null_keys:
             out["dp_sum_kl"] = self.dp_sum_kl
-        if self.joint_refine is not None:
+        if self.joint_refine is not None or "joint_refine" in self.null_keys:
             out["joint_refine"] = self.joint_refine
         out["assignment"] = [e.to_dict() for e in self.assignment]
         out.update(self.extra)

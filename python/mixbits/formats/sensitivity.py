@@ -28,22 +28,35 @@ Schema (JSON object)::
       ]
     }
 
-Candidate fields: ``kind`` (required string, unique within the entry; a
-digit string must equal ``bits``; ``"ternary"`` has ``bits`` 2), ``bits``
-(required int in 2,3,4,5,6,8: the nominal width that counts against the
-budget as ``nparams * bits``), ``kl`` (required finite number: the cost the
-allocator minimizes, summed over tensors). Any other keys (e.g. a standard
-error, a sample count, the group size) are kept and ignored by the solver.
-Unknown top-level and entry keys are kept too, so a table round-trips
-JSON-equal. Entries whose KL has not been measured yet must be left out, not
-written with null.
+Candidate fields:
+
+- ``kind`` (required string, unique within the entry): the candidate's name,
+  e.g. ``"4b_g64"``, ``"ternary_g64"``, ``"4b10_3b_g64"``. A pure digit
+  string must equal ``bits``; ``"ternary"``/``"ternary_*"`` need ``bits`` 2.
+- ``bits`` (required number): the nominal width. An integer must be one of
+  2,3,4,5,6,8; a mixed candidate gives its share-weighted width, a fraction
+  strictly between 2 and 8. Counted as ``nparams * bits`` (rounded to whole
+  bits) under the default "nominal" budget, allocation.json's average_bits.
+- ``kl`` (required finite number): the cost the allocator minimizes, summed
+  over tensors.
+- ``storage_bits`` (optional int > 0): exact storage of the tensor in this
+  candidate, codes plus fp16 scales and biases; required on every candidate
+  for a "storage" budget (``mixbits allocate --count storage``).
+- anything else (``kl_stderr``, ``bpw``, ``group_size``, ...) is kept and
+  ignored by the solver.
+
+Unknown top-level keys (``meta``, ...) and entry keys (``shape``,
+``seconds``, ...) are kept too, so a table round-trips JSON-equal. A sweep in
+progress writes ``"complete": false``; such a table is readable but the
+allocator refuses it. Entries whose KL has not been measured yet must be left
+out, not written with null.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .allocation import Allocation, AllocationEntry, check_kind_bits, expect_bits
+from .allocation import Allocation, AllocationEntry, check_kind_bits, expect_bits, expect_storage_bits
 from .errors import (
     FormatError,
     at,
@@ -65,7 +78,7 @@ VERSION = 1
 @dataclass
 class Candidate:
     kind: str
-    bits: int
+    bits: int | float
     kl: float
     extra: dict = field(default_factory=dict)
 
@@ -76,8 +89,13 @@ class Candidate:
         bits = expect_bits(require(d, "bits", where), at(where, "bits"))
         check_kind_bits(kind, bits, where)
         kl = expect_number(require(d, "kl", where), at(where, "kl"))
+        expect_storage_bits(d, where)
         extra = {k: v for k, v in d.items() if k not in ("kind", "bits", "kl")}
         return cls(kind, bits, kl, extra)
+
+    @property
+    def storage_bits(self) -> int | None:
+        return self.extra.get("storage_bits")
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "bits": self.bits, "kl": self.kl, **self.extra}
@@ -178,15 +196,21 @@ class SensitivityTable:
     def total_params(self) -> int:
         return sum(e.nparams for e in self.entries)
 
-    def to_allocation(self, choice, *, low_avg=None, high_avg=None) -> Allocation:
+    @property
+    def complete(self) -> bool:
+        return self.extra.get("complete", True) is not False
+
+    def to_allocation(self, choice, *, low_avg=None, high_avg=None, count: str = "nominal") -> Allocation:
         """The allocation.json for one candidate index per entry."""
         if len(choice) != len(self.entries):
             raise ValueError(f"choice has {len(choice)} items for {len(self.entries)} entries")
         out = []
         for e, j in zip(self.entries, choice):
             c = e.candidates[int(j)]
-            out.append(AllocationEntry(e.path, e.layer, e.nparams, c.bits, c.kind, c.kl))
-        alloc = Allocation.from_entries(out, low_avg=low_avg, high_avg=high_avg, embed_bits=self.embed_bits)
+            extra = {"storage_bits": c.storage_bits} if c.storage_bits is not None else {}
+            out.append(AllocationEntry(e.path, e.layer, e.nparams, c.bits, c.kind, c.kl, extra))
+        alloc = Allocation.from_entries(out, low_avg=low_avg, high_avg=high_avg,
+                                        embed_bits=self.embed_bits, count=count)
         alloc.dp_sum_kl = alloc.sum_kl  # the exact optimum, before any joint refinement
         return alloc
 
