@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -199,10 +200,14 @@ struct Prepared {
 // then reused for all rows (one extra multiply shared by MB FMAs).
 template <int B, int G, int MB, int R, int A>
 void gemv_rows(const SegView& s, DType sdt, const float* xq, const float* xs,
-               int ldx, int n0, int n1, float* y, int ldy) {
+               int ldx, int c0, int c1, int n0, int n1, float* y, int ldy) {
   constexpr bool kScaleW = MB >= 2;
-  const int ngroups = s.k / G;
+  const int row_groups = s.k / G;
+  const int ngroups = (c1 - c0) / G;  // groups of this column block
   const int64_t row_bytes = int64_t(s.k) * B / 8;
+  // Shift the pointers so that column 0 / group 0 below is c0 / c0 / G.
+  xq += c0;
+  xs += c0 / G;
   thread_local std::vector<float> scratch;
   scratch.resize(size_t(2) * R * ngroups);
   float* sc = scratch.data();
@@ -210,9 +215,11 @@ void gemv_rows(const SegView& s, DType sdt, const float* xq, const float* xs,
   for (int n = n0; n < n1; n += R) {
     const uint8_t* rowp[R];
     for (int r = 0; r < R; ++r) {
-      rowp[r] = reinterpret_cast<const uint8_t*>(s.wq) + int64_t(n + r) * row_bytes;
-      to_f32(s.scales, int64_t(n + r) * ngroups, ngroups, sdt, sc + r * ngroups);
-      to_f32(s.biases, int64_t(n + r) * ngroups, ngroups, sdt, bi + r * ngroups);
+      rowp[r] = reinterpret_cast<const uint8_t*>(s.wq) + int64_t(n + r) * row_bytes +
+                int64_t(c0) * B / 8;
+      const int64_t goff = int64_t(n + r) * row_groups + c0 / G;
+      to_f32(s.scales, goff, ngroups, sdt, sc + r * ngroups);
+      to_f32(s.biases, goff, ngroups, sdt, bi + r * ngroups);
     }
     __m256 tot[R][MB];
     for (int r = 0; r < R; ++r)
@@ -261,20 +268,29 @@ void gemv_rows(const SegView& s, DType sdt, const float* xq, const float* xs,
           if constexpr (A > 1) t = _mm256_add_ps(t, acc[r][m][1]);
         }
         y[int64_t(m) * ldy + n + r] +=
-            hsum(t) + dot(bi + r * ngroups, xs + m * ngroups, ngroups);
+            hsum(t) + dot(bi + r * ngroups, xs + m * row_groups, ngroups);
       }
   }
 }
 
+// Rows of W stream start to end, what the hardware prefetcher likes best.
+// (Walking the segment in column blocks so that the MB rows of x stay in
+// L1 was measured slower here, even with software prefetch of the next
+// rows: the short strided runs of W cost more than x coming from L2.)
+// kBlock is kept so that blocking can be re-tried on other CPUs.
 template <int B, int G, int MB>
 void gemv_mb(const SegView& s, DType sdt, const float* xq, const float* xs,
              int ldx, int n0, int n1, float* y, int ldy) {
   constexpr int R = MB == 1 ? 4 : (MB <= 3 ? 2 : 1);
   constexpr int A = R * MB <= 4 ? 2 : 1;
+  constexpr int kBlock = 1 << 30;
   const int nfull = n0 + (n1 - n0) / R * R;
-  gemv_rows<B, G, MB, R, A>(s, sdt, xq, xs, ldx, n0, nfull, y, ldy);
-  if (nfull < n1)
-    gemv_rows<B, G, MB, 1, 2>(s, sdt, xq, xs, ldx, nfull, n1, y, ldy);
+  for (int c0 = 0; c0 < s.k; c0 += kBlock) {
+    const int c1 = std::min(s.k, c0 + kBlock);
+    gemv_rows<B, G, MB, R, A>(s, sdt, xq, xs, ldx, c0, c1, n0, nfull, y, ldy);
+    if (nfull < n1)
+      gemv_rows<B, G, MB, 1, 2>(s, sdt, xq, xs, ldx, c0, c1, nfull, n1, y, ldy);
+  }
 }
 
 template <int B, int G>
@@ -447,6 +463,15 @@ void gemm_slice(const Prepared& pr, const QMatView& w,
   }
 }
 
+// kSmallM, or MIXBITS_QMM_SMALL_M to re-measure the crossover on a CPU.
+int small_m_limit() {
+  static const int v = [] {
+    const char* e = std::getenv("MIXBITS_QMM_SMALL_M");
+    return e && std::atoi(e) > 0 ? std::atoi(e) : kSmallM;
+  }();
+  return v;
+}
+
 }  // namespace
 
 void qmm_avx2_run(const float* x, int M, const QMatView& w, float* y) {
@@ -454,7 +479,7 @@ void qmm_avx2_run(const float* x, int M, const QMatView& w, float* y) {
   pr.M = M;
   pr.K = w.K;
   const int K = w.K;
-  const bool small = M <= kSmallM;
+  const bool small = M <= small_m_limit();
   std::vector<SegFns> fns;
   for (const SegView& s : w.segs) fns.push_back(seg_fns(s.bits, s.group_size));
 
