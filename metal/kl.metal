@@ -8,7 +8,14 @@
 //   t  = sum e^(a_i-ca) ((a_i-ca) - (b_i-cb))
 //   KL(P||Q) = t/sa - log sa + log sb
 // Nothing of size |logit| cancels: only differences a_i - ca, b_i - cb enter.
-// This is the state of the CPU kernel (cpp/kl/kernel.h), in float32.
+// This is the state of the CPU kernel (cpp/kl/kernel.h), in float32, with
+// its three modes (kl_params.h): in FIXED_SHIFT ca is the given row max and
+// never moves; in PROBS a holds weights w_i ~ p_i, sa = sum w,
+// t = sum w (-(b_i - cb)) and KL = negH + t/sa + log sb.
+//
+// One deliberate difference from the CPU kernel: a finite reference value
+// against b_i = -inf makes KL = +inf here even when its weight underflows
+// float32 (p_i > 0 exactly when a_i is finite).
 #include "kl_params.h"
 #include "mixbits_metal.h"
 #include "quant_utils.h"
@@ -59,26 +66,35 @@ inline void mb_kl_rebase_b(thread MbKlState& s, float c) {
   s.cb = c;
 }
 
-inline void mb_kl_add(thread MbKlState& s, float a, float b, int i) {
-  if (a > s.maxa) { s.maxa = a; s.arga = i; }
+inline void mb_kl_add(thread MbKlState& s, float a, float b, int i, int mode) {
+  if (mode == MB_KL_MODE_LOGITS && a > s.maxa) { s.maxa = a; s.arga = i; }
   if (b > s.maxb) { s.maxb = b; s.argb = i; }
   uint32_t f = 0u;
   if (isnan(a)) f |= MB_KL_NAN_REF;
   if (isnan(b)) f |= MB_KL_NAN_LOGITS;
   if (a == INFINITY) f |= MB_KL_POSINF_REF;
   if (b == INFINITY) f |= MB_KL_POSINF_LOGITS;
+  if (mode == MB_KL_MODE_PROBS && a < 0.0f) f |= MB_KL_NEG_WEIGHT;
   if (f != 0u) {  // the row's result is NaN; keep the sums finite
     s.flags |= f;
     return;
   }
   if (b > s.cb) mb_kl_rebase_b(s, b);
   if (b != -INFINITY) s.sb += metal::exp(b - s.cb);
-  if (a == -INFINITY) return;  // p_i = 0 contributes nothing
-  if (a > s.ca) mb_kl_rebase_a(s, a);
-  const float w = metal::exp(a - s.ca);
+  float w, xa;
+  if (mode == MB_KL_MODE_PROBS) {
+    if (!(a > 0.0f)) return;  // p_i = 0 contributes nothing
+    w = a;
+    xa = 0.0f;
+  } else {
+    if (a == -INFINITY) return;  // p_i = 0 contributes nothing
+    if (mode == MB_KL_MODE_LOGITS && a > s.ca) mb_kl_rebase_a(s, a);
+    xa = a - s.ca;
+    w = metal::exp(xa);
+  }
   s.sa += w;
   // q_i = 0 where p_i > 0: KL is +inf.
-  s.t += (b == -INFINITY) ? INFINITY : w * ((a - s.ca) - (b - s.cb));
+  s.t += (b == -INFINITY) ? INFINITY : w * (xa - (b - s.cb));
 }
 
 // Merge the states of all lanes: common shifts first (simd_max), then plain
@@ -121,17 +137,18 @@ inline MbKlState mb_kl_unstash(const threadgroup float* src) {
 
 // Grid = (rows) threadgroups of any multiple of 32 threads up to 1024
 // (the host uses MB_KL_THREADS).
-template <typename IO>
+template <typename IOA, typename IOB>
 [[kernel]] void mb_kl(
-    const device typename IO::storage* a [[buffer(0)]],
-    const device typename IO::storage* b [[buffer(1)]],
-    device float* kl [[buffer(2)]],
-    device float* lse_q [[buffer(3)]],
-    device float* lse_ref [[buffer(4)]],
+    const device typename IOA::storage* a [[buffer(0)]],
+    const device typename IOB::storage* b [[buffer(1)]],
+    const device float* row_param [[buffer(2)]],
+    device float* kl [[buffer(3)]],
+    device int32_t* status [[buffer(4)]],
     device int32_t* arg_q [[buffer(5)]],
-    device int32_t* arg_ref [[buffer(6)]],
-    device int32_t* status [[buffer(7)]],
-    constant MbKlParams& p [[buffer(8)]],
+    device float* lse_q [[buffer(6)]],
+    device int32_t* arg_ref [[buffer(7)]],
+    device float* lse_ref [[buffer(8)]],
+    constant MbKlParams& p [[buffer(9)]],
     threadgroup float* scratch [[threadgroup(0)]],
     uint3 tid [[threadgroup_position_in_grid]],
     uint lid [[thread_index_in_threadgroup]],
@@ -140,15 +157,18 @@ template <typename IO>
     uint simd_lid [[thread_index_in_simdgroup]],
     uint nsimd [[simdgroups_per_threadgroup]]) {
   const size_t row = size_t(tid.x);
-  const device typename IO::storage* ar = a + row * size_t(p.V);
-  const device typename IO::storage* br = b + row * size_t(p.V);
+  const device typename IOA::storage* ar = a + row * size_t(p.V);
+  const device typename IOB::storage* br = b + row * size_t(p.V);
+  const int mode = p.mode;
 
+  MbKlState s = mb_kl_empty();
+  if (mode == MB_KL_MODE_FIXED_SHIFT) s.ca = row_param[row];
+  if (mode == MB_KL_MODE_PROBS) s.ca = 0.0f;  // weights are not shifted
   // Consecutive threads read consecutive elements (coalesced); each thread
   // sees its elements in increasing index order, so `>` keeps the first
   // index of a maximum.
-  MbKlState s = mb_kl_empty();
   for (int i = int(lid); i < p.V; i += int(nthreads)) {
-    mb_kl_add(s, IO::load(ar[i]), IO::load(br[i]), i);
+    mb_kl_add(s, IOA::load(ar[i]), IOB::load(br[i]), i, mode);
   }
 
   s = mb_kl_simd_reduce(s);
@@ -166,19 +186,26 @@ template <typename IO>
   if (!(s.sb > 0.0f)) flags |= MB_KL_EMPTY_LOGITS;
   const float lsa = metal::log(s.sa);
   const float lsb = metal::log(s.sb);
-  float d = s.t / s.sa - lsa + lsb;
+  float d = mode == MB_KL_MODE_PROBS ? row_param[row] + s.t / s.sa + lsb
+                                     : s.t / s.sa - lsa + lsb;
   d = d > 0.0f ? d : 0.0f;  // KL >= 0; a tiny negative is rounding
   const float nan = NAN;
   kl[row] = flags ? nan : d;
-  if (p.extras) {
-    lse_q[row] = flags ? nan : s.cb + lsb;
-    lse_ref[row] = flags ? nan : s.ca + lsa;
-    arg_q[row] = s.argb < 0 ? 0 : s.argb;
-    arg_ref[row] = s.arga < 0 ? 0 : s.arga;
-    status[row] = int32_t(flags);
-  }
+  status[row] = int32_t(flags);
+  arg_q[row] = s.argb < 0 ? 0 : s.argb;
+  lse_q[row] = flags ? nan : s.cb + lsb;
+  arg_ref[row] = mode != MB_KL_MODE_LOGITS ? -1 : (s.arga < 0 ? 0 : s.arga);
+  lse_ref[row] = (flags || mode == MB_KL_MODE_PROBS) ? nan : s.ca + lsa;
 }
 
-MB_INSTANTIATE_KERNEL("mixbits_kl_float32", mb_kl, MbF32)
-MB_INSTANTIATE_KERNEL("mixbits_kl_float16", mb_kl, MbF16)
-MB_INSTANTIATE_KERNEL("mixbits_kl_bfloat16", mb_kl, MbBF16)
+// Host names: mixbits_kl_<reference dtype>_<logits dtype> (kl_host.h).
+#define MB_KL_INSTANTIATE(ta, ioa, tb, iob) \
+  MB_INSTANTIATE_KERNEL("mixbits_kl_" #ta "_" #tb, mb_kl, ioa, iob)
+#define MB_KL_INSTANTIATE_B(ta, ioa)          \
+  MB_KL_INSTANTIATE(ta, ioa, float32, MbF32)  \
+  MB_KL_INSTANTIATE(ta, ioa, float16, MbF16)  \
+  MB_KL_INSTANTIATE(ta, ioa, bfloat16, MbBF16)
+
+MB_KL_INSTANTIATE_B(float32, MbF32)
+MB_KL_INSTANTIATE_B(float16, MbF16)
+MB_KL_INSTANTIATE_B(bfloat16, MbBF16)

@@ -2,25 +2,34 @@
 // (kl_host.h, cpp/kl/metal.cpp). Plain ints only.
 #pragma once
 
-// Per row of reference logits a and candidate logits b (both [rows, V]):
-//   KL(P || Q) with P = softmax(a), Q = softmax(b), float32;
-//   optionally log-sum-exp of both, first argmax of both, status bits.
+// Per row of reference a and candidate logits b (both [rows, V]): KL(P || Q)
+// with Q = softmax(b) and, by mode,
+//   LOGITS:      P = softmax(a);
+//   FIXED_SHIFT: P = softmax(a), the row's max of a given (row_param), so
+//                the reference side is never rebased;
+//   PROBS:       a holds non-negative weights proportional to P and
+//                row_param the row's negH = sum p log p.
+// The same modes and outputs as the CPU primitive (cpp/kl/kl.h).
+enum MbKlMode { MB_KL_MODE_LOGITS = 0, MB_KL_MODE_FIXED_SHIFT = 1, MB_KL_MODE_PROBS = 2 };
+
 struct MbKlParams {
   int rows;
   int V;
-  int extras;  // 1: also write lse_q, lse_ref, argmax_q, argmax_ref, status
+  int mode;  // MbKlMode
 };
 
+// Buffer indices; the outputs (3..8) are in the CPU primitive's output order.
 enum MbKlBuffer {
-  MB_KL_A = 0,        // reference logits [rows, V]
-  MB_KL_B = 1,        // candidate logits [rows, V], same dtype as A
-  MB_KL_OUT = 2,      // float32 [rows]: KL(P || Q)
-  MB_KL_LSE_Q = 3,    // float32 [rows]   (extras; else bound to OUT)
-  MB_KL_LSE_REF = 4,  // float32 [rows]   (extras)
-  MB_KL_ARG_Q = 5,    // int32 [rows]     (extras)
-  MB_KL_ARG_REF = 6,  // int32 [rows]     (extras)
-  MB_KL_STATUS = 7,   // int32 [rows]     (extras)
-  MB_KL_PARAMS = 8,   // MbKlParams
+  MB_KL_A = 0,          // reference [rows, V]
+  MB_KL_B = 1,          // candidate logits [rows, V] (any float dtype)
+  MB_KL_ROW_PARAM = 2,  // float32 [rows] (shift or negH); bound to A if unused
+  MB_KL_OUT = 3,        // float32 [rows]: KL(P || Q), NaN where status != 0
+  MB_KL_STATUS = 4,     // int32 [rows]: MbKlStatus bits
+  MB_KL_ARG_Q = 5,      // int32 [rows]: first index of max b
+  MB_KL_LSE_Q = 6,      // float32 [rows]: log-sum-exp of b
+  MB_KL_ARG_REF = 7,    // int32 [rows]: first index of max a (LOGITS), else -1
+  MB_KL_LSE_REF = 8,    // float32 [rows]: log-sum-exp of a (NaN in PROBS)
+  MB_KL_PARAMS = 9,     // MbKlParams
 };
 
 // Status bits; any set bit makes the row's KL and lse NaN. The same values
@@ -32,6 +41,7 @@ enum MbKlStatus {
   MB_KL_POSINF_LOGITS = 8,
   MB_KL_EMPTY_REF = 16,
   MB_KL_EMPTY_LOGITS = 32,
+  MB_KL_NEG_WEIGHT = 64,
 };
 
 enum MbKlShape {

@@ -24,6 +24,19 @@ inline void mb_qmm_store(device float* acc, device typename IO::storage* out,
   }
 }
 
+// Activation column c of row `xrow` (c in permuted order). A perm entry
+// outside [0, K) reads NaN rather than out-of-bounds memory, so a broken
+// permutation poisons the output (as the CPU path does) instead of reading
+// garbage.
+template <typename IO>
+inline float mb_load_x(const device typename IO::storage* xrow,
+                       const device int32_t* perm, constant MbQmmParams& p,
+                       int c) {
+  if (!p.has_perm) return IO::load(xrow[c]);
+  const uint32_t pc = uint32_t(perm[c]);
+  return pc < uint32_t(p.K) ? IO::load(xrow[pc]) : NAN;
+}
+
 // GEMV. Threadgroup = 2 simdgroups x 32 lanes; grid = (M, ceil(N / 8)).
 // Each simdgroup owns 4 consecutive output rows; each lane walks the
 // segment in chunks of 16 columns (lane l starts at 16 l, steps 512), loads
@@ -65,7 +78,7 @@ template <typename IO, int bits, int group_size>
     const int c0 = p.k0 + k;
     MB_UNROLL for (int i = 0; i < MB_CHUNK; ++i) {
       const int c = c0 + i;
-      xs[i] = IO::load(xrow[p.has_perm ? perm[c] : c]);
+      xs[i] = mb_load_x<IO>(xrow, perm, p, c);
     }
     const float xsum = mb_prescale16<bits>(xs);
     const size_t g = size_t(k / group_size);
@@ -133,8 +146,7 @@ template <typename IO, int bits, int group_size>
     const int c0 = p.k0 + kt + lcol;
     MB_UNROLL for (int i = 0; i < 8; ++i) {
       const int c = c0 + i;
-      xt[lrow * S + lcol + i] =
-          x_in ? IO::load(xrow[p.has_perm ? perm[c] : c]) : 0.0f;
+      xt[lrow * S + lcol + i] = x_in ? mb_load_x<IO>(xrow, perm, p, c) : 0.0f;
     }
     uint32_t codes[8];
     mb_unpack8<bits>(wrow + size_t(kt + lcol) * bits / 8, codes);

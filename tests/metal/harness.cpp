@@ -208,50 +208,60 @@ void run_qmm(int M, int N, const std::vector<QmmSegment>& segs, ActType at,
 
 // ---- KL ----------------------------------------------------------------------
 
-template <typename S>
-using KlFn = void(const S*, const S*, float*, float*, float*, int32_t*,
-                  int32_t*, int32_t*, MbKlParams&, float*, uint3, uint, uint,
-                  uint, uint, uint);
+template <typename SA, typename SB>
+using KlFn = void(const SA*, const SB*, const float*, float*, int32_t*,
+                  int32_t*, float*, int32_t*, float*, MbKlParams&, float*,
+                  uint3, uint, uint, uint, uint, uint);
 
-template <typename S>
-void run_kl(int rows, int V, ActType at, const void* a, const void* b,
-            bool extras, int threads, float* kl, float* lse_q, float* lse_ref,
-            int32_t* arg_q, int32_t* arg_ref, int32_t* status,
-            const simt::Options& opt) {
-  const KlLaunch l = plan_kl(rows, V, at, extras, threads);
-  Guarded ga(size_t(rows) * V * sizeof(S), a);
-  Guarded gb(size_t(rows) * V * sizeof(S), b);
+template <typename SA, typename SB>
+void run_kl(int rows, int V, ActType ta, ActType tb, int mode, const void* a,
+            const void* b, const float* row_param, int threads, float* kl,
+            int32_t* status, int32_t* arg_q, float* lse_q, int32_t* arg_ref,
+            float* lse_ref, const simt::Options& opt) {
+  const KlLaunch l = plan_kl(rows, V, ta, tb, mode, threads);
+  Guarded ga(size_t(rows) * V * sizeof(SA), a);
+  Guarded gb(size_t(rows) * V * sizeof(SB), b);
+  std::unique_ptr<Guarded> gp;
+  if (row_param) gp = std::make_unique<Guarded>(size_t(rows) * 4, row_param);
+  // Unused row parameter: Metal binds the reference buffer there.
+  const float* pp = gp ? gp->as<float>() : reinterpret_cast<const float*>(ga.as<SA>());
   Guarded gkl(size_t(rows) * 4), glq(size_t(rows) * 4), glr(size_t(rows) * 4);
   Guarded gaq(size_t(rows) * 4), gar(size_t(rows) * 4), gst(size_t(rows) * 4);
   for (Guarded* g : {&gkl, &glq, &glr}) g->fill_nan_f32();
   for (Guarded* g : {&gaq, &gar, &gst}) g->fill_bytes(0xab);
   Guarded smem(l.threadgroup_bytes);
   MbKlParams p = l.params;
-  // Without extras, Metal binds the kl buffer to the unused slots.
-  float* lq = extras ? glq.as<float>() : gkl.as<float>();
-  float* lr = extras ? glr.as<float>() : gkl.as<float>();
-  int32_t* aq = extras ? gaq.as<int32_t>() : reinterpret_cast<int32_t*>(gkl.as<float>());
-  int32_t* ar = extras ? gar.as<int32_t>() : reinterpret_cast<int32_t*>(gkl.as<float>());
-  int32_t* st = extras ? gst.as<int32_t>() : reinterpret_cast<int32_t*>(gkl.as<float>());
-  auto* fn = simt::find_kernel<KlFn<S>>(l.kernel);
+  auto* fn = simt::find_kernel<KlFn<SA, SB>>(l.kernel);
   simt::Options o = opt;
   o.group_start = [&](const simt::Dim3&) { smem.fill_nan_f32(); };
   simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
       [&](const simt::ThreadIds& t) {
-        fn(ga.as<S>(), gb.as<S>(), gkl.as<float>(), lq, lr, aq, ar, st, p,
-           smem.as<float>(), u3(t.threadgroup_position_in_grid),
-           t.thread_index_in_threadgroup, t.threads_per_threadgroup.x,
-           t.simdgroup_index_in_threadgroup, t.thread_index_in_simdgroup,
-           t.simdgroups_per_threadgroup);
+        fn(ga.as<SA>(), gb.as<SB>(), pp, gkl.as<float>(), gst.as<int32_t>(),
+           gaq.as<int32_t>(), glq.as<float>(), gar.as<int32_t>(),
+           glr.as<float>(), p, smem.as<float>(),
+           u3(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup,
+           t.threads_per_threadgroup.x, t.simdgroup_index_in_threadgroup,
+           t.thread_index_in_simdgroup, t.simdgroups_per_threadgroup);
       }, o);
   std::memcpy(kl, gkl.as<float>(), size_t(rows) * 4);
-  if (extras) {
-    std::memcpy(lse_q, glq.as<float>(), size_t(rows) * 4);
-    std::memcpy(lse_ref, glr.as<float>(), size_t(rows) * 4);
-    std::memcpy(arg_q, gaq.as<int32_t>(), size_t(rows) * 4);
-    std::memcpy(arg_ref, gar.as<int32_t>(), size_t(rows) * 4);
-    std::memcpy(status, gst.as<int32_t>(), size_t(rows) * 4);
-  }
+  std::memcpy(status, gst.as<int32_t>(), size_t(rows) * 4);
+  std::memcpy(arg_q, gaq.as<int32_t>(), size_t(rows) * 4);
+  std::memcpy(lse_q, glq.as<float>(), size_t(rows) * 4);
+  std::memcpy(arg_ref, gar.as<int32_t>(), size_t(rows) * 4);
+  std::memcpy(lse_ref, glr.as<float>(), size_t(rows) * 4);
+}
+
+template <typename SA>
+void run_kl_b(ActType tb, int rows, int V, ActType ta, int mode, const void* a,
+              const void* b, const float* rp, int threads, float* o0,
+              int32_t* o1, int32_t* o2, float* o3, int32_t* o4, float* o5,
+              const simt::Options& opt) {
+  if (tb == ActType::F32)
+    run_kl<SA, float>(rows, V, ta, tb, mode, a, b, rp, threads, o0, o1, o2, o3, o4, o5, opt);
+  else if (tb == ActType::F16)
+    run_kl<SA, half>(rows, V, ta, tb, mode, a, b, rp, threads, o0, o1, o2, o3, o4, o5, opt);
+  else
+    run_kl<SA, uint16_t>(rows, V, ta, tb, mode, a, b, rp, threads, o0, o1, o2, o3, o4, o5, opt);
 }
 
 // ---- selftest kernels -----------------------------------------------------------
@@ -285,19 +295,21 @@ int mbemu_qmm(int M, int N, int nseg, const int* bits, const int* group_size,
   }, err, errlen);
 }
 
-int mbemu_kl(int rows, int V, int type, const void* a, const void* b,
-             int extras, int threads, float* kl, float* lse_q, float* lse_ref,
-             int32_t* arg_q, int32_t* arg_ref, int32_t* status, int order,
-             uint64_t seed, char* err, int errlen) {
+// a: [rows, V] of type ta, b: [rows, V] of type tb (0 f32, 1 f16, 2 bf16);
+// row_param: float32 [rows] or null; outputs in the primitive's order.
+int mbemu_kl(int rows, int V, int ta, int tb, int mode, const void* a,
+             const void* b, const float* row_param, int threads, float* kl,
+             int32_t* status, int32_t* arg_q, float* lse_q, int32_t* arg_ref,
+             float* lse_ref, int order, uint64_t seed, char* err, int errlen) {
   return guarded_call([&] {
     const simt::Options o = options(order, seed);
-    const auto at = ActType(type);
-    if (type == 0)
-      run_kl<float>(rows, V, at, a, b, extras, threads, kl, lse_q, lse_ref, arg_q, arg_ref, status, o);
-    else if (type == 1)
-      run_kl<half>(rows, V, at, a, b, extras, threads, kl, lse_q, lse_ref, arg_q, arg_ref, status, o);
+    const auto a_t = ActType(ta), b_t = ActType(tb);
+    if (a_t == ActType::F32)
+      run_kl_b<float>(b_t, rows, V, a_t, mode, a, b, row_param, threads, kl, status, arg_q, lse_q, arg_ref, lse_ref, o);
+    else if (a_t == ActType::F16)
+      run_kl_b<half>(b_t, rows, V, a_t, mode, a, b, row_param, threads, kl, status, arg_q, lse_q, arg_ref, lse_ref, o);
     else
-      run_kl<uint16_t>(rows, V, at, a, b, extras, threads, kl, lse_q, lse_ref, arg_q, arg_ref, status, o);
+      run_kl_b<uint16_t>(b_t, rows, V, a_t, mode, a, b, row_param, threads, kl, status, arg_q, lse_q, arg_ref, lse_ref, o);
   }, err, errlen);
 }
 

@@ -115,7 +115,7 @@ def lib() -> ctypes.CDLL:
         P, I, U64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64
         L.mbemu_qmm.argtypes = [I, I, I, P, P, P, I, P, P, P, P, P, I, P, I, I, U64,
                                 ctypes.c_char_p, I]
-        L.mbemu_kl.argtypes = [I, I, I, P, P, I, I, P, P, P, P, P, P, I, U64,
+        L.mbemu_kl.argtypes = [I, I, I, I, I, P, P, P, I, P, P, P, P, P, P, I, U64,
                                ctypes.c_char_p, I]
         L.mbemu_selftest.argtypes = [ctypes.c_char_p, I, I, P, P, I, I, U64,
                                      ctypes.c_char_p, I]
@@ -191,22 +191,29 @@ def qmatmul(x: np.ndarray, act: str, segments, N: int, perm=None, scale_type: st
     return out
 
 
-def kl(a: np.ndarray, b: np.ndarray, act: str, extras: bool = True, threads: int = 256,
+KL_MODES = {"logits": 0, "fixed_shift": 1, "probs": 2}
+KL_OUTPUTS = ("kl", "status", "argmax_q", "lse_q", "argmax_ref", "lse_ref")
+
+
+def kl(a: np.ndarray, b: np.ndarray, a_act: str, b_act: str | None = None,
+       mode: str = "logits", row_param: np.ndarray | None = None, threads: int = 256,
        order: str = "shuffle", seed: int = 1) -> dict:
-    """Run the Metal KL kernel on the emulator over rows of a (reference) and b."""
+    """Run the Metal KL kernel on the emulator over rows of a (reference) and
+    b (candidate logits); returns the six per-row outputs by name."""
+    b_act = b_act or a_act
     a = np.ascontiguousarray(a)
     b = np.ascontiguousarray(b)
     assert a.shape == b.shape and a.ndim == 2
     rows, V = a.shape
-    res = {k: np.zeros(rows, np.float32) for k in ("kl", "lse_q", "lse_ref")}
-    res.update({k: np.zeros(rows, np.int32) for k in ("argmax_q", "argmax_ref", "status")})
+    rp = None if row_param is None else np.ascontiguousarray(row_param, dtype=np.float32)
+    res = {k: np.zeros(rows, np.float32 if k in ("kl", "lse_q", "lse_ref") else np.int32)
+           for k in KL_OUTPUTS}
     err = ctypes.create_string_buffer(2048)
-    rc = lib().mbemu_kl(rows, V, ACT_TYPES[act], _ptr(a), _ptr(b), int(extras), threads,
-                        *(_ptr(res[k]) for k in ("kl", "lse_q", "lse_ref", "argmax_q",
-                                                 "argmax_ref", "status")),
+    rc = lib().mbemu_kl(rows, V, ACT_TYPES[a_act], ACT_TYPES[b_act], KL_MODES[mode], _ptr(a),
+                        _ptr(b), _ptr(rp), threads, *(_ptr(res[k]) for k in KL_OUTPUTS),
                         ORDERS[order], seed, err, len(err))
     _check(rc, err)
-    return res if extras else {"kl": res["kl"]}
+    return res
 
 
 def selftest(name: str, inp: np.ndarray, groups: int, threads: int, out_len: int,

@@ -130,6 +130,18 @@ def test_qmatmul_thread_orders(order):
     run_case(rng, 33, 40, [(3, 32, 96), (5, 64, 64)], "float16", order=order)
 
 
+@pytest.mark.parametrize("path", ["gemv", "tiled"])
+def test_qmatmul_bad_perm_entry_poisons_output_without_reading_out_of_bounds(path):
+    rng = np.random.default_rng(12)
+    segs, W = make_segments(rng, 10, [(4, 32, 64)], "float32")
+    x = make_x(rng, 3, 64, "float32")
+    for bad in (64, -1, 1 << 30):
+        p = rng.permutation(64).astype(np.int32)
+        p[17] = bad
+        y = E.qmatmul(x, "float32", segs, 10, perm=p, path=path)
+        assert np.isnan(y).all()
+
+
 def test_qmatmul_long_k_many_gemv_blocks():
     rng = np.random.default_rng(3)
     run_case(rng, 1, 9, [(4, 64, 2048 + 64), (2, 32, 544)], "float32")
@@ -293,10 +305,62 @@ def test_kl_empty_rows_flagged():
     assert r["status"].tolist() == [16, 32] and np.isnan(r["kl"]).all()
 
 
-def test_kl_without_extras_writes_only_kl():
-    rng = np.random.default_rng(10)
-    a = rng.standard_normal((4, 333)).astype(np.float32)
-    b = rng.standard_normal((4, 333)).astype(np.float32)
-    r = E.kl(a, b, "float32", extras=False)
-    np.testing.assert_allclose(r["kl"], kl_ref(a.astype(np.float64), b.astype(np.float64))[0],
-                               rtol=1e-4, atol=1e-5)
+@pytest.mark.parametrize("a_act,b_act", [("float32", "bfloat16"), ("bfloat16", "float16"),
+                                           ("float16", "float32")])
+def test_kl_reference_and_logits_dtypes_differ(a_act, b_act):
+    rng = np.random.default_rng(13)
+    a32 = (2 * rng.standard_normal((3, 1100))).astype(np.float32)
+    b32 = (a32 + 0.5 * rng.standard_normal(a32.shape)).astype(np.float32)
+    a = to_storage(mx.array(a32).astype(MX_DTYPE[a_act]))
+    b = to_storage(mx.array(b32).astype(MX_DTYPE[b_act]))
+    r = E.kl(a, b, a_act, b_act)
+    kl, lq, lr, aq, ar = kl_ref(E.storage_to_f64(a, a_act), E.storage_to_f64(b, b_act))
+    np.testing.assert_allclose(r["kl"], kl, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(r["lse_q"], lq, rtol=2e-6, atol=2e-4)
+    np.testing.assert_array_equal(r["argmax_ref"], ar)
+    np.testing.assert_array_equal(r["argmax_q"], aq)
+
+
+def test_kl_fixed_shift_mode():
+    # The reference's row max is given; the kernel never rebases that side.
+    rng = np.random.default_rng(14)
+    a = (4 * rng.standard_normal((3, 2000))).astype(np.float32)
+    b = (a + rng.standard_normal(a.shape)).astype(np.float32)
+    r = E.kl(a, b, "float32", mode="fixed_shift", row_param=a.max(axis=1))
+    kl, lq, lr, aq, _ = kl_ref(a.astype(np.float64), b.astype(np.float64))
+    np.testing.assert_allclose(r["kl"], kl, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(r["lse_ref"], lr, rtol=2e-6, atol=2e-4)
+    np.testing.assert_array_equal(r["argmax_q"], aq)
+    np.testing.assert_array_equal(r["argmax_ref"], -1)
+    np.testing.assert_array_equal(r["status"], 0)
+
+
+def test_kl_probs_mode():
+    # Reference given as unnormalized weights ~ p (here p * 7) and negH.
+    rng = np.random.default_rng(15)
+    a = (3 * rng.standard_normal((3, 1500))).astype(np.float64)
+    b = (a + rng.standard_normal(a.shape)).astype(np.float32)
+    p = np.exp(a - a.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    p[0, :100] = 0.0                     # zero weights contribute nothing
+    p /= p.sum(axis=1, keepdims=True)
+    w = (7 * p).astype(np.float32)
+    p64 = w.astype(np.float64) / w.astype(np.float64).sum(axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        negh = np.where(p64 > 0, p64 * np.log(p64), 0).sum(axis=1)
+    r = E.kl(w, b, "float32", mode="probs", row_param=negh.astype(np.float32))
+    lb = kl_ref(b.astype(np.float64), b.astype(np.float64))[1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        want = np.where(p64 > 0, p64 * (np.log(p64) - (b - lb[:, None])), 0).sum(axis=1)
+    np.testing.assert_allclose(r["kl"], want, rtol=1e-4, atol=2e-5)
+    np.testing.assert_allclose(r["lse_q"], lb, rtol=2e-6, atol=2e-4)
+    assert np.isnan(r["lse_ref"]).all() and (r["argmax_ref"] == -1).all()
+    np.testing.assert_array_equal(r["status"], 0)
+
+
+def test_kl_probs_mode_negative_weight_flagged():
+    w = np.full((2, 100), 0.01, np.float32)
+    w[1, 5] = -0.01
+    r = E.kl(w, np.zeros((2, 100), np.float32), "float32", mode="probs",
+             row_param=np.zeros(2, np.float32))
+    assert r["status"].tolist() == [0, 64] and np.isnan(r["kl"][1])
