@@ -124,8 +124,10 @@ struct KLRowResult {
 inline KLRowResult kl_finalize(KLMode mode, KLState s, float negh) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   KLRowResult r{};
-  if (!(s.sa > 0)) s.flags |= kEmptyRef;
-  if (!(s.sb > 0)) s.flags |= kEmptyLogits;
+  // "No mass" is only reported for rows without NaN (NaN sums compare
+  // false, and a NaN row may have had all its finite lanes masked).
+  if (s.sa <= 0 && !(s.flags & kNanRef)) s.flags |= kEmptyRef;
+  if (s.sb <= 0 && !(s.flags & kNanLogits)) s.flags |= kEmptyLogits;
   if (s.maxb == std::numeric_limits<float>::infinity()) s.flags |= kPosInfLogits;
   if (mode == KLMode::Logits &&
       s.maxa == std::numeric_limits<float>::infinity())
