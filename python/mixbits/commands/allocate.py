@@ -55,7 +55,8 @@ def _budgets(args, problem: MCKProblem):
     return budget, lower
 
 
-def _print_totals(sol, out_path, out=sys.stdout) -> None:
+def _print_totals(sol, out_path) -> None:
+    out = sys.stdout
     bpw = f"  ({sol.bpw:.4f} bpw)" if sol.bpw is not None else ""
     print(f"cost {sol.cost:.8g}   bits {sol.bits} of budget {sol.budget}{bpw}", file=out)
     print(f"Lagrangian lower bound {sol.lower_bound:.8g}   gap {sol.gap:.3g}   "
