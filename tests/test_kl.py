@@ -287,8 +287,8 @@ def test_target_probabilities(dtype):
 
 def kl16_64(a64: np.ndarray, b64: np.ndarray) -> np.ndarray:
     """KL from the float16-rounded scaled probabilities, computed independently."""
-    p = np.exp(log_softmax64(a64))
-    p16 = (p * 2.0**15).astype(np.float16).astype(np.float64)
+    w = np.exp(a64 - a64.max(-1, keepdims=True))  # weights, max 1
+    p16 = (w.astype(np.float32) * 2.0**15).astype(np.float16).astype(np.float64)
     p16 /= p16.sum(-1, keepdims=True)
     lb = log_softmax64(b64)
     with np.errstate(divide="ignore", invalid="ignore"):

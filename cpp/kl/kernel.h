@@ -121,7 +121,7 @@ struct KLRowResult {
   int32_t status;
 };
 
-inline KLRowResult kl_finalize(KLMode mode, KLState s, float negh) {
+inline KLRowResult kl_finalize(KLMode mode, KLState s, double negh) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   KLRowResult r{};
   // "No mass" is only reported for rows without NaN (NaN sums compare
@@ -140,7 +140,7 @@ inline KLRowResult kl_finalize(KLMode mode, KLState s, float negh) {
     return r;
   }
   double lsb = std::log(s.sb);
-  double kl = mode == KLMode::Probs ? double(negh) + s.t / s.sa + lsb
+  double kl = mode == KLMode::Probs ? negh + s.t / s.sa + lsb
                                     : s.t / s.sa - std::log(s.sa) + lsb;
   // KL >= 0 exactly; a tiny negative is rounding of two nearly equal sides.
   r.kl = kl > 0 ? float(kl) : 0.0f;

@@ -73,10 +73,11 @@ std::vector<mx::array> kl_divergence(const mx::array& ref,
   if (row_param) {
     if (row_param->dtype() != mx::float32)
       fail("the per-row parameter must be float32");
-    if (row_param->shape() != lead_shape(logits))
+    mx::Shape want = lead_shape(logits);
+    if (mode == KLMode::Probs) want.push_back(2);
+    if (row_param->shape() != want)
       fail("the per-row parameter has shape " +
-           shape_str(row_param->shape()) + ", expected " +
-           shape_str(lead_shape(logits)));
+           shape_str(row_param->shape()) + ", expected " + shape_str(want));
   }
   select_kl(backend);  // throws now, not inside the graph, if unavailable
 
@@ -162,7 +163,10 @@ void KLDivergence::eval_cpu(const std::vector<mx::array>& inputs,
       KLState st = states[size_t(m * nsplit)];
       for (int64_t k = 1; k < nsplit; ++k)
         kl_merge(mode, st, states[size_t(m * nsplit + k)]);
-      KLRowResult r = kl_finalize(mode, st, param ? param[m] : 0.0f);
+      const double negh = mode == KLMode::Probs
+                               ? double(param[2 * m]) + double(param[2 * m + 1])
+                               : 0.0;
+      KLRowResult r = kl_finalize(mode, st, negh);
       kl[m] = r.kl;
       status[m] = r.status;
       argq[m] = r.argmax_q;

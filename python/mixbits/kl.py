@@ -41,8 +41,9 @@ _STATUS = [
     (64, "ref_logits", "has a negative reference weight"),
 ]
 
-# Probs16 stores p * 2^15 as float16: p = 1 stays below float16's max
-# (65504) and probabilities down to ~1.9e-9 keep 11 significant bits.
+# Probs16 stores w * 2^15 as float16, w = e^(a - max a) <= 1 (proportional
+# to p): w = 1 stays below float16's max (65504) and weights down to
+# ~1.9e-9 keep 11 significant bits.
 _P16_SCALE = 2.0**15
 
 
@@ -249,9 +250,9 @@ class KLReference:
       precomputed (no max pass, no rescaling); exact; two exps per entry.
     - ``"probs32"``: float32 probabilities plus sum p log p per row; exact
       to float32; one exp per entry (the candidate's), 4 bytes per entry.
-    - ``"probs16"``: probabilities scaled by 2^15 in float16 (2 bytes per
-      entry, half of probs32) plus sum p log p of those stored values; one
-      exp per entry. It computes KL(P16 || Q) for P16 the float16-rounded
+    - ``"probs16"``: weights e^(a - max) scaled by 2^15 in float16 (2 bytes
+      per entry, half of probs32) plus sum p log p of those stored values;
+      one exp per entry. It computes KL(P16 || Q) for P16 the float16-rounded
       reference; bench/KL.md measures what that costs in accuracy.
 
     argmax and the target log-probabilities of the reference are computed
@@ -283,12 +284,17 @@ class KLReference:
         self.logp_ref_target = (
             None if self.targets is None else _target_logp(ref, self.targets, self.lse)
         )
+        # Shift by the row maximum, an input value: a - max is exact in
+        # float32, a - lse would round.
+        top = mx.take_along_axis(ref, mx.expand_dims(self.argmax_ref, -1), axis=-1)
+        top = mx.squeeze(top, -1).astype(mx.float32)
         if form == "logits":
             self._data = mx.contiguous(ref)
-            self._param = self.lse
+            self._param = top
             self._mode = _FIXED_SHIFT
         else:
-            p = mx.exp(ref.astype(mx.float32) - mx.expand_dims(self.lse, -1))
+            # Weights proportional to p (max 1); the kernel normalizes them.
+            p = mx.exp(ref.astype(mx.float32) - mx.expand_dims(top, -1))
             w = p if form == "probs32" else (p * _P16_SCALE).astype(mx.float16)
             mx.eval(w)
             # sum p log p of exactly the stored weights, in float64, a few
@@ -299,7 +305,10 @@ class KLReference:
                 [_row_negentropy(wn[i : i + step]) for i in range(0, wn.shape[0], step)]
             ) if wn.shape[0] else np.zeros(0)
             self._data = w
-            self._param = mx.array(negh.astype(np.float32).reshape(self.shape[:-1]))
+            # float32 hi + lo keeps negH to ~1e-14 (one float32: ~5e-7).
+            hi = negh.astype(np.float32)
+            lo = (negh - hi.astype(np.float64)).astype(np.float32)
+            self._param = mx.array(np.stack([hi, lo], -1).reshape(self.shape[:-1] + (2,)))
             self._mode = _PROBS
         mx.eval(self._data, self._param, self.argmax_ref, self.lse)
 

@@ -42,7 +42,7 @@ static void check(const char* what, KLMode mode, DType at, DType bt,
       fn(mode, c, part);
       if (k0 == 0) st = part; else kl_merge(mode, st, part);
     }
-    r[k] = kl_finalize(mode, st, param);
+    r[k] = kl_finalize(mode, st, double(param));
   }
   bool ok = r[0].status == r[1].status && r[0].argmax_q == r[1].argmax_q &&
             (mode != KLMode::Logits || r[0].argmax_ref == r[1].argmax_ref);
