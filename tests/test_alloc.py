@@ -353,3 +353,28 @@ def test_cli_sensitivity_table_writes_allocation(tmp_path, capsys):
     table.write_text(json.dumps(bad))
     assert _cli(["allocate", str(table), "--bpw", "3.5", "--out", str(tmp_path / "b.json")]) == 2
     assert "has not finished" in capsys.readouterr().err
+
+
+def test_cli_storage_budget_on_sweep_like_table(tmp_path, capsys):
+    from test_formats import _sweep_like_table
+
+    raw = _sweep_like_table()
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps(raw))
+    out = tmp_path / "allocation.json"
+    # storage budget: 18432 + 14746 bits fits 4b_g64 in one tensor and the mixed candidate in the other
+    assert _cli(["allocate", str(table), "--budget-bits", str(18432 + 14746), "--count", "storage",
+                 "--out", str(out), "--quiet"]) == 0
+    a = Allocation.load(out)
+    kinds = [e.kind for e in a.assignment]
+    costs = {(i, c["kind"]): (c["storage_bits"], c["kl"]) for i, e in enumerate(raw["entries"]) for c in e["candidates"]}
+    best = min((costs[(0, k0)][1] + costs[(1, k1)][1], k0, k1)
+               for k0 in ("4b_g64", "4b10_3b_g64", "8b50_6b_g64", "ternary_g64")
+               for k1 in ("4b_g64", "4b10_3b_g64", "8b50_6b_g64", "ternary_g64")
+               if costs[(0, k0)][0] + costs[(1, k1)][0] <= 18432 + 14746)
+    assert kinds == [best[1], best[2]] and a.sum_kl == pytest.approx(best[0])
+    assert a.budget["count"] == "storage"
+    del raw["entries"][1]["candidates"][0]["storage_bits"]
+    table.write_text(json.dumps(raw))
+    assert _cli(["allocate", str(table), "--budget-bits", "40000", "--count", "storage", "--out", str(out)]) == 2
+    assert "no storage_bits" in capsys.readouterr().err

@@ -383,3 +383,34 @@ def test_sensitivity_table_errors():
     raw["entries"][0]["candidates"].append(dict(raw["entries"][0]["candidates"][0]))
     with pytest.raises(FormatError, match="'kind'.*repeats"):
         SensitivityTable.from_dict(raw)
+
+
+def _sweep_like_table():
+    """What a measurement sweep writes: candidate names as kinds, fractional
+    nominal widths for mixed candidates, storage bits, extra metadata."""
+    def cand(kind, bits, kl, storage):
+        return {"kind": kind, "bits": bits, "kl": kl, "kl_stderr": kl / 10, "storage_bits": storage,
+                "bpw": storage / 4096, "group_size": 64}
+    entries = []
+    for i, path in enumerate(["model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"]):
+        entries.append({"path": path, "layer": i, "nparams": 4096, "shape": [64, 64], "seconds": 0.5,
+                        "candidates": [cand("4b_g64", 4, 0.01 + i, 18432), cand("4b10_3b_g64", 3.1, 0.05 + i, 14746),
+                                       cand("8b50_6b_g64", 7.0, 0.001, 32768), cand("ternary_g64", 2, 0.9, 10240)]})
+    return {"format": "mixbits.sensitivity", "version": 1, "metric": "kl", "meta": {"model": "tiny"},
+            "complete": True, "entries": entries}
+
+
+def test_sweep_written_table_reads_and_round_trips():
+    raw = _sweep_like_table()
+    t = SensitivityTable.from_dict(raw)
+    assert t.to_dict() == raw and t.complete
+    c = t.entries[0].candidates
+    assert [x.bits for x in c] == [4, 3.1, 7.0, 2] and c[1].storage_bits == 14746
+    a = t.to_allocation([1, 2], high_avg=8.0, count="storage")
+    assert a.average_bits == pytest.approx((3.1 + 7.0) / 2)
+    assert a.budget == {"low_avg": None, "high_avg": 8.0, "count": "storage"}
+    assert Allocation.from_dict(a.to_dict()).to_dict() == a.to_dict()
+    bad = copy.deepcopy(raw)
+    bad["entries"][0]["candidates"][3]["bits"] = 3
+    with pytest.raises(FormatError, match=r"entries\[0\]\['candidates'\]\[3\]: kind 'ternary_g64' is stored as 2 bits"):
+        SensitivityTable.from_dict(bad)

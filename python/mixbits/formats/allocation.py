@@ -14,7 +14,7 @@ Layout (all keys but ``assignment`` and ``average_bits`` optional)::
 ``kind`` names the candidate (``"2"``..``"8"``, ``"ternary"``, or a
 sweep's candidate name such as ``"4b_g64"``); ``bits`` is its nominal width:
 an integer width in 2,3,4,5,6,8 (ternary counts as 2), or for a mixed
-candidate the share-weighted width (a fraction between 2 and 8). Entries may
+candidate the share-weighted width (a JSON float in [2, 8]). Entries may
 carry ``storage_bits`` (exact storage including scales and biases); the
 budget may carry ``"count": "nominal"|"storage"`` saying which bits
 ``low_avg``/``high_avg`` bound (default nominal), and ``low_avg`` may be
@@ -53,21 +53,22 @@ def check_kind_bits(kind: str, bits, where: str) -> None:
     """A numeric kind must equal its bits; ternary is stored as 2 bits."""
     if kind == TERNARY or kind.startswith(TERNARY + "_"):
         if bits != 2:
-            raise FormatError(f"{where}: kind 'ternary' is stored as 2 bits, got bits={bits}")
+            raise FormatError(f"{where}: kind {kind!r} is stored as 2 bits, got bits={bits}")
     elif kind.isdigit() and int(kind) != bits:
         raise FormatError(f"{where}: kind {kind!r} disagrees with bits={bits}")
 
 
 def expect_bits(obj, where: str):
-    """A nominal width: an integer in ALLOWED_BITS, or a fraction in
-    [2, 8] (a mixed candidate's share-weighted width)."""
+    """A nominal width: a JSON integer must be one of ALLOWED_BITS; a JSON
+    float is a mixed candidate's share-weighted width and must lie in
+    [2, 8] (so 7.0, half 8-bit and half 6-bit, is fine while 7 is not)."""
     b = expect_number(obj, where)
-    if float(b).is_integer():
-        if int(b) not in ALLOWED_BITS:
+    if isinstance(b, int):
+        if b not in ALLOWED_BITS:
             raise FormatError(f"{where}: unknown bit width {obj!r}; expected one of {ALLOWED_BITS}")
-        return int(b)
-    if not (min(ALLOWED_BITS) < b < max(ALLOWED_BITS)):
-        raise FormatError(f"{where}: fractional width {obj!r} outside ({min(ALLOWED_BITS)}, {max(ALLOWED_BITS)})")
+        return b
+    if not (min(ALLOWED_BITS) <= b <= max(ALLOWED_BITS)):
+        raise FormatError(f"{where}: fractional width {obj!r} outside [{min(ALLOWED_BITS)}, {max(ALLOWED_BITS)}]")
     return b
 
 

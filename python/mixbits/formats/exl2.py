@@ -243,6 +243,13 @@ class Option:
             raise FormatError(f"no shape known for projection(s) {missing}")
         return sum(q.total_bits(*shapes[p]) for p, q in self.projections.items())
 
+    def segments(self, shapes: dict[str, tuple[int, int]]) -> dict[str, list[tuple[int, int, int]]]:
+        """mixbits K-segments of every projection (see ProjectionQuant.segments)."""
+        missing = [p for p in self.projections if p not in shapes]
+        if missing:
+            raise FormatError(f"no shape known for projection(s) {missing}")
+        return {p: q.segments(shapes[p][0]) for p, q in self.projections.items()}
+
     def nparams(self, shapes: dict[str, tuple[int, int]]) -> int:
         missing = [p for p in self.projections if p not in shapes]
         if missing:

@@ -33,9 +33,9 @@ Candidate fields:
 - ``kind`` (required string, unique within the entry): the candidate's name,
   e.g. ``"4b_g64"``, ``"ternary_g64"``, ``"4b10_3b_g64"``. A pure digit
   string must equal ``bits``; ``"ternary"``/``"ternary_*"`` need ``bits`` 2.
-- ``bits`` (required number): the nominal width. An integer must be one of
-  2,3,4,5,6,8; a mixed candidate gives its share-weighted width, a fraction
-  strictly between 2 and 8. Counted as ``nparams * bits`` (rounded to whole
+- ``bits`` (required number): the nominal width. A JSON integer must be one
+  of 2,3,4,5,6,8; a mixed candidate gives its share-weighted width as a JSON
+  float in [2, 8] (e.g. 3.1 for 10% 4-bit + 90% 3-bit). Counted as ``nparams * bits`` (rounded to whole
   bits) under the default "nominal" budget, allocation.json's average_bits.
 - ``kl`` (required finite number): the cost the allocator minimizes, summed
   over tensors.
