@@ -11,15 +11,19 @@ indexed by bits is out of the question):
   other too (lighter is enough while the lower bound cannot bind, heavier
   while the budget cannot bind);
 - bounding: a partial solution is dropped when its Lagrangian lower bound
-  (cost so far + nu * bits so far + the relaxed remainder, nu the LP
-  optimal multiplier) exceeds the best complete solution known. The first
-  such solution comes from rounding the LP relaxation and a local
-  improvement pass, so for real instances the gap is tiny and the frontier
-  stays at a few hundred states.
+  (cost so far + nu * bits so far + the relaxed remainder - nu * budget, nu
+  the LP optimal multiplier) exceeds a threshold T. Passes run with T
+  growing from just above the LP bound up to the cost of a known solution
+  (the LP rounded, then improved by single-slot moves); a pass that finds a
+  solution costing <= T has found the optimum. The same bound removes, per
+  pass, every option whose reduced cost alone exceeds T - bound, and slots
+  left with one option are folded into constants. On real instances the
+  LP gap is tiny, so few slots stay free and the frontier stays at
+  hundreds to tens of thousands of states.
 
 Both reductions only remove states that cannot beat a kept one, so the
 result is optimal. Cost comparisons allow a relative 1e-10 slack for float
-rounding (a state within that of the incumbent is kept, never dropped).
+rounding (states within it of the threshold are kept, never dropped).
 """
 
 from __future__ import annotations
