@@ -111,6 +111,23 @@ def test_large_values_and_ternary(backend):
 
 
 @pytest.mark.parametrize("backend", SIMD)
+@pytest.mark.parametrize("isa", ["avx2", "default"])
+def test_gemm_micro_kernels(backend, isa, monkeypatch):
+    # The large-M path uses a 6x4 AVX-512 micro-kernel when the CPU has
+    # AVX-512F, else the 4x3 AVX2 one; MIXBITS_QMM_ISA=avx2 forces the
+    # latter, so both are checked on a CPU that has both. M and N leave
+    # tails in every block shape.
+    if isa == "avx2":
+        monkeypatch.setenv("MIXBITS_QMM_ISA", "avx2")
+    rng = np.random.default_rng(11)
+    k = 1024 + 192  # more than one 1024-column tile
+    qt = mixbits.quantize(rand(rng, (103, k)), [(5, 32, 1024), (8, 64, 192)],
+                          dtype=mx.float16)
+    for m in (17, 23, 45):
+        check_backend(backend, rand(rng, (m, k)), qt)
+
+
+@pytest.mark.parametrize("backend", SIMD)
 @pytest.mark.parametrize("m", [1, 6, 40])
 def test_threaded_matches_single_thread(backend, m):
     if _ext.num_threads() < 2:

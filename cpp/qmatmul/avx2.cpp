@@ -35,8 +35,11 @@ namespace {
 constexpr int kUnit = 32;    // codes per decode unit
 constexpr int kSmallM = 16;  // above this, the dequantized-tile GEMM path
 constexpr int kMaxMB = 8;    // activation rows per pass of the small path
-constexpr int kKC = 512;     // GEMM: columns per dequantized tile
+constexpr int kKC = 1024;    // GEMM: columns per dequantized tile
 constexpr int kNB = 48;      // GEMM: W rows per dequantized tile
+// GEMM: x rows per pass over a tile. Blocks of 96 rows (x in L2) were
+// measured slower here than one pass over all rows, so blocking is off.
+constexpr int kMB = 1 << 20;
 
 // ------------------------------------------------------------ decode
 
@@ -361,11 +364,68 @@ void micro(const float* x, int ldx, const float* w, int ldw, int kc, float* y,
     for (int j = 0; j < NR; ++j) y[i * ldy + j] += hsum(acc[i][j]);
 }
 
+// The same micro-kernel with 16-lane registers, for CPUs that also have
+// AVX-512F (checked at run time; only this function uses it). 32 registers
+// allow a 6x4 block: 24 accumulators, 10 loads per 24 FMAs.
+#define MIXBITS_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+template <int MR, int NR>
+MIXBITS_AVX512 void micro512(const float* x, int ldx, const float* w, int ldw,
+                             int kc, float* y, int ldy) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int p = 0; p < kc; p += 16) {
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_ps(w + j * ldw + p);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + i * ldx + p);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    if constexpr (NR == 4) {
+      // Four sums at once: fold to 8 lanes, then a horizontal-add tree.
+      __m256 h[4];
+      for (int j = 0; j < 4; ++j)
+        h[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[i][j]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(
+                                 _mm512_castps_pd(acc[i][j]), 1)));
+      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]),
+                                      _mm256_hadd_ps(h[2], h[3]));
+      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+      _mm_storeu_ps(y + i * ldy, _mm_add_ps(_mm_loadu_ps(y + i * ldy), s4));
+    } else {
+      for (int j = 0; j < NR; ++j) y[i * ldy + j] += _mm512_reduce_add_ps(acc[i][j]);
+    }
+  }
+}
+
 using MicroFn = void (*)(const float*, int, const float*, int, int, float*, int);
 template <int MR>
 constexpr MicroFn micro_row[4] = {nullptr, micro<MR, 1>, micro<MR, 2>, micro<MR, 3>};
 constexpr const MicroFn* micro_table[5] = {nullptr, micro_row<1>, micro_row<2>,
                                            micro_row<3>, micro_row<4>};
+template <int MR>
+constexpr MicroFn micro512_row[5] = {nullptr, micro512<MR, 1>, micro512<MR, 2>,
+                                     micro512<MR, 3>, micro512<MR, 4>};
+constexpr const MicroFn* micro512_table[7] = {
+    nullptr,          micro512_row<1>, micro512_row<2>, micro512_row<3>,
+    micro512_row<4>, micro512_row<5>, micro512_row<6>};
+
+// Micro-kernel shape in use: 6x4 AVX-512 or 4x3 AVX2. The environment
+// variable MIXBITS_QMM_ISA=avx2 forces the AVX2 one (read per call, so
+// tests can check both on a CPU that has AVX-512).
+struct MicroPick {
+  int mr, nr;
+  const MicroFn* const* table;
+};
+MicroPick pick_micro() {
+  static const bool has512 = __builtin_cpu_supports("avx512f");
+  const char* isa = std::getenv("MIXBITS_QMM_ISA");
+  if (has512 && !(isa && std::strcmp(isa, "avx2") == 0))
+    return {6, 4, micro512_table};
+  return {4, 3, micro_table};
+}
 
 // ------------------------------------------------------------ ladder
 
@@ -438,6 +498,7 @@ void small_slice(const Prepared& pr, const QMatView& w,
 void gemm_slice(const Prepared& pr, const QMatView& w,
                 const std::vector<SegFns>& fns, float* y, int n0, int n1) {
   const int N = w.N, M = pr.M, K = pr.K;
+  const MicroPick mk = pick_micro();
   thread_local std::vector<float> tile;
   tile.resize(size_t(kNB) * kKC);
   for (int m = 0; m < M; ++m)
@@ -446,18 +507,23 @@ void gemm_slice(const Prepared& pr, const QMatView& w,
     const SegView& s = w.segs[si];
     for (int c0 = 0; c0 < s.k; c0 += kKC) {
       const int c1 = std::min(s.k, c0 + kKC), kc = c1 - c0;
+      // x rows in blocks that stay in L2 next to the tile; the tile is
+      // dequantized again per block (cheap next to kMB rows of FMAs).
+      for (int mb0 = 0; mb0 < M; mb0 += kMB) {
+      const int mb1 = std::min(M, mb0 + kMB);
       for (int nt = n0; nt < n1; nt += kNB) {
         const int nb = std::min(kNB, n1 - nt);
         fns[si].dequant(s, w.sdtype, nt, nb, c0, c1, tile.data(), kKC);
         const float* xb = pr.xd.data() + s.k0 + c0;
-        for (int m = 0; m < M; m += 4) {
-          const int mr = std::min(4, M - m);
-          for (int j = 0; j < nb; j += 3) {
-            const int nr = std::min(3, nb - j);
-            micro_table[mr][nr](xb + int64_t(m) * K, K, tile.data() + j * kKC,
-                                kKC, kc, y + int64_t(m) * N + nt + j, N);
+        for (int m = mb0; m < mb1; m += mk.mr) {
+          const int mr = std::min(mk.mr, mb1 - m);
+          for (int j = 0; j < nb; j += mk.nr) {
+            const int nr = std::min(mk.nr, nb - j);
+            mk.table[mr][nr](xb + int64_t(m) * K, K, tile.data() + j * kKC, kKC, kc,
+                             y + int64_t(m) * N + nt + j, N);
           }
         }
+      }
       }
     }
   }
