@@ -292,7 +292,8 @@ void gemv_mb(const SegView& s, DType sdt, const float* xq, const float* xs,
     const int c1 = std::min(s.k, c0 + kBlock);
     gemv_rows<B, G, MB, R, A>(s, sdt, xq, xs, ldx, c0, c1, n0, nfull, y, ldy);
     if (nfull < n1)
-      gemv_rows<B, G, MB, 1, 2>(s, sdt, xq, xs, ldx, c0, c1, nfull, n1, y, ldy);
+      // Same A as the main rows: same summation order wherever a row falls.
+      gemv_rows<B, G, MB, 1, A>(s, sdt, xq, xs, ldx, c0, c1, nfull, n1, y, ldy);
   }
 }
 
@@ -382,20 +383,25 @@ MIXBITS_AVX512 void micro512(const float* x, int ldx, const float* w, int ldw,
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
+  // Four sums at once: fold to 8 lanes, then a horizontal-add tree. Tails
+  // (NR < 4) run the same tree on zeros, so every output is summed in the
+  // same order whatever block it falls in (threaded == single-thread).
   for (int i = 0; i < MR; ++i) {
+    __m256 h[4];
+    for (int j = 0; j < 4; ++j)
+      h[j] = j < NR ? _mm256_add_ps(_mm512_castps512_ps256(acc[i][j]),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(
+                                        _mm512_castps_pd(acc[i][j]), 1)))
+                    : _mm256_setzero_ps();
+    const __m256 t =
+        _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
     if constexpr (NR == 4) {
-      // Four sums at once: fold to 8 lanes, then a horizontal-add tree.
-      __m256 h[4];
-      for (int j = 0; j < 4; ++j)
-        h[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[i][j]),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(
-                                 _mm512_castps_pd(acc[i][j]), 1)));
-      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]),
-                                      _mm256_hadd_ps(h[2], h[3]));
-      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
       _mm_storeu_ps(y + i * ldy, _mm_add_ps(_mm_loadu_ps(y + i * ldy), s4));
     } else {
-      for (int j = 0; j < NR; ++j) y[i * ldy + j] += _mm512_reduce_add_ps(acc[i][j]);
+      alignas(16) float r[4];
+      _mm_store_ps(r, s4);
+      for (int j = 0; j < NR; ++j) y[i * ldy + j] += r[j];
     }
   }
 }
