@@ -20,7 +20,6 @@ lower). The table is printed at the end and saved as bench/results/alloc.json.
 from __future__ import annotations
 
 import functools
-import time
 from pathlib import Path
 
 import numpy as np

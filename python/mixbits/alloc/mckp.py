@@ -230,7 +230,6 @@ def _dp(ws, cs, idx, nu, rels, rhs, budget, lower, threshold):
     peak = 1
     for k in range(n):
         w, c = ws[k], cs[k]
-        m = len(w)
         ns = len(W)
         # option-major, so each option's block stays sorted by bits
         NW = (w[:, None] + W[None, :]).ravel()

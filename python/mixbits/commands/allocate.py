@@ -30,7 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--config", metavar="config.json",
                    help="Hugging Face config.json of the model: projection shapes, used for --bpw and to "
                         "check every option's total_bits")
-    p.add_argument("--out", required=True, metavar="OUT.json",
+    p.add_argument("--out", required=True, metavar="STRATEGY.json",
                    help="strategy (module -> chosen option) for a measurement; allocation.json for a table")
     p.add_argument("--count", choices=("nominal", "storage"), default="nominal",
                    help="sensitivity tables: budget counts nominal bits (nparams*bits, allocation.json's "

@@ -24,7 +24,6 @@ from .errors import (
     expect_int,
     expect_str,
     load_json,
-    require,
     write_json_atomic,
 )
 
