@@ -102,7 +102,16 @@ def build() -> Path:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+        _prune(keep=3)
     return lib
+
+
+def _prune(keep: int) -> None:
+    """Drop all but the `keep` newest cached builds (older source states)."""
+    builds = sorted((d for d in BUILD_ROOT.iterdir() if d.is_dir() and not d.name.startswith(".")),
+                    key=lambda d: d.stat().st_mtime, reverse=True)
+    for d in builds[keep:]:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 _LIB = None
