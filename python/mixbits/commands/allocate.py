@@ -5,6 +5,7 @@ allocation.json)."""
 
 from __future__ import annotations
 
+import math
 import sys
 from collections import Counter, defaultdict
 
@@ -20,8 +21,9 @@ def add_arguments(p) -> None:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--budget-bits", type=int, metavar="B", help="upper bound on the summed bits")
     g.add_argument("--bpw", type=float, metavar="X",
-                   help="upper bound in bits per weight of the allocated tensors (needs their shapes: "
-                        "--config for a measurement; a sensitivity table carries nparams)")
+                   help="upper bound in bits per weight of the allocated tensors, i.e. floor(X * their "
+                        "weights) bits (needs the shapes: --config for a measurement, counting the "
+                        "projections' weights; a sensitivity table carries nparams)")
     lo = p.add_mutually_exclusive_group()
     lo.add_argument("--min-bits", type=int, metavar="B", help="optional lower bound on the summed bits")
     lo.add_argument("--min-bpw", type=float, metavar="X", help="optional lower bound in bits per weight")
@@ -49,7 +51,7 @@ def _budgets(args, problem: MCKProblem):
     if args.min_bpw is not None:
         if problem.nparams is None:
             raise ValueError("--min-bpw needs the tensor shapes (--config)")
-        lower = -(-int(args.min_bpw * problem.total_params * 1_000_000) // 1_000_000)  # ceil
+        lower = math.ceil(args.min_bpw * problem.total_params)
     if lower is not None and lower < 0:
         raise ValueError(f"--min-bits must be >= 0, got {lower}")
     return budget, lower
