@@ -57,6 +57,7 @@ def write_atomic(target: Path, chunks) -> None:
                 f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the cache is meant to be shared
         os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
