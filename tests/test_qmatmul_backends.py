@@ -25,6 +25,18 @@ MS = [1, 2, 3, 5, 8, 9, 17, 130]
 pytestmark = pytest.mark.skipif(not SIMD, reason="no SIMD backend on this CPU")
 
 
+@pytest.fixture(autouse=True, params=["widest", "avx2"])
+def isa(request, monkeypatch):
+    """Run every test twice: with the widest kernels this CPU has (16-lane
+    AVX-512F ones where available) and with the 8-lane AVX2 kernels forced
+    (MIXBITS_QMM_ISA is read on every call)."""
+    if request.param == "avx2":
+        monkeypatch.setenv("MIXBITS_QMM_ISA", "avx2")
+    else:
+        monkeypatch.delenv("MIXBITS_QMM_ISA", raising=False)
+    return request.param
+
+
 def rand(rng, shape, dtype=mx.float32):
     return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
 
@@ -111,14 +123,9 @@ def test_large_values_and_ternary(backend):
 
 
 @pytest.mark.parametrize("backend", SIMD)
-@pytest.mark.parametrize("isa", ["avx2", "default"])
-def test_gemm_micro_kernels(backend, isa, monkeypatch):
-    # The large-M path uses a 6x4 AVX-512 micro-kernel when the CPU has
-    # AVX-512F, else the 4x3 AVX2 one; MIXBITS_QMM_ISA=avx2 forces the
-    # latter, so both are checked on a CPU that has both. M and N leave
-    # tails in every block shape.
-    if isa == "avx2":
-        monkeypatch.setenv("MIXBITS_QMM_ISA", "avx2")
+def test_gemm_micro_kernels(backend):
+    # The large-M path: a 6x4 AVX-512 or 4x3 AVX2 micro-kernel (see the isa
+    # fixture) over 1024-column tiles; M and N leave tails in every block.
     rng = np.random.default_rng(11)
     k = 1024 + 192  # more than one 1024-column tile
     qt = mixbits.quantize(rand(rng, (103, k)), [(5, 32, 1024), (8, 64, 192)],

@@ -309,6 +309,131 @@ void gemv_seg(const SegView& s, DType sdt, const float* xq, const float* xs,
   }
 }
 
+// The small-M kernel with 16-lane registers, for CPUs that also have
+// AVX-512F. One unit's 8-lane window is duplicated into both halves of a
+// 16-lane register, so one AND + convert yields extractions k and k+1:
+// decode positions 0..15, then 16..31, contiguous in the same x layout.
+// The 8-bit top code has its own exponent in the AVX2 layout (shifted, not
+// masked), so its half is shifted per lane instead.
+#define MIXBITS_AVX512_SMALL __attribute__((target("avx512f,avx2,fma,f16c")))
+
+template <int B, int H>  // H: 0 -> extractions 0,1; 1 -> extractions 2,3
+MIXBITS_AVX512_SMALL inline __m512 extract_pair(__m512i w2) {
+  constexpr int k0 = 2 * H, k1 = 2 * H + 1;
+  if constexpr (B == 8 && H == 1) {
+    const __m512i sh = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 24, 24, 24, 24,
+                                         24, 24, 24, 24);
+    const __m512i m = _mm512_setr_epi32(
+        0xFF0000, 0xFF0000, 0xFF0000, 0xFF0000, 0xFF0000, 0xFF0000, 0xFF0000,
+        0xFF0000, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF);
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w2, sh), m));
+  } else {
+    const __m512i m = _mm512_setr_epi32(
+        lane_mask(B, k0, 0), lane_mask(B, k0, 1), lane_mask(B, k0, 2),
+        lane_mask(B, k0, 3), lane_mask(B, k0, 4), lane_mask(B, k0, 5),
+        lane_mask(B, k0, 6), lane_mask(B, k0, 7), lane_mask(B, k1, 0),
+        lane_mask(B, k1, 1), lane_mask(B, k1, 2), lane_mask(B, k1, 3),
+        lane_mask(B, k1, 4), lane_mask(B, k1, 5), lane_mask(B, k1, 6),
+        lane_mask(B, k1, 7));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(w2, m));
+  }
+}
+
+template <int B, int G, int MB, int R, int A>
+MIXBITS_AVX512_SMALL void gemv_rows512(const SegView& s, DType sdt, const float* xq,
+                                       const float* xs, int ldx, int n0, int n1,
+                                       float* y, int ldy) {
+  constexpr bool kScaleW = MB >= 2;  // as in gemv_rows
+  const int ngroups = s.k / G;
+  const int64_t row_bytes = int64_t(s.k) * B / 8;
+  thread_local std::vector<float> scratch;
+  scratch.resize(size_t(2) * R * ngroups);
+  float* sc = scratch.data();
+  float* bi = sc + size_t(R) * ngroups;
+  for (int n = n0; n < n1; n += R) {
+    const uint8_t* rowp[R];
+    for (int r = 0; r < R; ++r) {
+      rowp[r] = reinterpret_cast<const uint8_t*>(s.wq) + int64_t(n + r) * row_bytes;
+      to_f32(s.scales, int64_t(n + r) * ngroups, ngroups, sdt, sc + r * ngroups);
+      to_f32(s.biases, int64_t(n + r) * ngroups, ngroups, sdt, bi + r * ngroups);
+    }
+    __m512 tot[R][MB], acc[R][MB][A];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) {
+        tot[r][m] = _mm512_setzero_ps();
+        for (int a = 0; a < A; ++a) acc[r][m][a] = _mm512_setzero_ps();
+      }
+    for (int g = 0; g < ngroups; ++g) {
+      __m512 sv[R];
+      for (int r = 0; r < R; ++r) sv[r] = _mm512_set1_ps(sc[r * ngroups + g]);
+#pragma GCC unroll 4
+      for (int u = 0; u < G / kUnit; ++u) {
+        const int c = g * G + u * kUnit;
+        const float* xp = xq + c;
+        for (int r = 0; r < R; ++r) {
+          const __m256i win = load_unit<B>(rowp[r] + c * B / 8);
+          const __m512i w2 =
+              _mm512_inserti64x4(_mm512_castsi256_si512(win), win, 1);
+          __m512 v0 = extract_pair<B, 0>(w2);
+          __m512 v1 = extract_pair<B, 1>(w2);
+          if constexpr (kScaleW) {
+            v0 = _mm512_mul_ps(v0, sv[r]);
+            v1 = _mm512_mul_ps(v1, sv[r]);
+          }
+          for (int m = 0; m < MB; ++m) {
+            acc[r][m][0] =
+                _mm512_fmadd_ps(v0, _mm512_loadu_ps(xp + m * ldx), acc[r][m][0]);
+            acc[r][m][A - 1] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(xp + m * ldx + 16),
+                                               acc[r][m][A - 1]);
+          }
+        }
+      }
+      if constexpr (!kScaleW) {
+        for (int r = 0; r < R; ++r)
+          for (int m = 0; m < MB; ++m) {
+            __m512 a = acc[r][m][0];
+            if constexpr (A > 1) a = _mm512_add_ps(a, acc[r][m][1]);
+            tot[r][m] = _mm512_fmadd_ps(a, sv[r], tot[r][m]);
+            for (int i = 0; i < A; ++i) acc[r][m][i] = _mm512_setzero_ps();
+          }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) {
+        __m512 t = tot[r][m];
+        if constexpr (kScaleW) {
+          t = acc[r][m][0];
+          if constexpr (A > 1) t = _mm512_add_ps(t, acc[r][m][1]);
+        }
+        y[int64_t(m) * ldy + n + r] += _mm512_reduce_add_ps(t) +
+                                       dot(bi + r * ngroups, xs + m * ngroups, ngroups);
+      }
+  }
+}
+
+template <int B, int G, int MB>
+void gemv_mb512(const SegView& s, DType sdt, const float* xq, const float* xs,
+                int ldx, int n0, int n1, float* y, int ldy) {
+  constexpr int R = MB <= 2 ? 4 : 2;
+  constexpr int A = R * MB <= 8 ? 2 : 1;
+  const int nfull = n0 + (n1 - n0) / R * R;
+  gemv_rows512<B, G, MB, R, A>(s, sdt, xq, xs, ldx, n0, nfull, y, ldy);
+  if (nfull < n1)  // same A: same summation order wherever a row falls
+    gemv_rows512<B, G, MB, 1, A>(s, sdt, xq, xs, ldx, nfull, n1, y, ldy);
+}
+
+template <int B, int G>
+void gemv_seg512(const SegView& s, DType sdt, const float* xq, const float* xs,
+                 int ldx, int mb, int n0, int n1, float* y, int ldy) {
+  switch (mb) {
+#define MIXBITS_MB(V) \
+  case V: return gemv_mb512<B, G, V>(s, sdt, xq, xs, ldx, n0, n1, y, ldy);
+    MIXBITS_MB(1) MIXBITS_MB(2) MIXBITS_MB(3) MIXBITS_MB(4)
+    MIXBITS_MB(5) MIXBITS_MB(6) MIXBITS_MB(7) MIXBITS_MB(8)
+#undef MIXBITS_MB
+  }
+}
+
 // ------------------------------------------------------------ large M
 
 // Dequantizes rows [n, n+nr) x columns [c0, c1) (group-aligned) of one
@@ -418,18 +543,21 @@ constexpr const MicroFn* micro512_table[7] = {
     nullptr,          micro512_row<1>, micro512_row<2>, micro512_row<3>,
     micro512_row<4>, micro512_row<5>, micro512_row<6>};
 
-// Micro-kernel shape in use: 6x4 AVX-512 or 4x3 AVX2. The environment
-// variable MIXBITS_QMM_ISA=avx2 forces the AVX2 one (read per call, so
-// tests can check both on a CPU that has AVX-512).
+// 16-lane kernels (small-M rows, 6x4 micro-kernel) when the CPU has
+// AVX-512F, else the 8-lane ones (4x3 micro-kernel). MIXBITS_QMM_ISA=avx2
+// forces the 8-lane ones; it is read per call, so tests check both on a
+// CPU that has AVX-512.
 struct MicroPick {
   int mr, nr;
   const MicroFn* const* table;
 };
-MicroPick pick_micro() {
+bool use_avx512() {
   static const bool has512 = __builtin_cpu_supports("avx512f");
   const char* isa = std::getenv("MIXBITS_QMM_ISA");
-  if (has512 && !(isa && std::strcmp(isa, "avx2") == 0))
-    return {6, 4, micro512_table};
+  return has512 && !(isa && std::strcmp(isa, "avx2") == 0);
+}
+MicroPick pick_micro() {
+  if (use_avx512()) return {6, 4, micro512_table};
   return {4, 3, micro_table};
 }
 
@@ -441,12 +569,13 @@ using DequantFn = void (*)(const SegView&, DType, int, int, int, int, float*, in
 
 struct SegFns {
   GemvFn gemv;
+  GemvFn gemv512;
   DequantFn dequant;
 };
 
 template <int B, int G>
 constexpr SegFns make_fns() {
-  return {gemv_seg<B, G>, dequant_tile<B, G>};
+  return {gemv_seg<B, G>, gemv_seg512<B, G>, dequant_tile<B, G>};
 }
 
 template <int B>
@@ -485,7 +614,7 @@ const float* unit_scale(int bits) {
 // ------------------------------------------------------------ slices
 
 void small_slice(const Prepared& pr, const QMatView& w,
-                 const std::vector<SegFns>& fns, float* y, int n0, int n1) {
+                 const std::vector<SegFns>& fns, bool wide, float* y, int n0, int n1) {
   const int N = w.N;
   for (int m0 = 0; m0 < pr.M; m0 += kMaxMB) {
     const int mb = std::min(kMaxMB, pr.M - m0);
@@ -494,7 +623,8 @@ void small_slice(const Prepared& pr, const QMatView& w,
     for (size_t si = 0; si < w.segs.size(); ++si) {
       const SegView& s = w.segs[si];
       const int ng = s.k / s.group_size;
-      fns[si].gemv(s, w.sdtype, pr.xq[si].data() + int64_t(m0) * s.k,
+      (wide ? fns[si].gemv512 : fns[si].gemv)(
+                   s, w.sdtype, pr.xq[si].data() + int64_t(m0) * s.k,
                    pr.xs[si].data() + int64_t(m0) * ng, s.k, mb, n0, n1,
                    y + int64_t(m0) * N, N);
     }
@@ -579,8 +709,9 @@ void qmm_avx2_run(const float* x, int M, const QMatView& w, float* y) {
         }
       }
     }
+    const bool wide = use_avx512();
     parallel_for(w.N, 16, [&](int64_t n0, int64_t n1) {
-      small_slice(pr, w, fns, y, int(n0), int(n1));
+      small_slice(pr, w, fns, wide, y, int(n0), int(n1));
     });
   } else {
     pr.xd.resize(size_t(M) * K);
