@@ -175,10 +175,40 @@ float dot(const float* a, const float* b, int n) {
 }
 
 // Column c of a row, in decode order: position 8k+i of a unit <- 4i+k.
-inline void to_decode_order(const float* src, int n, float* dst) {
-  for (int u = 0; u < n; u += kUnit)
+// `scale` (32 floats, or null) multiplies position p of every unit. A unit
+// is an 8x4 (i, k) matrix to transpose: 4x4 transposes inside each 128-bit
+// half, then one cross-half permute per output row.
+inline void to_decode_order(const float* src, int n, float* dst,
+                            const float* scale = nullptr) {
+  const __m256i ilv = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  __m256 sc[4];
+  for (int k = 0; k < 4; ++k)
+    sc[k] = scale ? _mm256_loadu_ps(scale + 8 * k) : _mm256_set1_ps(1.0f);
+  for (int u = 0; u < n; u += kUnit) {
+    const __m256 a = _mm256_loadu_ps(src + u), b = _mm256_loadu_ps(src + u + 8);
+    const __m256 c = _mm256_loadu_ps(src + u + 16), d = _mm256_loadu_ps(src + u + 24);
+    const __m256 t0 = _mm256_unpacklo_ps(a, b), t1 = _mm256_unpackhi_ps(a, b);
+    const __m256 t2 = _mm256_unpacklo_ps(c, d), t3 = _mm256_unpackhi_ps(c, d);
+    const __m256 r[4] = {
+        _mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
+        _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};
     for (int k = 0; k < 4; ++k)
-      for (int i = 0; i < 8; ++i) dst[u + 8 * k + i] = src[u + 4 * i + k];
+      _mm256_storeu_ps(dst + u + 8 * k,
+                       _mm256_mul_ps(_mm256_permutevar8x32_ps(r[k], ilv), sc[k]));
+  }
+}
+
+// Sums of x over consecutive groups of gs (a multiple of 8) columns.
+inline void group_sums(const float* src, int ngroups, int gs, float* out) {
+  for (int g = 0; g < ngroups; ++g) {
+    __m256 a0 = _mm256_loadu_ps(src), a1 = _mm256_setzero_ps();
+    for (int c = 8; c < gs; c += 16) {
+      a1 = _mm256_add_ps(a1, _mm256_loadu_ps(src + c));
+      if (c + 8 < gs) a0 = _mm256_add_ps(a0, _mm256_loadu_ps(src + c + 8));
+    }
+    out[g] = hsum(_mm256_add_ps(a0, a1));
+    src += gs;
+  }
 }
 
 // Everything one call prepares once and every worker reads.
@@ -688,7 +718,6 @@ void qmm_avx2_run(const float* x, int M, const QMatView& w, float* y) {
   if (small) {
     pr.xq.resize(w.segs.size());
     pr.xs.resize(w.segs.size());
-    std::vector<float> tmp(kUnit);
     for (size_t si = 0; si < w.segs.size(); ++si) {
       const SegView& s = w.segs[si];
       const int ng = s.k / s.group_size;
@@ -698,15 +727,8 @@ void qmm_avx2_run(const float* x, int M, const QMatView& w, float* y) {
       for (int m = 0; m < M; ++m) {
         const float* src = x + int64_t(m) * K + s.k0;
         float* dq = pr.xq[si].data() + int64_t(m) * s.k;
-        to_decode_order(src, s.k, dq);
-        for (int c = 0; c < s.k; ++c) dq[c] *= us[c & (kUnit - 1)];
-        for (int g = 0; g < ng; ++g) {
-          // Summed in float64 then rounded: the b*sum(x) term is the one
-          // that can cancel against s*sum(q x).
-          double acc = 0.0;
-          for (int c = 0; c < s.group_size; ++c) acc += src[g * s.group_size + c];
-          pr.xs[si][int64_t(m) * ng + g] = float(acc);
-        }
+        to_decode_order(src, s.k, dq, us);
+        group_sums(src, ng, s.group_size, pr.xs[si].data() + int64_t(m) * ng);
       }
     }
     const bool wide = use_avx512();

@@ -3,6 +3,7 @@
 #include "qmatmul/qmatmul.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <sstream>
@@ -179,9 +180,27 @@ void MixedQMatmul::eval_cpu(const std::vector<mx::array>& inputs,
         }
         const void* row = xbase + off * int64_t(isz);
         float* dst = xf.data() + m * K;
-        for (int k = 0; k < K; ++k) {
-          int64_t src = perm ? (perm_ok ? perm[k] : 0) : k;
-          dst[k] = load_as_f32(row, src * kstride, xt);
+        // One loop per dtype (no per-element switch); a contiguous float32
+        // row without a permutation is a plain copy.
+        auto gather = [&](auto load) {
+          if (perm) {
+            for (int k = 0; k < K; ++k)
+              dst[k] = load(int64_t(perm_ok ? perm[k] : 0) * kstride);
+          } else {
+            for (int k = 0; k < K; ++k) dst[k] = load(int64_t(k) * kstride);
+          }
+        };
+        if (xt == DType::f32 && !perm && kstride == 1) {
+          std::memcpy(dst, row, sizeof(float) * K);
+        } else if (xt == DType::f32) {
+          const float* r = static_cast<const float*>(row);
+          gather([r](int64_t i) { return r[i]; });
+        } else if (xt == DType::f16) {
+          const uint16_t* r = static_cast<const uint16_t*>(row);
+          gather([r](int64_t i) { return f16_to_f32(r[i]); });
+        } else {
+          const uint16_t* r = static_cast<const uint16_t*>(row);
+          gather([r](int64_t i) { return bf16_to_f32(r[i]); });
         }
       }
     });
