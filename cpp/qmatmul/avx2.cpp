@@ -11,14 +11,20 @@
 // (exact in float). So x is re-ordered per unit into "decode order"
 // (position 8k+i holds column 4i+k) and pre-scaled per segment.
 //
-// Three regimes, chosen by M (see kSmallM):
-//  - M <= kSmallM: every weight is decoded once into a vector of floats and
-//    FMA'd against up to 8 activation rows; the affine bias is folded:
+// Regimes, chosen by M (see kSmallM):
+//  - small M (batch-1 and decoding): every weight is decoded once into a
+//    vector of floats and FMA'd against up to 8 (4 with 16 lanes)
+//    activation rows; the affine bias is folded:
 //    y = sum_g s_g * (sum q x) + b_g * (sum x), sum x per group computed
 //    once per call.
-//  - larger M: tiles of W are dequantized (s*q + b) into an L2-resident
-//    float buffer and a 4x3 register-blocked micro-kernel runs over them,
-//    so decode cost is amortized over all M rows.
+//  - larger M (prefill): tiles of W are dequantized (s*q + b) into an
+//    L2-resident float buffer and a register-blocked micro-kernel (4x3
+//    with 8 lanes, 6x4 with 16) runs over them, so decode cost is
+//    amortized over all M rows.
+//
+// On CPUs that also have AVX-512F (checked at run time) the 16-lane
+// versions run; MIXBITS_QMM_ISA=avx2 forces the 8-lane ones. Both are
+// compiled in this file: the 16-lane functions carry a target attribute.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -33,8 +39,12 @@ namespace mixbits {
 namespace {
 
 constexpr int kUnit = 32;    // codes per decode unit
-constexpr int kSmallM = 16;  // above this, the dequantized-tile GEMM path
+// Above this M, the dequantized-tile GEMM path (measured crossovers here:
+// 16-24 rows with the 8-lane kernels, 32-48 with the 16-lane ones).
+constexpr int kSmallM = 16;
+constexpr int kSmallM512 = 40;
 constexpr int kMaxMB = 8;    // activation rows per pass of the small path
+constexpr int kMaxMB512 = 4; // the same for the 16-lane small-path kernel
 constexpr int kKC = 1024;    // GEMM: columns per dequantized tile
 constexpr int kNB = 48;      // GEMM: W rows per dequantized tile
 // GEMM: x rows per pass over a tile. Blocks of 96 rows (x in L2) were
@@ -400,21 +410,26 @@ MIXBITS_AVX512_SMALL void gemv_rows512(const SegView& s, DType sdt, const float*
       for (int u = 0; u < G / kUnit; ++u) {
         const int c = g * G + u * kUnit;
         const float* xp = xq + c;
+        // Decode the unit of all R rows first, then each activation load
+        // feeds R FMAs.
+        __m512 v0[R], v1[R];
         for (int r = 0; r < R; ++r) {
           const __m256i win = load_unit<B>(rowp[r] + c * B / 8);
           const __m512i w2 =
               _mm512_inserti64x4(_mm512_castsi256_si512(win), win, 1);
-          __m512 v0 = extract_pair<B, 0>(w2);
-          __m512 v1 = extract_pair<B, 1>(w2);
+          v0[r] = extract_pair<B, 0>(w2);
+          v1[r] = extract_pair<B, 1>(w2);
           if constexpr (kScaleW) {
-            v0 = _mm512_mul_ps(v0, sv[r]);
-            v1 = _mm512_mul_ps(v1, sv[r]);
+            v0[r] = _mm512_mul_ps(v0[r], sv[r]);
+            v1[r] = _mm512_mul_ps(v1[r], sv[r]);
           }
-          for (int m = 0; m < MB; ++m) {
-            acc[r][m][0] =
-                _mm512_fmadd_ps(v0, _mm512_loadu_ps(xp + m * ldx), acc[r][m][0]);
-            acc[r][m][A - 1] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(xp + m * ldx + 16),
-                                               acc[r][m][A - 1]);
+        }
+        for (int m = 0; m < MB; ++m) {
+          const __m512 x0 = _mm512_loadu_ps(xp + m * ldx);
+          const __m512 x1 = _mm512_loadu_ps(xp + m * ldx + 16);
+          for (int r = 0; r < R; ++r) {
+            acc[r][m][0] = _mm512_fmadd_ps(v0[r], x0, acc[r][m][0]);
+            acc[r][m][A - 1] = _mm512_fmadd_ps(v1[r], x1, acc[r][m][A - 1]);
           }
         }
       }
@@ -444,8 +459,11 @@ MIXBITS_AVX512_SMALL void gemv_rows512(const SegView& s, DType sdt, const float*
 template <int B, int G, int MB>
 void gemv_mb512(const SegView& s, DType sdt, const float* xq, const float* xs,
                 int ldx, int n0, int n1, float* y, int ldy) {
-  constexpr int R = MB <= 2 ? 4 : 2;
-  constexpr int A = R * MB <= 8 ? 2 : 1;
+  // 32 registers hold R*MB*A accumulators, 2R decoded vectors and 2
+  // activation vectors. Several W rows per pass so each activation load
+  // (from L2 when MB rows of x exceed L1) feeds R FMAs.
+  constexpr int R = MB <= 4 ? 4 : (MB <= 6 ? 3 : 2);
+  constexpr int A = MB <= 2 ? 2 : 1;
   const int nfull = n0 + (n1 - n0) / R * R;
   gemv_rows512<B, G, MB, R, A>(s, sdt, xq, xs, ldx, n0, nfull, y, ldy);
   if (nfull < n1)  // same A: same summation order wherever a row falls
@@ -646,8 +664,12 @@ const float* unit_scale(int bits) {
 void small_slice(const Prepared& pr, const QMatView& w,
                  const std::vector<SegFns>& fns, bool wide, float* y, int n0, int n1) {
   const int N = w.N;
-  for (int m0 = 0; m0 < pr.M; m0 += kMaxMB) {
-    const int mb = std::min(kMaxMB, pr.M - m0);
+  // The 16-lane kernel is measured fastest in passes of at most 4 rows
+  // (4 W rows x 4 x-rows of accumulators); more rows per pass run out of
+  // registers, and re-decoding W per pass is cheaper than spilling.
+  const int step = wide ? kMaxMB512 : kMaxMB;
+  for (int m0 = 0; m0 < pr.M; m0 += step) {
+    const int mb = std::min(step, pr.M - m0);
     for (int m = 0; m < mb; ++m)
       std::fill(y + int64_t(m0 + m) * N + n0, y + int64_t(m0 + m) * N + n1, 0.0f);
     for (size_t si = 0; si < w.segs.size(); ++si) {
@@ -696,12 +718,12 @@ void gemm_slice(const Prepared& pr, const QMatView& w,
 }
 
 // kSmallM, or MIXBITS_QMM_SMALL_M to re-measure the crossover on a CPU.
-int small_m_limit() {
+int small_m_limit(bool wide) {
   static const int v = [] {
     const char* e = std::getenv("MIXBITS_QMM_SMALL_M");
-    return e && std::atoi(e) > 0 ? std::atoi(e) : kSmallM;
+    return e && std::atoi(e) > 0 ? std::atoi(e) : 0;
   }();
-  return v;
+  return v ? v : (wide ? kSmallM512 : kSmallM);
 }
 
 }  // namespace
@@ -711,7 +733,8 @@ void qmm_avx2_run(const float* x, int M, const QMatView& w, float* y) {
   pr.M = M;
   pr.K = w.K;
   const int K = w.K;
-  const bool small = M <= small_m_limit();
+  const bool wide = use_avx512();
+  const bool small = M <= small_m_limit(wide);
   std::vector<SegFns> fns;
   for (const SegView& s : w.segs) fns.push_back(seg_fns(s.bits, s.group_size));
 
@@ -731,7 +754,6 @@ void qmm_avx2_run(const float* x, int M, const QMatView& w, float* y) {
         group_sums(src, ng, s.group_size, pr.xs[si].data() + int64_t(m) * ng);
       }
     }
-    const bool wide = use_avx512();
     parallel_for(w.N, 16, [&](int64_t n0, int64_t n1) {
       small_slice(pr, w, fns, wide, y, int(n0), int(n1));
     });
