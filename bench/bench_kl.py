@@ -127,7 +127,7 @@ def test_kl(benchmark, M, V, impl, probe_gbps, bench_table):
     fn = _runner(impl, M, V)
     slow = impl in ("mlx", "numpy")
     benchmark.group = f"kl {M}x{V}"
-    benchmark.pedantic(fn, rounds=2 if slow else 15, iterations=1, warmup_rounds=1)
+    benchmark.pedantic(fn, rounds=2 if slow else 9, iterations=1, warmup_rounds=0 if slow else 1)
     st = benchmark.stats.stats
     row = {"M": M, "V": V, "impl": impl, "best_s": st.min, "median_s": st.median}
     if not slow:

@@ -293,18 +293,23 @@ class KLReference:
             self._param = top
             self._mode = _FIXED_SHIFT
         else:
-            # Weights proportional to p (max 1); the kernel normalizes them.
-            p = mx.exp(ref.astype(mx.float32) - mx.expand_dims(top, -1))
-            w = p if form == "probs32" else (p * _P16_SCALE).astype(mx.float16)
-            mx.eval(w)
-            # sum p log p of exactly the stored weights, in float64, a few
-            # rows at a time.
-            wn = np.array(w).reshape(-1, self.shape[-1])
-            step = max(1, (1 << 22) // self.shape[-1])
-            negh = np.concatenate(
-                [_row_negentropy(wn[i : i + step]) for i in range(0, wn.shape[0], step)]
-            ) if wn.shape[0] else np.zeros(0)
-            self._data = w
+            # Weights proportional to p (max 1; the kernel normalizes them)
+            # and sum p log p of exactly the stored weights in float64, a
+            # few rows at a time in numpy.
+            V = self.shape[-1]
+            rows = np.array(ref.astype(mx.float32)).reshape(-1, V)
+            tops = np.array(top).reshape(-1, 1)
+            wdt = np.float32 if form == "probs32" else np.float16
+            w = np.empty(rows.shape, wdt)
+            negh = np.zeros(rows.shape[0])
+            step = max(1, (1 << 20) // V)
+            for i in range(0, rows.shape[0], step):
+                wi = np.exp(rows[i : i + step] - tops[i : i + step])
+                if form == "probs16":
+                    wi *= np.float32(_P16_SCALE)
+                w[i : i + step] = wi
+                negh[i : i + step] = _row_negentropy(w[i : i + step])
+            self._data = mx.array(w.reshape(self.shape))
             # float32 hi + lo keeps negH to ~1e-14 (one float32: ~5e-7).
             hi = negh.astype(np.float32)
             lo = (negh - hi.astype(np.float64)).astype(np.float32)
