@@ -43,6 +43,13 @@ def add_arguments(p) -> None:
     p.add_argument("--min-time", type=float, default=0.3,
                    help="seconds of repetitions per measurement (default 0.3)")
     p.add_argument("--no-baselines", action="store_true", help="time mixbits only")
+    p.add_argument("--threads", type=int, default=0,
+                   help="cap mixbits' worker threads (default: all cores); for numpy set "
+                        "OPENBLAS_NUM_THREADS to match")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall: elapsed time; cpu: CPU time of this process (with "
+                        "--threads 1 and OPENBLAS_NUM_THREADS=1, per-core work that other "
+                        "processes on a shared machine do not inflate)")
     p.add_argument("--json", default="qmatmul_bench.json",
                    help="where to save the results (default ./qmatmul_bench.json)")
 
@@ -150,6 +157,9 @@ def runners(wt: Weights, x):
     return {"mixbits": run_mixbits, "mlx": run_mlx, "numpy": run_numpy}
 
 
+CLOCK = time.perf_counter  # time.process_time with --clock cpu
+
+
 def time_call(fn, min_time: float = 0.3, max_reps: int = 200, min_reps: int = 3) -> dict:
     """Best and median of repeated calls after one warm-up (the best is the
     least disturbed by other processes on a shared machine)."""
@@ -157,19 +167,24 @@ def time_call(fn, min_time: float = 0.3, max_reps: int = 200, min_reps: int = 3)
     ts: list[float] = []
     start = time.perf_counter()
     while len(ts) < max_reps and (len(ts) < min_reps or time.perf_counter() - start < min_time):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        ts.append(time.perf_counter() - t0)
+        ts.append(CLOCK() - t0)
     ts.sort()
-    return {"best_s": ts[0], "median_s": ts[len(ts) // 2], "reps": len(ts)}
+    med = ts[len(ts) // 2]
+    # CPU time of a thread that is running can be accounted late, so an
+    # occasional reading comes out too small: with --clock cpu report the
+    # median, with wall time the best.
+    best = med if CLOCK is time.process_time else ts[0]
+    return {"best_s": best, "min_s": ts[0], "median_s": med, "reps": len(ts)}
 
 
 def mlx_estimate(fn) -> float:
     """Seconds of one MLX call at M=1 (MLX's CPU path scales ~linearly in M)."""
     fn()
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     fn()
-    return time.perf_counter() - t0
+    return CLOCK() - t0
 
 
 def probe_gbps(nbytes: int = PROBE_BYTES, reps: int = 5) -> float:
@@ -239,6 +254,8 @@ def machine_info() -> dict:
     return {"platform": platform.platform(), "machine": platform.machine(),
             "python": sys.version.split()[0], "threads": _ext.num_threads(),
             "backends": ops.available_backends(),
+            # Other processes on the machine skew absolute times (ratios less).
+            "loadavg_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
             "openblas_env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
                                                         "OPENBLAS_NUM_THREADS")
                              if k in os.environ}}
@@ -279,11 +296,25 @@ def run(args) -> int:
             raise SystemExit(f"--kinds: unknown kind {kd!r}")
     todo = cases(args.full, shapes, ms, kinds)
     notes = []
+    global CLOCK
+    from mixbits import _ext
+
+    _ext.set_max_threads(args.threads)
+    if args.clock == "cpu":
+        CLOCK = time.process_time
+        notes.append("times are CPU time of the process (--clock cpu), not elapsed time")
+    if args.threads:
+        notes.append(f"mixbits capped at {args.threads} thread(s); OPENBLAS_NUM_THREADS="
+                     f"{os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}; the probe uses "
+                     "the same cap")
     if any(k in os.environ for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")):
         notes.append("OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE set: numpy may be slowed; "
                      "run as `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE mixbits bench`")
         print("note:", notes[-1], file=sys.stderr)
     probe = {"dram": probe_gbps(PROBE_BYTES), "32MiB": probe_gbps(32 << 20)}
+    if hasattr(os, "getloadavg"):
+        print(f"load average before: {os.getloadavg()[0]:.2f} "
+              f"(on {os.cpu_count()} CPUs; other processes skew the timings)")
     print(f"read-bandwidth probe: {probe['dram']:.1f} GB/s over 1 GiB, "
           f"{probe['32MiB']:.1f} GB/s over 32 MiB; {len(todo)} cases", flush=True)
     rows: list[Row] = []
