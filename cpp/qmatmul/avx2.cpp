@@ -164,7 +164,13 @@ void to_f32(const void* src, int64_t off, int n, DType t, float* dst) {
     for (; i + 8 <= n; i += 8)
       _mm256_storeu_ps(dst + i,
                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + i))));
-    for (; i < n; ++i) dst[i] = f16_to_f32(p[i]);
+    if (i < n) {  // tail through a padded vector: no per-element branches
+      alignas(16) uint16_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      alignas(32) float f[8];
+      std::memcpy(h, p + i, sizeof(uint16_t) * (n - i));
+      _mm256_store_ps(f, _mm256_cvtph_ps(_mm_load_si128((const __m128i*)h)));
+      std::memcpy(dst + i, f, sizeof(float) * (n - i));
+    }
   } else {
     for (; i + 8 <= n; i += 8) {
       __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + i)));
@@ -257,12 +263,18 @@ void gemv_rows(const SegView& s, DType sdt, const float* xq, const float* xs,
   float* bi = sc + size_t(R) * ngroups;
   for (int n = n0; n < n1; n += R) {
     const uint8_t* rowp[R];
-    for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < R; ++r)
       rowp[r] = reinterpret_cast<const uint8_t*>(s.wq) + int64_t(n + r) * row_bytes +
                 int64_t(c0) * B / 8;
-      const int64_t goff = int64_t(n + r) * row_groups + c0 / G;
-      to_f32(s.scales, goff, ngroups, sdt, sc + r * ngroups);
-      to_f32(s.biases, goff, ngroups, sdt, bi + r * ngroups);
+    if (ngroups == row_groups) {  // whole rows: R rows of scales are contiguous
+      to_f32(s.scales, int64_t(n) * row_groups, R * ngroups, sdt, sc);
+      to_f32(s.biases, int64_t(n) * row_groups, R * ngroups, sdt, bi);
+    } else {
+      for (int r = 0; r < R; ++r) {
+        const int64_t goff = int64_t(n + r) * row_groups + c0 / G;
+        to_f32(s.scales, goff, ngroups, sdt, sc + r * ngroups);
+        to_f32(s.biases, goff, ngroups, sdt, bi + r * ngroups);
+      }
     }
     __m256 tot[R][MB];
     for (int r = 0; r < R; ++r)
@@ -392,11 +404,11 @@ MIXBITS_AVX512_SMALL void gemv_rows512(const SegView& s, DType sdt, const float*
   float* bi = sc + size_t(R) * ngroups;
   for (int n = n0; n < n1; n += R) {
     const uint8_t* rowp[R];
-    for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < R; ++r)
       rowp[r] = reinterpret_cast<const uint8_t*>(s.wq) + int64_t(n + r) * row_bytes;
-      to_f32(s.scales, int64_t(n + r) * ngroups, ngroups, sdt, sc + r * ngroups);
-      to_f32(s.biases, int64_t(n + r) * ngroups, ngroups, sdt, bi + r * ngroups);
-    }
+    // R consecutive rows of scales (biases) are contiguous: one conversion.
+    to_f32(s.scales, int64_t(n) * ngroups, R * ngroups, sdt, sc);
+    to_f32(s.biases, int64_t(n) * ngroups, R * ngroups, sdt, bi);
     __m512 tot[R][MB], acc[R][MB][A];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) {
