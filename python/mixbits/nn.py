@@ -130,10 +130,15 @@ class _MixedWeight(nn.Module):
     def quantized_tensor(self) -> QuantizedTensor:
         """The weight as a mixbits QuantizedTensor, rebuilt only when a
         parameter array was replaced (e.g. by load_weights / update)."""
+        cache = self._cache
+        if self._layout.is_mlx_affine and cache.tensor is not None:
+            # Hot path of every forward call: three identity checks.
+            a = cache.arrays
+            if self["weight"] is a[0] and self["scales"] is a[1] and self["biases"] is a[2]:
+                return cache.tensor
         triplets = self._triplets()
         perm = self.get("perm") if self._layout.has_perm else None
         arrays = [a for t in triplets for a in t] + [perm]
-        cache = self._cache
         if cache.tensor is None or len(cache.arrays) != len(arrays) or any(
             a is not b for a, b in zip(cache.arrays, arrays)
         ):
@@ -238,7 +243,8 @@ class MixedQuantizedLinear(_MixedWeight):
         return self._triplets()[0][0].shape[0]
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = qmatmul(_promote(x, self.quantized_tensor()), self.quantized_tensor())
+        qt = self.quantized_tensor()
+        y = qmatmul(_promote(x, qt), qt)
         if "bias" in self:
             y = y + self["bias"]
         return y
