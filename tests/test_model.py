@@ -229,8 +229,13 @@ def test_quantize_model_mixed_then_mixbits_load(gguf_path, prompt_ids, stock_log
     assert saved["quantization"]["model.layers.1.self_attn.q_proj"] == {"group_size": 64, "bits": 3}
     loaded, tok2, _ = mixbits.load(tmp_path)
     assert loaded.model.layers[2].mlp.up_proj.layout.kinds == ("ternary",)
+    assert isinstance(loaded.model.layers[4].mlp.up_proj, nn.QuantizedLinear)
     assert mx.array_equal(loaded(short), logits).item()
     assert tok2.encode(PROMPT) == tok.encode(PROMPT)
+    # patch=True: the stock layers left in the folder run through mixbits too
+    loaded, _, _ = mixbits.load(tmp_path, patch=True)
+    assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in loaded.named_modules())
+    assert _rel_err(loaded(short), logits) < 1e-3
 
 
 def test_quantize_cli_allocation_loads_with_mlx_lm(tmp_path):
