@@ -14,6 +14,7 @@ OPENBLAS_L2_SIZE at import, so unset them for the benchmark command only:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -61,6 +62,10 @@ def bench_table():
     return get
 
 
+def _jsonable(o):
+    return dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o)
+
+
 def pytest_terminal_summary(terminalreporter):
     for name, t in _TABLES.items():
         if not t.rows:
@@ -72,7 +77,7 @@ def pytest_terminal_summary(terminalreporter):
         path = RESULTS / f"{name}.json"
         tmp = path.with_suffix(".json.tmp")
         with open(tmp, "w") as f:
-            json.dump({"meta": t.meta, "rows": t.rows}, f, indent=1, default=str)
+            json.dump({"meta": t.meta, "rows": t.rows}, f, indent=1, default=_jsonable)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
