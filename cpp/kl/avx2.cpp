@@ -205,17 +205,28 @@ void chunk(const KLChunk& c, KLState& st) {
     // here: max/min skip NaN lanes (x is the first operand), so a NaN ends
     // up in the sums of the in-range path, or is caught by the scan of the
     // general path; either way the block is then rescanned for flags.
-    __m256 vma = ninf, vmb = ninf, vna = pinf, vnb = pinf;
-    auto scan = [&](int v, __m256 xa, __m256 xb) {
+    // Two accumulator sets: one max/min chain would bind the loop to the
+    // instruction latency (4 cycles per vector).
+    __m256 vma[2] = {ninf, ninf}, vmb[2] = {ninf, ninf};
+    __m256 vna[2] = {pinf, pinf}, vnb[2] = {pinf, pinf};
+    auto scan = [&](int v, int k, __m256 xa, __m256 xb) {
       _mm256_store_ps(fa + 8 * v, xa);
       _mm256_store_ps(fb + 8 * v, xb);
-      if (kLogits) vma = _mm256_max_ps(xa, vma);
-      vmb = _mm256_max_ps(xb, vmb);
-      vna = _mm256_min_ps(xa, vna);
-      vnb = _mm256_min_ps(xb, vnb);
+      if (kLogits) vma[k] = _mm256_max_ps(xa, vma[k]);
+      vmb[k] = _mm256_max_ps(xb, vmb[k]);
+      vna[k] = _mm256_min_ps(xa, vna[k]);
+      vnb[k] = _mm256_min_ps(xb, vnb[k]);
     };
-    for (int v = 0; v < nfull; ++v)
-      scan(v, load8<kA>(c.a, i0 + 8 * v), load8<kB>(c.b, i0 + 8 * v));
+    int v = 0;
+    for (; v + 1 < nfull; v += 2) {
+      scan(v, 0, load8<kA>(c.a, i0 + 8 * v), load8<kB>(c.b, i0 + 8 * v));
+      scan(v + 1, 1, load8<kA>(c.a, i0 + 8 * v + 8),
+           load8<kB>(c.b, i0 + 8 * v + 8));
+    }
+    if (v < nfull) {
+      scan(v, 0, load8<kA>(c.a, i0 + 8 * v), load8<kB>(c.b, i0 + 8 * v));
+      ++v;
+    }
     if (nfull < nv) {
       alignas(32) float ta[8], tb[8];
       for (int j = 0; j < 8; ++j) {
@@ -224,19 +235,19 @@ void chunk(const KLChunk& c, KLState& st) {
         ta[j] = in ? load_as_f32(c.a, i, c.at) : pad_a;
         tb[j] = in ? load_as_f32(c.b, i, c.bt) : kNegInf;
       }
-      scan(nfull, _mm256_load_ps(ta), _mm256_load_ps(tb));
+      scan(nfull, 1, _mm256_load_ps(ta), _mm256_load_ps(tb));
     }
-    const float mina = -hmax(_mm256_sub_ps(zero, vna));
-    const float minb = -hmax(_mm256_sub_ps(zero, vnb));
+    const float mina = -hmax(_mm256_sub_ps(zero, _mm256_min_ps(vna[0], vna[1])));
+    const float minb = -hmax(_mm256_sub_ps(zero, _mm256_min_ps(vnb[0], vnb[1])));
     if (kProbs && mina < 0) st.flags |= kNegWeight;
-    const float bmb = hmax(vmb);
+    const float bmb = hmax(_mm256_max_ps(vmb[0], vmb[1]));
     if (bmb > st.maxb) {
       st.maxb = bmb;
       st.argb = c.offset + i0 + first_index_of(fb, n, bmb);
     }
     kl_rebase_b(st, bmb);
     if (kLogits) {
-      const float bma = hmax(vma);
+      const float bma = hmax(_mm256_max_ps(vma[0], vma[1]));
       if (bma > st.maxa) {
         st.maxa = bma;
         st.arga = c.offset + i0 + first_index_of(fa, n, bma);
