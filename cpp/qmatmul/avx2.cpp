@@ -391,6 +391,24 @@ MIXBITS_AVX512_SMALL inline __m512 extract_pair(__m512i w2) {
   }
 }
 
+// A unit's window in both 8-lane halves. For 2-, 4- and 8-bit rows the
+// bytes are broadcast by the load itself (a load-port operation) before
+// widening, which saves the cross-lane insert of the generic path.
+template <int B>
+MIXBITS_AVX512_SMALL inline __m512i load_unit2(const uint8_t* p) {
+  if constexpr (B == 2) {
+    const __m128i b = _mm_castpd_si128(_mm_loaddup_pd((const double*)p));
+    return _mm512_cvtepu8_epi32(b);
+  } else if constexpr (B == 4) {
+    return _mm512_cvtepu16_epi32(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p)));
+  } else if constexpr (B == 8) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)p));
+  } else {
+    const __m256i win = load_unit<B>(p);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(win), win, 1);
+  }
+}
+
 template <int B, int G, int MB, int R, int A>
 MIXBITS_AVX512_SMALL void gemv_rows512(const SegView& s, DType sdt, const float* xq,
                                        const float* xs, int ldx, int n0, int n1,
@@ -426,9 +444,7 @@ MIXBITS_AVX512_SMALL void gemv_rows512(const SegView& s, DType sdt, const float*
         // feeds R FMAs.
         __m512 v0[R], v1[R];
         for (int r = 0; r < R; ++r) {
-          const __m256i win = load_unit<B>(rowp[r] + c * B / 8);
-          const __m512i w2 =
-              _mm512_inserti64x4(_mm512_castsi256_si512(win), win, 1);
+          const __m512i w2 = load_unit2<B>(rowp[r] + c * B / 8);
           v0[r] = extract_pair<B, 0>(w2);
           v1[r] = extract_pair<B, 1>(w2);
           if constexpr (kScaleW) {
