@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .atomic import replace_atomic
 from .formats.mlx_config import MlxQuantization, with_quantization
 from .layout import QuantizedTensor, Segment
 from .nn import MixedQuantizedEmbedding, MixedQuantizedLinear, _MixedWeight, _set_module
@@ -82,20 +81,6 @@ def quantization_config(model: nn.Module) -> tuple[MlxQuantization | None, dict]
     return quant, mixbits_layers
 
 
-def _replace_atomic(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.stem + ".", suffix=path.suffix)
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def save(model: nn.Module, folder, config: dict | None = None, tokenizer=None) -> Path:
     """Write ``model`` (weights, config.json, tokenizer) to ``folder``.
 
@@ -116,11 +101,11 @@ def save(model: nn.Module, folder, config: dict | None = None, tokenizer=None) -
         cfg["mixbits"] = {"format": FORMAT_VERSION, "layers": layers}
 
     weights = dict(tree_flatten(model.parameters()))
-    _replace_atomic(
+    replace_atomic(
         folder / WEIGHTS_FILE, lambda p: mx.save_safetensors(p, weights, metadata={"format": "mlx"})
     )
     text = json.dumps(cfg, indent=2, sort_keys=False)
-    _replace_atomic(folder / "config.json", lambda p: Path(p).write_text(text))
+    replace_atomic(folder / "config.json", lambda p: Path(p).write_text(text))
     if tokenizer is not None:
         if hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(str(folder))

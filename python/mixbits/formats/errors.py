@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
+
+from ..atomic import write_json_atomic  # noqa: F401  (re-exported for the format modules)
 
 
 class FormatError(ValueError):
@@ -112,24 +113,3 @@ def load_json(source, name: str):
                 f"{name}: {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
             ) from None
     return source
-
-
-def write_json_atomic(obj, path, indent: int | None = 2) -> None:
-    """Write JSON through a temp file, fsync and rename: a crash leaves the
-    old file or the new one, never half of one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=indent, allow_nan=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise

@@ -1,0 +1,49 @@
+"""Crash-safe file replacement, used by every writer in the package: a
+reader never sees a half-written file, and a job killed at any moment
+leaves either the old version or the new one."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def replace_atomic(path, write) -> None:
+    """Call ``write(tmp_path)`` on a temp file beside ``path``, fsync it,
+    ``os.replace`` it over ``path``, then fsync the folder so the rename
+    itself survives a power cut."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Keep the suffix: some writers (mx.save_safetensors) append one otherwise.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    try:
+        dfd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def write_json_atomic(obj, path, indent: int | None = 2) -> None:
+    """``obj`` as JSON (no NaN/inf) to ``path``, atomically."""
+    text = json.dumps(obj, indent=indent, allow_nan=False) + "\n"
+
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    replace_atomic(path, write)
