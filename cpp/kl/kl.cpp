@@ -8,6 +8,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "common/mlx_args.h"
 #include "common/parallel.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -18,24 +19,6 @@ namespace {
 
 [[noreturn]] void fail(const std::string& msg) {
   throw std::invalid_argument("kl_divergence: " + msg);
-}
-
-std::string shape_str(const mx::Shape& s) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
-  os << (s.size() == 1 ? ",)" : ")");
-  return os.str();
-}
-
-bool is_float(mx::Dtype t) {
-  return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
-}
-
-DType to_dtype(mx::Dtype t) {
-  if (t == mx::float16) return DType::f16;
-  if (t == mx::bfloat16) return DType::bf16;
-  return DType::f32;
 }
 
 mx::Shape lead_shape(const mx::array& a) {
@@ -55,9 +38,9 @@ std::vector<mx::array> kl_divergence(const mx::array& ref,
                                      mx::StreamOrDevice s) {
   if (ref.ndim() < 1) fail("ref_logits must have at least one dimension");
   if (logits.ndim() < 1) fail("logits must have at least one dimension");
-  if (!is_float(ref.dtype()))
+  if (!is_float_dtype(ref.dtype()))
     fail("ref_logits must be float32, float16 or bfloat16");
-  if (!is_float(logits.dtype()))
+  if (!is_float_dtype(logits.dtype()))
     fail("logits must be float32, float16 or bfloat16");
   if (ref.shape() != logits.shape())
     fail("ref_logits shape " + shape_str(ref.shape()) +

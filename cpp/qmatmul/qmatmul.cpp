@@ -9,6 +9,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "common/mlx_args.h"
 #include "common/parallel.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -19,24 +20,6 @@ namespace {
 
 [[noreturn]] void fail(const std::string& msg) {
   throw std::invalid_argument("qmatmul: " + msg);
-}
-
-std::string shape_str(const mx::array& a) {
-  std::ostringstream os;
-  os << "(";
-  for (int i = 0; i < a.ndim(); ++i) os << (i ? ", " : "") << a.shape(i);
-  os << ")";
-  return os.str();
-}
-
-bool is_float(mx::Dtype t) {
-  return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
-}
-
-DType to_dtype(mx::Dtype t) {
-  if (t == mx::float16) return DType::f16;
-  if (t == mx::bfloat16) return DType::bf16;
-  return DType::f32;
 }
 
 }  // namespace
@@ -51,7 +34,7 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
          std::to_string(packed.size()) + " for " +
          std::to_string(segs.size()) + " segments");
   if (x.ndim() < 1) fail("x must have at least one dimension");
-  if (!is_float(x.dtype()))
+  if (!is_float_dtype(x.dtype()))
     fail("x must be float32, float16 or bfloat16");
   int K = 0;
   int N = -1;
@@ -83,7 +66,7 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
     int groups = sg.k / sg.group_size;
     for (const mx::array* a : {&sc, &bi}) {
       const char* nm = (a == &sc) ? "scales" : "biases";
-      if (!is_float(a->dtype()))
+      if (!is_float_dtype(a->dtype()))
         fail(tag + nm + " must be float32, float16 or bfloat16");
       if (a->dtype() != sdt)
         fail(tag + nm + " dtype differs from segment 0's scales");

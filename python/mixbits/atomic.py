@@ -38,9 +38,10 @@ def replace_atomic(path, write) -> None:
         os.close(dfd)
 
 
-def write_json_atomic(obj, path, indent: int | None = 2) -> None:
-    """``obj`` as JSON (no NaN/inf) to ``path``, atomically."""
-    text = json.dumps(obj, indent=indent, allow_nan=False) + "\n"
+def write_json_atomic(obj, path, indent: int | None = 2, allow_nan: bool = False) -> None:
+    """``obj`` as JSON to ``path``, atomically. NaN/inf are refused unless
+    ``allow_nan`` (they are not JSON; Python's reader accepts them)."""
+    text = json.dumps(obj, indent=indent, allow_nan=allow_nan) + "\n"
 
     def write(tmp):
         with open(tmp, "w", encoding="utf-8") as f:

@@ -18,13 +18,12 @@ sqrt(f (1 - f) / (n - 1)).
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
 
 import mlx.core as mx
 import numpy as np
+
+from .atomic import write_json_atomic
 
 __all__ = ["KLStats", "kl_stats", "format_kl_stats", "save_kl_stats", "PERCENTILES"]
 
@@ -191,16 +190,4 @@ def format_kl_stats(s: dict) -> str:
 
 def save_kl_stats(s: dict, path: str) -> None:
     """Writes the statistics as JSON atomically (temp file, fsync, replace)."""
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".klstats-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(s, f, indent=2, allow_nan=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_json_atomic(s, path, indent=2, allow_nan=True)
