@@ -72,3 +72,22 @@ def test_bad_candidate_refused_before_work(tmp_path):
     with pytest.raises(ValueError, match="multiple of group size"):
         # hidden 64 is not a multiple of 128
         sweep(tiny_llama(), tiny_tokens(), tmp_path / "x.json", ["4b_g128"], progress=False)
+
+
+def test_atomic_writer_leaves_no_temp_and_normal_mode(tmp_path):
+    import os
+
+    from mixbits.atomic import write_json_atomic
+
+    p = tmp_path / "x.json"
+    write_json_atomic({"a": 1}, p)
+    write_json_atomic({"a": 2}, p)
+    assert json.loads(p.read_text()) == {"a": 2}
+    assert [f.name for f in tmp_path.iterdir()] == ["x.json"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (p.stat().st_mode & 0o777) == (0o666 & ~umask)
+    with pytest.raises(ValueError):
+        write_json_atomic({"a": float("nan")}, p)
+    assert json.loads(p.read_text()) == {"a": 2}  # the old file survives a failed write
+    assert [f.name for f in tmp_path.iterdir()] == ["x.json"]

@@ -20,6 +20,11 @@ def replace_atomic(path, write) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
     os.close(fd)
     try:
+        # mkstemp makes the file private (0600); give it the mode a plain
+        # open() would, so results are as readable as any other output.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
