@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> one-line help. A name listed here must have its module.
@@ -45,7 +46,15 @@ def main(argv=None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    return int(_module(args._name).run(args) or 0)
+    try:
+        return int(_module(args._name).run(args) or 0)
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
+        # Bad input (files, shapes, budgets, settings): one clear line, no
+        # traceback. MIXBITS_DEBUG=1 shows the traceback.
+        if os.environ.get("MIXBITS_DEBUG"):
+            raise
+        print(f"mixbits {args._name}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
