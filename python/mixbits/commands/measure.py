@@ -19,6 +19,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-batch", type=int, default=8,
                    help="sequences per suffix forward (candidates are batched up to this)")
     p.add_argument("--tensors", nargs="+", help="only these tensor paths")
+    p.add_argument("--exl2-out", metavar="MEASUREMENT.json",
+                   help="also write an ExLlamaV2-style measurement.json (module output "
+                        "relative error per option; uniform and mixed candidates only)")
     p.add_argument("--no-patch", action="store_true",
                    help="keep the model's own quantized layers instead of mixbits kernels")
 
@@ -34,6 +37,12 @@ def run(args) -> int:
                           model_id=str(args.model), max_batch=args.max_batch,
                           sites=args.tensors, progress=g is None or g.rank() == 0)
     dt = time.perf_counter() - t0
+    if args.exl2_out and (g is None or g.rank() == 0):
+        from ..measure.exl2_measure import measure_modules
+
+        exl2_cands = [c for c in args.candidates if not c.startswith("ternary")]
+        measure_modules(model, tokens, exl2_cands, args.exl2_out, resume=args.resume)
+        print(f"wrote {args.exl2_out}")
     if table is not None:
         n = len(table["entries"]) * len(args.candidates)
         ntok = tokens.size
