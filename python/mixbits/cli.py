@@ -27,22 +27,21 @@ def _module(name: str):
     return importlib.import_module(f"mixbits.commands.{name}")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mixbits", description="Mixed-precision quantization for MLX.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
         sp.set_defaults(_name=name)
-        if len(sys.argv) > 1 and sys.argv[1] == name:
+        if argv and argv[0] == name:
             _module(name).add_arguments(sp)
     return p
 
 
 def main(argv=None) -> int:
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
-    parser = build_parser()
-    args = parser.parse_args(sys.argv[1:])
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()
         return 2

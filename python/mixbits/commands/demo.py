@@ -26,8 +26,8 @@ def run(args) -> int:
     import mixbits
 
     n, k, m = args.n, args.k, args.m
-    if k % 128:
-        raise SystemExit(f"--k must be a multiple of 128, got {k}")
+    if k % 128 or k < 128 or n < 1 or m < 1:
+        raise SystemExit(f"--k must be a positive multiple of 128 and --n, --m positive; got {k}, {n}, {m}")
     rng = np.random.default_rng(args.seed)
     w = rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)
     # Activations with a few loud channels, as in real LLM layers.
@@ -37,18 +37,20 @@ def run(args) -> int:
     y_ref = x.astype(np.float64) @ w.astype(np.float64).T
 
     perm = _salience_order(w, x)
-    k_hi = (k // 10) // 128 * 128 or 128
+    k_hi = max(128, (k // 10) // 128 * 128)  # about 10% of the columns, whole groups
+    k_mid = (k - k_hi) // 2 // 128 * 128
     configs = [
         ("8-bit g64", [(8, 64, k)], None),
         ("4-bit g64", [(4, 64, k)], None),
         ("3-bit g64", [(3, 64, k)], None),
         ("2-bit g32", [(2, 32, k)], None),
         ("ternary g64", [("ternary", 64, k)], None),
-        ("mixed 4b(10%)+3b, act-order", [(4, 64, k_hi), (3, 64, k - k_hi)], perm),
-        ("mixed 6b(10%)+4b+2b, act-order",
-         [(6, 32, k_hi), (4, 64, (k - k_hi) // 2 // 128 * 128),
-          (2, 64, k - k_hi - (k - k_hi) // 2 // 128 * 128)], perm),
     ]
+    if k - k_hi > 0:
+        configs.append(("mixed 4b(10%)+3b, act-order", [(4, 64, k_hi), (3, 64, k - k_hi)], perm))
+    if k_mid > 0 and k - k_hi - k_mid > 0:
+        configs.append(("mixed 6b(10%)+4b+2b, act-order",
+                        [(6, 32, k_hi), (4, 64, k_mid), (2, 64, k - k_hi - k_mid)], perm))
     print(f"W: {n} x {k} float32, x: {m} x {k}; error of y = x @ W.T vs float64")
     print(f"{'tensor':34s} {'bpw':>6s} {'rel err W':>10s} {'rel err y':>10s} {'qmatmul ms':>11s}")
     for name, segs, p in configs:
