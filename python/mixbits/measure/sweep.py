@@ -27,7 +27,8 @@ import numpy as np
 
 from ..layout import quantize as quantize_tensor
 from .candidates import Candidate, parse_candidate
-from .checkpoint import atomic_write_json, read_json
+from ..atomic import write_json_atomic
+from .checkpoint import read_json
 from .model import LayeredModel, Site, dense_weight
 
 TABLE_FORMAT = "mixbits.sensitivity"
@@ -152,12 +153,11 @@ def measure_site(lm: LayeredModel, ref: Reference, site: Site, cands: list[Candi
                 group = outs[j : j + per]
                 h = mx.concatenate(group, axis=0) if len(group) > 1 else group[0]
                 logits = lm.head(lm.run_layers(h, site.layer + 1))
-                ref_l = mx.concatenate([ref.logits[ci]] * len(group), axis=0)
-                kl = kl_per_token(ref_l, logits)
-                mx.eval(kl)
-                kl = np.array(kl, dtype=np.float64).reshape(len(group), -1)
-                for g, row in enumerate(kl):
-                    sums[cands[j + g].name].append(row)
+                # Each candidate's slice against the one reference: no copies
+                # of the reference logits per candidate.
+                for g in range(len(group)):
+                    kl = kl_per_token(ref.logits[ci], logits[g * b : (g + 1) * b])
+                    sums[cands[j + g].name].append(np.array(kl, dtype=np.float64).ravel())
     finally:
         lm.set(site, original)
     kl_mean, kl_se = {}, {}
@@ -185,7 +185,7 @@ def measure_site_naive(lm: LayeredModel, tokens: np.ndarray, site: Site, cand: C
         lm.set(site, original)
 
 
-def _meta(lm, tokens, cfg, model_id, sites):
+def _meta(tokens, cfg, model_id, sites):
     return {
         "model": model_id,
         "tokens_sha256_16": tokens_digest(tokens),
@@ -226,7 +226,7 @@ def sweep(model, tokens, out: str | Path, candidates=None, *, resume: bool = Fal
     for s in all_sites:
         for c in cands:
             c.segments(s.shape[1])  # refuse now, not after hours of work
-    meta = _meta(lm, tokens, cfg, model_id, all_sites)
+    meta = _meta(tokens, cfg, model_id, all_sites)
     mine = all_sites[rank::world]
     out = Path(out)
     done: dict[str, dict] = {}
@@ -254,11 +254,11 @@ def sweep(model, tokens, out: str | Path, candidates=None, *, resume: bool = Fal
     for site in todo:
         res = measure_site(lm, ref, site, cands, cfg)
         done[site.path] = res.to_entry()
-        atomic_write_json(out, table(complete=False))
+        write_json_atomic(table(complete=False), out, indent=1)
         bar.update(len(cands))
         if on_site:
             on_site(res)
     bar.close()
     result = table(complete=all(s.path in done for s in mine))
-    atomic_write_json(out, result)
+    write_json_atomic(result, out, indent=1)
     return result
