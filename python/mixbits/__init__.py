@@ -4,11 +4,11 @@ import mlx.core as _mx  # noqa: F401  (registers mlx's array type for _ext)
 
 from .layout import QuantizedTensor, quantize
 from .ops import qmatmul, quantized_matmul
-from .kl import kl_divergence  # noqa: E402
+from .kl import kl_divergence
 from . import nn
 from .nn import patch, quantize_model
 from .io import load, save
 
-__all__ = ["QuantizedTensor", "quantize", "qmatmul", "quantized_matmul"]
-__all__ += ["nn", "patch", "quantize_model", "load", "save"]
+__all__ = ["QuantizedTensor", "quantize", "qmatmul", "quantized_matmul", "kl_divergence",
+           "nn", "patch", "quantize_model", "load", "save"]
 __version__ = "0.1.0"

@@ -18,7 +18,8 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from ..measure.calib import load_model_and_tokens
-    from ..measure.checkpoint import atomic_write_json, read_json
+    from ..atomic import write_json_atomic
+    from ..measure.checkpoint import read_json
     from ..measure.compare import compare, format_rows
     from ..measure.joint import JointEvaluator
 
@@ -29,5 +30,5 @@ def run(args) -> int:
     print(f"joint KL on {tokens.shape[0]} x {tokens.shape[1]} calibration tokens")
     print(format_rows(rows))
     if args.json:
-        atomic_write_json(args.json, rows)
+        write_json_atomic(rows, args.json)
     return 0

@@ -20,7 +20,8 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from ..measure.calib import load_model_and_tokens
-    from ..measure.checkpoint import atomic_write_json, read_json
+    from ..atomic import write_json_atomic
+    from ..measure.checkpoint import read_json
     from ..measure.joint import JointEvaluator
     from ..measure.refine import refine
 
@@ -28,7 +29,7 @@ def run(args) -> int:
     model, tokens = load_model_and_tokens(args)
     ev = JointEvaluator(model, tokens, chunk=4)
     out = refine(table, ev, args.bpw, args.low_bpw, args.count, args.max_evals)
-    atomic_write_json(args.out, out)
+    write_json_atomic(out, args.out)
     jr = out["joint_refine"]
     print(f"DP sum KL {out['dp_sum_kl']:.4f}; joint KL {jr['joint_kl_before']:.4f} -> "
           f"{jr['joint_kl_after']:.4f} after {jr['swaps']} swaps ({jr['evaluations']} tried); "

@@ -1,17 +1,10 @@
-"""Crash-safe JSON files: a reader never sees a half-written file, and a
-job killed at any moment leaves either the old or the new version."""
+"""Reading the sweep's JSON files (checkpoints, tables, allocations) with
+errors that name the file; writing goes through mixbits.atomic."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from ..atomic import write_json_atomic
-
-
-def atomic_write_json(path, obj, indent: int | None = 1) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically (see mixbits.atomic)."""
-    write_json_atomic(obj, path, indent)
 
 
 def read_json(path, what: str = "file"):

@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .checkpoint import atomic_write_json
+from ..atomic import write_json_atomic
 
 
 def group():
@@ -71,6 +71,6 @@ def sharded_sweep(model, tokens, out, candidates, *, resume=False, **kw) -> dict
     parts = [json.loads(b) for b in gather_bytes(json.dumps(mine).encode(), g)]
     merged = merge_tables(parts)
     if rank == 0:
-        atomic_write_json(out, merged)
+        write_json_atomic(merged, out, indent=1)
         return merged
     return None
