@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,15 +17,7 @@ from mixbits.formats import Allocation, Measurement, SensitivityTable, projectio
 scipy_optimize = pytest.importorskip("scipy.optimize")
 from scipy.sparse import csr_matrix  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-MEAS = DATA / "measurement.json"
-ALLOC = DATA / "allocation.json"
-needs_data = pytest.mark.skipif(
-    not (MEAS.exists() and ALLOC.exists()),
-    reason=f"shared data files not found in {DATA} (CI places shared/ beside the clone)",
-)
-HF_CONFIG = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 4,
-             "head_dim": 128, "intermediate_size": 11008, "num_hidden_layers": 48}
+from shared_files import ALLOC, DATA, HF_CONFIG, MEAS, needs_data  # noqa: E402,F401
 
 
 # ------------------------------------------------------------ references

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,17 +24,7 @@ from mixbits.formats import (
 )
 from mixbits.formats.mlx_config import from_allocation
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-MEAS = DATA / "measurement.json"
-ALLOC = DATA / "allocation.json"
-needs_data = pytest.mark.skipif(
-    not (MEAS.exists() and ALLOC.exists()),
-    reason=f"shared data files not found in {DATA} (CI places shared/ beside the clone)",
-)
-
-# The measured model: 48 layers, hidden 4096, 32 heads, 4 KV heads of dim 128, MLP 11008.
-HF_CONFIG = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 4,
-             "head_dim": 128, "intermediate_size": 11008, "num_hidden_layers": 48}
+from shared_files import ALLOC, DATA, HF_CONFIG, MEAS, needs_data  # noqa: E402,F401
 
 
 @pytest.fixture(scope="module")
