@@ -3,7 +3,7 @@ batched through the suffix) against one full forward per candidate, in the
 same run, on SmolLM2-135M. Checks the KL values agree. Run:
     python bench/sweep_cost.py > bench/results/smollm2/sweep_cost.json
 """
-import time, json, numpy as np, mlx.core as mx, mixbits
+import time, json, mixbits
 from mixbits.models import load
 from mixbits.measure.calib import load_texts, token_sequences
 from mixbits.measure.model import LayeredModel
