@@ -8,6 +8,8 @@
 
 #include <nanobind/ndarray.h>
 
+#include "act/act.h"
+#include "attn/attn.h"
 #include "bench/probe.h"
 #include "common/parallel.h"
 #include "kl/kl.h"
@@ -33,6 +35,43 @@ NB_MODULE(_ext, m) {
       "x"_a, "perm"_a.none(), "packed"_a, "segments"_a, "backend"_a = 0,
       "y = x @ W.T for a mixed-segment quantized W. segments: (bits, "
       "group_size, k) per segment; packed: wq, scales, biases per segment.");
+
+  m.def(
+      "swiglu",
+      [](const mx::array& gate, const mx::array& up, int backend) {
+        return mixbits::swiglu(gate, up, mixbits::ActBackend(backend));
+      },
+      "gate"_a, "up"_a, "backend"_a = 0,
+      "silu(gate) * up, float32, CPU.");
+
+  m.def(
+      "act_backends",
+      [] {
+        std::vector<int> out;
+        for (auto b : mixbits::available_act_backends()) out.push_back(int(b));
+        return out;
+      },
+      "Activation backends usable on this CPU (1=ref, 2=avx2).");
+
+  m.def(
+      "causal_attention",
+      [](const mx::array& q, const mx::array& k, const mx::array& v,
+         float scale, int backend) {
+        return mixbits::causal_attention(q, k, v, scale,
+                                         mixbits::AttnBackend(backend));
+      },
+      "q"_a, "k"_a, "v"_a, "scale"_a, "backend"_a = 0,
+      "softmax(scale q k^T, causal) v for q [B,H,T,D], k/v [B,Hk,S,D], "
+      "float32, CPU.");
+
+  m.def(
+      "attn_backends",
+      [] {
+        std::vector<int> out;
+        for (auto b : mixbits::available_attn_backends()) out.push_back(int(b));
+        return out;
+      },
+      "Attention backends usable on this CPU (1=ref, 2=avx2).");
 
   m.def(
       "qmm_backends",

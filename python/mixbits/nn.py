@@ -409,10 +409,14 @@ def weight_layers(model: nn.Module) -> dict:
     return {p: m for p, m in model.named_modules() if isinstance(m, _LINEAR_KINDS + _EMBED_KINDS)}
 
 
-def patch(model: nn.Module, *, strict: bool = True) -> list[str]:
+def patch(model: nn.Module, *, strict: bool = True, functions: bool = True) -> list[str]:
     """Replace, in place, every ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding``
     of ``model`` by its mixbits counterpart, sharing the same arrays (no
     re-quantization). Returns the replaced module paths.
+
+    With ``functions=True`` (default) the model's causal attention and
+    SwiGLU also run on the mixbits CPU kernels
+    (:func:`mixbits.routing.patch_functions`).
 
     Layers mixbits cannot take over (non-affine modes, unsupported bits or
     group sizes) raise a ValueError naming the path, or are left as they are
@@ -433,6 +437,10 @@ def patch(model: nn.Module, *, strict: bool = True) -> list[str]:
                 raise ValueError(f"cannot patch {path!r}: {e}") from None
     for path, new in planned:
         _set_module(model, path, new)
+    if functions:
+        from .routing import patch_functions
+
+        patch_functions(model)
     return [p for p, _ in planned]
 
 

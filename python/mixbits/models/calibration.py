@@ -12,10 +12,10 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from ._cache import Unavailable, cache_dir, pip_download, write_atomic
+from ._cache import Unavailable, cache_dir, fetch_sdist, write_atomic
 
 SOURCES = ("auto", "botchan", "licenses")
-_SP_REQUIREMENT = "sentencepiece==0.2.3"
+_SP_SDIST = ("sentencepiece", "0.2.3")
 _LICENSES = Path("/usr/share/common-licenses")
 _LICENSE_FILES = ("Apache-2.0", "GPL-3", "LGPL-3", "MPL-2.0", "Artistic", "GFDL-1.3", "CC0-1.0")
 
@@ -26,7 +26,7 @@ def botchan_path() -> Path:
     if target.exists():
         return target
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-        sdist = pip_download(_SP_REQUIREMENT, Path(tmp), sdist=True)
+        sdist = fetch_sdist(*_SP_SDIST, Path(tmp))
         try:
             with tarfile.open(sdist) as tf:
                 member = next((m for m in tf.getmembers() if m.name.endswith("/test/botchan.txt")), None)

@@ -1,0 +1,93 @@
+// Swiglu: checks, backend choice, and the CPU evaluation (contiguous
+// element ranges in parallel).
+#include "act/act.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "common/mlx_args.h"
+#include "common/parallel.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+namespace mixbits {
+
+namespace {
+
+bool available(ActBackend b) {
+  switch (b) {
+    case ActBackend::Ref: return true;
+#if defined(MIXBITS_HAVE_AVX2)
+    case ActBackend::Avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+    default: return false;
+  }
+}
+
+}  // namespace
+
+std::vector<ActBackend> available_act_backends() {
+  std::vector<ActBackend> out;
+  for (auto b : {ActBackend::Ref, ActBackend::Avx2})
+    if (available(b)) out.push_back(b);
+  return out;
+}
+
+SwigluFn select_swiglu(ActBackend requested) {
+  ActBackend b = requested;
+  if (b == ActBackend::Auto)
+    b = available(ActBackend::Avx2) ? ActBackend::Avx2 : ActBackend::Ref;
+  if (!available(b))
+    throw std::invalid_argument("swiglu: backend " + std::to_string(int(b)) +
+                                " is not available on this CPU");
+#if defined(MIXBITS_HAVE_AVX2)
+  if (b == ActBackend::Avx2) return swiglu_avx2;
+#endif
+  return swiglu_ref;
+}
+
+mx::array swiglu(const mx::array& gate, const mx::array& up,
+                 ActBackend backend, mx::StreamOrDevice s) {
+  if (gate.dtype() != mx::float32 || up.dtype() != mx::float32)
+    throw std::invalid_argument("swiglu: gate and up must be float32");
+  if (gate.shape() != up.shape())
+    throw std::invalid_argument("swiglu: gate shape " + shape_str(gate) +
+                                " differs from up shape " + shape_str(up));
+  select_swiglu(backend);  // throws now if unavailable
+  auto stream = mx::to_stream(s);
+  return mx::array(gate.shape(), mx::float32,
+                   std::make_shared<Swiglu>(stream, backend),
+                   {mx::contiguous(gate, false, stream),
+                    mx::contiguous(up, false, stream)});
+}
+
+bool Swiglu::is_equivalent(const mx::Primitive& other) const {
+  return backend_ == static_cast<const Swiglu&>(other).backend_;
+}
+
+void Swiglu::eval_cpu(const std::vector<mx::array>& inputs,
+                      std::vector<mx::array>& outputs) {
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  enc.dispatch([inputs, o = mx::array::unsafe_weak_copy(out),
+                fn = select_swiglu(backend_)]() mutable {
+    const float* g = inputs[0].data<float>();
+    const float* u = inputs[1].data<float>();
+    float* y = o.data<float>();
+    // 32 Ki elements per task: enough to hide the hand-off, small enough
+    // that both cores get work on a single token's MLP.
+    parallel_for(int64_t(o.size()), 32768, [&](int64_t i0, int64_t i1) {
+      fn(g + i0, u + i0, y + i0, i1 - i0);
+    });
+  });
+}
+
+void Swiglu::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("swiglu: CPU only; on the GPU use nn.silu(gate) * up");
+}
+
+}  // namespace mixbits

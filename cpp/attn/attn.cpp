@@ -1,0 +1,154 @@
+// CausalAttention: argument checks, graph construction, and the CPU driver
+// that cuts the work into (batch, KV head, query block) items run in
+// parallel with the selected backend's GEMM and row exp.
+#include "attn/attn.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include "common/mlx_args.h"
+#include "common/parallel.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+namespace mixbits {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) {
+  throw std::invalid_argument("causal_attention: " + msg);
+}
+
+// Query positions per work item. With 3 query heads per KV head that is 96
+// rows: the scores for 96 rows x 1024 keys (384 KiB) stay in L2, and a
+// 256-token batch still splits into enough items for every core.
+constexpr int64_t kQueryBlock = 32;
+
+}  // namespace
+
+void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
+                          const float* q, const float* k, const float* v,
+                          float scale, float* out) {
+  const int64_t B = sh.B, H = sh.H, Hk = sh.Hk, T = sh.T, S = sh.S, D = sh.D;
+  const int64_t r = H / Hk, off = S - T;
+  // K^T per KV head, so the score GEMM reads keys contiguously along its
+  // output row (the vector direction of the GEMM tile).
+  std::vector<float> kt(size_t(B * Hk * D * S));
+  parallel_for(B * Hk, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* src = k + i * S * D;
+      float* dst = kt.data() + i * D * S;
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t d = 0; d < D; ++d) dst[d * S + s] = src[s * D + d];
+    }
+  });
+  const int64_t nqb = (T + kQueryBlock - 1) / kQueryBlock;
+  parallel_for(B * Hk * nqb, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> qa(size_t(r * kQueryBlock * D));
+    std::vector<float> sc(size_t(r * kQueryBlock * S));
+    std::vector<float> o(size_t(r * kQueryBlock * D));
+    std::vector<float> inv(size_t(r * kQueryBlock));
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t bh = w / nqb;  // b * Hk + hk
+      const int64_t b = bh / Hk, hk = bh % Hk;
+      const int64_t t0 = (w % nqb) * kQueryBlock;
+      const int64_t nt = std::min(kQueryBlock, T - t0);
+      const int64_t rows = r * nt;
+      const int64_t e = t0 + nt + off;  // keys any row of this block sees
+      for (int64_t g = 0; g < r; ++g) {
+        const float* src = q + ((b * H + hk * r + g) * T + t0) * D;
+        float* dst = qa.data() + g * nt * D;
+        for (int64_t i = 0; i < nt * D; ++i) dst[i] = src[i] * scale;
+      }
+      kern.gemm(qa.data(), D, kt.data() + bh * D * S, S, sc.data(), e, rows, e,
+                D);
+      for (int64_t row = 0; row < rows; ++row) {
+        float* x = sc.data() + row * e;
+        const int64_t n = t0 + row % nt + off + 1;  // causal: keys 0 .. t+off
+        float m = x[0];
+        for (int64_t j = 1; j < n; ++j) m = std::max(m, x[j]);
+        inv[size_t(row)] = 1.0f / kern.exp_row(x, n, m);
+        std::fill(x + n, x + e, 0.0f);
+      }
+      kern.gemm(sc.data(), e, v + bh * S * D, D, o.data(), D, rows, D, e);
+      for (int64_t g = 0; g < r; ++g) {
+        float* dst = out + ((b * H + hk * r + g) * T + t0) * D;
+        for (int64_t t = 0; t < nt; ++t) {
+          const float f = inv[size_t(g * nt + t)];
+          const float* src = o.data() + (g * nt + t) * D;
+          for (int64_t d = 0; d < D; ++d) dst[t * D + d] = src[d] * f;
+        }
+      }
+    }
+  });
+}
+
+mx::array causal_attention(const mx::array& q, const mx::array& k,
+                           const mx::array& v, float scale,
+                           AttnBackend backend, mx::StreamOrDevice s) {
+  for (auto [a, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) {
+    if (a->ndim() != 4)
+      fail(std::string(name) + " must be 4-D [batch, heads, length, head_dim], got shape " +
+           shape_str(*a));
+    if (a->dtype() != mx::float32)
+      fail(std::string(name) + " must be float32");
+  }
+  if (k.shape() != v.shape())
+    fail("k shape " + shape_str(k) + " differs from v shape " + shape_str(v));
+  if (q.shape(0) != k.shape(0) || q.shape(3) != k.shape(3))
+    fail("q " + shape_str(q) + " and k " + shape_str(k) +
+         " differ in batch or head_dim");
+  if (k.shape(1) < 1 || q.shape(1) % k.shape(1) != 0)
+    fail("q heads (" + std::to_string(q.shape(1)) +
+         ") must be a multiple of the k/v heads (" + std::to_string(k.shape(1)) + ")");
+  if (k.shape(2) < q.shape(2))
+    fail("k/v length (" + std::to_string(k.shape(2)) +
+         ") must be at least the query length (" + std::to_string(q.shape(2)) + ")");
+  if (!std::isfinite(scale)) fail("scale must be finite");
+  select_attn(backend);  // throws now, not inside the graph, if unavailable
+  auto stream = mx::to_stream(s);
+  return mx::array(q.shape(), mx::float32,
+                   std::make_shared<CausalAttention>(stream, scale, backend),
+                   {mx::contiguous(q, false, stream),
+                    mx::contiguous(k, false, stream),
+                    mx::contiguous(v, false, stream)});
+}
+
+std::vector<mx::Shape> CausalAttention::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  return {inputs[0].shape()};
+}
+
+bool CausalAttention::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const CausalAttention&>(other);
+  return scale_ == o.scale_ && backend_ == o.backend_;
+}
+
+void CausalAttention::eval_cpu(const std::vector<mx::array>& inputs,
+                               std::vector<mx::array>& outputs) {
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  // Capturing the arrays keeps their buffers alive until the task has run.
+  enc.dispatch([inputs, o = mx::array::unsafe_weak_copy(out), scale = scale_,
+                kern = select_attn(backend_)]() mutable {
+    const auto& q = inputs[0];
+    const auto& k = inputs[1];
+    AttnShape sh{q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2), q.shape(3)};
+    if (q.size() == 0) return;
+    causal_attention_cpu(kern, sh, q.data<float>(), k.data<float>(),
+                         inputs[2].data<float>(), scale, o.data<float>());
+  });
+}
+
+void CausalAttention::eval_gpu(const std::vector<mx::array>&,
+                               std::vector<mx::array>&) {
+  throw std::runtime_error(
+      "causal_attention: CPU only; on the GPU use "
+      "mx.fast.scaled_dot_product_attention");
+}
+
+}  // namespace mixbits

@@ -1,0 +1,43 @@
+// MLX primitive for causal (grouped-query) attention on the CPU: the same
+// result as mx.fast.scaled_dot_product_attention(q, k, v, scale,
+// mask="causal"), float32 only.
+#pragma once
+#include <vector>
+
+#include "attn/kernel.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace mixbits {
+
+namespace mx = mlx::core;
+
+class CausalAttention : public mx::Primitive {
+ public:
+  CausalAttention(mx::Stream s, float scale, AttnBackend backend)
+      : mx::Primitive(s), scale_(scale), backend_(backend) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+
+  const char* name() const override { return "CausalAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+ private:
+  float scale_;
+  AttnBackend backend_;
+};
+
+// q [B, H, T, D], k and v [B, Hk, S, D] float32 with H % Hk == 0 and
+// S >= T; returns [B, H, T, D]. Validates (std::invalid_argument naming the
+// argument) before building the graph node.
+mx::array causal_attention(const mx::array& q, const mx::array& k,
+                           const mx::array& v, float scale,
+                           AttnBackend backend = AttnBackend::Auto,
+                           mx::StreamOrDevice s = {});
+
+}  // namespace mixbits

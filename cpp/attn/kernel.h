@@ -1,0 +1,57 @@
+// Backend-neutral pieces of the causal attention kernel (CPU). No MLX types.
+//
+// Attention for one (batch, KV head, block of query positions) is two small
+// GEMMs around a row softmax:
+//   S = (scale Q) K^T      rows x keys   (K^T packed once per KV head)
+//   P = softmax_causal(S)  in place, masked keys set to 0
+//   O = P V / rowsum(P)    rows x D
+// where "rows" stacks the query block of every query head that shares the
+// KV head (grouped-query attention), so K and V are read once per group.
+// Every backend supplies the GEMM and the row exp; the driver (attn.cpp) is
+// shared, so backends differ only in arithmetic order.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace mixbits {
+
+enum class AttnBackend : int { Auto = 0, Ref = 1, Avx2 = 2, Neon = 3 };
+
+// C[m x n] = A[m x k] . B[k x n]; row-major, leading dimensions in floats.
+using AttnGemmFn = void (*)(const float* a, int64_t lda, const float* b,
+                            int64_t ldb, float* c, int64_t ldc, int64_t m,
+                            int64_t n, int64_t k);
+// x[0..n) = e^(x - max); returns the sum of the results.
+using AttnExpRowFn = float (*)(float* x, int64_t n, float max);
+
+struct AttnKernels {
+  AttnGemmFn gemm;
+  AttnExpRowFn exp_row;
+};
+
+void attn_gemm_ref(const float* a, int64_t lda, const float* b, int64_t ldb,
+                   float* c, int64_t ldc, int64_t m, int64_t n, int64_t k);
+float attn_exp_row_ref(float* x, int64_t n, float max);
+#if defined(MIXBITS_HAVE_AVX2)
+void attn_gemm_avx2(const float* a, int64_t lda, const float* b, int64_t ldb,
+                    float* c, int64_t ldc, int64_t m, int64_t n, int64_t k);
+float attn_exp_row_avx2(float* x, int64_t n, float max);
+#endif
+
+// The kernels for `requested` on this CPU; throws if it is forced but
+// unavailable. Auto picks the fastest available.
+AttnKernels select_attn(AttnBackend requested);
+std::vector<AttnBackend> available_attn_backends();
+
+// Shapes of one call: q [B, H, T, D], k and v [B, Hk, S, D], S >= T; query
+// t sees keys 0 .. t + (S - T) (the queries are the last T positions).
+struct AttnShape {
+  int64_t B, H, Hk, T, S, D;
+};
+
+// out [B, H, T, D] for contiguous float32 q, k, v.
+void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
+                          const float* q, const float* k, const float* v,
+                          float scale, float* out);
+
+}  // namespace mixbits

@@ -1,0 +1,62 @@
+"""Causal grouped-query attention on the CPU (the mixbits kernel); see
+:mod:`mixbits.routing` for routing mlx-lm models' prefill attention to it.
+
+MLX's CPU ``scaled_dot_product_attention`` materializes every head's full
+T x T score matrix; on SmolLM2 it was most of a decoder layer's time at
+256+ tokens. ``causal_attention`` computes the same result per (batch, KV
+head, block of 32 query positions) with two small register-tiled GEMMs
+around an in-cache softmax, skipping the keys a block never sees.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from . import _ext
+
+__all__ = ["causal_attention", "attn_backends"]
+
+BACKENDS = {"auto": 0, "ref": 1, "avx2": 2}
+
+
+def attn_backends() -> list[str]:
+    """CPU backends of the attention kernel usable on this machine."""
+    names = {v: k for k, v in BACKENDS.items()}
+    return [names[b] for b in _ext.attn_backends()]
+
+
+def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
+                     backend: str | None = None) -> mx.array:
+    """softmax(scale * q k^T + causal mask) v.
+
+    q is [B, H, T, D]; k and v are [B, Hk, S, D] with H a multiple of Hk and
+    S >= T; query t sees keys 0 .. t + S - T (the queries are the last T
+    positions, as with a KV cache). float32 only; returns [B, H, T, D].
+    Equal to ``mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
+    mask="causal")`` up to float32 rounding.
+    """
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(a, mx.array):
+            raise TypeError(f"{name} must be an mlx.core.array, got {type(a).__name__}")
+        if a.ndim != 4:
+            raise ValueError(f"{name} must be 4-D [batch, heads, length, head_dim], got shape {a.shape}")
+        if a.dtype != mx.float32:
+            raise TypeError(f"{name} must be float32, got {a.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k shape {k.shape} differs from v shape {v.shape}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {q.shape} and k {k.shape} differ in batch or head_dim")
+    if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of the k/v heads ({k.shape[1]})")
+    if k.shape[2] < q.shape[2]:
+        raise ValueError(f"k/v length ({k.shape[2]}) must be at least the query length ({q.shape[2]})")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    if backend not in (None, "auto") and backend not in attn_backends():
+        raise ValueError(f"backend {backend!r} is not available on this CPU")
+    return _ext.causal_attention(q, k, v, scale, BACKENDS[backend or "auto"])

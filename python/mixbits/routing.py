@@ -1,0 +1,123 @@
+"""Route an mlx-lm model's attention and SwiGLU to the mixbits CPU kernels.
+
+mlx-lm's model files call module-level functions,
+``scaled_dot_product_attention`` and ``swiglu``, bound in the model's own
+module. :func:`patch_functions` swaps those names, in that module, for
+routers, and gives the patched model and its decoder layers a subclass
+whose ``__call__`` marks "this model is routed" for the duration of the
+call. A router takes the call only inside such a mark and only in the
+cases the kernels cover (float32 on the CPU; for attention, the causal mask
+without a quantized cache or sinks); everything else (other models of the
+same architecture, decode steps with array masks, half precision, GPU)
+goes to the original function.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import _ext
+
+__all__ = ["patch_functions", "unpatch_functions"]
+
+_SAVED = "_mixbits_originals"
+_ACTIVE = contextvars.ContextVar("mixbits_routed", default=False)
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _on_cpu() -> bool:
+    return mx.default_device().type == mx.cpu
+
+
+def _f32(*arrays) -> bool:
+    return all(a.dtype == mx.float32 for a in arrays)
+
+
+def _sdpa_router(original):
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if (_ACTIVE.get() and isinstance(mask, str) and mask == "causal" and sinks is None
+                and not hasattr(cache, "bits") and _f32(queries, keys, values) and _on_cpu()):
+            return _ext.causal_attention(queries, keys, values, float(scale), 0)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    return scaled_dot_product_attention
+
+
+def _swiglu_router(original):
+    def swiglu(gate, x):
+        if _ACTIVE.get() and _f32(gate, x) and gate.shape == x.shape and _on_cpu():
+            return _ext.swiglu(gate, x, 0)
+        return original(gate, x)
+
+    return swiglu
+
+
+_ROUTERS = {"scaled_dot_product_attention": _sdpa_router, "swiglu": _swiglu_router}
+
+
+def _routed_class(cls: type) -> type:
+    """``cls`` with a ``__call__`` that routes the calls made inside it."""
+    if getattr(cls, "_mixbits_routed", False):
+        return cls
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        def __call__(self, *args, **kwargs):
+            token = _ACTIVE.set(True)
+            try:
+                return cls.__call__(self, *args, **kwargs)
+            finally:
+                _ACTIVE.reset(token)
+
+        sub = type(cls.__name__, (cls,), {"__call__": __call__, "_mixbits_routed": True,
+                                          "__module__": cls.__module__})
+        _SUBCLASSES[cls] = sub
+    return sub
+
+
+def _entry_points(model: nn.Module) -> list[nn.Module]:
+    """The modules whose calls get routed: the model itself (``model(x)``)
+    and its decoder layers (what a sweep calls directly)."""
+    inner = getattr(model, "model", None)
+    layers = list(getattr(inner, "layers", None) or [])
+    return [model, *layers]
+
+
+def _model_module(model: nn.Module):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
+    return importlib.import_module(type(model).__module__)
+
+
+def patch_functions(model: nn.Module) -> list[str]:
+    """Route ``model``'s attention / SwiGLU calls through the mixbits
+    kernels; returns the function names taken over (those the model's module
+    has). Other models are not affected. Idempotent."""
+    mod = _model_module(model)
+    saved = mod.__dict__.setdefault(_SAVED, {})
+    taken = []
+    for name, router in _ROUTERS.items():
+        fn = getattr(mod, name, None)
+        if not callable(fn):
+            continue
+        if name not in saved:
+            saved[name] = fn
+            setattr(mod, name, router(fn))
+        taken.append(name)
+    if taken:
+        for m in _entry_points(model):
+            m.__class__ = _routed_class(type(m))
+    return taken
+
+
+def unpatch_functions(model: nn.Module) -> None:
+    """Undo :func:`patch_functions` for ``model`` (the module-level routers
+    stay: without a routed model they pass every call through)."""
+    _model_module(model)
+    for m in _entry_points(model):
+        cls = type(m)
+        if getattr(cls, "_mixbits_routed", False) and cls in _SUBCLASSES.values():
+            m.__class__ = cls.__bases__[0]

@@ -1,0 +1,198 @@
+"""Causal GQA attention and fused SwiGLU kernels against float64 numpy,
+every backend; and the per-model routing of mlx-lm models to them."""
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mixbits.activations import act_backends, swiglu
+from mixbits.attention import attn_backends, causal_attention
+from mixbits.routing import patch_functions, unpatch_functions
+
+from tiny_model import tiny_llama, tiny_tokens
+
+
+def attention64(q, k, v, scale):
+    """softmax(scale q k^T, causal with the queries last) v in float64."""
+    q, k, v = (np.array(a).astype(np.float64) for a in (q, k, v))
+    B, H, T, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    k = np.repeat(k, H // Hk, axis=1)
+    v = np.repeat(v, H // Hk, axis=1)
+    s = scale * q @ k.transpose(0, 1, 3, 2)
+    allowed = np.arange(S)[None, :] <= np.arange(T)[:, None] + (S - T)
+    s = np.where(allowed, s, -np.inf)
+    s -= s.max(-1, keepdims=True)
+    p = np.exp(s)
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+SHAPES = [  # B, H, Hk, T, S, D
+    (1, 1, 1, 1, 1, 1),
+    (1, 2, 1, 1, 9, 8),        # one query over a cache (decode-like)
+    (2, 9, 3, 37, 37, 64),     # SmolLM2 head layout, T not a block multiple
+    (1, 4, 4, 33, 50, 16),     # S > T, no grouping
+    (3, 6, 2, 70, 70, 24),     # D not a multiple of the 8/16-lane tiles
+    (1, 8, 2, 64, 64, 128),
+    (2, 3, 1, 5, 17, 7),
+]
+
+
+@pytest.mark.parametrize("backend", attn_backends())
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_attention_matches_float64(backend, shape):
+    B, H, Hk, T, S, D = shape
+    rng = np.random.default_rng(hash(shape) % 2**32)
+    q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32))
+               for s in ((B, H, T, D), (B, Hk, S, D), (B, Hk, S, D)))
+    scale = 1 / math.sqrt(D)
+    got = np.array(causal_attention(q, k, v, scale, backend=backend))
+    np.testing.assert_allclose(got, attention64(q, k, v, scale), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", attn_backends())
+def test_attention_peaked_scores_and_strided_inputs(backend):
+    """Large logits (softmax near one-hot, exp far from 0) and inputs that are
+    transposed views, as mlx-lm passes them."""
+    rng = np.random.default_rng(3)
+    B, T, H, Hk, D = 2, 45, 6, 3, 32
+    q = mx.array(rng.standard_normal((B, T, H, D)).astype(np.float32) * 6).transpose(0, 2, 1, 3)
+    k = mx.array(rng.standard_normal((B, T, Hk, D)).astype(np.float32) * 6).transpose(0, 2, 1, 3)
+    v = mx.array(rng.standard_normal((B, T, Hk, D)).astype(np.float32)).transpose(0, 2, 1, 3)
+    got = np.array(causal_attention(q, k, v, 0.5, backend=backend))
+    np.testing.assert_allclose(got, attention64(q, k, v, 0.5), atol=5e-5, rtol=1e-4)
+
+
+def test_attention_matches_mlx_fast_sdpa():
+    rng = np.random.default_rng(4)
+    q = mx.array(rng.standard_normal((2, 9, 100, 64)).astype(np.float32))
+    k = mx.array(rng.standard_normal((2, 3, 100, 64)).astype(np.float32))
+    v = mx.array(rng.standard_normal((2, 3, 100, 64)).astype(np.float32))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+    assert mx.allclose(causal_attention(q, k, v, 0.125), want, atol=1e-5).item()
+
+
+def test_attention_backends_agree():
+    backends = attn_backends()
+    rng = np.random.default_rng(5)
+    q = mx.array(rng.standard_normal((2, 4, 40, 20)).astype(np.float32))
+    k = mx.array(rng.standard_normal((2, 2, 40, 20)).astype(np.float32))
+    outs = [np.array(causal_attention(q, k, k, 0.3, backend=b)) for b in backends]
+    for o in outs[1:]:
+        np.testing.assert_allclose(o, outs[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("args, match", [
+    (((1, 2, 4, 8), (1, 2, 4), (1, 2, 4, 8)), "k must be 4-D"),
+    (((1, 3, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8)), "multiple of the k/v heads"),
+    (((1, 2, 5, 8), (1, 2, 4, 8), (1, 2, 4, 8)), "at least the query length"),
+    (((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 5, 8)), "differs from v shape"),
+    (((2, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8)), "differ in batch or head_dim"),
+    (((1, 2, 4, 8), (1, 2, 4, 4), (1, 2, 4, 4)), "differ in batch or head_dim"),
+])
+def test_attention_bad_shapes(args, match):
+    q, k, v = (mx.zeros(s) for s in args)
+    with pytest.raises(ValueError, match=match):
+        causal_attention(q, k, v, 1.0)
+
+
+def test_attention_bad_dtype_scale_backend():
+    x = mx.zeros((1, 1, 2, 4))
+    with pytest.raises(TypeError, match="q must be float32"):
+        causal_attention(x.astype(mx.float16), x, x, 1.0)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        causal_attention(x, x, x, float("nan"))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        causal_attention(x, x, x, 1.0, backend="cuda")
+
+
+# ------------------------------------------------------------------ swiglu
+
+
+@pytest.mark.parametrize("backend", act_backends())
+@pytest.mark.parametrize("n", [1, 7, 8, 255, 256, 257, 70001])
+def test_swiglu_matches_float64(backend, n):
+    rng = np.random.default_rng(n)
+    g = rng.standard_normal(n).astype(np.float32) * 8
+    u = rng.standard_normal(n).astype(np.float32)
+    g[:4] = [0.0, -100.0, 100.0, -87.5][: min(4, n)]
+    got = np.array(swiglu(mx.array(g), mx.array(u), backend=backend)).astype(np.float64)
+    g64, u64 = g.astype(np.float64), u.astype(np.float64)
+    want = g64 * u64 / (1 + np.exp(-g64))
+    np.testing.assert_allclose(got, want, rtol=3e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("backend", act_backends())
+def test_swiglu_propagates_nan_and_inf(backend):
+    g = mx.array([np.nan, np.inf, -np.inf, 1.0] * 3, dtype=mx.float32)
+    u = mx.array([1.0, 2.0, 3.0, np.nan] * 3, dtype=mx.float32)
+    got = np.array(swiglu(g, u, backend=backend))
+    # silu(-inf) = -inf * sigmoid(-inf): NaN, as MLX's nn.silu gives.
+    assert np.isnan(got[0]) and got[1] == np.inf and np.isnan(got[2]) and np.isnan(got[3])
+
+
+def test_swiglu_matches_mlx_and_checks_input():
+    g = mx.random.normal((3, 5, 40))
+    u = mx.random.normal((3, 5, 40))
+    assert mx.allclose(swiglu(g, u), nn.silu(g) * u, atol=1e-6).item()
+    with pytest.raises(ValueError, match="differs from up shape"):
+        swiglu(g, u[0])
+    with pytest.raises(TypeError, match="up must be float32"):
+        swiglu(g, u.astype(mx.bfloat16))
+
+
+# ----------------------------------------------------------------- routing
+
+
+def _counting(monkeypatch):
+    from mixbits import _ext
+
+    calls = {"attn": 0, "swiglu": 0}
+    real_attn, real_act = _ext.causal_attention, _ext.swiglu
+
+    def attn(*a):
+        calls["attn"] += 1
+        return real_attn(*a)
+
+    def act(*a):
+        calls["swiglu"] += 1
+        return real_act(*a)
+
+    monkeypatch.setattr(_ext, "causal_attention", attn)
+    monkeypatch.setattr(_ext, "swiglu", act)
+    return calls
+
+
+def test_routing_is_per_model_and_keeps_logits(monkeypatch):
+    calls = _counting(monkeypatch)
+    routed, plain = tiny_llama(seed=0), tiny_llama(seed=0)
+    tokens = mx.array(tiny_tokens(2, 40))
+    before = plain(tokens)
+    assert sorted(patch_functions(routed)) == ["scaled_dot_product_attention", "swiglu"]
+    try:
+        got = routed(tokens)
+        mx.eval(got)
+        assert calls == {"attn": 2, "swiglu": 2}  # 2 layers
+        # The other model of the same architecture still runs MLX's ops.
+        again = plain(tokens)
+        mx.eval(again)
+        assert calls == {"attn": 2, "swiglu": 2}
+        assert mx.array_equal(again, before).item()
+        assert mx.allclose(got, before, atol=1e-4).item()
+        # Decode steps with a KV cache: the one-token step has no causal mask
+        # and goes to MLX; the prompt goes to the kernel with S == T.
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(routed)
+        routed(tokens[:1, :10], cache=cache)
+        step = routed(tokens[:1, 10:11], cache=cache)
+        full = plain(tokens[:1, :11])
+        assert mx.allclose(step[0, -1], full[0, -1], atol=1e-4).item()
+    finally:
+        unpatch_functions(routed)
+    n = dict(calls)
+    mx.eval(routed(tokens))
+    assert calls == n  # unpatched: nothing routed any more
