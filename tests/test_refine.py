@@ -45,7 +45,9 @@ def test_refine_never_worse_than_dp_and_reports(setup):
     out = refine(table, ev, high_avg=3.6, max_evals=6, progress=False)
     jr = out["joint_refine"]
     assert jr["joint_kl_after"] <= jr["joint_kl_before"]
-    assert jr["evaluations"] == len(jr["log"]) <= 6
+    assert jr["joint_kl_after"] <= min(st["joint_kl"] for st in jr["starts"])
+    assert [st["power"] for st in jr["starts"]] == [1.0, 1.5, 2.0]
+    assert len(jr["log"]) + 1 <= jr["evaluations"] <= 6
     assert jr["swaps"] == sum(s["kept"] for s in jr["log"])
     # the reported joint KL of the final assignment is reproducible
     final = {a["path"]: a["kind"] for a in out["assignment"]}
@@ -90,3 +92,34 @@ def test_compare_strategies_table(setup):
         assert r["refined"]["joint_kl"] <= r["dp"]["joint_kl"] + 1e-9
     assert rows[1]["target_bpw"] == pytest.approx(entry_bpw(table, rule))
     assert "| 3.500 | uniform 3b_g64 |" in format_rows(rows)
+
+
+class SquaredKL:
+    """A stand-in for the joint evaluator whose "joint KL" is the sum of
+    squared per-tensor KLs: strongly non-additive in the way real joint KL
+    is (one large error costs more than several small ones)."""
+
+    def __init__(self, table):
+        self.kl = {(e["path"], c["kind"]): c["kl"] for e in table["entries"] for c in e["candidates"]}
+        self.tokens = [0]
+        self.calls = 0
+
+    def joint_kl(self, assignment):
+        self.calls += 1
+        return sum(self.kl[(p, k)] ** 2 for p, k in assignment.items()), 0.0
+
+
+def test_refine_starts_from_the_power_that_fits_the_measured_objective(setup):
+    _, _, table = setup
+    ev = SquaredKL(table)
+    out = refine(table, ev, high_avg=3.6, max_evals=3, progress=False, powers=(2.0,))
+    jr = out["joint_refine"]
+    p1, p2 = jr["starts"]
+    assert (p1["power"], p2["power"]) == (1.0, 2.0)
+    # The knapsack on KL**2 minimizes this objective exactly under the same
+    # budget, so no start (and no swap) can beat it.
+    assert p2["joint_kl"] <= p1["joint_kl"]
+    assert jr["joint_kl_after"] == pytest.approx(p2["joint_kl"], rel=1e-12)
+    final = {a["path"]: a["kind"] for a in out["assignment"]}
+    assert ev.joint_kl(final)[0] == pytest.approx(jr["joint_kl_after"])
+    assert jr["evaluations"] == ev.calls - 1 <= 3

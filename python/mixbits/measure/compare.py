@@ -58,13 +58,15 @@ def compare(table: dict, evaluator, targets: list[float], low: str = "3b_g64",
         alloc, sol, _ = allocate_table(table, bpw)
         dp_assign = {a["path"]: a["kind"] for a in alloc["assignment"]}
         ref = refine(table, evaluator, bpw, max_evals=max_evals, progress=progress)
+        jr = ref["joint_refine"]
         row = {"target_bpw": bpw,
                "dp": {"bpw": entry_bpw(table, dp_assign), "sum_kl": sol.cost,
-                      "joint_kl": evaluator.joint_kl(dp_assign)[0]},
+                      "joint_kl": jr["joint_kl_before"]},
                "refined": {"bpw": ref["average_bpw_storage"],
-                           "joint_kl": ref["joint_refine"]["joint_kl_after"],
-                           "swaps": ref["joint_refine"]["swaps"],
-                           "evaluations": ref["joint_refine"]["evaluations"]}}
+                           "joint_kl": jr["joint_kl_after"],
+                           "swaps": jr["swaps"],
+                           "evaluations": jr["evaluations"],
+                           "starts": jr["starts"]}}
         if bpw is rule_bpw:
             row["baseline"] = {"name": f"mixed rule {low}/{high}", "bpw": rule_bpw,
                                "joint_kl": evaluator.joint_kl(rule)[0]}
