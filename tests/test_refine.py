@@ -85,13 +85,26 @@ def test_compare_strategies_table(setup):
     # 16 layers: first and last eighth (0, 1, 14, 15) and every third between (4, 7, 10, 13)
     assert sorted({int(p.split(".")[2]) for p, v in hi.items() if v == "hi"}) == [0, 1, 4, 7, 10, 13, 14, 15]
     assert not any(v == "hi" for p, v in hi.items() if p.endswith("q_proj"))
-    rows = compare(table, ev, [3.5], max_evals=3)
+    held = JointEvaluator(model, tiny_tokens(n=2, seed=7), chunk=2)
+    rows = compare(table, ev, [3.5], max_evals=3, holdout=held)
     assert len(rows) == 2
     for r in rows:
         assert r["dp"]["bpw"] <= r["target_bpw"] + 1e-9
         assert r["refined"]["joint_kl"] <= r["dp"]["joint_kl"] + 1e-9
+        assert r["dp"]["joint_kl"] == pytest.approx(
+            ev.joint_kl({a: c for a, c in _dp_assignment(table, r["target_bpw"]).items()})[0])
+        for key in ("baseline", "dp", "refined"):
+            assert r[key]["holdout_joint_kl"] > 0
+    assert rows[0]["baseline"]["holdout_joint_kl"] == pytest.approx(
+        held.joint_kl({e["path"]: "3b_g64" for e in table["entries"]})[0])
+    assert "held-out tokens" in format_rows(rows)
     assert rows[1]["target_bpw"] == pytest.approx(entry_bpw(table, rule))
     assert "| 3.500 | uniform 3b_g64 |" in format_rows(rows)
+
+
+def _dp_assignment(table, bpw):
+    alloc, _, _ = allocate_table(table, high_avg=bpw)
+    return {a["path"]: a["kind"] for a in alloc["assignment"]}
 
 
 class SquaredKL:

@@ -13,6 +13,9 @@ def add_arguments(p) -> None:
     p.add_argument("--low", default="3b_g64", help="low candidate of the mixed rule")
     p.add_argument("--high", default="4b_g64", help="high candidate of the mixed rule")
     p.add_argument("--max-evals", type=int, default=20, help="joint-KL swaps tried per target")
+    p.add_argument("--holdout-seq", type=int, default=0,
+                   help="also score every allocation on this many sequences that follow the "
+                        "calibration ones in the text (never used for choosing)")
     p.add_argument("--json", help="also write the rows as JSON here")
 
 
@@ -24,10 +27,18 @@ def run(args) -> int:
     from ..measure.joint import JointEvaluator
 
     table = read_json(args.table, "sensitivity table")
+    if args.holdout_seq < 0:
+        raise ValueError(f"--holdout-seq must be >= 0, got {args.holdout_seq}")
+    n_cal = args.n_seq
+    args.n_seq = n_cal + args.holdout_seq
     model, tokens = load_model_and_tokens(args)
+    tokens, held = tokens[:n_cal], tokens[n_cal:]
     ev = JointEvaluator(model, tokens, chunk=4)
-    rows = compare(table, ev, args.bpw, args.low, args.high, args.max_evals, progress=True)
-    print(f"joint KL on {tokens.shape[0]} x {tokens.shape[1]} calibration tokens")
+    hold = JointEvaluator(model, held, chunk=4) if len(held) else None
+    rows = compare(table, ev, args.bpw, args.low, args.high, args.max_evals, progress=True,
+                   holdout=hold)
+    print(f"joint KL on {tokens.shape[0]} x {tokens.shape[1]} calibration tokens"
+          + (f"; held out: {held.shape[0]} x {held.shape[1]}" if hold else ""))
     print(format_rows(rows))
     if args.json:
         write_json_atomic(rows, args.json)

@@ -50,7 +50,14 @@ def mixed_rule(table: dict, low: str, high: str) -> dict[str, str]:
 
 
 def compare(table: dict, evaluator, targets: list[float], low: str = "3b_g64",
-            high: str = "4b_g64", max_evals: int = 20, progress: bool = False) -> list[dict]:
+            high: str = "4b_g64", max_evals: int = 20, progress: bool = False,
+            holdout=None) -> list[dict]:
+    """One row per target bpw (and one at the mixed rule's bpw): joint KL of
+    the baseline, the knapsack optimum and the refined allocation on the
+    calibration set of ``evaluator``; with a second evaluator ``holdout``
+    (other tokens, never used for choosing), also each one's joint KL there
+    (``holdout_joint_kl``), which shows whether refinement only fits the
+    calibration set."""
     rows = []
     rule = mixed_rule(table, low, high)
     rule_bpw = entry_bpw(table, rule)
@@ -68,12 +75,17 @@ def compare(table: dict, evaluator, targets: list[float], low: str = "3b_g64",
                            "evaluations": jr["evaluations"],
                            "starts": jr["starts"]}}
         if bpw is rule_bpw:
-            row["baseline"] = {"name": f"mixed rule {low}/{high}", "bpw": rule_bpw,
-                               "joint_kl": evaluator.joint_kl(rule)[0]}
+            base = rule
+            row["baseline"] = {"name": f"mixed rule {low}/{high}", "bpw": rule_bpw}
         else:
             name, ubpw = nearest_uniform(table, bpw)
-            row["baseline"] = {"name": f"uniform {name}", "bpw": ubpw,
-                               "joint_kl": evaluator.joint_kl(uniform(table, name))[0]}
+            base = uniform(table, name)
+            row["baseline"] = {"name": f"uniform {name}", "bpw": ubpw}
+        row["baseline"]["joint_kl"] = evaluator.joint_kl(base)[0]
+        if holdout is not None:
+            refined = {a["path"]: a["kind"] for a in ref["assignment"]}
+            for key, assign in (("baseline", base), ("dp", dp_assign), ("refined", refined)):
+                row[key]["holdout_joint_kl"] = holdout.joint_kl(assign)[0]
         rows.append(row)
     return rows
 
@@ -87,4 +99,10 @@ def format_rows(rows: list[dict]) -> str:
         lines.append(f"| {r['target_bpw']:.3f} | {b['name']} | {b['bpw']:.3f} | {b['joint_kl']:.4f} "
                      f"| {d['bpw']:.3f} | {d['joint_kl']:.4f} | {f['bpw']:.3f} | {f['joint_kl']:.4f} "
                      f"| {f['swaps']}/{f['evaluations']} |")
+    if rows and "holdout_joint_kl" in rows[0]["baseline"]:
+        lines += ["", "held-out tokens (not used for any choice):", "",
+                  "| target bpw | baseline | DP | refined |", "|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['target_bpw']:.3f} | {r['baseline']['holdout_joint_kl']:.4f} "
+                         f"| {r['dp']['holdout_joint_kl']:.4f} | {r['refined']['holdout_joint_kl']:.4f} |")
     return "\n".join(lines)
