@@ -51,6 +51,10 @@ def pip_download(requirement: str, dest: Path, *, timeout: float = 600) -> Path:
     return files[-1]
 
 
+def _simple_page_url(index: str, name: str) -> str:
+    return f"{index}/{name}/"
+
+
 def fetch_sdist(name: str, version: str, dest: Path, *, timeout: float = 120) -> Path:
     """Download ``{name}-{version}.tar.gz`` from the package index's simple
     page (PEP 503; ``$PIP_INDEX_URL`` or PyPI) into ``dest``, checked
@@ -58,7 +62,7 @@ def fetch_sdist(name: str, version: str, dest: Path, *, timeout: float = 120) ->
     index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
     filename = f"{name}-{version}.tar.gz"
     try:
-        page = urllib.request.urlopen(f"{index}/{name}/", timeout=timeout).read().decode()
+        page = urllib.request.urlopen(_simple_page_url(index, name), timeout=timeout).read().decode()
         m = re.search(r'href="([^"#]*/' + re.escape(filename) + r')#sha256=([0-9a-f]{64})"', page)
         if m is None:
             raise Unavailable(f"{index}/{name}/ lists no {filename} with a sha256")
