@@ -30,4 +30,7 @@ def swiglu(gate: mx.array, up: mx.array, backend: str | None = None) -> mx.array
         raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
     if backend not in (None, "auto") and backend not in act_backends():
         raise ValueError(f"backend {backend!r} is not available on this CPU")
+    if mx.default_device().type != mx.cpu:
+        raise ValueError("swiglu runs on the CPU only; use mx.set_default_device(mx.cpu) "
+                         "or MLX's own op on the GPU")
     return _ext.swiglu(gate, up, BACKENDS[backend or "auto"])

@@ -59,4 +59,7 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
         raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
     if backend not in (None, "auto") and backend not in attn_backends():
         raise ValueError(f"backend {backend!r} is not available on this CPU")
+    if mx.default_device().type != mx.cpu:
+        raise ValueError("causal_attention runs on the CPU only; use mx.set_default_device(mx.cpu) "
+                         "or MLX's own op on the GPU")
     return _ext.causal_attention(q, k, v, scale, BACKENDS[backend or "auto"])

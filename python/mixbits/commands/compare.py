@@ -17,6 +17,8 @@ def add_arguments(p) -> None:
                    help="also score every allocation on this many sequences that follow the "
                         "calibration ones in the text (never used for choosing)")
     p.add_argument("--json", help="also write the rows as JSON here")
+    p.add_argument("--save-allocations", metavar="DIR",
+                   help="write each refined allocation as DIR/allocation_<bpw>bpw.json")
 
 
 def run(args) -> int:
@@ -35,8 +37,16 @@ def run(args) -> int:
     tokens, held = tokens[:n_cal], tokens[n_cal:]
     ev = JointEvaluator(model, tokens, chunk=4)
     hold = JointEvaluator(model, held, chunk=4) if len(held) else None
+    def save(bpw, alloc):
+        if args.save_allocations:
+            from pathlib import Path
+
+            out = Path(args.save_allocations) / f"allocation_{bpw:.3f}bpw.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(alloc, out)
+
     rows = compare(table, ev, args.bpw, args.low, args.high, args.max_evals, progress=True,
-                   holdout=hold)
+                   holdout=hold, on_refined=save)
     print(f"joint KL on {tokens.shape[0]} x {tokens.shape[1]} calibration tokens"
           + (f"; held out: {held.shape[0]} x {held.shape[1]}" if hold else ""))
     print(format_rows(rows))

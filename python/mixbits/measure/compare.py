@@ -51,13 +51,14 @@ def mixed_rule(table: dict, low: str, high: str) -> dict[str, str]:
 
 def compare(table: dict, evaluator, targets: list[float], low: str = "3b_g64",
             high: str = "4b_g64", max_evals: int = 20, progress: bool = False,
-            holdout=None) -> list[dict]:
+            holdout=None, on_refined=None) -> list[dict]:
     """One row per target bpw (and one at the mixed rule's bpw): joint KL of
     the baseline, the knapsack optimum and the refined allocation on the
     calibration set of ``evaluator``; with a second evaluator ``holdout``
     (other tokens, never used for choosing), also each one's joint KL there
     (``holdout_joint_kl``), which shows whether refinement only fits the
-    calibration set."""
+    calibration set. ``on_refined(target_bpw, allocation)`` receives each
+    refined allocation (allocation.json layout)."""
     rows = []
     rule = mixed_rule(table, low, high)
     rule_bpw = entry_bpw(table, rule)
@@ -65,6 +66,8 @@ def compare(table: dict, evaluator, targets: list[float], low: str = "3b_g64",
         alloc, sol, _ = allocate_table(table, bpw)
         dp_assign = {a["path"]: a["kind"] for a in alloc["assignment"]}
         ref = refine(table, evaluator, bpw, max_evals=max_evals, progress=progress)
+        if on_refined is not None:
+            on_refined(bpw, ref)
         jr = ref["joint_refine"]
         row = {"target_bpw": bpw,
                "dp": {"bpw": entry_bpw(table, dp_assign), "sum_kl": sol.cost,
