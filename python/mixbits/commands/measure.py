@@ -47,5 +47,6 @@ def run(args) -> int:
         n = len(table["entries"]) * len(args.candidates)
         ntok = tokens.size
         print(f"{len(table['entries'])} tensors x {len(args.candidates)} candidates on "
-              f"{ntok} tokens in {dt:.1f} s ({n / dt:.2f} candidate evals/s); wrote {args.out}")
+              f"{ntok} tokens in {dt:.1f} s ({n / dt:.2f} candidate evals/s, "
+              f"{n * ntok / dt:.0f} candidate-tokens/s); wrote {args.out}")
     return 0
