@@ -3,13 +3,16 @@ optimum of summed per-tensor KL under a bits budget, then swaps (one
 tensor up, another down, budget kept) kept only when they lower the
 *measured* joint KL on the calibration set.
 
-Per-tensor KL is not additive: several tensors at 2 bits hurt together far
-more than the sum of their KLs says (measured on SmolLM2, the knapsack
-optimum at 3.5 bpw lost to uniform 3-bit). So before the swaps, refinement
-also solves the knapsack on KL**p for a few p > 1 (which weighs one large
-KL above several small ones of the same sum) and starts from whichever of
-these optima has the lowest *measured* joint KL. Every start costs one
-evaluation out of ``max_evals``.
+Per-tensor KL need not be additive: several damaged tensors can hurt
+together more than the sum of their KLs says. So before the swaps,
+refinement also solves the knapsack on KL**p for a few p > 1 (which weighs
+one large KL above several small ones of the same sum) and starts from
+whichever of these optima has the lowest *measured* joint KL; every start
+costs one evaluation out of ``max_evals``. On SmolLM2-135M with 4,096
+calibration tokens the sum tracked the joint KL closely (0.926 vs 0.949 at
+3.5 bpw) and a p > 1 start won only at 3.63 bpw (0.799 vs 0.813); on 256
+tokens the per-tensor KLs were noisy enough that the plain optimum lost to
+uniform 3-bit.
 
 Budgets count storage bits by default (codes plus fp16 scales and biases,
 as mlx-lm counts bits per weight: 4-bit g64 = 4.5 bpw); ``count="nominal"``
