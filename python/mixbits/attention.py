@@ -15,16 +15,13 @@ import math
 import mlx.core as mx
 
 from . import _ext
+from ._backends import backend_id, names, require_cpu
 
 __all__ = ["causal_attention", "attn_backends"]
 
-BACKENDS = {"auto": 0, "ref": 1, "avx2": 2}
-
-
 def attn_backends() -> list[str]:
     """CPU backends of the attention kernel usable on this machine."""
-    names = {v: k for k, v in BACKENDS.items()}
-    return [names[b] for b in _ext.attn_backends()]
+    return names(_ext.attn_backends())
 
 
 def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
@@ -55,11 +52,6 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
-    if backend not in (None, "auto") and backend not in attn_backends():
-        raise ValueError(f"backend {backend!r} is not available on this CPU")
-    if mx.default_device().type != mx.cpu:
-        raise ValueError("causal_attention runs on the CPU only; use mx.set_default_device(mx.cpu) "
-                         "or MLX's own op on the GPU")
-    return _ext.causal_attention(q, k, v, scale, BACKENDS[backend or "auto"])
+    bid = backend_id(backend, attn_backends())
+    require_cpu("causal_attention")
+    return _ext.causal_attention(q, k, v, scale, bid)

@@ -19,10 +19,10 @@ import mlx.core as mx
 import numpy as np
 
 from . import _ext
+from ._backends import BACKENDS, backend_id, names
 
 __all__ = ["KLResult", "KLReference", "kl_divergence", "kl_compare", "kl_backends"]
 
-BACKENDS = {"auto": 0, "ref": 1, "avx2": 2, "neon": 3}
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 _INTS = (mx.int8, mx.int16, mx.int32, mx.int64, mx.uint8, mx.uint16, mx.uint32, mx.uint64)
 
@@ -49,18 +49,11 @@ _P16_SCALE = 2.0**15
 
 def kl_backends() -> list[str]:
     """CPU backends of the KL kernel usable on this machine."""
-    names = {v: k for k, v in BACKENDS.items()}
-    return [names[b] for b in _ext.kl_backends()]
+    return names(_ext.kl_backends())
 
 
 def _backend_id(backend: str | None) -> int:
-    if backend is None:
-        return 0
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
-    if backend != "auto" and backend not in kl_backends():
-        raise ValueError(f"backend {backend!r} is not available on this CPU")
-    return BACKENDS[backend]
+    return backend_id(backend, kl_backends())
 
 
 def _as_array(x, name: str) -> mx.array:

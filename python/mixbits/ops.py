@@ -6,25 +6,16 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import _ext
+from ._backends import BACKENDS, backend_id, names
 from .layout import BITS, FLOAT_DTYPES, GROUP_SIZES, QuantizedTensor, Segment
-
-BACKENDS = {"auto": 0, "ref": 1, "avx2": 2, "neon": 3}
-
 
 def available_backends() -> list[str]:
     """CPU backends of the quantized matmul usable on this machine."""
-    names = {v: k for k, v in BACKENDS.items()}
-    return [names[b] for b in _ext.qmm_backends()]
+    return names(_ext.qmm_backends())
 
 
 def _backend_id(backend: str | None) -> int:
-    if backend is None:
-        return 0
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
-    if backend != "auto" and backend not in available_backends():
-        raise ValueError(f"backend {backend!r} is not available on this CPU")
-    return BACKENDS[backend]
+    return backend_id(backend, available_backends())
 
 
 def _check_x(x, K: int, name: str = "x") -> None:

@@ -21,16 +21,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import _ext
+from ._backends import on_cpu
 
 __all__ = ["patch_functions", "unpatch_functions"]
 
 _SAVED = "_mixbits_originals"
 _ACTIVE = contextvars.ContextVar("mixbits_routed", default=False)
 _SUBCLASSES: dict[type, type] = {}
-
-
-def _on_cpu() -> bool:
-    return mx.default_device().type == mx.cpu
 
 
 def _f32(*arrays) -> bool:
@@ -40,7 +37,7 @@ def _f32(*arrays) -> bool:
 def _sdpa_router(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         if (_ACTIVE.get() and isinstance(mask, str) and mask == "causal" and sinks is None
-                and not hasattr(cache, "bits") and _f32(queries, keys, values) and _on_cpu()):
+                and not hasattr(cache, "bits") and _f32(queries, keys, values) and on_cpu()):
             return _ext.causal_attention(queries, keys, values, float(scale), 0)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
@@ -49,7 +46,7 @@ def _sdpa_router(original):
 
 def _swiglu_router(original):
     def swiglu(gate, x):
-        if _ACTIVE.get() and _f32(gate, x) and gate.shape == x.shape and _on_cpu():
+        if _ACTIVE.get() and _f32(gate, x) and gate.shape == x.shape and on_cpu():
             return _ext.swiglu(gate, x, 0)
         return original(gate, x)
 
