@@ -141,15 +141,14 @@ def refine(table: dict, evaluator, high_avg: float, low_avg: float | None = None
     evals = 1
     bar.update(1)
     current, bits = before, sol.bits
-    starts = [{"power": 1.0, "sum_kl": sol.cost, "bits": int(sol.bits), "joint_kl": before}]
+    starts = [{"power": 1.0, "sum_kl": sol.cost, "bits": int(sol.bits), "joint_kl": before,
+               "choice": choice}]
     for p in powers:
         if evals >= max_evals:
             break
         sp = solve(_powered(prob, float(p)), sol.budget, sol.lower)
         ch = [int(j) for j in sp.choice]
-        seen = next((s for s in starts if s.get("choice") == ch), None)
-        if seen is None and ch == [int(j) for j in sol.choice]:
-            seen = starts[0]
+        seen = next((s for s in starts if s["choice"] == ch), None)
         if seen is not None:
             kl = seen["joint_kl"]
         else:
@@ -161,7 +160,7 @@ def refine(table: dict, evaluator, high_avg: float, low_avg: float | None = None
         if kl < current:
             choice, current, bits = ch, kl, int(sp.bits)
     for s in starts:
-        s.pop("choice", None)
+        del s["choice"]
     tried, log = set(), []
     while evals < max_evals:
         moves = [m for m in _moves(prob, choice, bits, sol.budget, sol.lower)
