@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cpu.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
 #include "mlx/allocator.h"
@@ -17,10 +18,7 @@ namespace {
 bool available(ActBackend b) {
   switch (b) {
     case ActBackend::Ref: return true;
-#if defined(MIXBITS_HAVE_AVX2)
-    case ActBackend::Avx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#endif
+    case ActBackend::Avx2: return cpu_has_avx2();
     default: return false;
   }
 }

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "attn/kernel.h"
+#include "common/cpu.h"
 
 namespace mixbits {
 
@@ -11,10 +12,7 @@ namespace {
 bool available(AttnBackend b) {
   switch (b) {
     case AttnBackend::Ref: return true;
-#if defined(MIXBITS_HAVE_AVX2)
-    case AttnBackend::Avx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#endif
+    case AttnBackend::Avx2: return cpu_has_avx2();
     default: return false;
   }
 }

@@ -6,23 +6,13 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cpu.h"
 #include "common/parallel.h"
 #include "kl/kernel.h"
 
 namespace mixbits {
 
 namespace {
-
-bool cpu_has_avx2() {
-#if defined(MIXBITS_HAVE_AVX2)
-  static const bool ok = __builtin_cpu_supports("avx2") &&
-                         __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
-  return ok;
-#else
-  return false;
-#endif
-}
 
 bool available(KLBackend b) {
   switch (b) {

@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cpu.h"
 #include "common/parallel.h"
 #include "qmatmul/kernel.h"
 
@@ -14,17 +15,6 @@ void qmm_ref_run(const float* x, int M, const QMatView& w, float* y) {
     qmm_ref(x, M, w, y, int(n0), int(n1));
   });
 }
-
-#if defined(MIXBITS_HAVE_AVX2)
-// Lives here, in a file built without -mavx2, so the check itself never
-// executes an AVX instruction.
-bool cpu_has_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") &&
-                         __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
-  return ok;
-}
-#endif
 
 std::vector<Backend> available_qmm_backends() {
   std::vector<Backend> out{Backend::Ref};

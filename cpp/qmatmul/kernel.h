@@ -49,7 +49,6 @@ using QmmRun = void (*)(const float* x, int M, const QMatView& w, float* y);
 void qmm_ref_run(const float* x, int M, const QMatView& w, float* y);
 #if defined(MIXBITS_HAVE_AVX2)
 void qmm_avx2_run(const float* x, int M, const QMatView& w, float* y);
-bool cpu_has_avx2();  // AVX2 + FMA + F16C, checked at run time (dispatch.cpp)
 #endif
 #if defined(MIXBITS_HAVE_NEON)
 void qmm_neon_run(const float* x, int M, const QMatView& w, float* y);
