@@ -89,7 +89,12 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
   select_qmm(backend);  // throws now, not inside the graph, if unavailable
 
   auto stream = mx::to_stream(s);
-  std::vector<mx::array> inputs{x};
+  // The Metal kernels index x as a dense [M, K] matrix; the copy happens
+  // here, in the graph (eval_gpu may only use MLX_API symbols, and the GPU
+  // copy helpers are not). The CPU path reads strided x itself.
+  std::vector<mx::array> inputs{stream.device == mx::Device::gpu
+                                    ? mx::contiguous(x, false, stream)
+                                    : x};
   if (perm) inputs.push_back(mx::contiguous(*perm, false, stream));
   for (const auto& a : packed) inputs.push_back(mx::contiguous(a, false, stream));
   mx::Shape out_shape = x.shape();
