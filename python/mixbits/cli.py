@@ -9,6 +9,8 @@ import importlib
 import os
 import sys
 
+from .errors import MixbitsError
+
 # name -> one-line help. A name listed here must have its module.
 COMMANDS = {
     "demo": "quantize a random matrix into mixed segments; error and bits per weight",
@@ -23,12 +25,23 @@ COMMANDS = {
 }
 
 
+def _message(e: BaseException) -> str:
+    """One line for ``e``. OSErrors raised by the OS carry errno text and
+    the file name; ours carry a full sentence already."""
+    if isinstance(e, OSError) and not isinstance(e, MixbitsError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    return str(e)
+
+
 def _module(name: str):
     return importlib.import_module(f"mixbits.commands.{name}")
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="mixbits", description="Mixed-precision quantization for MLX.")
+    p.add_argument("--version", action="version", version=f"mixbits {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
@@ -47,12 +60,13 @@ def main(argv=None) -> int:
         return 2
     try:
         return int(_module(args._name).run(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
-        # Bad input (files, shapes, budgets, settings): one clear line, no
+    except (MixbitsError, ValueError, OSError, RuntimeError) as e:
+        # The one place errors become output. Bad input (files, shapes,
+        # budgets, settings, unwritable outputs): one clear line, no
         # traceback. MIXBITS_DEBUG=1 shows the traceback.
         if os.environ.get("MIXBITS_DEBUG"):
             raise
-        print(f"mixbits {args._name}: error: {e}", file=sys.stderr)
+        print(f"mixbits {args._name}: error: {_message(e)}", file=sys.stderr)
         return 2
 
 

@@ -5,11 +5,11 @@ allocation.json)."""
 
 from __future__ import annotations
 
-import math
 import sys
 from collections import Counter, defaultdict
 
-from ..alloc import InfeasibleBudget, MCKProblem, solve
+from ..alloc import MCKProblem, solve
+from ..atomic import output_target
 from ..formats import FormatError, Measurement, SensitivityTable, is_sensitivity_table, projection_shapes
 from ..formats.errors import load_json, write_json_atomic
 from ..formats.exl2 import layer_of
@@ -51,7 +51,7 @@ def _budgets(args, problem: MCKProblem):
     if args.min_bpw is not None:
         if problem.nparams is None:
             raise ValueError("--min-bpw needs the tensor shapes (--config)")
-        lower = math.ceil(args.min_bpw * problem.total_params)
+        lower = problem.budget_from_bpw(args.min_bpw, round_up=True)
     if lower is not None and lower < 0:
         raise ValueError(f"--min-bits must be >= 0, got {lower}")
     return budget, lower
@@ -119,16 +119,15 @@ def _run_table(args, raw) -> int:
 
 
 def run(args) -> int:
-    try:
-        raw = load_json(args.input, args.input)
-        if is_sensitivity_table(raw):
-            return _run_table(args, raw)
-        if isinstance(raw, dict) and "measurement" in raw:
-            return _run_measurement(args, raw)
-        raise FormatError(
-            f"{args.input}: neither an ExLlamaV2 measurement (no 'measurement' key) nor a "
-            "sensitivity table ('format': 'mixbits.sensitivity')"
-        )
-    except (FormatError, InfeasibleBudget, ValueError, TypeError) as e:
-        print(f"mixbits allocate: error: {e}", file=sys.stderr)
-        return 2
+    # Errors (FormatError, InfeasibleBudget, OutputPathError ...) are printed
+    # as one line by mixbits.cli.
+    output_target(args.out)  # a directory or device as --out fails before any work
+    raw = load_json(args.input, args.input)
+    if is_sensitivity_table(raw):
+        return _run_table(args, raw)
+    if isinstance(raw, dict) and "measurement" in raw:
+        return _run_measurement(args, raw)
+    raise FormatError(
+        f"{args.input}: neither an ExLlamaV2 measurement (no 'measurement' key) nor a "
+        "sensitivity table ('format': 'mixbits.sensitivity')"
+    )

@@ -14,10 +14,7 @@ import os
 from pathlib import Path
 
 from ..atomic import write_json_atomic  # noqa: F401  (re-exported for the format modules)
-
-
-class FormatError(ValueError):
-    """A file or object does not follow the format it claims to be."""
+from ..errors import FormatError  # noqa: F401  (the format modules import it from here)
 
 
 def at(where: str, key) -> str:
@@ -104,12 +101,24 @@ def load_json(source, name: str):
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise FormatError(f"{name}: file not found: {path}") from None
+        except IsADirectoryError:
+            raise FormatError(f"{name}: {path} is a directory, not a JSON file") from None
         except UnicodeDecodeError as e:
             raise FormatError(f"{name}: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise FormatError(
-                f"{name}: {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
-            ) from None
+        except OSError as e:
+            raise FormatError(f"{name}: cannot read {path}: {e.strerror or e}") from None
+        return parse_json(text, f"{name}: {path}")
     return source
+
+
+def parse_json(text: str, where: str):
+    """``json.loads`` whose failures are FormatErrors naming ``where``.
+
+    Nesting deep enough to exhaust Python's recursion limit is refused as
+    malformed instead of escaping as a RecursionError."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FormatError(f"{where} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except RecursionError:
+        raise FormatError(f"{where}: JSON nested too deeply to be a real file") from None

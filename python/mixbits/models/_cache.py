@@ -19,8 +19,10 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+from ..errors import MixbitsError
 
-class Unavailable(RuntimeError):
+
+class Unavailable(MixbitsError, RuntimeError):
     """A model or text could not be obtained (no network, package gone...)."""
 
 

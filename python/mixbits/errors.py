@@ -1,0 +1,33 @@
+"""The package's one error hierarchy.
+
+Every error mixbits raises on purpose is a :class:`MixbitsError`. Each
+subclass also derives from the built-in type MLX (and Python) would use for
+the same mistake, so code that catches ``ValueError`` around an MLX call
+catches ours too: bad values and bad files are ``ValueError``, output
+paths that cannot be written are ``OSError``. The ``mixbits`` command
+prints any of them as one line (``mixbits.cli.main``).
+"""
+
+from __future__ import annotations
+
+
+class MixbitsError(Exception):
+    """Base of every error mixbits raises deliberately."""
+
+
+class FormatError(MixbitsError, ValueError):
+    """A file or object does not follow the format it claims to be."""
+
+
+class IncompleteFolderError(FormatError):
+    """A model folder is missing files its completeness marker lists, or was
+    never finished (a save interrupted before the final rename)."""
+
+
+class OutputPathError(MixbitsError, OSError):
+    """An output path cannot be written safely (a directory, a device, an
+    unwritable folder ...)."""
+
+
+class UsageError(MixbitsError, ValueError):
+    """A command-line argument or function argument has a bad value."""

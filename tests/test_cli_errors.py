@@ -1,0 +1,61 @@
+"""The mixbits command's errors: one line from one place (mixbits.cli),
+arguments checked before anything slow runs, --version."""
+
+import json
+
+import pytest
+
+from mixbits.cli import main
+from mixbits.errors import FormatError, MixbitsError
+from shared_files import MEAS
+
+
+def tiny_table(n_layers=2):
+    entries = [{"path": f"model.layers.{i}.mlp.up_proj", "layer": i, "nparams": 4096,
+                "candidates": [{"kind": "3b_g64", "bits": 3, "kl": 0.2 + i, "storage_bits": 14336},
+                               {"kind": "4b_g64", "bits": 4, "kl": 0.1 + i, "storage_bits": 18432}]}
+               for i in range(n_layers)]
+    return {"format": "mixbits.sensitivity", "version": 1, "complete": True, "entries": entries}
+
+
+def test_version(capsys):
+    import mixbits
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"mixbits {mixbits.__version__}"
+
+
+def test_one_hierarchy():
+    from mixbits.alloc import InfeasibleBudget
+    from mixbits.models import Unavailable
+
+    for cls in (FormatError, InfeasibleBudget, Unavailable):
+        assert issubclass(cls, MixbitsError)
+    assert issubclass(FormatError, ValueError) and issubclass(InfeasibleBudget, ValueError)
+
+
+def _one_line_error(capsys, argv, *needles):
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+def test_directory_as_input_or_config(tmp_path, capsys):
+    t = tmp_path / "t.json"
+    t.write_text(json.dumps(tiny_table()))
+    _one_line_error(capsys, ["allocate", str(tmp_path), "--bpw", "4", "--out", str(tmp_path / "a.json")],
+                    "is a directory")
+    _one_line_error(capsys, ["allocate", str(MEAS), "--bpw", "4", "--config", str(tmp_path),
+                             "--out", str(tmp_path / "a.json")], "is a directory")
+
+
+def test_deeply_nested_json_is_a_format_error(tmp_path, capsys):
+    t = tmp_path / "deep.json"
+    t.write_text("[" * 100000 + "]" * 100000)
+    _one_line_error(capsys, ["allocate", str(t), "--bpw", "4", "--out", str(tmp_path / "a.json")],
+                    "nested too deeply")
