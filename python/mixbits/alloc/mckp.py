@@ -78,7 +78,9 @@ def _check_budget(problem: MCKProblem, budget, lower):
             raise TypeError(f"{name} must be an integer number of bits, got {v!r}")
         if v < 0:
             raise ValueError(f"{name} must be >= 0 bits, got {v}")
-    budget = int(budget)
+    # A budget above the most bits any choice uses cannot bind: solve with
+    # that instead, so every comparison stays inside int64.
+    budget = min(int(budget), problem.max_bits)
     lower = None if lower is None else int(lower)
     per = ""
     if problem.total_params:
@@ -89,12 +91,12 @@ def _check_budget(problem: MCKProblem, budget, lower):
             f"smallest option needs {problem.min_bits} bits{per}"
         )
     if lower is not None:
-        if lower > budget:
-            raise ValueError(f"lower bound {lower} bits exceeds the budget {budget} bits")
         if problem.max_bits < lower:
             raise InfeasibleBudget(
                 f"lower bound of {lower} bits is above the largest choice ({problem.max_bits} bits)"
             )
+        if lower > budget:
+            raise ValueError(f"lower bound {lower} bits exceeds the budget {budget} bits")
     return budget, lower
 
 

@@ -6,12 +6,38 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
+from ..errors import MixbitsError
 
-class InfeasibleBudget(ValueError):
+
+class InfeasibleBudget(MixbitsError, ValueError):
     """No choice of one option per slot meets the bit budget."""
+
+
+# Largest total of bits (and of weights) a problem may have: the solver's
+# int64 sums then never overflow.
+MAX_TOTAL_BITS = 2**62
+
+
+def _bit_counts(arr: np.ndarray, where: str) -> np.ndarray:
+    """``arr`` as int64 after checking each value as a Python number:
+    integral (``12.0`` is 12), non-negative, at most 2**62. Checking before
+    the cast means a huge or fractional value is an error, never a wrap."""
+    vals = []
+    for v in arr.reshape(-1).tolist():
+        if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{where}: bit counts must be integers, got {arr.tolist()}")
+        if v < 0:
+            raise ValueError(f"{where}: bit counts must be >= 0, got {arr.tolist()}")
+        if v > MAX_TOTAL_BITS:
+            raise ValueError(f"{where}: {v} is more than 2**62")
+        vals.append(v)
+    return np.array(vals, dtype=np.int64).reshape(arr.shape)
 
 
 @dataclass
@@ -36,23 +62,28 @@ class MCKProblem:
             c_arr = np.asarray(c, dtype=np.float64)
             if w_arr.ndim != 1 or c_arr.ndim != 1 or len(w_arr) != len(c_arr) or len(w_arr) == 0:
                 raise ValueError(f"slot {i}: weights and costs must be equal-length non-empty 1-D lists")
-            if not np.issubdtype(w_arr.dtype, np.integer):
-                if not np.all(np.isfinite(w_arr)) or not np.all(np.asarray(w_arr) == np.round(w_arr)):
-                    raise ValueError(f"slot {i}: bit counts must be integers, got {w_arr.tolist()}")
-            w_arr = w_arr.astype(np.int64)
-            if np.any(w_arr < 0):
-                raise ValueError(f"slot {i}: bit counts must be >= 0, got {w_arr.tolist()}")
+            w_arr = _bit_counts(w_arr, f"slot {i}")
             if not np.all(np.isfinite(c_arr)):
                 raise ValueError(f"slot {i}: costs must be finite, got {c_arr.tolist()}")
             ws.append(w_arr)
             cs.append(c_arr)
         self.weights, self.costs = ws, cs
+        # The solver sums bits in int64; bounding the largest possible total
+        # keeps every partial sum, and every budget it compares, exact.
+        if self.max_bits > MAX_TOTAL_BITS:
+            raise ValueError(
+                f"the largest option of every slot sums to {self.max_bits} bits, more than 2**62: "
+                "bit counts this large are not real tensor sizes (corrupt total_bits?)"
+            )
         if self.names is not None and len(self.names) != len(ws):
             raise ValueError(f"{len(self.names)} names for {len(ws)} slots")
         if self.nparams is not None:
-            self.nparams = np.asarray(self.nparams, dtype=np.int64)
-            if self.nparams.shape != (len(ws),) or np.any(self.nparams <= 0):
+            counts = _bit_counts(np.asarray(self.nparams), "nparams")
+            if counts.shape != (len(ws),) or np.any(counts <= 0):
                 raise ValueError("nparams must hold one positive count per slot")
+            if sum(int(v) for v in counts) > MAX_TOTAL_BITS:
+                raise ValueError("nparams sum to more than 2**62 weights")
+            self.nparams = counts
 
     @property
     def n_slots(self) -> int:
@@ -79,13 +110,17 @@ class MCKProblem:
         bits = sum(int(self.weights[i][j]) for i, j in enumerate(choice))
         return cost, bits
 
-    def budget_from_bpw(self, bpw: float) -> int:
-        """floor(bpw * total weights), as ExLlamaV2 turns a bpw target into bits."""
+    def budget_from_bpw(self, bpw: float, *, round_up: bool = False) -> int:
+        """floor(bpw * total weights), as ExLlamaV2 turns a bpw target into
+        bits (ceil with ``round_up``, for lower bounds). Exact rational
+        arithmetic: any finite bpw gives an int, however large (the solver
+        caps budgets that cannot bind)."""
         if self.nparams is None:
             raise ValueError("a bits-per-weight budget needs the tensor shapes (nparams)")
-        if not (isinstance(bpw, (int, float)) and math.isfinite(bpw) and bpw > 0):
-            raise ValueError(f"bpw must be a positive number, got {bpw!r}")
-        return int(math.floor(bpw * self.total_params))
+        if isinstance(bpw, bool) or not (isinstance(bpw, (int, float)) and math.isfinite(bpw) and bpw > 0):
+            raise ValueError(f"bpw must be a positive finite number, got {bpw!r}")
+        exact = Fraction(bpw) * self.total_params
+        return math.ceil(exact) if round_up else math.floor(exact)
 
     # ------------------------------------------------------------ builders
 
