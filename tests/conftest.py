@@ -1,12 +1,25 @@
+import importlib.util
 from pathlib import Path
 
 import pytest
 
 from shared_files import DATA
 
+# The test dependencies (pyproject's "test" group). Tests import some of them
+# with importorskip; without this check a missing one would turn whole files
+# into skips and a broken install would pass.
+TEST_DEPS = ("scipy", "mlx_lm", "gguf", "matplotlib")
+
+
+def pytest_sessionstart(session):
+    missing = [m for m in TEST_DEPS if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.exit(f"test dependencies not installed: {', '.join(missing)} "
+                    "(pip install --group test, see README)", returncode=4)
+
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    if not DATA.is_dir():
-        pytest.skip(f"shared data folder not found at {DATA}")
+    # Shipped with the tests: a missing folder is a broken checkout, not a skip.
+    assert DATA.is_dir(), f"test data folder missing: {DATA}"
     return DATA

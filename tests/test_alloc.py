@@ -17,7 +17,7 @@ from mixbits.formats import Allocation, Measurement, SensitivityTable, projectio
 scipy_optimize = pytest.importorskip("scipy.optimize")
 from scipy.sparse import csr_matrix  # noqa: E402
 
-from shared_files import ALLOC, DATA, HF_CONFIG, MEAS, needs_data  # noqa: E402,F401
+from shared_files import ALLOC, DATA, HF_CONFIG, MEAS  # noqa: E402,F401
 
 
 # ------------------------------------------------------------ references
@@ -202,12 +202,9 @@ def test_problem_validation():
 
 @pytest.fixture(scope="module")
 def measurement():
-    if not MEAS.exists():
-        pytest.skip(f"shared data files not found in {DATA} (CI places shared/ beside the clone)")
     return Measurement.load(MEAS)
 
 
-@needs_data
 @pytest.mark.parametrize("power", [1.0, 2.0, 3.0])
 def test_measurement_allocations_are_optimal(measurement, power):
     p = MCKProblem.from_measurement(measurement, power, projection_shapes(HF_CONFIG))
@@ -228,7 +225,6 @@ def test_measurement_allocations_are_optimal(measurement, power):
         prev = s.cost
 
 
-@needs_data
 def test_measurement_lower_bound_and_tiny_budget(measurement):
     p = MCKProblem.from_measurement(measurement, 2.0, projection_shapes(HF_CONFIG))
     budget, lower = p.budget_from_bpw(4.0), p.budget_from_bpw(3.99)
@@ -242,7 +238,6 @@ def test_measurement_lower_bound_and_tiny_budget(measurement):
     assert solve(p, p.min_bits).bits == p.min_bits
 
 
-@needs_data
 def test_allocation_like_table_with_its_budget_window():
     """A sensitivity table over allocation.json's tensors, allocated inside
     the file's own [low_avg, high_avg] window, checked against MILP."""
@@ -279,7 +274,6 @@ def _cli(argv):
     return main(argv)
 
 
-@needs_data
 def test_cli_measurement_strategy(tmp_path, capsys, measurement):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(HF_CONFIG))
@@ -305,7 +299,6 @@ def test_cli_measurement_strategy(tmp_path, capsys, measurement):
     assert json.loads(out2.read_text()) == strategy
 
 
-@needs_data
 def test_cli_errors(tmp_path, capsys):
     out = tmp_path / "s.json"
     assert _cli(["allocate", str(MEAS), "--budget-bits", "1000", "--out", str(out)]) == 2
@@ -323,7 +316,6 @@ def test_cli_errors(tmp_path, capsys):
         _cli(["allocate", str(MEAS), "--out", str(out)])  # a budget is required
 
 
-@needs_data
 def test_cli_sensitivity_table_writes_allocation(tmp_path, capsys):
     raw = json.loads(ALLOC.read_text())
     entries = [{"path": e["path"], "layer": e["layer"], "nparams": e["nparams"],

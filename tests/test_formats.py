@@ -24,7 +24,7 @@ from mixbits.formats import (
 )
 from mixbits.formats.mlx_config import from_allocation
 
-from shared_files import ALLOC, DATA, HF_CONFIG, MEAS, needs_data  # noqa: E402,F401
+from shared_files import ALLOC, DATA, HF_CONFIG, MEAS  # noqa: E402,F401
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,6 @@ def alloc_raw():
 # ------------------------------------------------------------------ EXL2
 
 
-@needs_data
 def test_measurement_parses_into_typed_objects(meas_raw):
     m = Measurement.from_dict(meas_raw)
     assert len(m.modules) == 98
@@ -57,7 +56,6 @@ def test_measurement_parses_into_typed_objects(meas_raw):
     assert set(measured["model.layers.5.mlp"][0].projections) == {"gate_proj", "up_proj", "down_proj"}
 
 
-@needs_data
 def test_measurement_round_trip_is_json_equal(meas_raw, tmp_path):
     m = Measurement.load(MEAS)
     assert m.to_dict() == meas_raw
@@ -67,7 +65,6 @@ def test_measurement_round_trip_is_json_equal(meas_raw, tmp_path):
     assert Measurement.load(out).to_dict() == meas_raw
 
 
-@needs_data
 def test_total_bits_recomputed_from_shapes_match_every_option():
     m = Measurement.load(MEAS)
     assert m.check_total_bits(projection_shapes(HF_CONFIG)) == 1728
@@ -86,7 +83,6 @@ def test_total_bits_by_hand():
     assert 2 * 35785728 + 2 * kv == 80752640
 
 
-@needs_data
 def test_total_bits_mismatch_is_reported_with_its_path(meas_raw):
     raw = copy.deepcopy(meas_raw)
     raw["measurement"]["model.layers.7.mlp"][3]["total_bits"] += 16
@@ -115,7 +111,6 @@ def test_segments_by_hand():
     assert _quant((4,), (1.0,), (128,)).segments(4096) == [(4, 128, 4096)]
 
 
-@needs_data
 def test_segments_of_every_option_are_valid_and_follow_exl2():
     m = Measurement.load(MEAS)
     shapes = projection_shapes(HF_CONFIG)
@@ -160,7 +155,6 @@ def _bad(meas_raw, edit):
     return raw
 
 
-@needs_data
 @pytest.mark.parametrize("edit, message", [
     (lambda m: m["model.layers.3.mlp"][2].__setitem__("accuracy", "x"),
      "measurement['model.layers.3.mlp'][2]['accuracy']: expected a number, got 'x'"),
@@ -204,7 +198,6 @@ def test_measurement_structural_errors(tmp_path):
         Measurement.load(tmp_path / "nope.json")
 
 
-@needs_data
 def test_truncated_json_names_file_and_position(tmp_path):
     bad = tmp_path / "measurement.json"
     bad.write_bytes(MEAS.read_bytes()[:5000])
@@ -232,7 +225,6 @@ def test_projection_shapes_from_hf_config(tmp_path):
 # ------------------------------------------------------------ allocation.json
 
 
-@needs_data
 def test_allocation_parses_round_trips_and_recomputes(alloc_raw, tmp_path):
     a = Allocation.load(ALLOC)
     assert len(a.assignment) == 186
@@ -251,7 +243,6 @@ def test_allocation_parses_round_trips_and_recomputes(alloc_raw, tmp_path):
     assert json.loads(out.read_text()) == alloc_raw
 
 
-@needs_data
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d.__setitem__("average_bits", 3.45), "['average_bits']: stored average_bits 3.45 !="),
     (lambda d: d.__setitem__("sum_kl", 3.0), "['sum_kl']: stored sum_kl 3.0 !="),
@@ -305,7 +296,6 @@ def test_mlx_quantization_errors():
         MlxQuantization.from_block({"group_size": 48, "bits": 4})
 
 
-@needs_data
 def test_mlx_overrides_from_allocation():
     a = Allocation.load(ALLOC)
     with pytest.raises(ValueError, match="ternary"):
@@ -330,7 +320,6 @@ def _table_from_allocation(alloc_raw):
             "meta": {"model": "hybrid-24"}, "entries": entries}
 
 
-@needs_data
 def test_sensitivity_table_round_trip(alloc_raw, tmp_path):
     raw = _table_from_allocation(alloc_raw)
     t = SensitivityTable.from_dict(raw)
