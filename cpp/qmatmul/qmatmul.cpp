@@ -2,6 +2,7 @@
 // that gathers x through the permutation and hands raw views to a backend.
 #include "qmatmul/qmatmul.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -36,7 +37,9 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
   if (x.ndim() < 1) fail("x must have at least one dimension");
   if (!is_float_dtype(x.dtype()))
     fail("x must be float32, float16 or bfloat16");
-  int K = 0;
+  // Sizes in int64: k * bits overflows int32 from 2^28 columns at 8 bits,
+  // and the segments' K must still fit MLX's int32 shapes.
+  int64_t K = 0;
   int N = -1;
   mx::Dtype sdt = packed[1].dtype();
   for (size_t i = 0; i < segs.size(); ++i) {
@@ -59,11 +62,11 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
     if (wq.dtype() != mx::uint32) fail(tag + "wq must be uint32");
     if (wq.ndim() != 2) fail(tag + "wq must be 2-D, got " + shape_str(wq));
     if (N < 0) N = wq.shape(0);
-    int words = sg.k * sg.bits / 32;
+    int64_t words = int64_t(sg.k) * sg.bits / 32;
     if (wq.shape(0) != N || wq.shape(1) != words)
       fail(tag + "wq shape " + shape_str(wq) + " != (" + std::to_string(N) +
            ", " + std::to_string(words) + ")");
-    int groups = sg.k / sg.group_size;
+    int64_t groups = sg.k / sg.group_size;
     for (const mx::array* a : {&sc, &bi}) {
       const char* nm = (a == &sc) ? "scales" : "biases";
       if (!is_float_dtype(a->dtype()))
@@ -75,6 +78,8 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
              std::to_string(N) + ", " + std::to_string(groups) + ")");
     }
     K += sg.k;
+    if (K > std::numeric_limits<int32_t>::max())
+      fail("the segments cover more than 2^31 - 1 columns");
   }
   if (x.shape(-1) != K)
     fail("x has " + std::to_string(x.shape(-1)) +
@@ -202,13 +207,27 @@ void MixedQMatmul::eval_cpu(const std::vector<mx::array>& inputs,
       yf.resize(size_t(M) * N);
       y = yf.data();
     }
+    // The SIMD backends fold the bias (y = s*sum(q*x) + b*sum(x)): with an
+    // infinite x that gives inf - inf = NaN for the whole row, where MLX's
+    // dequantize-then-multiply gives +-inf (NaN only where the weight is 0).
+    // Such rows are rare, so the whole call then takes the unfused scalar
+    // reference, which has MLX's IEEE semantics. The scan is O(M*K), noise
+    // next to the O(M*N*K) product.
+    std::atomic<bool> has_inf{false};
+    parallel_for(M * K, 1 << 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i)
+        if (std::isinf(xf[i])) {
+          has_inf.store(true, std::memory_order_relaxed);
+          return;
+        }
+    });
     if (!perm_ok) {
       // Never silent garbage: a broken permutation poisons the output.
       std::fill(y, y + M * N, std::numeric_limits<float>::quiet_NaN());
     } else {
       // The backend splits the outputs over threads; each worker runs all M
       // rows on its slice, so every weight is decoded once per call.
-      fn(xf.data(), int(M), w, y);
+      (has_inf.load() ? qmm_ref_run : fn)(xf.data(), int(M), w, y);
     }
     if (ot != DType::f32) {
       void* o = out.data<void>();

@@ -74,6 +74,9 @@ def ternary_triplet(w: mx.array, group_size: int, dtype=None):
     """
     dtype = dtype or w.dtype
     wn = np.asarray(w.astype(mx.float32))
+    if not np.isfinite(wn).all():
+        # NaN has no ternary code; refuse instead of packing garbage.
+        raise ValueError("w has NaN or infinite values, which ternary quantization cannot represent")
     n, k = wn.shape
     g = wn.reshape(n, k // group_size, group_size)
     s = np.abs(g).mean(axis=-1, keepdims=True)
@@ -88,6 +91,17 @@ def ternary_triplet(w: mx.array, group_size: int, dtype=None):
 # ---------------------------------------------------------------- tensor
 
 
+def check_int(name: str, v, allowed=None) -> int:
+    """``v`` as an int: TypeError for a non-integer type (``4.0``, ``True``,
+    ``"4"``: MLX's binding rejects those too), ValueError for a value not in
+    ``allowed``."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+    if allowed is not None and v not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {v!r}")
+    return int(v)
+
+
 def _as_segment_spec(spec, i: int) -> tuple[object, int, int]:
     try:
         bits, group_size, k = spec
@@ -95,11 +109,13 @@ def _as_segment_spec(spec, i: int) -> tuple[object, int, int]:
         raise ValueError(
             f"segments[{i}] must be (bits, group_size, k_columns), got {spec!r}"
         ) from None
-    if bits != TERNARY and bits not in BITS:
-        raise ValueError(f"segments[{i}]: bits must be one of {BITS} or 'ternary', got {bits!r}")
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"segments[{i}]: group_size must be one of {GROUP_SIZES}, got {group_size!r}")
-    if not isinstance(k, (int, np.integer)) or k <= 0 or k % group_size:
+    if bits != TERNARY:
+        if isinstance(bits, str):
+            raise ValueError(f"segments[{i}]: bits must be one of {BITS} or 'ternary', got {bits!r}")
+        bits = check_int(f"segments[{i}]: bits", bits, BITS)
+    group_size = check_int(f"segments[{i}]: group_size", group_size, GROUP_SIZES)
+    check_int(f"segments[{i}]: k_columns", k)
+    if k <= 0 or k % group_size:
         raise ValueError(
             f"segments[{i}]: k_columns={k!r} must be a positive multiple of group_size {group_size}"
         )
@@ -111,7 +127,7 @@ def _check_perm(perm, K: int) -> mx.array:
     if p.ndim != 1 or p.shape[0] != K:
         raise ValueError(f"perm must have shape ({K},), got {p.shape}")
     if not np.issubdtype(p.dtype, np.integer):
-        raise TypeError(f"perm must be an integer array, got dtype {p.dtype}")
+        raise ValueError(f"perm must be an integer array, got dtype {p.dtype}")
     if not np.array_equal(np.sort(p), np.arange(K)):
         raise ValueError(f"perm is not a permutation of range({K})")
     return mx.array(p.astype(np.int32))
@@ -125,13 +141,16 @@ class QuantizedTensor:
         if not segments:
             raise ValueError("a QuantizedTensor needs at least one segment")
         n = None
-        sdtype = segments[0].scales.dtype
+        sdtype = getattr(segments[0].scales, "dtype", None)
         for i, s in enumerate(segments):
             if not isinstance(s, Segment):
                 raise TypeError(f"segments[{i}] must be a mixbits.layout.Segment")
             _as_segment_spec(s.spec, i)
+            if not isinstance(s.wq, mx.array):
+                raise TypeError(f"segments[{i}].wq must be an mlx.core.array, got {type(s.wq).__name__}")
+            # Array dtypes and shapes are values (ValueError, as in MLX).
             if s.wq.dtype != mx.uint32 or s.wq.ndim != 2:
-                raise TypeError(f"segments[{i}].wq must be a 2-D uint32 array")
+                raise ValueError(f"segments[{i}].wq must be a 2-D uint32 array, got {s.wq.dtype} {s.wq.shape}")
             n = s.wq.shape[0] if n is None else n
             if s.wq.shape != (n, s.k * s.bits // 32):
                 raise ValueError(
@@ -139,10 +158,14 @@ class QuantizedTensor:
                 )
             for name in ("scales", "biases"):
                 a = getattr(s, name)
+                if a is None:
+                    raise ValueError(f"segments[{i}].{name} must be provided for affine quantization")
+                if not isinstance(a, mx.array):
+                    raise TypeError(f"segments[{i}].{name} must be an mlx.core.array, got {type(a).__name__}")
                 if a.dtype not in FLOAT_DTYPES:
-                    raise TypeError(f"segments[{i}].{name} must be float32/float16/bfloat16")
+                    raise ValueError(f"segments[{i}].{name} must be float32/float16/bfloat16, got {a.dtype}")
                 if a.dtype != sdtype:
-                    raise TypeError(f"segments[{i}].{name} dtype {a.dtype} != segment 0 scales {sdtype}")
+                    raise ValueError(f"segments[{i}].{name} dtype {a.dtype} != segment 0 scales {sdtype}")
                 if a.shape != (n, s.k // s.group_size):
                     raise ValueError(
                         f"segments[{i}].{name} shape {a.shape} != {(n, s.k // s.group_size)}"
@@ -169,6 +192,9 @@ class QuantizedTensor:
         """The dense [N, K] matrix in stored (permuted) column order, so
         ``qmatmul(x, qt) == x[..., perm] @ qt.dequantize().T``. With
         ``unpermute=True`` columns are in the original order instead."""
+        if self.shape[0] == 0:
+            # mx.dequantize cannot reshape an empty array; the answer is known.
+            return mx.zeros(self.shape, dtype=self.dtype)
         parts = [
             mx.dequantize(s.wq, s.scales, s.biases, group_size=s.group_size, bits=s.bits)
             for s in self.segments
@@ -209,7 +235,7 @@ def quantize(w, segments, perm=None, dtype=None) -> QuantizedTensor:
     if w.ndim != 2:
         raise ValueError(f"w must be 2-D [N, K], got shape {w.shape}")
     if w.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"w must be float32/float16/bfloat16, got {w.dtype}")
+        raise ValueError(f"w must be float32/float16/bfloat16, got {w.dtype}")
     specs = [_as_segment_spec(s, i) for i, s in enumerate(segments)]
     n, k_total = w.shape
     if sum(k for _, _, k in specs) != k_total:

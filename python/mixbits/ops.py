@@ -7,7 +7,7 @@ import mlx.core as mx
 
 from . import _ext
 from ._backends import BACKENDS, backend_id, names
-from .layout import BITS, FLOAT_DTYPES, GROUP_SIZES, QuantizedTensor, Segment
+from .layout import BITS, FLOAT_DTYPES, GROUP_SIZES, QuantizedTensor, Segment, check_int
 
 def available_backends() -> list[str]:
     """CPU backends of the quantized matmul usable on this machine."""
@@ -19,10 +19,12 @@ def _backend_id(backend: str | None) -> int:
 
 
 def _check_x(x, K: int, name: str = "x") -> None:
+    # As MLX: TypeError for a wrong Python type, ValueError for a wrong
+    # dtype or shape of an array.
     if not isinstance(x, mx.array):
         raise TypeError(f"{name} must be an mlx.core.array, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
     if x.ndim < 1 or x.shape[-1] != K:
         raise ValueError(f"{name} has last dimension {x.shape[-1:]} but the weight has K={K}")
 
@@ -51,15 +53,16 @@ def quantized_matmul(
 ) -> mx.array:
     """Same meaning as ``mx.quantized_matmul(x, w, scales, biases,
     transpose=True, group_size=group_size, bits=bits)``."""
-    if bits not in BITS:
-        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+    check_int("bits", bits, BITS)
+    check_int("group_size", group_size, GROUP_SIZES)
     for name, a in (("w", w), ("scales", scales), ("biases", biases)):
+        if a is None:
+            # MLX: "Biases must be provided for affine quantization" (ValueError).
+            raise ValueError(f"{name} must be provided for affine quantization")
         if not isinstance(a, mx.array):
             raise TypeError(f"{name} must be an mlx.core.array, got {type(a).__name__}")
     if w.dtype != mx.uint32 or w.ndim != 2:
-        raise TypeError(f"w must be a 2-D uint32 array, got {w.dtype} with shape {w.shape}")
+        raise ValueError(f"w must be a 2-D uint32 array, got {w.dtype} with shape {w.shape}")
     k = w.shape[1] * 32 // bits
     qt = QuantizedTensor([Segment(bits, group_size, k, w, scales, biases)])
     return qmatmul(x, qt, backend=backend)
