@@ -27,7 +27,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .atomic import replace_atomic
+from .folder import check_complete, write_folder
+from .formats.errors import FormatError, expect_dict, load_json
+from .formats.safetensors_header import read_header
 from .formats.mlx_config import MlxQuantization, with_quantization
 from .layout import QuantizedTensor, Segment
 from .nn import MixedQuantizedEmbedding, MixedQuantizedLinear, _MixedWeight, _set_module
@@ -91,8 +93,8 @@ def save(model: nn.Module, folder, config: dict | None = None, tokenizer=None) -
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None and not (hasattr(tokenizer, "save_pretrained") or hasattr(tokenizer, "save")):
+        raise TypeError(f"tokenizer {type(tokenizer).__name__} has neither save() nor save_pretrained()")
     cfg = _model_config(model, config)
     quant, layers = quantization_config(model)
     if quant is not None:
@@ -101,19 +103,20 @@ def save(model: nn.Module, folder, config: dict | None = None, tokenizer=None) -
         cfg["mixbits"] = {"format": FORMAT_VERSION, "layers": layers}
 
     weights = dict(tree_flatten(model.parameters()))
-    replace_atomic(
-        folder / WEIGHTS_FILE, lambda p: mx.save_safetensors(p, weights, metadata={"format": "mlx"})
-    )
     text = json.dumps(cfg, indent=2, sort_keys=False)
-    replace_atomic(folder / "config.json", lambda p: Path(p).write_text(text))
-    if tokenizer is not None:
-        if hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(str(folder))
-        elif hasattr(tokenizer, "save"):
-            tokenizer.save(folder)
-        else:
-            raise TypeError(f"tokenizer {type(tokenizer).__name__} has neither save() nor save_pretrained()")
-    return folder
+
+    def fill(tmp: Path) -> None:
+        mx.save_safetensors(str(tmp / WEIGHTS_FILE), weights, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(text)
+        if tokenizer is not None:
+            if hasattr(tokenizer, "save_pretrained"):
+                tokenizer.save_pretrained(str(tmp))
+            else:
+                tokenizer.save(tmp)
+
+    # Written aside and renamed into place with a completeness marker
+    # (mixbits.folder): an interrupted save never leaves a loadable folder.
+    return write_folder(folder, fill)
 
 
 def _tensor_from_weights(weights: dict, path: str, desc: dict) -> QuantizedTensor:
@@ -146,10 +149,15 @@ def _load_folder(folder: Path, patch: bool):
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{folder} has no config.json")
-    config = json.loads(cfg_path.read_text())
-    layers = (config.get("mixbits") or {}).get("layers", {})
+    config = expect_dict(load_json(cfg_path, "config.json"), str(cfg_path))
+    check_complete(folder, written_by_mixbits="mixbits" in config)
+    section = config.get("mixbits") or {}
+    layers = section.get("layers", {}) if isinstance(section, dict) else None
+    if not isinstance(layers, dict):
+        raise FormatError(f"{cfg_path}: 'mixbits' must be an object with a 'layers' object")
     weights = {}
     for f in sorted(folder.glob("model*.safetensors")):
+        read_header(f)  # MLX's loader does not validate it: duplicates, overlaps
         weights.update(mx.load(str(f)))
     if not weights:
         raise FileNotFoundError(f"{folder} has no model*.safetensors")
