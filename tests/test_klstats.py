@@ -105,3 +105,62 @@ def test_stats_errors():
     acc = KLStats().add(kl=np.array([0.1]), same_top=np.array([True]))
     with pytest.raises(ValueError, match="same_top given for some batches"):
         acc.add(kl=np.array([0.2]))
+
+
+# ------------------------------------------------ llama.cpp's fields and edge cases
+
+
+def test_infinite_kls_give_infinite_top_percentiles_not_nan():
+    rng = np.random.default_rng(3)
+    kl = np.concatenate([rng.gamma(0.5, 0.02, size=1000), np.full(20, np.inf)])
+    rng.shuffle(kl)
+    k = kl_stats(kl)["kl"]
+    assert k["max"] == np.inf and k["p99.9"] == np.inf and k["p99"] == np.inf
+    for p in (95, 90, 50, 10, 1):  # between finite neighbours numpy's interpolation is the reference
+        key = "median" if p == 50 else f"p{p:g}"
+        assert math.isfinite(k[key]) and k[key] == pytest.approx(np.percentile(kl, p), rel=1e-12)
+    assert k["mean"] == np.inf and k["stderr"] is None
+    text = format_kl_stats(kl_stats(kl))
+    assert "nan" not in text.lower() and "99.9%   KLD:         inf" in text
+
+
+def test_delta_p_quartiles_as_llama_cpp_prints_them():
+    rng = np.random.default_rng(4)
+    kl, top, lpr, lpq = sample(rng, 2000)
+    s = kl_stats(kl, same_top=top, logp_ref_target=lpr, logp_target=lpq)
+    dp = np.exp(lpq) - np.exp(lpr)
+    assert s["delta_p"]["p75"] == pytest.approx(sps.scoreatpercentile(dp, 75), rel=1e-10)
+    assert s["delta_p"]["p25"] == pytest.approx(sps.scoreatpercentile(dp, 25), rel=1e-10)
+    text = format_kl_stats(s)
+    assert "75.0%   Δp:" in text and "25.0%   Δp:" in text
+
+
+def test_ppl_uncertainties_by_the_delta_method():
+    rng = np.random.default_rng(5)
+    kl, top, lpr, lpq = sample(rng, 4000)
+    p = kl_stats(kl, logp_ref_target=lpr, logp_target=lpq)["ppl"]
+    n = lpq.size
+    ppl_q, ppl_r = math.exp(-lpq.mean()), math.exp(-lpr.mean())
+    # Independent: gradient of (PPL_q, PPL_r, PPL_q/PPL_r, PPL_q - PPL_r) with respect to the two
+    # mean NLLs, through the covariance matrix of those means.
+    sigma = np.cov(np.stack([-lpq, -lpr])) / n
+    for key, grad in (("ppl_q_stderr", [ppl_q, 0]), ("ppl_ref_stderr", [0, ppl_r]),
+                      ("ratio_stderr", [ppl_q / ppl_r, -ppl_q / ppl_r]), ("diff_stderr", [ppl_q, -ppl_r])):
+        g = np.array(grad)
+        assert p[key] == pytest.approx(math.sqrt(g @ sigma @ g), rel=1e-9), key
+    assert p["diff"] == pytest.approx(ppl_q - ppl_r)
+    text = format_kl_stats(kl_stats(kl, logp_ref_target=lpr, logp_target=lpq))
+    assert "Mean PPL(Q)-PPL(base)         :" in text
+    assert text.count("±") >= 6
+
+
+def test_one_token_has_no_standard_error(tmp_path):
+    s = kl_stats(np.array([0.25]), same_top=np.array([True]), logp_ref_target=np.array([-1.0]),
+                 logp_target=np.array([-1.5]))
+    assert s["kl"]["stderr"] is None and s["same_top"]["stderr"] is None
+    assert s["ppl"]["ppl_q_stderr"] is None and s["delta_p"]["stderr"] is None
+    text = format_kl_stats(s)
+    assert "nan" not in text.lower() and "n/a" in text
+    path = tmp_path / "one.json"
+    save_kl_stats(s, str(path))
+    json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))

@@ -9,11 +9,17 @@ of per-token log-probabilities. ``format_kl_stats`` prints a table,
 ``save_kl_stats`` writes JSON.
 
 Definitions: standard error = sample standard deviation (ddof=1) / sqrt(n)
-(llama.cpp's sqrt((E[x²] - E[x]²) / (n-1)) is the same number);
+(llama.cpp's sqrt((E[x²] - E[x]²) / (n-1)) is the same number); it is
+``None`` (printed "n/a") for a single token or an infinite mean, where it
+is undefined -- llama.cpp prints 0 there, which reads as "exact";
 percentiles interpolate linearly between order statistics (numpy's
-default); Δp = Q(target) - P_ref(target); the RMS error comes from the
-standard error of Δp² by the delta method; the same-top error is
-sqrt(f (1 - f) / (n - 1)).
+default), and a percentile next to an infinite value is that infinity (as
+llama.cpp's interpolation gives), not inf - inf = NaN; Δp = Q(target) -
+P_ref(target); the RMS error comes from the standard error of Δp² by the
+delta method; the same-top error is sqrt(f (1 - f) / (n - 1)). The PPL
+errors are llama.cpp's: PPL · SE(ln PPL) for each side, the ratio's from
+SE of the per-token log-ratio, the difference's from both sides' errors
+and their covariance.
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ import numpy as np
 
 from .atomic import write_json_atomic
 
-__all__ = ["KLStats", "kl_stats", "format_kl_stats", "save_kl_stats", "PERCENTILES"]
+__all__ = ["KLStats", "kl_stats", "format_kl_stats", "save_kl_stats", "PERCENTILES", "DP_PERCENTILES"]
 
 PERCENTILES = (99.9, 99.0, 95.0, 90.0, 50.0, 10.0, 5.0, 1.0, 0.1)
+# llama.cpp also prints the quartiles of Δp.
+DP_PERCENTILES = (99.9, 99.0, 95.0, 90.0, 75.0, 50.0, 25.0, 10.0, 5.0, 1.0, 0.1)
 
 
 def _np(x) -> np.ndarray | None:
@@ -38,18 +46,36 @@ def _np(x) -> np.ndarray | None:
     return np.asarray(x).reshape(-1)
 
 
-def _mean_se(x: np.ndarray) -> tuple[float, float]:
+def _mean_se(x: np.ndarray) -> tuple[float, float | None]:
     n = x.size
     mean = float(np.mean(x))
-    se = float(np.std(x, ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
-    return mean, se
+    if n < 2 or not math.isfinite(mean):
+        return mean, None  # undefined, not NaN (NaN is not JSON either)
+    return mean, float(np.std(x, ddof=1) / math.sqrt(n))
 
 
-def _spread(x: np.ndarray) -> dict:
-    out = {"max": float(np.max(x))}
-    for p in PERCENTILES:
-        out[_pkey(p)] = float(np.percentile(x, p))
-    out["min"] = float(np.min(x))
+def _percentile(xs: np.ndarray, p: float) -> float:
+    """Linear interpolation between order statistics of sorted ``xs``;
+    beside an infinity the result is that infinity instead of NaN."""
+    pos = p / 100.0 * (xs.size - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, xs.size - 1)
+    a, b = float(xs[lo]), float(xs[hi])
+    if pos == lo or a == b:
+        return a
+    if math.isinf(a):
+        return a
+    if math.isinf(b):
+        return b
+    return float(np.percentile(xs, p))
+
+
+def _spread(x: np.ndarray, percentiles=PERCENTILES) -> dict:
+    xs = np.sort(x)
+    out = {"max": float(xs[-1])}
+    for p in percentiles:
+        out[_pkey(p)] = _percentile(xs, p)
+    out["min"] = float(xs[0])
     return out
 
 
@@ -110,7 +136,7 @@ class KLStats:
             n = top.size
             out["same_top"] = {
                 "fraction": f,
-                "stderr": math.sqrt(f * (1 - f) / (n - 1)) if n > 1 else float("nan"),
+                "stderr": math.sqrt(f * (1 - f) / (n - 1)) if n > 1 else None,
             }
         if self._lpq:
             lpr, lpq = np.concatenate(self._lpr), np.concatenate(self._lpq)
@@ -122,21 +148,40 @@ class KLStats:
                 "mean": dmean,
                 "stderr": dse,
                 "rms": rms,
-                "rms_stderr": ms_se / (2 * rms) if rms > 0 else float("nan"),
-                **_spread(dp),
+                "rms_stderr": ms_se / (2 * rms) if ms_se is not None and rms > 0 else None,
+                **_spread(dp, DP_PERCENTILES),
             }
-            diff = lpr - lpq  # per-token ln(PPL_q / PPL_ref) contribution
-            lmean, lse = _mean_se(diff)
-            cor = float(np.corrcoef(lpq, lpr)[0, 1]) if lpq.size > 1 else float("nan")
-            out["ppl"] = {
-                "ppl_ref": math.exp(-float(lpr.mean())),
-                "ppl_q": math.exp(-float(lpq.mean())),
-                "ln_ratio": lmean,
-                "ln_ratio_stderr": lse,
-                "ratio": math.exp(lmean),
-                "cor_logp": cor,
-            }
+            out["ppl"] = _ppl(lpr, lpq)
         return out
+
+
+def _ppl(lpr: np.ndarray, lpq: np.ndarray) -> dict:
+    """Both perplexities, their ratio and difference, each with llama.cpp's
+    uncertainty (None where a standard error is undefined)."""
+    n = lpq.size
+    (nll_q, se_q), (nll_r, se_r) = _mean_se(-lpq), _mean_se(-lpr)
+    lmean, lse = _mean_se(lpr - lpq)  # per-token ln(PPL_q / PPL_ref)
+    ppl_q, ppl_r = math.exp(nll_q), math.exp(nll_r)
+    ratio = math.exp(lmean)
+    cor = float(np.corrcoef(lpq, lpr)[0, 1]) if n > 1 else None
+    diff_se = None
+    if se_q is not None and se_r is not None:
+        cov = float(np.cov(lpq, lpr, ddof=1)[0, 1]) / n  # covariance of the two mean log-probs
+        var = (ppl_q * se_q) ** 2 + (ppl_r * se_r) ** 2 - 2 * ppl_q * ppl_r * cov
+        diff_se = math.sqrt(max(var, 0.0))
+    return {
+        "ppl_ref": ppl_r,
+        "ppl_ref_stderr": None if se_r is None else ppl_r * se_r,
+        "ppl_q": ppl_q,
+        "ppl_q_stderr": None if se_q is None else ppl_q * se_q,
+        "ln_ratio": lmean,
+        "ln_ratio_stderr": lse,
+        "ratio": ratio,
+        "ratio_stderr": None if lse is None else ratio * lse,
+        "diff": ppl_q - ppl_r,
+        "diff_stderr": diff_se,
+        "cor_logp": cor,
+    }
 
 
 def kl_stats(kl, *, same_top=None, logp_ref_target=None, logp_target=None) -> dict:
@@ -145,9 +190,13 @@ def kl_stats(kl, *, same_top=None, logp_ref_target=None, logp_target=None) -> di
                          logp_target=logp_target).summary()
 
 
-def _spread_lines(d: dict, label: str, fmt, unit: str = "") -> list[str]:
+def _pm(v, scale: float = 1.0, width: int = 10) -> str:
+    return f"{'n/a':>{width}}" if v is None else f"{scale * v:{width}.6f}"
+
+
+def _spread_lines(d: dict, label: str, fmt, unit: str = "", percentiles=PERCENTILES) -> list[str]:
     lines = [f"Maximum {label}: {fmt(d['max'])}{unit}"]
-    for p in PERCENTILES:
+    for p in percentiles:
         name = "Median " if p == 50.0 else f"{p:4.1f}%"
         lines.append(f"{name:<7} {label}: {fmt(d[_pkey(p)])}{unit}")
     lines.append(f"Minimum {label}: {fmt(d['min'])}{unit}")
@@ -161,29 +210,33 @@ def format_kl_stats(s: dict) -> str:
         p = s["ppl"]
         lines += [
             "====== Perplexity statistics ======",
-            f"Mean PPL(Q)                   : {p['ppl_q']:12.6f}",
-            f"Mean PPL(base)                : {p['ppl_ref']:12.6f}",
-            f"Cor(ln(PPL(Q)), ln(PPL(base))): {100 * p['cor_logp']:11.2f}%",
-            f"Mean ln(PPL(Q)/PPL(base))     : {p['ln_ratio']:12.6f} ± {p['ln_ratio_stderr']:10.6f}",
-            f"Mean PPL(Q)/PPL(base)         : {p['ratio']:12.6f}",
+            f"Mean PPL(Q)                   : {p['ppl_q']:12.6f} ± {_pm(p['ppl_q_stderr'])}",
+            f"Mean PPL(base)                : {p['ppl_ref']:12.6f} ± {_pm(p['ppl_ref_stderr'])}",
+            "Cor(ln(PPL(Q)), ln(PPL(base))): "
+            + ("        n/a" if p["cor_logp"] is None else f"{100 * p['cor_logp']:11.2f}%"),
+            f"Mean ln(PPL(Q)/PPL(base))     : {p['ln_ratio']:12.6f} ± {_pm(p['ln_ratio_stderr'])}",
+            f"Mean PPL(Q)/PPL(base)         : {p['ratio']:12.6f} ± {_pm(p['ratio_stderr'])}",
+            f"Mean PPL(Q)-PPL(base)         : {p['diff']:12.6f} ± {_pm(p['diff_stderr'])}",
             "",
         ]
     k = s["kl"]
     f6 = lambda v: f"{v:11.6f}"  # noqa: E731
     lines += ["====== KL divergence statistics ======",
-              f"Mean    KLD: {k['mean']:11.6f} ± {k['stderr']:10.6f}"]
+              f"Mean    KLD: {k['mean']:11.6f} ± {_pm(k['stderr'])}"]
     lines += _spread_lines(k, "KLD", f6)
     if "delta_p" in s or "same_top" in s:
         lines += ["", "====== Token probability statistics ======"]
     if "delta_p" in s:
         d = s["delta_p"]
         pc = lambda v: f"{100 * v:9.3f}"  # noqa: E731
-        lines.append(f"Mean    Δp: {pc(d['mean'])} ± {100 * d['stderr']:7.3f} %")
-        lines += _spread_lines(d, "Δp", pc, " %")
-        lines.append(f"RMS Δp    : {pc(d['rms'])} ± {100 * d['rms_stderr']:7.3f} %")
+        pe = lambda v: "    n/a" if v is None else f"{100 * v:7.3f}"  # noqa: E731
+        lines.append(f"Mean    Δp: {pc(d['mean'])} ± {pe(d['stderr'])} %")
+        lines += _spread_lines(d, "Δp", pc, " %", DP_PERCENTILES)
+        lines.append(f"RMS Δp    : {pc(d['rms'])} ± {pe(d['rms_stderr'])} %")
     if "same_top" in s:
         t = s["same_top"]
-        lines.append(f"Same top p: {100 * t['fraction']:9.3f} ± {100 * t['stderr']:7.3f} %")
+        pe = lambda v: "    n/a" if v is None else f"{100 * v:7.3f}"  # noqa: E731
+        lines.append(f"Same top p: {100 * t['fraction']:9.3f} ± {pe(t['stderr'])} %")
     lines.append(f"({s['n_tokens']} tokens)")
     return "\n".join(lines)
 
