@@ -59,3 +59,33 @@ def test_deeply_nested_json_is_a_format_error(tmp_path, capsys):
     t.write_text("[" * 100000 + "]" * 100000)
     _one_line_error(capsys, ["allocate", str(t), "--bpw", "4", "--out", str(tmp_path / "a.json")],
                     "nested too deeply")
+
+
+def _table_file(tmp_path):
+    t = tmp_path / "table.json"
+    t.write_text(json.dumps(tiny_table()))
+    return t
+
+
+# --model names nothing: an argument checked only after the model load would
+# report the missing model instead of itself.
+NO_MODEL = "/nonexistent/model"
+
+
+def test_refine_rejects_a_measurement(tmp_path, capsys):
+    _one_line_error(capsys, ["refine", str(MEAS), "--model", NO_MODEL, "--bpw", "3.5",
+                             "--out", str(tmp_path / "a.json")], "ExLlamaV2 measurement")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--max-evals", "0"], "--max-evals must be >= 1"),
+    (["--max-evals", "-3"], "--max-evals must be >= 1"),
+    (["--n-seq", "0"], "--n-seq must be >= 1"),
+    (["--seq-len", "1"], "--seq-len must be >= 2"),
+    (["--bpw", "nan"], "--bpw must be a positive"),
+    (["--low-bpw", "4"], "--low-bpw 4.0 is above --bpw"),
+    (["--text", "/nonexistent.txt"], "--text: no such file"),
+])
+def test_refine_arguments_checked_before_the_model_loads(tmp_path, capsys, argv, needle):
+    _one_line_error(capsys, ["refine", str(_table_file(tmp_path)), "--model", NO_MODEL, "--bpw", "3.5",
+                             "--out", str(tmp_path / "a.json")] + argv, needle)

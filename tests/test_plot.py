@@ -31,9 +31,44 @@ def test_plot_writes_png(tmp_path):
 def test_plot_rejects_non_table(tmp_path, capsys):
     t = tmp_path / "t.json"
     t.write_text('{"entries": 3}')
-    with pytest.raises(SystemExit, match="not a sensitivity table"):
-        main(["plot", str(t), "--out", str(tmp_path / "f.png")])
+    assert main(["plot", str(t), "--out", str(tmp_path / "f.png")]) == 2
+    assert "not a sensitivity table" in capsys.readouterr().err
     t.write_text('{"entries": [')
     assert main(["plot", str(t), "--out", str(tmp_path / "f.png")]) == 2
-    assert "truncated or corrupt" in capsys.readouterr().err
+    assert "not valid JSON" in capsys.readouterr().err
+    assert not (tmp_path / "f.png").exists()
+
+
+# ------------------------------------------------ arguments and inputs checked first
+
+
+def test_out_without_suffix_is_written_to_exactly_that_name(tmp_path, capsys):
+    t = tmp_path / "t.json"
+    t.write_text(json.dumps(_table()))
+    out = tmp_path / "figure"
+    assert main(["plot", str(t), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "figure.png").exists()
+    assert capsys.readouterr().out.strip() == f"wrote {out}"
+    svg = tmp_path / "f.svg"
+    assert main(["plot", str(t), "--out", str(svg)]) == 0 and b"<svg" in svg.read_bytes()[:400]
+
+
+def test_table_without_candidates_is_one_line(tmp_path, capsys):
+    raw = _table()
+    del raw["entries"][0]["candidates"]
+    t = tmp_path / "t.json"
+    t.write_text(json.dumps(raw))
+    assert main(["plot", str(t), "--out", str(tmp_path / "f.png")]) == 2
+    err = capsys.readouterr().err
+    assert "missing key 'candidates'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_allocation_of_another_model_is_refused(tmp_path, capsys):
+    t = tmp_path / "t.json"
+    t.write_text(json.dumps(_table()))
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps({"assignment": [{"path": "model.layers.40.self_attn.q_proj", "bits": 4}]}))
+    assert main(["plot", str(t), "--out", str(tmp_path / "f.png"), "--allocation", str(a)]) == 2
+    assert "another model" in capsys.readouterr().err
     assert not (tmp_path / "f.png").exists()

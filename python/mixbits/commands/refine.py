@@ -14,18 +14,32 @@ def add_arguments(p) -> None:
     p.add_argument("--low-bpw", type=float, help="lower bound on average bits per weight")
     p.add_argument("--count", choices=["storage", "nominal"], default="storage",
                    help="storage: codes + fp16 scales/biases (4-bit g64 = 4.5); nominal: bits only")
-    p.add_argument("--max-evals", type=int, default=30, help="joint-KL evaluations for swaps")
+    p.add_argument("--max-evals", type=int, default=30, help="joint-KL evaluations for swaps (>= 1)")
     p.add_argument("--out", required=True, help="allocation.json to write")
 
 
+def check(args) -> dict:
+    """Every argument and the table, before the model loads."""
+    from ..atomic import output_target
+    from . import _checks
+
+    _checks.positive_bpw("--bpw", args.bpw)
+    _checks.positive_bpw("--low-bpw", args.low_bpw)
+    if args.low_bpw is not None and args.low_bpw > args.bpw:
+        raise _checks.UsageError(f"--low-bpw {args.low_bpw} is above --bpw {args.bpw}")
+    _checks.at_least("--max-evals", args.max_evals, 1)
+    _checks.calibration(args)
+    output_target(args.out)
+    return _checks.read_table(args.table)
+
+
 def run(args) -> int:
-    from ..measure.calib import load_model_and_tokens
+    table = check(args)
     from ..atomic import write_json_atomic
-    from ..measure.checkpoint import read_json
+    from ..measure.calib import load_model_and_tokens
     from ..measure.joint import JointEvaluator
     from ..measure.refine import refine
 
-    table = read_json(args.table, "sensitivity table")
     model, tokens = load_model_and_tokens(args)
     ev = JointEvaluator(model, tokens, chunk=4)
     out = refine(table, ev, args.bpw, args.low_bpw, args.count, args.max_evals)
