@@ -11,7 +11,6 @@ pytest.importorskip("mlx_lm")
 
 from mixbits.formats.exl2 import Measurement  # noqa: E402
 from mixbits.measure.exl2_measure import measure_modules  # noqa: E402
-from mixbits.measure.model import LayeredModel  # noqa: E402
 from mixbits.nn import MixedQuantizedLinear  # noqa: E402
 from tiny_model import tiny_llama, tiny_tokens  # noqa: E402
 
@@ -32,17 +31,16 @@ def test_measurement_file_and_accuracy(tmp_path):
         assert acc[1] > acc[0] and acc[1] > acc[2] > acc[0]  # 4 bits > 4/2 mix > 2 bits
         assert opts[0].total_bits < opts[2].total_bits < opts[1].total_bits
     # recompute one accuracy directly: layer 1 mlp at 2 bits
-    lm = LayeredModel(model)
+    # by hand, with the model's own modules: layer 1 input from model.layers[0]
     x = mx.array(toks)
-    h = lm.run_layers(lm.embed(x), 0, 1)
-    layer = lm.layers[1]
-    h = h + layer.self_attn(layer.input_layernorm(h), "causal", cache=None)
-    y = np.array(h + layer.mlp(layer.post_attention_layernorm(h)), dtype=np.float64)
+    h = model.layers[0](model.model.embed_tokens(x), "causal", cache=None)
+    layer = model.layers[1]
+    y = np.array(layer(h, "causal", cache=None), dtype=np.float64)
     for name in ("gate_proj", "up_proj", "down_proj"):
         lin = getattr(layer.mlp, name)
         setattr(layer.mlp, name, MixedQuantizedLinear.from_linear(
             lin, [(2, 64, lin.weight.shape[1])], dtype=mx.float16))
-    yq = np.array(h + layer.mlp(layer.post_attention_layernorm(h)), dtype=np.float64)
+    yq = np.array(layer(h, "causal", cache=None), dtype=np.float64)
     want = 1 - (np.linalg.norm(yq - y, axis=-1) / np.linalg.norm(y, axis=-1)).mean()
     assert m.modules["model.layers.1.mlp"][0].accuracy == pytest.approx(want, rel=1e-4)
 

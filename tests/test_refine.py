@@ -77,11 +77,14 @@ def test_compare_strategies_table(setup):
     ev = JointEvaluator(model, toks, chunk=2)
     # 3-bit g64 with fp16 scale+bias stores 3.5 bits per weight
     assert nearest_uniform(table, 3.4) == ("3b_g64", pytest.approx(3.5))
-    rule = mixed_rule(table, "3b_g64", "4b_g64")
-    fake = {"entries": [{"path": f"model.layers.{i}.{m}.{k}", "layer": i}
-                        for i in range(16) for m, k in (("self_attn", "v_proj"), ("self_attn", "q_proj"),
-                                                        ("mlp", "down_proj"))]}
-    hi = mixed_rule(fake, "lo", "hi")
+    rule = mixed_rule(table, "3b_g64", "4b_g64", ev.adapter)
+    big = tiny_llama(layers=16)
+    from mixbits.adapter import ModelAdapter
+
+    fake = {"entries": [{"path": s.path} for s in ModelAdapter(big).sites]}
+    hi = mixed_rule(fake, "lo", "hi", ModelAdapter(big))
+    assert hi["model.embed_tokens"] == "lo"  # the tied embedding is not an lm_head
+    hi = {p: v for p, v in hi.items() if "layers" in p}
     # 16 layers: first and last eighth (0, 1, 14, 15) and every third between (4, 7, 10, 13)
     assert sorted({int(p.split(".")[2]) for p, v in hi.items() if v == "hi"}) == [0, 1, 4, 7, 10, 13, 14, 15]
     assert not any(v == "hi" for p, v in hi.items() if p.endswith("q_proj"))

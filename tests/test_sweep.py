@@ -3,14 +3,15 @@ equal the naive one-forward-per-candidate loop; checkpoints resume exactly."""
 
 import json
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 pytest.importorskip("mlx_lm")
 
 from mixbits.measure.candidates import parse_candidate  # noqa: E402
-from mixbits.measure.model import LayeredModel  # noqa: E402
-from mixbits.measure.sweep import Reference, SweepConfig, measure_site, measure_site_naive, sweep  # noqa: E402
+from mixbits.measure.replay import Replayer  # noqa: E402
+from mixbits.measure.sweep import SweepConfig, measure_site, measure_site_naive, sweep  # noqa: E402
 from tiny_model import tiny_llama, tiny_tokens  # noqa: E402
 
 CANDS = ["2b_g64", "4b_g64", "8b_g64", "ternary_g64", "4b25_2b_g64"]
@@ -19,14 +20,13 @@ CANDS = ["2b_g64", "4b_g64", "8b_g64", "ternary_g64", "4b25_2b_g64"]
 def test_batched_suffix_equals_naive_forward():
     model = tiny_llama()
     toks = tiny_tokens(n=3)
-    lm = LayeredModel(model)
-    ref = Reference(lm, toks, chunk=2)
+    rp = Replayer(model, [mx.array(toks[:2]), mx.array(toks[2:])])
     cands = [parse_candidate(c) for c in CANDS]
     cfg = SweepConfig(CANDS, max_batch=4)
-    for site in lm.sites()[::3]:
-        res = measure_site(lm, ref, site, cands, cfg)
+    for site in rp.adapter.sites[::3]:
+        res = measure_site(rp, site, cands, cfg)
         for c in cands:
-            naive = measure_site_naive(lm, toks, site, c, cfg, ref.logits, chunk=2)
+            naive = measure_site_naive(model, toks, site, c, cfg, rp.logits, chunk=2)
             assert res.kl[c.name] == pytest.approx(naive, rel=2e-4, abs=1e-7), (site.path, c.name)
         # more bits, less KL: a sanity check the measurement is not constant
         assert res.kl["2b_g64"] > res.kl["4b_g64"] > res.kl["8b_g64"] >= 0
@@ -36,9 +36,11 @@ def test_sweep_table_and_exact_resume(tmp_path):
     model = tiny_llama(layers=2)
     toks = tiny_tokens(n=2)
     full = sweep(model, toks, tmp_path / "full.json", CANDS[:3], progress=False)
-    assert full["complete"] and len(full["entries"]) == 14  # 2 layers x 7 linears
-    e = full["entries"][0]
-    assert e["path"] == "model.layers.0.self_attn.q_proj" and e["nparams"] == 64 * 64
+    # the (tied) embedding, then 2 layers x 7 linears
+    assert full["complete"] and len(full["entries"]) == 15
+    assert full["entries"][0]["path"] == "model.embed_tokens" and "layer" not in full["entries"][0]
+    e = next(e for e in full["entries"] if e["path"] == "model.layers.0.self_attn.q_proj")
+    assert e["layer"] == 0 and e["nparams"] == 64 * 64
     assert [c["kind"] for c in e["candidates"]] == CANDS[:3]
     # stop after 5 tensors, then resume
     part = tmp_path / "part.json"
@@ -69,7 +71,7 @@ def test_sweep_table_and_exact_resume(tmp_path):
 def test_bad_candidate_refused_before_work(tmp_path):
     with pytest.raises(ValueError, match="unknown candidate"):
         sweep(tiny_llama(), tiny_tokens(), tmp_path / "x.json", ["5bits"], progress=False)
-    with pytest.raises(ValueError, match="multiple of group size"):
+    with pytest.raises(ValueError, match="no candidate fits"):
         # hidden 64 is not a multiple of 128
         sweep(tiny_llama(), tiny_tokens(), tmp_path / "x.json", ["4b_g128"], progress=False)
 

@@ -68,7 +68,9 @@ def quantization_config(model: nn.Module) -> tuple[MlxQuantization | None, dict]
             if m.layout.is_mlx_affine:
                 bits, gs, _ = m.layout.specs[0]
                 mlx_entries[path] = {"group_size": gs, "bits": bits, "mode": "affine"}
-        elif isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        elif isinstance(m, nn.Module) and "scales" in m and isinstance(getattr(m, "bits", None), int):
+            # Stock quantized modules of any class (QuantizedLinear, mlx-lm's
+            # QuantizedSwitchLinear for expert stacks, QuantizedMultiLinear).
             mlx_entries[path] = {"group_size": m.group_size, "bits": m.bits, "mode": getattr(m, "mode", "affine")}
     if not mlx_entries:
         return None, mixbits_layers

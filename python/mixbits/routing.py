@@ -77,33 +77,40 @@ def _routed_class(cls: type) -> type:
 
 def _entry_points(model: nn.Module) -> list[nn.Module]:
     """The modules whose calls get routed: the model itself (``model(x)``)
-    and its decoder layers (what a sweep calls directly)."""
-    inner = getattr(model, "model", None)
-    layers = list(getattr(inner, "layers", None) or [])
-    return [model, *layers]
+    and its decoder blocks (what a sweep calls directly), wherever the
+    model keeps them (``model.layers``, ``language_model.model.layers``)."""
+    from .adapter import ModelAdapter
+
+    return [model, *ModelAdapter(model).blocks]
 
 
-def _model_module(model: nn.Module):
+def _model_modules(model: nn.Module) -> list:
+    """The Python modules defining the model's classes (a VLM wrapper's
+    text blocks live in another file than the wrapper)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
-    return importlib.import_module(type(model).__module__)
+    names = {type(model).__module__}
+    names.update(type(m).__module__ for _, m in model.named_modules())
+    return [importlib.import_module(n) for n in sorted(names)
+            if not n.startswith(("mlx.", "mixbits."))]
 
 
 def patch_functions(model: nn.Module) -> list[str]:
     """Route ``model``'s attention / SwiGLU calls through the mixbits
     kernels; returns the function names taken over (those the model's module
     has). Other models are not affected. Idempotent."""
-    mod = _model_module(model)
-    saved = mod.__dict__.setdefault(_SAVED, {})
     taken = []
-    for name, router in _ROUTERS.items():
-        fn = getattr(mod, name, None)
-        if not callable(fn):
-            continue
-        if name not in saved:
-            saved[name] = fn
-            setattr(mod, name, router(fn))
-        taken.append(name)
+    for mod in _model_modules(model):
+        saved = mod.__dict__.setdefault(_SAVED, {})
+        for name, router in _ROUTERS.items():
+            fn = getattr(mod, name, None)
+            if not callable(fn):
+                continue
+            if name not in saved:
+                saved[name] = fn
+                setattr(mod, name, router(fn))
+            if name not in taken:
+                taken.append(name)
     if taken:
         for m in _entry_points(model):
             m.__class__ = _routed_class(type(m))
@@ -113,7 +120,7 @@ def patch_functions(model: nn.Module) -> list[str]:
 def unpatch_functions(model: nn.Module) -> None:
     """Undo :func:`patch_functions` for ``model`` (the module-level routers
     stay: without a routed model they pass every call through)."""
-    _model_module(model)
+    _model_modules(model)
     for m in _entry_points(model):
         cls = type(m)
         if getattr(cls, "_mixbits_routed", False) and cls in _SUBCLASSES.values():

@@ -34,6 +34,11 @@ def run(args) -> int:
     n_cal = args.n_seq
     args.n_seq = n_cal + args.holdout_seq
     model, tokens = load_model_and_tokens(args)
+    if args.tokens:  # the file's own rows: the last --holdout-seq are held out
+        n_cal = len(tokens) - args.holdout_seq
+        if n_cal < 1:
+            raise ValueError(f"--tokens has {len(tokens)} sequences; --holdout-seq "
+                             f"{args.holdout_seq} leaves none for calibration")
     tokens, held = tokens[:n_cal], tokens[n_cal:]
     ev = JointEvaluator(model, tokens, chunk=4)
     hold = JointEvaluator(model, held, chunk=4) if len(held) else None

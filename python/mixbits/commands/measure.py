@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 
 def add_arguments(p) -> None:
@@ -10,15 +11,20 @@ def add_arguments(p) -> None:
     from ..measure.candidates import DEFAULT_CANDIDATES
 
     p.add_argument("--model", required=True,
-                   help="'smollm2', a .gguf file, or a saved model folder")
+                   help="'smollm2', a .gguf file, or an mlx-lm model folder (any architecture "
+                        "mlx-lm runs: the sweep calls the model's own forward)")
     add_calibration_arguments(p)
     p.add_argument("--out", required=True, help="sensitivity table (JSON), checkpointed per tensor")
     p.add_argument("--resume", action="store_true", help="continue an interrupted sweep in --out")
     p.add_argument("--candidates", nargs="+", default=list(DEFAULT_CANDIDATES),
-                   help="e.g. 2b_g64 3b_g64 4b_g32 8b_g128 ternary_g64 4b10_3b_g64")
+                   help="e.g. 2b_g64 3b_g64 4b_g32 8b_g128 ternary_g64 4b10_3b_g64; a tensor gets "
+                        "those whose group size divides its K (expert stacks: single-segment only)")
     p.add_argument("--max-batch", type=int, default=8,
                    help="sequences per suffix forward (candidates are batched up to this)")
-    p.add_argument("--tensors", nargs="+", help="only these tensor paths")
+    p.add_argument("--tensors", nargs="+",
+                   help="only these tensor paths (real module paths, e.g. "
+                        "language_model.model.layers.0.mlp.down_proj); default: every quantizable "
+                        "tensor the model's quant_predicate leaves to us, embeddings and heads included")
     p.add_argument("--exl2-out", metavar="MEASUREMENT.json",
                    help="also write an ExLlamaV2-style measurement.json (module output "
                         "relative error per option; uniform and mixed candidates only)")
@@ -26,10 +32,30 @@ def add_arguments(p) -> None:
                    help="keep the model's own quantized layers instead of mixbits kernels")
 
 
+def check_arguments(args) -> None:
+    """Everything checkable before the model loads (which can take minutes)."""
+    from ..measure.calib import check_calibration_arguments
+    from ..measure.candidates import parse_candidate
+
+    for c in args.candidates:
+        parse_candidate(c)
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    for flag, path in (("--out", args.out), ("--exl2-out", args.exl2_out)):
+        if path and Path(path).is_dir():
+            raise ValueError(f"{flag} {path} is a directory; give a file name")
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{flag} {path}: folder {Path(path).resolve().parent} does not exist")
+    if Path(args.out).exists() and not args.resume:
+        raise ValueError(f"{args.out} exists; pass --resume to continue it or choose another --out")
+    check_calibration_arguments(args)
+
+
 def run(args) -> int:
     from ..measure.calib import load_model_and_tokens
     from ..measure.distributed import group, sharded_sweep
 
+    check_arguments(args)
     g = group()
     model, tokens = load_model_and_tokens(args, patch=not args.no_patch)
     t0 = time.perf_counter()
@@ -44,9 +70,9 @@ def run(args) -> int:
         measure_modules(model, tokens, exl2_cands, args.exl2_out, resume=args.resume)
         print(f"wrote {args.exl2_out}")
     if table is not None:
-        n = len(table["entries"]) * len(args.candidates)
+        n = sum(len(e["candidates"]) for e in table["entries"])
         ntok = tokens.size
-        print(f"{len(table['entries'])} tensors x {len(args.candidates)} candidates on "
+        print(f"{len(table['entries'])} tensors, {n} (tensor, candidate) pairs on "
               f"{ntok} tokens in {dt:.1f} s ({n / dt:.2f} candidate evals/s, "
               f"{n * ntok / dt:.0f} candidate-tokens/s); wrote {args.out}")
     return 0

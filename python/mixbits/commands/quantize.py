@@ -13,42 +13,57 @@ import sys
 DEFAULT_GROUP_SIZE = 64
 
 
-def apply_allocation(alloc, model=None, *, group_size: int = DEFAULT_GROUP_SIZE, strip_prefix: str = "",
-                     embed_paths=None) -> dict:
-    """allocation entries {path, bits, kind} -> ``quantize_model`` assignment.
-
-    ``strip_prefix`` is removed from each path (an allocation made for a
-    wrapper model, e.g. ``language_model.``). With ``model`` given, each
-    entry's nparams must match the tensor it names. ``embed_paths``: module
-    paths to quantize at the allocation's ``embed_bits`` (if it has one).
-    """
+def allocation_candidates(alloc, model, *, group_size: int = DEFAULT_GROUP_SIZE,
+                          strip_prefix: str = "") -> dict:
+    """allocation entries -> {module path: Candidate}, each checked against
+    the model's tensor (path exists, nparams equal, candidate fits)."""
+    from mixbits.adapter import ModelAdapter
     from mixbits.formats.allocation import Allocation
+    from mixbits.measure.candidates import candidate_for_entry, supports
 
     if not isinstance(alloc, Allocation):
         alloc = Allocation.load(alloc)
-    sizes = {}
-    if model is not None:
-        from mixbits.nn import _weight_shape, weight_layers
-
-        sizes = {p: _weight_shape(m) for p, m in weight_layers(model).items()}
+    adapter = ModelAdapter(model)
+    known = {s.path: s for s in adapter.sites}
     out = {}
     for i, e in enumerate(alloc.assignment):
         path = e.path[len(strip_prefix):] if strip_prefix and e.path.startswith(strip_prefix) else e.path
-        if model is not None:
-            if path not in sizes:
-                raise KeyError(f"assignment[{i}]: path {path!r} is not a weight of this model")
-            n, k = sizes[path]
-            if n * k != e.nparams:
-                raise ValueError(
-                    f"assignment[{i}] ({path}): nparams {e.nparams} but the model's tensor is {n}x{k} = {n * k}; "
-                    "was the allocation made for another model?"
-                )
-        bits = "ternary" if e.kind == "ternary" else e.bits
-        out[path] = {"bits": bits, "group_size": group_size}
-    if embed_paths and alloc.embed_bits is not None:
-        for p in embed_paths:
-            out.setdefault(p, {"bits": alloc.embed_bits, "group_size": group_size})
+        site = known.get(path)
+        if site is None:
+            raise KeyError(f"assignment[{i}]: path {path!r} is not a quantizable tensor of this model "
+                           f"(its paths look like {[s.path for s in adapter.sites[:2]]})")
+        if site.nparams != e.nparams:
+            raise ValueError(
+                f"assignment[{i}] ({path}): nparams {e.nparams} but the model's tensor is "
+                f"{'x'.join(map(str, site.shape))} = {site.nparams}; was the allocation made for another model?")
+        cand = candidate_for_entry(e.kind, e.bits, group_size)
+        if not supports(cand, site):
+            raise ValueError(f"assignment[{i}] ({path}): candidate {cand.name!r} does not fit a "
+                             f"{site.form} of shape {site.shape}")
+        out[path] = cand
     return out
+
+
+def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = True) -> list[str]:
+    """Replace every tensor in ``chosen`` ({path: Candidate}) by its
+    candidate module -- the same constructor the sweep measured -- and,
+    with ``fixed``, the tensors the model's own quant_predicate pins (e.g.
+    MoE router gates at 8 bits), as mlx-lm would. Returns replaced paths."""
+    import mlx.core as mx
+
+    from mixbits.adapter import ModelAdapter
+    from mixbits.measure.candidates import build_layer, parse_candidate
+
+    adapter = ModelAdapter(model)
+    plan = dict(chosen)
+    if fixed:
+        for path, spec in adapter.fixed.items():
+            plan.setdefault(path, parse_candidate(f"{spec['bits']}b_g{spec['group_size']}"))
+    built = {p: build_layer(adapter.get(p), c, scale_dtype) for p, c in plan.items()}
+    for p, layer in built.items():
+        mx.eval(layer.parameters())
+        adapter.set(p, layer)
+    return list(built)
 
 
 def add_arguments(p) -> None:
@@ -56,10 +71,9 @@ def add_arguments(p) -> None:
     p.add_argument("--allocation", required=True, metavar="ALLOCATION.json", help="per-tensor choices (allocation.json)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder to write (safetensors + config.json + tokenizer)")
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=(32, 64, 128),
-                   help=f"group size of every assigned tensor (default {DEFAULT_GROUP_SIZE})")
+                   help="group size for entries whose kind is a bare width ('4', 'ternary'); "
+                        f"candidate names ('4b_g32') carry their own (default {DEFAULT_GROUP_SIZE})")
     p.add_argument("--strip-prefix", default="", help="remove this prefix from allocation paths first")
-    p.add_argument("--embed", action="store_true",
-                   help="also quantize the embedding (model.embed_tokens, lm_head) at the allocation's embed_bits")
 
 
 def run(args) -> int:
@@ -77,11 +91,10 @@ def run(args) -> int:
     except FileNotFoundError as e:
         print(f"--model: {e}", file=sys.stderr)
         return 2
-    embed = [p for p in ("model.embed_tokens", "lm_head") if args.embed and p in dict(model.named_modules())]
     try:
-        assignment = apply_allocation(alloc, model, group_size=args.group_size,
-                                      strip_prefix=args.strip_prefix, embed_paths=embed)
-        replaced = mixbits.quantize_model(model, assignment)
+        chosen = allocation_candidates(alloc, model, group_size=args.group_size,
+                                       strip_prefix=args.strip_prefix)
+        replaced = quantize_candidates(model, chosen)
     except (KeyError, ValueError, TypeError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"--allocation: {msg}", file=sys.stderr)

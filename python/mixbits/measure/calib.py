@@ -1,11 +1,14 @@
 """Calibration tokens for sweeps: text files (or a built-in corpus) cut
-into equal non-overlapping sequences."""
+into equal non-overlapping sequences, or token ids given directly."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
+
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 def load_texts(paths: list[str] | None, corpus: str | None) -> str:
@@ -35,22 +38,105 @@ def token_sequences(tokenizer, text: str, n_seq: int, seq_len: int) -> np.ndarra
     return ids[:need].reshape(n_seq, seq_len)
 
 
+def load_tokens(path) -> np.ndarray:
+    """Token ids [n_seq, seq_len] from a .npy file or a JSON list of lists."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--tokens: no such file: {path}")
+    try:
+        if path.suffix == ".npy":
+            arr = np.load(path, allow_pickle=False)
+        elif path.suffix == ".json":
+            arr = np.asarray(json.loads(path.read_text()))
+        else:
+            raise ValueError(f"--tokens {path}: expected a .npy or .json file")
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--tokens {path}: unreadable ({e})") from None
+    if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 2:
+        raise ValueError(f"--tokens {path}: expected int ids of shape [n_seq, seq_len >= 2], "
+                         f"got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"--tokens {path}: expected integer token ids, got {arr.dtype}")
+    if arr.min() < 0:
+        raise ValueError(f"--tokens {path}: negative token id {int(arr.min())}")
+    return arr.astype(np.int64)
+
+
 def add_calibration_arguments(p) -> None:
     p.add_argument("--text", nargs="+", metavar="FILE",
                    help="calibration text files (default: the built-in corpus, see --corpus)")
+    p.add_argument("--tokens", metavar="FILE",
+                   help="calibration token ids instead of text: .npy or .json, int [n_seq, seq_len] "
+                        "(no tokenizer needed; --n-seq/--seq-len are taken from its shape)")
     p.add_argument("--corpus", choices=["auto", "botchan", "licenses"], default="auto",
                    help="built-in calibration text when --text is not given")
     p.add_argument("--n-seq", type=int, default=8, help="calibration sequences (default 8)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="dtype the model's float weights and activations run in (default float32: "
+                        "on the CPU the mixbits attention and SwiGLU kernels take float32 only, so "
+                        "half precision runs MLX's slower ops; quantized scales are kept)")
+
+
+def check_calibration_arguments(args):
+    """Everything about the calibration set that can be checked before the
+    model loads; returns the token ids when --tokens gives them."""
+    if args.text and args.tokens:
+        raise ValueError("give --text or --tokens, not both")
+    if args.tokens:
+        return load_tokens(args.tokens)
+    if args.n_seq < 1:
+        raise ValueError(f"--n-seq must be >= 1, got {args.n_seq}")
+    if args.seq_len < 2:
+        raise ValueError(f"--seq-len must be >= 2, got {args.seq_len}")
+    for p in args.text or []:
+        if not Path(p).is_file():
+            raise FileNotFoundError(f"--text: no such file: {p}")
+    return None
+
+
+def cast_model(model, dtype: str) -> None:
+    """Cast the model's float weights (not quantization scales/biases,
+    whose dtype is part of the quantized format) to ``dtype``."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    dt = getattr(mx, dtype)
+    quantized = {p for p, m in model.named_modules() if "scales" in m}
+    new = []
+    for k, v in tree_flatten(model.parameters()):
+        owner, _, leaf = k.rpartition(".")
+        if owner in quantized and leaf in ("scales", "biases"):
+            continue
+        if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dt:
+            new.append((k, v.astype(dt)))
+    if new:
+        model.load_weights(new, strict=False)
+        mx.eval(model.parameters())
 
 
 def load_model_and_tokens(args, patch: bool = True):
     from ..models import load
 
+    tokens = check_calibration_arguments(args)
     model, tokenizer, _ = load(args.model)
+    cast_model(model, getattr(args, "dtype", "float32"))
     if patch:
         from ..nn import patch as patch_model
 
         patch_model(model)
-    text = load_texts(args.text, args.corpus)
-    return model, token_sequences(tokenizer, text, args.n_seq, args.seq_len)
+    if tokens is None:
+        if tokenizer is None:
+            raise ValueError(f"{args.model} has no tokenizer: give calibration ids with --tokens")
+        tokens = token_sequences(tokenizer, load_texts(args.text, args.corpus), args.n_seq, args.seq_len)
+    vocab = _vocab_size(model)
+    if vocab is not None and tokens.max() >= vocab:
+        raise ValueError(f"token id {int(tokens.max())} is outside the model's vocabulary ({vocab})")
+    return model, tokens
+
+
+def _vocab_size(model):
+    from ..adapter import ModelAdapter
+
+    emb = [s for s in ModelAdapter(model).sites if s.form == "embedding"]
+    return emb[0].shape[0] if emb else None

@@ -86,3 +86,72 @@ def _check(name: str, gs: int, bits: list[int]) -> None:
 
 
 DEFAULT_CANDIDATES = ("2b_g64", "3b_g64", "4b_g64", "8b_g64", "ternary_g64", "4b10_3b_g64")
+
+
+def supports(cand: Candidate, site) -> bool:
+    """Whether ``cand`` can be built for ``site`` (an adapter Site): group
+    size dividing K, and, for stacks (expert / multi-head weights, kept in
+    MLX's stock quantized classes), single-segment kinds only."""
+    if site.k % cand.group_size:
+        return False
+    return not (site.form == "stack" and cand.kind == "mixed")
+
+
+def build_layer(module, cand: Candidate, scale_dtype=None):
+    """The quantized module that replaces ``module`` at candidate ``cand``.
+
+    The one constructor the sweep, joint evaluation and ``quantize`` share,
+    so a measured candidate is exactly what gets saved. Linears and
+    embeddings become mixbits layers; stacks (SwitchLinear, MultiLinear)
+    keep mlx-lm's own quantized class with MLX-layout arrays, so saved
+    folders load with ``mlx_lm.load``. ``scale_dtype`` defaults to float16.
+    """
+    import copy
+
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from ..adapter import dense_weight
+    from ..layout import quantize as quantize_tensor
+    from ..nn import MixedQuantizedEmbedding, MixedQuantizedLinear
+
+    scale_dtype = scale_dtype or mx.float16
+    w = dense_weight(module)
+    k = w.shape[-1]
+    segs = cand.segments(k)
+    kinds = ["ternary" if cand.kind == "ternary" else "affine"] * len(segs)
+    if w.ndim == 2:
+        perm = cand.perm(np.array(w)) if cand.kind == "mixed" else None
+        qt = quantize_tensor(w, segs, perm=perm, dtype=scale_dtype)
+        if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding)):
+            return MixedQuantizedEmbedding.from_tensor(qt, kinds)
+        return MixedQuantizedLinear.from_tensor(qt, module.get("bias"), kinds)
+    if cand.kind == "mixed":
+        raise ValueError(f"candidate {cand.name!r}: mixed segments are not available for "
+                         f"{type(module).__name__} stacks (single-segment kinds only)")
+    lead = w.shape[:-1]
+    seg = quantize_tensor(w.reshape(-1, k), segs, dtype=scale_dtype).segments[0]
+    bits = seg.bits
+    if "scales" in module:
+        q = copy.copy(module)
+    else:
+        q = module.to_quantized(group_size=cand.group_size, bits=bits)
+    q.weight = seg.wq.reshape(*lead, -1)
+    q.scales = seg.scales.reshape(*lead, -1)
+    q.biases = seg.biases.reshape(*lead, -1)
+    q.group_size, q.bits = cand.group_size, bits
+    if getattr(q, "mode", "affine") != "affine":
+        q.mode = "affine"
+    q.freeze()
+    return q
+
+
+def candidate_for_entry(kind: str, bits, group_size: int = 64) -> Candidate:
+    """The candidate an allocation entry names. Entries from a sweep carry
+    the candidate name itself (``4b_g64``, ``4b10_3b_g64``); older ones a
+    bare width (``"4"``) or ``"ternary"``, which take ``group_size``."""
+    if kind == "ternary":
+        return parse_candidate(f"ternary_g{group_size}")
+    if kind.isdigit():
+        return parse_candidate(f"{kind}b_g{group_size}")
+    return parse_candidate(kind)

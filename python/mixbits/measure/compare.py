@@ -35,8 +35,12 @@ def nearest_uniform(table: dict, bpw: float) -> tuple[str, float]:
     return best, entry_bpw(table, uniform(table, best))
 
 
-def mixed_rule(table: dict, low: str, high: str) -> dict[str, str]:
-    n_layers = 1 + max(e["layer"] for e in table["entries"])
+def mixed_rule(table: dict, low: str, high: str, adapter) -> dict[str, str]:
+    """mlx-lm's mixed recipe, asked of the model's adapter: the attention
+    value and MLP output projections of the first and last eighth of the
+    blocks and of every third block between, and the output head, at
+    ``high``; everything else at ``low``."""
+    n_layers = len(adapter.blocks)
     eighth = n_layers // 8
 
     def more_bits(layer: int) -> bool:
@@ -44,8 +48,10 @@ def mixed_rule(table: dict, low: str, high: str) -> dict[str, str]:
 
     out = {}
     for e in table["entries"]:
-        kind = e["path"].rsplit(".", 1)[-1]
-        out[e["path"]] = high if kind in ("v_proj", "down_proj") and more_bits(e["layer"]) else low
+        site = adapter.site(e["path"])
+        role = adapter.role(site)
+        pick = role == "head" or (role in ("values", "down") and more_bits(site.block))
+        out[e["path"]] = high if pick else low
     return out
 
 
@@ -60,7 +66,7 @@ def compare(table: dict, evaluator, targets: list[float], low: str = "3b_g64",
     calibration set. ``on_refined(target_bpw, allocation)`` receives each
     refined allocation (allocation.json layout)."""
     rows = []
-    rule = mixed_rule(table, low, high)
+    rule = mixed_rule(table, low, high, evaluator.adapter)
     rule_bpw = entry_bpw(table, rule)
     for bpw in [*targets, rule_bpw]:
         alloc, sol, _ = allocate_table(table, bpw)

@@ -1,12 +1,17 @@
 """An ExLlamaV2-style ``measurement.json`` from a model, for that tool's
-users: per module (``model.layers.N.self_attn`` and ``.mlp``) and per
-option, ``accuracy = 1 - mean over calibration tokens of |y_q - y| / |y|``
-where y is the module's output -- the residual stream after the module,
-as ExLlamaV2's attention and MLP modules include the input norm and the
-residual add -- with every projection of the module quantized at the
-option and the reference hidden state as input. ``total_bits`` follows
-ExLlamaV2's storage formula (mixbits.formats.exl2), so its optimizer and
-``mixbits allocate`` read the file unchanged.
+users: per module and per option, ``accuracy = 1 - mean over calibration
+tokens of |y_q - y| / |y|``, with every projection of the module quantized
+at the option.
+
+Modules are the direct children of each decoder block that hold
+quantizable tensors, as the model adapter groups them
+(``model.layers.N.self_attn``, ``.mlp``, ``.linear_attn`` ...). y is the
+output of the model's own block (the residual stream after it) run on the
+recorded reference input with the recorded arguments; so for the
+block's last module (the MLP) this is exactly ExLlamaV2's module output,
+and for earlier ones it includes the rest of the block at full precision.
+``total_bits`` follows ExLlamaV2's storage formula (mixbits.formats.exl2),
+so its optimizer and ``mixbits allocate`` read the file unchanged.
 """
 
 from __future__ import annotations
@@ -14,25 +19,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ..adapter import ModelAdapter, get_module, set_module
 from ..formats.exl2 import Measurement, Option, ProjectionQuant
-from .candidates import Candidate, parse_candidate
+from .candidates import Candidate, build_layer, parse_candidate, supports
 from .checkpoint import read_json
-from .model import LayeredModel, Site
-from .sweep import Reference, _bias_of, candidate_layer, dense_weight
-
-MODULES = {
-    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
-    "mlp": ("gate_proj", "up_proj", "down_proj"),
-}
-
-
-def _attn_half(layer, h):
-    mask = "causal" if h.shape[1] > 1 else None
-    return h + layer.self_attn(layer.input_layernorm(h), mask, cache=None)
-
-
-def _mlp_half(layer, h):
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+from .replay import Replayer
 
 
 def _projection_quant(c: Candidate) -> ProjectionQuant:
@@ -53,54 +44,53 @@ def measure_modules(model, tokens, candidates, out, *, chunk: int = 4, resume: b
 
     cands = [parse_candidate(c) for c in candidates]
     pquant = {c.name: _projection_quant(c) for c in cands}
-    lm = LayeredModel(model)
-    sites = {s.path: s for s in lm.sites()}
+    adapter = ModelAdapter(model)
+    groups = adapter.groups()
+    if not groups:
+        raise ValueError("the model has no decoder blocks (model.layers) to group into modules")
     done = {}
     if resume:
         try:
             done = {k: v for k, v in read_json(out, "measurement")["measurement"].items() if v}
         except FileNotFoundError:
             pass
-    keys = [f"model.layers.{i}.{m}" for i in range(len(lm.layers)) for m in MODULES]
+    keys = list(groups)
     todo = [k for k in keys if k not in done]
-    ref = Reference(lm, np.asarray(tokens), chunk) if todo else None
+    tokens = np.asarray(tokens)
+    chunks = [mx.array(tokens[i : i + chunk]) for i in range(0, len(tokens), chunk)]
+    rp = Replayer(model, chunks, adapter) if todo else None
+    if rp is not None and not rp.replayable:
+        raise ValueError(f"cannot write an ExLlamaV2 measurement: {rp.reason}")
     bar = tqdm(total=len(keys) * len(cands), initial=(len(keys) - len(todo)) * len(cands),
                unit="opt", desc="exl2 measure", disable=not progress)
     for key in todo:
-        i, mod = int(key.split(".")[2]), key.split(".")[3]
-        layer = lm.layers[i]
-        half = _attn_half if mod == "self_attn" else _mlp_half
-        paths = [f"model.layers.{i}.{mod}.{p}" for p in MODULES[mod]]
-        missing = [p for p in paths if p not in sites]
-        if missing:
-            raise ValueError(f"{key}: the model has no {missing}; only llama-style blocks are supported")
-        proj_sites: list[Site] = [sites[p] for p in paths]
-        originals = [lm.get(s) for s in proj_sites]
-        inputs, refs = [], []
-        for ci in range(len(ref.chunks)):
-            h = ref.hidden[ci][i]
-            if mod == "mlp":
-                h = _attn_half(layer, h)
-            y = half(layer, h)
-            mx.eval(h, y)
-            inputs.append(h)
-            refs.append(y)
-        shapes = {s.name.rsplit(".", 1)[-1]: (s.shape[1], s.shape[0]) for s in proj_sites}
+        sites = groups[key]
+        i = sites[0].block
+        block = adapter.blocks[i]
+        local = [adapter.local_path(s) for s in sites]
+        names = [s.path[len(key) + 1 :] for s in sites]
+        originals = [get_module(block, p) for p in local]
+        shapes = {n: (s.shape[-1], s.nparams // s.shape[-1]) for n, s in zip(names, sites)}
         opts = []
         for c in cands:
+            if not all(supports(c, s) for s in sites):
+                bar.update(1)
+                continue
             try:
-                for s, o in zip(proj_sites, originals):
-                    lm.set(s, candidate_layer(dense_weight(o), _bias_of(o), c, mx.float16)[0])
+                for p, o in zip(local, originals):
+                    set_module(block, p, build_layer(o, c, mx.float16))
                 rel = []
-                for h, y in zip(inputs, refs):
-                    yq = half(layer, h).astype(mx.float32)
-                    y32 = y.astype(mx.float32)
+                for recs in rp.records:
+                    args, kwargs, y = recs[i]
+                    yq = block(*args, **kwargs)
+                    yq = (yq[0] if isinstance(yq, tuple) else yq).astype(mx.float32)
+                    y32 = (y[0] if isinstance(y, tuple) else y).astype(mx.float32)
                     r = mx.linalg.norm(yq - y32, axis=-1) / mx.linalg.norm(y32, axis=-1)
                     rel.append(np.array(r, dtype=np.float64).ravel())
             finally:
-                for s, o in zip(proj_sites, originals):
-                    lm.set(s, o)
-            projs = {p: pquant[c.name] for p in MODULES[mod]}
+                for p, o in zip(local, originals):
+                    set_module(block, p, o)
+            projs = {n: pquant[c.name] for n in names}
             opt = Option(float(1.0 - np.concatenate(rel).mean()), 0, projs)
             opt.total_bits = opt.recompute_total_bits(shapes)
             opts.append(opt.to_dict())

@@ -8,9 +8,9 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from .candidates import parse_candidate
-from .model import LayeredModel, dense_weight
-from .sweep import _bias_of, candidate_layer, kl_per_token
+from ..adapter import ModelAdapter
+from .candidates import build_layer, parse_candidate
+from .sweep import kl_per_token
 
 
 class JointEvaluator:
@@ -18,27 +18,26 @@ class JointEvaluator:
     so trying many assignments re-quantizes each (tensor, candidate) once."""
 
     def __init__(self, model, tokens, chunk: int = 4, scale_dtype=mx.float16):
-        self.lm = LayeredModel(model)
-        self.sites = {s.path: s for s in self.lm.sites()}
+        self.model = model
+        self.adapter = ModelAdapter(model)
+        self.sites = {s.path: s for s in self.adapter.sites}
         self.tokens = np.asarray(tokens)
         self.chunk = max(1, chunk)
         self.scale_dtype = scale_dtype
-        self.originals = {p: self.lm.get(s) for p, s in self.sites.items()}
+        self.originals = {p: self.adapter.get(p) for p in self.sites}
         self._layers: dict[tuple[str, str], object] = {}
         self.ref_logits = [self._logits(i) for i in range(0, len(self.tokens), self.chunk)]
         self.evaluations = 0
 
     def _logits(self, i):
-        out = self.lm.logits(mx.array(self.tokens[i : i + self.chunk])).astype(mx.float32)
+        out = self.model(mx.array(self.tokens[i : i + self.chunk])).astype(mx.float32)
         mx.eval(out)
         return out
 
     def layer(self, path: str, cand_name: str):
         key = (path, cand_name)
         if key not in self._layers:
-            orig = self.originals[path]
-            layer, _ = candidate_layer(dense_weight(orig), _bias_of(orig),
-                                       parse_candidate(cand_name), self.scale_dtype)
+            layer = build_layer(self.originals[path], parse_candidate(cand_name), self.scale_dtype)
             mx.eval(layer.parameters())
             self._layers[key] = layer
         return self._layers[key]
@@ -51,15 +50,15 @@ class JointEvaluator:
             raise ValueError(f"assignment names unknown tensors: {unknown[:5]}")
         try:
             for path, cand in assignment.items():
-                self.lm.set(self.sites[path], self.layer(path, cand))
+                self.adapter.set(path, self.layer(path, cand))
             parts = []
             for ci, i in enumerate(range(0, len(self.tokens), self.chunk)):
-                logits = self.lm.logits(mx.array(self.tokens[i : i + self.chunk]))
+                logits = self.model(mx.array(self.tokens[i : i + self.chunk]))
                 kl = kl_per_token(self.ref_logits[ci], logits)
                 parts.append(np.array(kl, dtype=np.float64).ravel())
         finally:
             for path in assignment:
-                self.lm.set(self.sites[path], self.originals[path])
+                self.adapter.set(path, self.originals[path])
         self.evaluations += 1
         v = np.concatenate(parts)
         return float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else 0.0

@@ -8,20 +8,25 @@ import math
 import numpy as np
 
 
+def _column(e) -> str:
+    """Block index, or "out" for tensors outside the blocks (embeddings, head)."""
+    return str(e["layer"]) if e.get("layer") is not None else "out"
+
+
 def _grid(entries, value_of):
     kinds, layers = [], []
     for e in entries:
         k = e["path"].rsplit(".", 1)[-1]
         if k not in kinds:
             kinds.append(k)
-        if e["layer"] not in layers:
-            layers.append(e["layer"])
-    layers.sort()
+        if _column(e) not in layers:
+            layers.append(_column(e))
+    layers.sort(key=lambda c: (c == "out", int(c) if c != "out" else 0))
     g = np.full((len(kinds), len(layers)), np.nan)
     for e in entries:
         v = value_of(e)
         if v is not None:
-            g[kinds.index(e["path"].rsplit(".", 1)[-1]), layers.index(e["layer"])] = v
+            g[kinds.index(e["path"].rsplit(".", 1)[-1]), layers.index(_column(e))] = v
     return g, kinds, layers
 
 

@@ -47,7 +47,8 @@ def table_problem(table: dict, count: str = "storage") -> MCKProblem:
 
 def _entry(e: dict, c: dict) -> dict:
     bits = c["bits"]
-    return {"path": e["path"], "layer": e["layer"], "nparams": e["nparams"],
+    layer = {"layer": e["layer"]} if e.get("layer") is not None else {}
+    return {"path": e["path"], **layer, "nparams": e["nparams"],
             "bits": int(bits) if float(bits).is_integer() else bits, "kind": c["kind"],
             "kl": c["kl"], "storage_bits": c.get("storage_bits")}
 

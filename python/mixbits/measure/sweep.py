@@ -25,11 +25,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..layout import quantize as quantize_tensor
-from .candidates import Candidate, parse_candidate
+from ..adapter import ModelAdapter, Site
 from ..atomic import write_json_atomic
+from .candidates import Candidate, build_layer, parse_candidate, supports
 from .checkpoint import read_json
-from .model import LayeredModel, Site, dense_weight
+from .replay import Replayer
 
 TABLE_FORMAT = "mixbits.sensitivity"
 TABLE_VERSION = 1
@@ -79,9 +79,11 @@ class SiteResult:
                 "bpw": self.storage_bits[name] / self.site.nparams,
                 "group_size": c.group_size,
             })
+        entry = {"path": self.site.path}
+        if self.site.block is not None:
+            entry["layer"] = self.site.block
         return {
-            "path": self.site.path,
-            "layer": self.site.layer,
+            **entry,
             "nparams": self.site.nparams,
             "shape": list(self.site.shape),
             "candidates": cands,
@@ -89,77 +91,32 @@ class SiteResult:
         }
 
 
-class Reference:
-    """Reference activations for the calibration set, computed once: the
-    hidden state entering every layer and the final logits, per chunk of
-    sequences."""
-
-    def __init__(self, lm: LayeredModel, tokens: np.ndarray, chunk: int):
-        self.chunks = [mx.array(tokens[i : i + chunk]) for i in range(0, len(tokens), chunk)]
-        self.hidden = []  # [chunk][layer] -> h entering that layer
-        self.logits = []
-        for toks in self.chunks:
-            h = lm.embed(toks)
-            hs = []
-            for i in range(len(lm.layers)):
-                hs.append(h)
-                h = lm.run_layers(h, i, i + 1)
-                mx.eval(h)
-            self.hidden.append(hs)
-            logits = lm.head(h).astype(mx.float32)
-            mx.eval(logits)
-            self.logits.append(logits)
+def _chunks(tokens: np.ndarray, chunk: int) -> list[mx.array]:
+    return [mx.array(tokens[i : i + chunk]) for i in range(0, len(tokens), chunk)]
 
 
-def candidate_layer(w: mx.array, bias, cand: Candidate, scale_dtype):
-    from ..nn import MixedQuantizedLinear
-
-    perm = cand.perm(np.array(w)) if cand.kind == "mixed" else None
-    qt = quantize_tensor(w, cand.segments(w.shape[1]), perm=perm, dtype=scale_dtype)
-    kinds = ["ternary" if cand.kind == "ternary" else "affine"] * len(qt.segments)
-    return MixedQuantizedLinear.from_tensor(qt, bias, kinds=kinds), qt
-
-
-def _bias_of(module):
-    return module["bias"] if "bias" in module else None
-
-
-def measure_site(lm: LayeredModel, ref: Reference, site: Site, cands: list[Candidate],
-                 cfg: SweepConfig) -> SiteResult:
-    """KL of every candidate for one tensor, via the shared-suffix batch."""
+def measure_site(rp: Replayer, site: Site, cands: list[Candidate], cfg: SweepConfig) -> SiteResult:
+    """KL of every candidate for one tensor; candidates share the suffix
+    forward, ``cfg.max_batch`` sequences at a time."""
     t0 = time.perf_counter()
-    original = lm.get(site)
-    w = dense_weight(original)
-    bias = _bias_of(original)
-    layers = []
-    storage = {}
+    original = rp.adapter.get(site.path)
+    layers, storage = [], {}
     for c in cands:
-        layer, qt = candidate_layer(w, bias, c, cfg.scale_dtype)
+        layer = build_layer(original, c, cfg.scale_dtype)
         layers.append(layer)
-        storage[c.name] = int(round(qt.bits_per_weight * site.nparams))
+        storage[c.name] = storage_bits(layer, site)
     sums = {c.name: [] for c in cands}
-    try:
-        for ci, toks in enumerate(ref.chunks):
-            h_in = ref.hidden[ci][site.layer]
-            outs = []
-            for layer in layers:
-                lm.set(site, layer)
-                outs.append(lm.run_layers(h_in, site.layer, site.layer + 1))
-            lm.set(site, original)
-            b = toks.shape[0]
-            # Candidates share the suffix: push them through as one batch.
-            per = max(1, cfg.max_batch // b)
-            for j in range(0, len(cands), per):
-                group = outs[j : j + per]
-                h = mx.concatenate(group, axis=0) if len(group) > 1 else group[0]
-                logits = lm.head(lm.run_layers(h, site.layer + 1))
-                # Each candidate's slice against the one reference: no copies
-                # of the reference logits per candidate.
-                for g in range(len(group)):
-                    kl = kl_per_token(ref.logits[ci], logits[g * b : (g + 1) * b])
-                    sums[cands[j + g].name].append(np.array(kl, dtype=np.float64).ravel())
-    finally:
-        lm.set(site, original)
+    for ci, toks in enumerate(rp.chunks):
+        b = toks.shape[0]
+        per = max(1, cfg.max_batch // b)
+        for j in range(0, len(cands), per):
+            group = layers[j : j + per]
+            logits = rp.candidate_logits(ci, site, group)
+            # Each candidate's slice against the one reference: no copies
+            # of the reference logits per candidate.
+            for g in range(len(group)):
+                kl = kl_per_token(rp.logits[ci], logits[g * b : (g + 1) * b])
+                sums[cands[j + g].name].append(np.array(kl, dtype=np.float64).ravel())
     kl_mean, kl_se = {}, {}
     for name, parts in sums.items():
         v = np.concatenate(parts)
@@ -169,20 +126,42 @@ def measure_site(lm: LayeredModel, ref: Reference, site: Site, cands: list[Candi
                       {c.name: c for c in cands})
 
 
-def measure_site_naive(lm: LayeredModel, tokens: np.ndarray, site: Site, cand: Candidate,
+def storage_bits(layer, site: Site) -> int:
+    """Exact storage bits of a quantized module's weight: codes, scales,
+    biases and the permutation (not a float bias)."""
+    from ..nn import MixedQuantizedEmbedding, MixedQuantizedLinear
+
+    if isinstance(layer, (MixedQuantizedLinear, MixedQuantizedEmbedding)):
+        return int(round(layer.quantized_tensor().bits_per_weight * site.nparams))
+    return int(sum(layer[k].nbytes * 8 for k in ("weight", "scales", "biases") if k in layer))
+
+
+def measure_site_naive(model, tokens: np.ndarray, site: Site, cand: Candidate,
                        cfg: SweepConfig, ref_logits: list[mx.array], chunk: int) -> float:
     """The slow baseline: one full forward per candidate, no reuse."""
-    original = lm.get(site)
-    layer, _ = candidate_layer(dense_weight(original), _bias_of(original), cand, cfg.scale_dtype)
-    lm.set(site, layer)
+    ad = ModelAdapter(model)
+    original = ad.get(site.path)
+    ad.set(site.path, build_layer(original, cand, cfg.scale_dtype))
     try:
         parts = []
-        for ci, i in enumerate(range(0, len(tokens), chunk)):
-            logits = lm.logits(mx.array(tokens[i : i + chunk]))
+        for ci, toks in enumerate(_chunks(tokens, chunk)):
+            logits = model(toks)
             parts.append(np.array(kl_per_token(ref_logits[ci], logits), dtype=np.float64).ravel())
         return float(np.concatenate(parts).mean())
     finally:
-        lm.set(site, original)
+        ad.set(site.path, original)
+
+
+def select_sites(adapter: ModelAdapter, paths: list[str] | None) -> list[Site]:
+    """The adapter's tensors, or the named ones (unknown names refused)."""
+    if paths is None:
+        return list(adapter.sites)
+    known = {s.path for s in adapter.sites}
+    unknown = [p for p in paths if p not in known]
+    if unknown:
+        raise ValueError(f"unknown tensor paths {unknown[:5]}; this model's look like "
+                         f"{[s.path for s in adapter.sites[:3]]}")
+    return [s for s in adapter.sites if s.path in set(paths)]
 
 
 def _meta(tokens, cfg, model_id, sites):
@@ -216,16 +195,13 @@ def sweep(model, tokens, out: str | Path, candidates=None, *, resume: bool = Fal
     if not cfg.candidates:
         raise ValueError("at least one candidate is required")
     cands = [parse_candidate(c) for c in cfg.candidates]
-    lm = LayeredModel(model)
-    all_sites = lm.sites()
-    if sites is not None:
-        unknown = sorted(set(sites) - {s.path for s in all_sites})
-        if unknown:
-            raise ValueError(f"unknown tensor paths: {unknown[:5]}")
-        all_sites = [s for s in all_sites if s.path in set(sites)]
-    for s in all_sites:
-        for c in cands:
-            c.segments(s.shape[1])  # refuse now, not after hours of work
+    adapter = ModelAdapter(model)
+    all_sites = select_sites(adapter, sites)
+    site_cands = {s.path: [c for c in cands if supports(c, s)] for s in all_sites}
+    bare = [s.path for s in all_sites if not site_cands[s.path]]
+    if bare:  # refuse now, not after hours of work
+        raise ValueError(f"no candidate fits {bare[:3]} (group sizes must divide K; stacks take "
+                         "single-segment kinds only)")
     meta = _meta(tokens, cfg, model_id, all_sites)
     mine = all_sites[rank::world]
     out = Path(out)
@@ -241,21 +217,22 @@ def sweep(model, tokens, out: str | Path, candidates=None, *, resume: bool = Fal
         done = {e["path"]: e for e in prev.get("entries", [])}
     todo = [s for s in mine if s.path not in done]
     chunk = max(1, min(len(tokens), max_batch))
-    ref = Reference(lm, tokens, chunk) if todo else None
+    rp = Replayer(model, _chunks(tokens, chunk), adapter) if todo else None
 
     def table(complete: bool) -> dict:
         entries = [done[s.path] for s in all_sites if s.path in done]
         return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "metric": "kl",
                 "meta": meta, "complete": complete, "entries": entries}
 
-    bar = tqdm(total=len(mine) * len(cands), initial=(len(mine) - len(todo)) * len(cands),
+    bar = tqdm(total=sum(len(site_cands[s.path]) for s in mine),
+               initial=sum(len(site_cands[s.path]) for s in mine if s.path in done),
                unit="cand", desc=f"sweep{'' if world == 1 else f' rank {rank}'}",
                disable=not progress, smoothing=0.1)
     for site in todo:
-        res = measure_site(lm, ref, site, cands, cfg)
+        res = measure_site(rp, site, site_cands[site.path], cfg)
         done[site.path] = res.to_entry()
         write_json_atomic(table(complete=False), out, indent=1)
-        bar.update(len(cands))
+        bar.update(len(site_cands[site.path]))
         if on_site:
             on_site(res)
     bar.close()

@@ -1,0 +1,250 @@
+"""One place that knows a model's structure, found from the model itself.
+
+mlx-lm models expose their decoder blocks as ``model.layers`` (wrappers
+such as VLMs forward it to ``language_model``) and mark every quantizable
+leaf module by a ``to_quantized`` method; a model may also carry a
+``quant_predicate`` deciding per path what mlx-lm quantizes and how. The
+adapter reads exactly that, so every consumer (sweep, ExLlamaV2 grouping,
+recipes, routing, quantize, save) sees the same tensors under the same
+real module paths (``language_model.model.layers.0.linear_attn.in_proj_qkv``)
+and nothing else names projections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+__all__ = ["ModelAdapter", "Site", "dense_weight", "get_module", "set_module", "weight_shape"]
+
+
+@dataclass(frozen=True)
+class Site:
+    """One quantizable tensor of a model."""
+
+    path: str  # real module path
+    block: int | None  # index of the decoder block holding it, None outside blocks
+    shape: tuple  # dense weight shape: (N, K), or (E, N, K) for stacks
+    form: str  # "linear", "embedding" or "stack" (expert stacks, multi-head linears)
+
+    @property
+    def nparams(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= int(d)
+        return n
+
+    @property
+    def layer(self) -> int | None:
+        return self.block
+
+    @property
+    def name(self) -> str:
+        """The last path component (``q_proj``, ``down_proj``, ``lm_head``)."""
+        return self.path.rsplit(".", 1)[-1]
+
+    @property
+    def kind(self) -> str:  # kept for older callers
+        return self.name
+
+    @property
+    def k(self) -> int:
+        return int(self.shape[-1])
+
+
+def _mixbits_kinds():
+    from .nn import MixedQuantizedEmbedding, MixedQuantizedLinear
+
+    return MixedQuantizedLinear, MixedQuantizedEmbedding
+
+
+def _is_quantizable(m) -> bool:
+    """mlx-lm's rule: a module that can turn itself quantized, or one that
+    already is (stock or mixbits)."""
+    lin, emb = _mixbits_kinds()
+    if isinstance(m, (lin, emb)):
+        return True
+    if "weight" not in m or not isinstance(m["weight"], mx.array):
+        return False
+    return hasattr(m, "to_quantized") or "scales" in m
+
+
+def _form(m) -> str:
+    lin, emb = _mixbits_kinds()
+    if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding, emb)):
+        return "embedding"
+    if isinstance(m, (nn.Linear, nn.QuantizedLinear, lin)):
+        return "linear"
+    return "stack" if m["weight"].ndim == 3 else "linear"
+
+
+def weight_shape(m) -> tuple:
+    """Dense weight shape of a quantizable module, whatever its storage."""
+    lin, emb = _mixbits_kinds()
+    if isinstance(m, (lin, emb)):
+        return tuple(m.quantized_tensor().shape)
+    w = m["weight"]
+    if "scales" in m:
+        bits = getattr(m, "bits", None)
+        if not isinstance(bits, int):
+            raise ValueError(f"{type(m).__name__}: quantized without an integer 'bits'")
+        return (*w.shape[:-1], w.shape[-1] * 32 // bits)
+    return tuple(w.shape)
+
+
+def dense_weight(m) -> mx.array:
+    """The float32 dense weight of a quantizable module (original column order)."""
+    lin, emb = _mixbits_kinds()
+    if isinstance(m, (lin, emb)):
+        return m.quantized_tensor().dequantize(unpermute=True).astype(mx.float32)
+    if "scales" in m:
+        mode = getattr(m, "mode", "affine")
+        if mode != "affine":
+            raise ValueError(f"only affine quantized layers can be re-quantized, got mode {mode!r}")
+        return mx.dequantize(m["weight"], m["scales"], m.get("biases"), group_size=m.group_size,
+                             bits=m.bits).astype(mx.float32)
+    return m["weight"].astype(mx.float32)
+
+
+def _child(parent, key: str):
+    return parent[int(key)] if isinstance(parent, list) else parent[key]
+
+
+class ModelAdapter:
+    """Structure of one model: its decoder blocks, its quantizable tensors
+    and the tensors the model's own ``quant_predicate`` fixes.
+
+    ``blocks`` is the list object the model iterates (``model.layers``);
+    ``block_prefix`` its module path. A model without ``layers`` still has
+    tensors; it just cannot be replayed block by block.
+    """
+
+    def __init__(self, model: nn.Module):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.blocks = self._find_blocks(model)
+        modules = dict(model.named_modules())
+        self.block_prefix = None
+        if self.blocks:
+            ids = {id(m): p for p, m in modules.items()}
+            first = ids.get(id(self.blocks[0]))
+            if first is not None and first.rsplit(".", 1)[-1] == "0":
+                self.block_prefix = first.rsplit(".", 1)[0]
+                # ``model.layers`` may be a fresh slice (mlx-lm's pipeline
+                # mixin); the stored list is what the forward iterates.
+                self.blocks = get_module(model, self.block_prefix)
+            else:
+                self.blocks = []
+        predicate = getattr(model, "quant_predicate", None)
+        self.sites: list[Site] = []
+        self.fixed: dict[str, dict] = {}  # path -> {"bits", "group_size"} set by the model
+        self.excluded: list[str] = []  # quantizable, but the model says "keep float"
+        for path, m in modules.items():
+            if not path or not _is_quantizable(m):
+                continue
+            rule = predicate(path, m) if callable(predicate) else True
+            if rule is False:
+                self.excluded.append(path)
+                continue
+            if isinstance(rule, dict):
+                self.fixed[path] = {"bits": rule.get("bits"), "group_size": rule.get("group_size")}
+                continue
+            self.sites.append(Site(path, self.block_of(path), weight_shape(m), _form(m)))
+        # Data-flow order: embeddings, blocks (children in the order the
+        # block defines them: attention before MLP), then heads.
+        self.sites.sort(key=self._order)
+        self._by_path = {s.path: s for s in self.sites}
+
+    def _order(self, s: Site):
+        if s.block is None:
+            return (-1 if s.form == "embedding" else 1 << 30, 0, s.path)
+        children = list(self.blocks[s.block].keys())
+        first = s.path[len(f"{self.block_prefix}.{s.block}.") :].split(".", 1)[0]
+        return (s.block, children.index(first) if first in children else len(children), s.path)
+
+    @staticmethod
+    def _find_blocks(model) -> list:
+        try:
+            layers = model.layers
+        except AttributeError:
+            return []
+        if isinstance(layers, list) and layers and all(isinstance(b, nn.Module) for b in layers):
+            return layers
+        return []
+
+    # ------------------------------------------------------------ questions
+
+    def block_of(self, path: str) -> int | None:
+        if self.block_prefix is None or not path.startswith(self.block_prefix + "."):
+            return None
+        return int(path[len(self.block_prefix) + 1 :].split(".", 1)[0])
+
+    def site(self, path: str) -> Site:
+        try:
+            return self._by_path[path]
+        except KeyError:
+            raise KeyError(f"{path!r} is not a quantizable tensor of this model; "
+                           f"e.g. {[s.path for s in self.sites[:3]]}") from None
+
+    def group_of(self, site: Site) -> str | None:
+        """The ExLlamaV2-style module holding ``site``: the block's direct
+        child (``...layers.3.self_attn``, ``...layers.3.mlp``,
+        ``...layers.3.linear_attn``), None outside blocks."""
+        if site.block is None:
+            return None
+        head = f"{self.block_prefix}.{site.block}."
+        first = site.path[len(head):].split(".", 1)[0]
+        return head + first
+
+    def groups(self) -> dict[str, list[Site]]:
+        out: dict[str, list[Site]] = {}
+        for s in self.sites:
+            g = self.group_of(s)
+            if g is not None:
+                out.setdefault(g, []).append(s)
+        return out
+
+    def role(self, site: Site) -> str:
+        """What a recipe needs to know of a tensor: "values" (attention
+        value projection), "down" (the MLP's output projection), "head",
+        "embedding", or "other". Names follow mlx-lm's conventions."""
+        if site.form == "embedding":
+            return "embedding"
+        if site.block is None:
+            return "head"
+        if site.name in ("v_proj", "wv", "value"):
+            return "values"
+        if site.name in ("down_proj", "w2", "fc2", "c_proj") and ".mlp" in site.path:
+            return "down"
+        return "other"
+
+    # ------------------------------------------------------------ modules
+
+    def get(self, path: str):
+        return get_module(self.model, path)
+
+    def set(self, path: str, module) -> None:
+        set_module(self.model, path, module)
+
+    def local_path(self, site: Site) -> str:
+        """``site``'s path inside its block (``self_attn.q_proj``)."""
+        return site.path[len(f"{self.block_prefix}.{site.block}.") :]
+
+
+def get_module(root, path: str):
+    mod = root
+    for part in path.split("."):
+        mod = _child(mod, part)
+    return mod
+
+
+def set_module(root, path: str, module) -> None:
+    *head, last = path.split(".")
+    parent = get_module(root, ".".join(head)) if head else root
+    if isinstance(parent, list):
+        parent[int(last)] = module
+    else:
+        setattr(parent, last, module)

@@ -1,0 +1,86 @@
+"""Tiny random-weight mlx-lm models of many architectures, built from
+mlx-lm's own model classes (no downloads): the test bed for everything
+that must work on any model."""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+
+_BASE = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=160, head_dim=16,
+             max_position_embeddings=512, rope_theta=10000.0)
+
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1,
+            mlp_only_layers=[], norm_topk_prob=True)
+
+_HYBRID = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+               linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
+               partial_rotary_factor=0.25)
+
+CONFIGS = {
+    "llama": dict(model_type="llama", tie_word_embeddings=False),
+    "llama_tied": dict(model_type="llama", tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", tie_word_embeddings=True),
+    "qwen3_moe": dict(model_type="qwen3_moe", tie_word_embeddings=False, **_MOE),
+    "qwen3_next": dict(model_type="qwen3_next", tie_word_embeddings=False, **_MOE, **_HYBRID,
+                       shared_expert_intermediate_size=64),
+    "qwen3_5": dict(model_type="qwen3_5", tie_word_embeddings=False, **_HYBRID),
+    "qwen3_5_vlm": dict(model_type="qwen3_5", tie_word_embeddings=False,
+                    text_config=dict(model_type="qwen3_5_text", tie_word_embeddings=False,
+                                     **_BASE, **_HYBRID)),
+    "gemma3_text": dict(model_type="gemma3_text", sliding_window=8, sliding_window_pattern=2,
+                        query_pre_attn_scalar=16),
+    "gemma3": dict(model_type="gemma3", vocab_size=160,
+                   text_config=dict(**{k: v for k, v in _BASE.items() if k != "vocab_size"},
+                                    model_type="gemma3_text",
+                                    sliding_window=8, sliding_window_pattern=2,
+                                    query_pre_attn_scalar=16)),
+    "ministral3": dict(model_type="ministral3", sliding_window=8, tie_word_embeddings=False,
+                       layer_types=["sliding_attention", "full_attention"] * 2,
+                       rope_parameters=dict(rope_theta=10000.0, llama_4_scaling_beta=0.1,
+                                            original_max_position_embeddings=64)),
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe", tie_word_embeddings=False, **_MOE, **_HYBRID,
+                        shared_expert_intermediate_size=64),
+    "phi3": dict(model_type="phi3", tie_word_embeddings=False),
+    "deepseek_v3": dict(model_type="deepseek_v3", tie_word_embeddings=False, kv_lora_rank=16,
+                        q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                        n_shared_experts=1, first_k_dense_replace=1, moe_layer_freq=1,
+                        n_group=1, topk_group=1, routed_scaling_factor=1.0),
+    "gpt_oss": dict(model_type="gpt_oss", tie_word_embeddings=False, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=8, head_dim=16,
+                    layer_types=["sliding_attention", "full_attention"] * 2),
+}
+
+
+def config(name: str) -> dict:
+    cfg = copy.deepcopy(_BASE)
+    cfg.update(copy.deepcopy(CONFIGS[name]))
+    return cfg
+
+
+def build(name: str, seed: int = 0, dtype=mx.float32):
+    """(model, config) with random weights, in ``dtype``."""
+    from mlx_lm.utils import _get_classes
+
+    cfg = config(name)
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(cfg))
+    # Random init makes some norms/biases zero or one; perturb every float
+    # parameter a little so no tensor is trivially insensitive.
+    params = tree_flatten(model.parameters())
+    key = mx.random.key(seed + 1)
+    new = []
+    for i, (k, v) in enumerate(params):
+        if mx.issubdtype(v.dtype, mx.floating):
+            noise = mx.random.normal(v.shape, key=mx.random.split(key, len(params))[i]) * 0.02
+            v = (v + noise).astype(dtype)
+        new.append((k, v))
+    model.load_weights(new, strict=False)
+    mx.eval(model.parameters())
+    model.eval()
+    return model, cfg
