@@ -89,3 +89,33 @@ def test_refine_rejects_a_measurement(tmp_path, capsys):
 def test_refine_arguments_checked_before_the_model_loads(tmp_path, capsys, argv, needle):
     _one_line_error(capsys, ["refine", str(_table_file(tmp_path)), "--model", NO_MODEL, "--bpw", "3.5",
                              "--out", str(tmp_path / "a.json")] + argv, needle)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--max-evals", "0"], "--max-evals must be >= 1"),
+    (["--holdout-seq", "-1"], "--holdout-seq must be >= 0"),
+    (["--bpw", "3.5", "-1"], "--bpw must be a positive"),
+    (["--n-seq", "0"], "--n-seq must be >= 1"),
+])
+def test_compare_arguments_checked_before_the_model_loads(tmp_path, capsys, argv, needle):
+    _one_line_error(capsys, ["compare", str(_table_file(tmp_path)), "--model", NO_MODEL] + argv, needle)
+
+
+def test_compare_rejects_a_measurement(capsys):
+    _one_line_error(capsys, ["compare", str(MEAS), "--model", NO_MODEL], "ExLlamaV2 measurement")
+
+
+def test_quantize_out_checked_before_the_model_loads(tmp_path, capsys):
+    from shared_files import ALLOC
+
+    f = tmp_path / "file"
+    f.write_text("not a folder")
+    _one_line_error(capsys, ["quantize", "--model", NO_MODEL, "--allocation", str(ALLOC), "--out", str(f)],
+                    "mixbits quantize: error:", "not a folder")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    _one_line_error(capsys, ["quantize", "--model", NO_MODEL, "--allocation", str(ALLOC), "--out", str(other)],
+                    "did not write")
+    _one_line_error(capsys, ["quantize", "--model", NO_MODEL, "--allocation", str(tmp_path), "--out", str(other)],
+                    "mixbits quantize: error: --allocation:", "is a directory")

@@ -31,9 +31,10 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _check_replaceable(folder: Path) -> None:
+def check_replaceable(folder) -> None:
     """``folder`` may be replaced: absent, empty, or a folder we wrote. A
     folder of someone else's files is refused rather than deleted."""
+    folder = Path(folder)
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
         raise OutputPathError(f"cannot write the model folder {folder}: it exists and is not a folder")
     if folder.is_dir() and any(folder.iterdir()) and not (folder / MANIFEST).is_file():
@@ -48,7 +49,7 @@ def write_folder(folder, fill) -> Path:
     beside ``folder``, add the marker, and move it into place (replacing a
     folder this function wrote before)."""
     folder = Path(folder)
-    _check_replaceable(folder)
+    check_replaceable(folder)
     parent = folder.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)

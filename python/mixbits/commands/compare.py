@@ -23,14 +23,19 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from ..measure.calib import load_model_and_tokens
-    from ..atomic import write_json_atomic
-    from ..measure.checkpoint import read_json
+    from ..atomic import output_target, write_json_atomic
     from ..measure.compare import compare, format_rows
     from ..measure.joint import JointEvaluator
+    from . import _checks
 
-    table = read_json(args.table, "sensitivity table")
-    if args.holdout_seq < 0:
-        raise ValueError(f"--holdout-seq must be >= 0, got {args.holdout_seq}")
+    # Arguments, outputs and the table first: the model load takes 10-40 s.
+    _checks.positive_bpw("--bpw", args.bpw)
+    _checks.at_least("--max-evals", args.max_evals, 1)
+    _checks.at_least("--holdout-seq", args.holdout_seq, 0)
+    _checks.calibration(args)
+    if args.json:
+        output_target(args.json)
+    table = _checks.read_table(args.table)
     n_cal = args.n_seq
     args.n_seq = n_cal + args.holdout_seq
     model, tokens = load_model_and_tokens(args)

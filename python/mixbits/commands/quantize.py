@@ -81,16 +81,19 @@ def run(args) -> int:
     from mixbits.formats.allocation import Allocation
     from mixbits.formats.errors import FormatError
 
+    from mixbits.folder import check_replaceable
+
+    # Everything checkable is checked before the model load; errors are
+    # printed as one line by mixbits.cli.
     try:
         alloc = Allocation.load(args.allocation)
     except (OSError, FormatError) as e:
-        print(f"--allocation: {e}", file=sys.stderr)
-        return 2
+        raise FormatError(f"--allocation: {e}") from None
+    check_replaceable(args.out)  # a file, device or folder of other files as --out fails now
     try:
         model, tokenizer, config = mixbits.load(args.model)
     except FileNotFoundError as e:
-        print(f"--model: {e}", file=sys.stderr)
-        return 2
+        raise FileNotFoundError(f"--model: {e}") from None
     try:
         chosen = allocation_candidates(alloc, model, group_size=args.group_size,
                                        strip_prefix=args.strip_prefix)
