@@ -174,3 +174,32 @@ def test_measure_allocate_quantize_load(arch, tmp_path):
                    if chosen.get(s.path) is not None)
         tol = (4e-3 if half else 1e-5) * float(np.abs(want).max())
         assert np.abs(got - want).max() <= tol
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_5_vlm"])
+def test_routing_reaches_wrapped_models(arch, monkeypatch):
+    """patch() routes attention/SwiGLU of a VLM wrapper whose blocks live in
+    another module (gemma3 -> gemma3_text) and under language_model.*."""
+    from mixbits import _ext
+    from mixbits.routing import patch_functions, unpatch_functions
+
+    calls = {"attn": 0}
+    real = _ext.causal_attention
+
+    def attn(*a):
+        calls["attn"] += 1
+        return real(*a)
+
+    monkeypatch.setattr(_ext, "causal_attention", attn)
+    model, _ = tiny_models.build(arch)
+    toks = mx.array(_tokens(seq=6))  # shorter than the sliding window (8): plain causal masks
+    want = model(toks)
+    assert "scaled_dot_product_attention" in patch_functions(model)
+    try:
+        got = model(toks)
+        mx.eval(got)
+        full_attention = sum(1 for b in ModelAdapter(model).blocks if "self_attn" in b)
+        assert calls["attn"] == full_attention > 0
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+    finally:
+        unpatch_functions(model)
