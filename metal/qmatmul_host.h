@@ -1,5 +1,5 @@
 // Host side of the Metal quantized matmul, in plain C++: which kernel runs
-// for which segment, with which parameters and grid. Used by
+// for which segment, with which parameters, grid and buffers. Used by
 // cpp/qmatmul/metal.cpp on macOS and by the emulator tests on Linux, so the
 // launch logic the Mac runs is the one the tests exercise.
 #pragma once
@@ -9,19 +9,10 @@
 #include <string>
 #include <vector>
 
+#include "kernel_args.h"
 #include "qmatmul_params.h"
 
 namespace mixbits::metal_host {
-
-enum class ActType { F32 = 0, F16 = 1, BF16 = 2 };
-
-inline const char* act_type_name(ActType t) {
-  switch (t) {
-    case ActType::F32: return "float32";
-    case ActType::F16: return "float16";
-    default: return "bfloat16";
-  }
-}
 
 struct QmmSegment {
   int bits;
@@ -30,13 +21,6 @@ struct QmmSegment {
 };
 
 enum class QmmPath { Auto = 0, Gemv = 1, Tiled = 2 };
-
-struct Launch {
-  std::string kernel;
-  uint32_t grid[3];           // threadgroups per grid
-  uint32_t group[3];          // threads per threadgroup
-  size_t threadgroup_bytes;   // length of [[threadgroup(0)]], 0 if none
-};
 
 struct QmmLaunch : Launch {
   MbQmmParams params;
@@ -56,6 +40,16 @@ inline bool qmm_uses_tiled(int M, QmmPath path) {
 
 // More than one segment: the dispatches pass a float32 [M, N] partial sum.
 inline bool qmm_needs_acc(size_t n_segments) { return n_segments > 1; }
+
+// Why the Metal kernels cannot run a problem ("" if they can): their
+// parameters are int32. Checked when the graph node is built
+// (cpp/qmatmul/qmatmul.cpp), so eval_gpu never meets such a problem.
+inline std::string qmm_gpu_refusal(int64_t M, int64_t N, int64_t K) {
+  const int64_t lim = 0x7fffffff;
+  if (M > lim) return "x has more than 2^31-1 rows for the GPU kernels";
+  if (N > lim || K > lim) return "the weight is too large for the GPU kernels";
+  return "";
+}
 
 // One launch per segment, in order. M rows of x (contiguous, K columns),
 // N outputs. Arguments are assumed validated (cpp/qmatmul/qmatmul.cpp).
@@ -99,6 +93,24 @@ inline std::vector<QmmLaunch> plan_qmm(int M, int N,
     l.group[1] = l.group[2] = 1;
     l.segment = int(i);
     l.tiled = tiled;
+    const size_t mk = size_t(M) * size_t(K), mn = size_t(M) * size_t(N);
+    const size_t groups = size_t(N) * size_t(s.k / s.group_size);
+    const Elem se = scale_type == MB_SCALE_F32   ? Elem::F32
+                    : scale_type == MB_SCALE_F16 ? Elem::F16
+                                                 : Elem::BF16;
+    const bool acc = qmm_needs_acc(segs.size());
+    // Unused slots get `out` (freshly allocated: offset 0, aligned).
+    l.buffers = {
+        {"x", MB_QMM_X, Dir::In, elem_of(xt), mk, -1},
+        {"perm", MB_QMM_PERM, Dir::In, Elem::I32, has_perm ? size_t(K) : 0,
+         has_perm ? -1 : MB_QMM_OUT},
+        {"wq", MB_QMM_WQ, Dir::In, Elem::U32, size_t(N) * size_t(s.k) * s.bits / 32, -1},
+        {"scales", MB_QMM_SCALES, Dir::In, se, groups, -1},
+        {"biases", MB_QMM_BIASES, Dir::In, se, groups, -1},
+        {"acc", MB_QMM_ACC, Dir::Out, Elem::F32, acc ? mn : 0, acc ? -1 : MB_QMM_OUT},
+        {"out", MB_QMM_OUT, Dir::Out, elem_of(xt), mn, -1},
+    };
+    l.params_index = MB_QMM_PARAMS;
     out.push_back(l);
     k0 += s.k;
   }

@@ -10,6 +10,7 @@
 
 #include "common/mlx_args.h"
 #include "common/parallel.h"
+#include "kl_host.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
@@ -57,14 +58,22 @@ std::vector<mx::array> kl_divergence(const mx::array& ref,
     if (row_param->dtype() != mx::float32)
       fail("the per-row parameter must be float32");
     mx::Shape want = lead_shape(logits);
-    if (mode == KLMode::Probs) want.push_back(2);
+    if (mode == KLMode::Probs) want.push_back(MB_KL_PROBS_PARAM_WORDS);
     if (row_param->shape() != want)
       fail("the per-row parameter has shape " +
            shape_str(row_param->shape()) + ", expected " + shape_str(want));
   }
-  select_kl(backend);  // throws now, not inside the graph, if unavailable
-
   auto stream = mx::to_stream(s);
+  if (stream.device == mx::Device::gpu) {
+    // The GPU has one kernel; a CPU backend name would be ignored there, so
+    // it is refused, as is what the Metal kernel cannot index.
+    if (backend != KLBackend::Auto)
+      fail("backend= chooses a CPU kernel; on the GPU leave it unset");
+    const std::string why = metal_host::kl_gpu_refusal(logits.size() / V, V);
+    if (!why.empty()) fail(why);
+  } else {
+    select_kl(backend);  // throws now, not inside the graph, if unavailable
+  }
   std::vector<mx::array> inputs{mx::contiguous(ref, false, stream),
                                 mx::contiguous(logits, false, stream)};
   if (row_param) inputs.push_back(mx::contiguous(*row_param, false, stream));

@@ -1,9 +1,17 @@
 // KLDivergence::eval_gpu: the Metal path. One threadgroup per row runs the
-// online max / log-sum-exp pass of kl.metal; the launch plan comes from
-// metal/kl_host.h, the same code the emulator tests on Linux run. Compiled
-// only when MLX has Metal (CMake adds cpp/*/metal.cpp under
-// MLX_BUILD_METAL); kl.cpp holds the stub for builds without it.
+// online max / log-sum-exp pass of kl.metal; the launch plan and the list
+// of buffers it binds come from metal/kl_host.h, the same code the
+// emulator harness runs on Linux. Compiled only when MLX has Metal (CMake
+// adds cpp/*/metal.cpp under MLX_BUILD_METAL); kl.cpp holds the stub for
+// builds without it. Every argument was validated when the graph node was
+// built (kl_divergence in kl.cpp), so nothing here rejects user input.
 #ifdef _METAL_
+
+#ifndef MIXBITS_HAS_METALLIB
+// CMake builds mixbits.metallib next to the extension whenever it compiles
+// this file; without it get_library would fail on the first call instead.
+#error "cpp/kl/metal.cpp needs the mixbits metallib (MIXBITS_HAS_METALLIB)"
+#endif
 
 #include <dlfcn.h>
 
@@ -12,12 +20,12 @@
 #include <string>
 #include <vector>
 
+#include "common/metal_bind.h"
 #include "kl/kl.h"
 #include "kl_host.h"
 #include "kl_params.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/metal/device.h"
-#include "mlx/backend/metal/utils.h"
 
 namespace mixbits {
 
@@ -58,28 +66,31 @@ void KLDivergence::eval_gpu(const std::vector<mx::array>& inputs,
   auto& d = mx::metal::device(s.device);
   for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
 
-  // Inputs were made row-contiguous when the graph node was built.
-  const mx::array& ref = inputs[0];
-  const mx::array& logits = inputs[1];
-  const int64_t V = logits.shape(-1);
-  const int64_t rows = V ? logits.size() / V : 0;
-  if (rows == 0) return;
-  if (rows > int64_t(INT32_MAX))
-    throw std::invalid_argument("kl_divergence: too many rows for the GPU kernel");
+  std::vector<mx::array> in = inputs;  // shared handles, for binding
+  const int64_t V = in[1].shape(-1);
+  const int64_t rows = V ? in[1].size() / V : 0;
+  if (rows == 0) return;  // (the builder refuses rows > INT32_MAX)
 
-  const auto l = host::plan_kl(int(rows), int(V), kl_act_type(ref.dtype()),
-                               kl_act_type(logits.dtype()), kl_mode(mode_));
+  const host::ActType ta = kl_act_type(in[0].dtype());
+  const host::ActType tb = kl_act_type(in[1].dtype());
   auto* lib = d.get_library("mixbits", kl_library_dir());
+  auto* kernel = d.get_kernel(host::kl_kernel_name(ta, tb), lib);
+  // Any multiple of 32 threads works: take what this pipeline allows.
+  const int threads = host::kl_threads_for(kernel->maxTotalThreadsPerThreadgroup());
+  const auto l = host::plan_kl(int(rows), int(V), ta, tb, kl_mode(mode_), threads);
+
+  std::vector<mx::array*> arrays(MB_KL_PARAMS, nullptr);
+  arrays[MB_KL_A] = &in[0];
+  arrays[MB_KL_B] = &in[1];
+  if (in.size() > 2) arrays[MB_KL_ROW_PARAM] = &in[2];
+  // outputs: kl, status, argmax_q, lse_q, argmax_ref, lse_ref (kl.h), at
+  // MB_KL_OUT .. MB_KL_LSE_REF in the same order.
+  for (int j = 0; j < 6; ++j) arrays[size_t(MB_KL_OUT + j)] = &outputs[size_t(j)];
+
   auto& enc = mx::metal::get_command_encoder(s);
-  enc.set_compute_pipeline_state(d.get_kernel(l.kernel, lib));
-  enc.set_input_array(ref, MB_KL_A);
-  enc.set_input_array(logits, MB_KL_B);
-  // Logits mode has no row parameter; the reference stands in, unread.
-  enc.set_input_array(inputs.size() > 2 ? inputs[2] : ref, MB_KL_ROW_PARAM);
-  // outputs: kl, status, argmax_q, lse_q, argmax_ref, lse_ref (kl.h), bound
-  // at MB_KL_OUT .. MB_KL_LSE_REF in the same order.
-  for (int j = 0; j < 6; ++j) enc.set_output_array(outputs[j], MB_KL_OUT + j);
-  enc.set_bytes(l.params, MB_KL_PARAMS);
+  enc.set_compute_pipeline_state(kernel);
+  bind_buffers(enc, l, arrays);
+  enc.set_bytes(l.params, l.params_index);
   enc.set_threadgroup_memory_length(l.threadgroup_bytes, 0);
   enc.dispatch_threadgroups(MTL::Size(l.grid[0], l.grid[1], l.grid[2]),
                             MTL::Size(l.group[0], l.group[1], l.group[2]));

@@ -1,11 +1,20 @@
 // MixedQMatmul::eval_gpu: the Metal path. One dispatch per K-segment, each
-// a kernel specialized for that segment's bits and group size (GEMV for few
-// rows, tiled above MB_QMV_MAX_M); the launch plan (kernel names, grids,
-// parameters) comes from metal/qmatmul_host.h, the same code the emulator
-// tests on Linux run. Compiled only when MLX has Metal (CMake adds
-// cpp/*/metal.cpp under MLX_BUILD_METAL); qmatmul.cpp holds the stub for
-// builds without it.
+// a kernel specialized for that segment's bits, group size and scale dtype
+// (GEMV for few rows, tiled above MB_QMV_MAX_M); the launch plan (kernel
+// names, grids, parameters, and the buffers each launch binds) comes from
+// metal/qmatmul_host.h, the same code the emulator harness runs on Linux.
+// Compiled only when MLX has Metal (CMake adds cpp/*/metal.cpp under
+// MLX_BUILD_METAL); qmatmul.cpp holds the stub for builds without it.
+// Every argument was validated, and x, perm, wq, scales and biases made
+// contiguous, when the graph node was built (mixed_qmatmul): eval_gpu
+// needs no copy kernel of its own and rejects no user input.
 #ifdef _METAL_
+
+#ifndef MIXBITS_HAS_METALLIB
+// CMake builds mixbits.metallib next to the extension whenever it compiles
+// this file; without it get_library would fail on the first call instead.
+#error "cpp/qmatmul/metal.cpp needs the mixbits metallib (MIXBITS_HAS_METALLIB)"
+#endif
 
 #include <dlfcn.h>
 
@@ -15,9 +24,9 @@
 #include <string>
 #include <vector>
 
+#include "common/metal_bind.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/metal/device.h"
-#include "mlx/backend/metal/utils.h"
 #include "qmatmul/qmatmul.h"
 #include "qmatmul_host.h"
 #include "qmatmul_params.h"
@@ -59,26 +68,21 @@ void MixedQMatmul::eval_gpu(const std::vector<mx::array>& inputs,
   auto& d = mx::metal::device(s.device);
   out.set_data(mx::allocator::malloc(out.nbytes()));
 
+  std::vector<mx::array> in = inputs;  // shared handles, for binding
   const int first = has_perm_ ? 2 : 1;
-  const int N = inputs[first].shape(0);
+  const int N = in[size_t(first)].shape(0);
   int K = 0;
   std::vector<host::QmmSegment> segs;
   for (const SegSpec& sg : segs_) {
     segs.push_back({sg.bits, sg.group_size, sg.k});
     K += sg.k;
   }
-  const int M = int(inputs[0].size() / K);
+  // (the builder refuses M > INT32_MAX)
+  const int M = int(in[0].size() / size_t(K));
   if (M == 0 || N == 0) return;
 
-  // The kernels index x as a dense [M, K] matrix; x, perm, wq, scales and
-  // biases were made contiguous when the graph node was built
-  // (mixed_qmatmul), so eval_gpu needs no copy kernel of its own.
-  const mx::array& x = inputs[0];
-  if (!x.flags().row_contiguous)
-    throw std::logic_error("qmatmul: x reached eval_gpu not row-contiguous");
-  const mx::array& perm = has_perm_ ? inputs[1] : x;
   const auto plan = host::plan_qmm(M, N, segs, act_type(out.dtype()),
-                                   scale_type(inputs[first + 1].dtype()),
+                                   scale_type(in[size_t(first) + 1].dtype()),
                                    has_perm_);
 
   // Several segments pass a float32 partial sum from dispatch to dispatch.
@@ -92,18 +96,30 @@ void MixedQMatmul::eval_gpu(const std::vector<mx::array>& inputs,
   auto* lib = d.get_library("mixbits", library_dir());
   auto& enc = mx::metal::get_command_encoder(s);
   for (const host::QmmLaunch& l : plan) {
-    const int i = l.segment;
-    enc.set_compute_pipeline_state(d.get_kernel(l.kernel, lib));
-    enc.set_input_array(x, MB_QMM_X);
-    enc.set_input_array(perm, MB_QMM_PERM);  // x stands in when unused
-    enc.set_input_array(inputs[first + 3 * i], MB_QMM_WQ);
-    enc.set_input_array(inputs[first + 3 * i + 1], MB_QMM_SCALES);
-    enc.set_input_array(inputs[first + 3 * i + 2], MB_QMM_BIASES);
+    const size_t i = size_t(l.segment);
+    auto* kernel = d.get_kernel(l.kernel, lib);
+    // The kernels' thread counts are part of their design (tile shapes,
+    // simdgroup roles); a pipeline that allows fewer cannot run them.
+    if (kernel->maxTotalThreadsPerThreadgroup() < l.threads_per_group())
+      throw std::runtime_error(
+          "qmatmul: this GPU allows " +
+          std::to_string(kernel->maxTotalThreadsPerThreadgroup()) +
+          " threads per threadgroup for " + l.kernel + ", which needs " +
+          std::to_string(l.threads_per_group()));
+    std::vector<mx::array*> arrays(MB_QMM_PARAMS, nullptr);
+    arrays[MB_QMM_X] = &in[0];
+    if (has_perm_) arrays[MB_QMM_PERM] = &in[1];
+    arrays[MB_QMM_WQ] = &in[size_t(first) + 3 * i];
+    arrays[MB_QMM_SCALES] = &in[size_t(first) + 3 * i + 1];
+    arrays[MB_QMM_BIASES] = &in[size_t(first) + 3 * i + 2];
     // As an output the partial sum also orders this dispatch after the one
     // that wrote it (MLX inserts the barrier).
-    enc.set_output_array(acc ? *acc : out, MB_QMM_ACC);
-    enc.set_output_array(out, MB_QMM_OUT);
-    enc.set_bytes(l.params, MB_QMM_PARAMS);
+    if (acc) arrays[MB_QMM_ACC] = &*acc;
+    arrays[MB_QMM_OUT] = &out;
+
+    enc.set_compute_pipeline_state(kernel);
+    bind_buffers(enc, l, arrays);
+    enc.set_bytes(l.params, l.params_index);
     if (l.threadgroup_bytes)
       enc.set_threadgroup_memory_length(l.threadgroup_bytes, 0);
     enc.dispatch_threadgroups(MTL::Size(l.grid[0], l.grid[1], l.grid[2]),

@@ -12,6 +12,7 @@
 
 #include "common/mlx_args.h"
 #include "common/parallel.h"
+#include "qmatmul_host.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
@@ -91,9 +92,19 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
       fail("perm shape " + shape_str(*perm) + " != (" + std::to_string(K) +
            ",)");
   }
-  select_qmm(backend);  // throws now, not inside the graph, if unavailable
-
   auto stream = mx::to_stream(s);
+  if (stream.device == mx::Device::gpu) {
+    // The GPU has one kernel per shape; a CPU backend name would be ignored
+    // there, so it is refused, as is what the Metal kernels cannot index.
+    if (backend != Backend::Auto)
+      fail("backend= chooses a CPU kernel; on the GPU leave it unset");
+    const std::string why = metal_host::qmm_gpu_refusal(
+        int64_t(x.size()) / int64_t(K), N, K);
+    if (!why.empty()) fail(why);
+  } else {
+    select_qmm(backend);  // throws now, not inside the graph, if unavailable
+  }
+
   // The Metal kernels index x as a dense [M, K] matrix; the copy happens
   // here, in the graph (eval_gpu may only use MLX_API symbols, and the GPU
   // copy helpers are not). The CPU path reads strided x itself.

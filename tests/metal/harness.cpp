@@ -1,10 +1,18 @@
 // C entry points (loaded with ctypes by the tests) that launch the Metal
 // kernels on the SIMT emulator exactly as the Mac host code does: the
 // launch plans come from metal/qmatmul_host.h and metal/kl_host.h, the
-// kernels are looked up by their [[host_name]], buffers are bound by index.
+// kernels are looked up by their [[host_name]], and the buffers are
+// allocated, checked and bound from each launch's own description of them
+// (Launch::buffers, metal/kernel_args.h), the one cpp/*/metal.cpp binds MLX
+// arrays from. The caller's arrays must match that description in size
+// (so a test cannot hand a kernel a buffer the primitive never would), and
+// every bound pointer, stand-ins included, must be aligned for the element
+// type the kernel declares there.
 //
-// Every buffer a kernel sees is a copy placed so that it ends at a
-// PROT_NONE page: reading or writing past its end faults. Outputs and
+// Every input a kernel sees is a copy placed so that it ends at a
+// PROT_NONE page: reading past its end faults. Outputs start 16-byte
+// aligned (as MLX allocates them, offset 0) and are followed by canary
+// bytes up to the guard page, checked after the launch. Outputs and
 // threadgroup memory start as NaN, so an element a kernel forgets to
 // write, or a threadgroup slot read before it is written, shows.
 #include <setjmp.h>
@@ -17,7 +25,9 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <algorithm>
 #include <limits>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,16 +44,21 @@ using namespace mixbits::metal_host;
 
 class Guarded {
  public:
-  explicit Guarded(size_t bytes) : bytes_(bytes) {
+  // `align` > 1: start aligned to it, the slack up to the guard page filled
+  // with a canary (see canary_intact).
+  explicit Guarded(size_t bytes, size_t align = 1) : bytes_(bytes) {
     const size_t page = size_t(sysconf(_SC_PAGESIZE));
-    const size_t body = (bytes + page - 1) / page * page;
+    const size_t span = (bytes + align - 1) / align * align;
+    const size_t body = (span + page - 1) / page * page;
     total_ = body + page;
     void* p = mmap(nullptr, total_, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::runtime_error("harness: mmap failed");
     base_ = static_cast<char*>(p);
     mprotect(base_ + body, page, PROT_NONE);
-    data_ = base_ + body - bytes;
+    data_ = base_ + body - span;
+    slack_ = span - bytes;
+    std::memset(data_ + bytes, kCanary, slack_);
   }
   Guarded(size_t bytes, const void* src) : Guarded(bytes) {
     if (bytes) std::memcpy(data_, src, bytes);
@@ -53,17 +68,109 @@ class Guarded {
   Guarded& operator=(const Guarded&) = delete;
   template <typename T>
   T* as() { return reinterpret_cast<T*>(data_); }
+  void* data() { return data_; }
   void fill_nan_f32() {
     float* f = as<float>();
     for (size_t i = 0; i < bytes_ / 4; ++i) f[i] = std::numeric_limits<float>::quiet_NaN();
   }
   void fill_bytes(unsigned char v) { std::memset(data_, v, bytes_); }
   size_t bytes() const { return bytes_; }
+  bool canary_intact() const {
+    for (size_t i = 0; i < slack_; ++i)
+      if (static_cast<unsigned char>(data_[bytes_ + i]) != kCanary) return false;
+    return true;
+  }
 
  private:
+  static constexpr unsigned char kCanary = 0x5a;
   char* base_ = nullptr;
   char* data_ = nullptr;
-  size_t bytes_ = 0, total_ = 0;
+  size_t bytes_ = 0, total_ = 0, slack_ = 0;
+};
+
+// What the caller (Python) supplies for one buffer index: input data, or
+// where an output goes; `bytes` its size. Null for a slot it leaves empty.
+struct UserBuf {
+  const void* in = nullptr;
+  void* out = nullptr;
+  size_t bytes = 0;
+};
+
+// The buffers of a sequence of launches, built from their descriptions.
+// Buffers listed in `shared` (x, acc, out ... of a multi-dispatch matmul)
+// are allocated once and seen by every launch; the others per launch.
+class Buffers {
+ public:
+  explicit Buffers(std::vector<int> shared) : shared_(std::move(shared)) {}
+
+  // Pointers by buffer index for launch `l`, given the caller's buffers
+  // for this launch by index.
+  std::vector<void*> bind(const Launch& l, const std::vector<UserBuf>& user) {
+    per_launch_.clear();
+    std::vector<void*> ptr(l.buffers.size(), nullptr);
+    for (const BufferArg& b : l.buffers) {
+      const UserBuf u = size_t(b.index) < user.size() ? user[size_t(b.index)] : UserBuf{};
+      if (!b.used()) {
+        if (u.in || u.out)
+          fail(l, b, "the caller supplies data for a slot this launch does not use");
+        continue;
+      }
+      const size_t want = b.count * elem_bytes(b.elem);
+      if (u.bytes != want || (b.dir == Dir::In ? !u.in : !u.out))
+        fail(l, b, "the caller supplies " + std::to_string(u.bytes) + " bytes, the launch binds " +
+                       std::to_string(want));
+      Guarded* g = nullptr;
+      if (is_shared(b.index) && shared_bufs_.count(b.index)) {
+        g = shared_bufs_[b.index].get();
+        if (g->bytes() != want) fail(l, b, "differs from an earlier launch's");
+      } else {
+        auto fresh = b.dir == Dir::In ? std::make_unique<Guarded>(want, u.in)
+                                      : std::make_unique<Guarded>(want, 16);
+        if (b.dir == Dir::Out) {
+          if (b.elem == Elem::F32) fresh->fill_nan_f32();
+          else fresh->fill_bytes(0xff);  // NaN in f16/bf16; -1 in ints
+          outputs_.push_back({fresh.get(), u.out});
+        }
+        g = fresh.get();
+        if (is_shared(b.index)) shared_bufs_[b.index] = std::move(fresh);
+        else if (b.dir == Dir::Out) owned_outputs_.push_back(std::move(fresh));
+        else per_launch_.push_back(std::move(fresh));
+      }
+      ptr[size_t(b.index)] = g->data();
+    }
+    for (const BufferArg& b : l.buffers) {
+      if (!b.used()) {
+        if (b.stand_in < 0 || !ptr[size_t(b.stand_in)])
+          fail(l, b, "unused slot without a bound stand-in");
+        ptr[size_t(b.index)] = ptr[size_t(b.stand_in)];
+      }
+      if (reinterpret_cast<uintptr_t>(ptr[size_t(b.index)]) % elem_bytes(b.elem) != 0)
+        fail(l, b, "bound at an address not aligned for its element type");
+    }
+    return ptr;
+  }
+
+  // After the last launch: every output back to the caller.
+  void finish() {
+    for (auto& [g, dst] : outputs_) {
+      if (!g->canary_intact())
+        throw std::runtime_error("harness: a kernel wrote past the end of an output");
+      std::memcpy(dst, g->data(), g->bytes());
+    }
+  }
+
+ private:
+  bool is_shared(int i) const {
+    return std::find(shared_.begin(), shared_.end(), i) != shared_.end();
+  }
+  [[noreturn]] static void fail(const Launch& l, const BufferArg& b, const std::string& m) {
+    throw std::runtime_error("harness: " + l.kernel + ": " + describe(b) + ": " + m);
+  }
+  std::vector<int> shared_;
+  std::map<int, std::unique_ptr<Guarded>> shared_bufs_;
+  std::vector<std::unique_ptr<Guarded>> per_launch_;
+  std::vector<std::unique_ptr<Guarded>> owned_outputs_;
+  std::vector<std::pair<Guarded*, void*>> outputs_;
 };
 
 simt::Options options(int order, uint64_t seed) {
@@ -148,62 +255,56 @@ using QmmFn = void(const S*, const int32_t*, const uint32_t*, const uint8_t*,
                    const uint8_t*, float*, S*, MbQmmParams&, float*, uint3,
                    uint);
 
+// x, perm: user buffers; per segment wq/scales/biases; out receives [M, N].
 template <typename S>
 void run_qmm(int M, int N, const std::vector<QmmSegment>& segs, ActType at,
-             const void* x, const int32_t* perm, const uint32_t* const* wq,
-             const void* const* scales, const void* const* biases,
-             int scale_type, void* out, QmmPath path, const simt::Options& opt) {
-  int K = 0;
-  for (const auto& s : segs) K += s.k;
-  const size_t sbytes = scale_type == MB_SCALE_F32 ? 4 : 2;
-  Guarded gx(size_t(M) * K * sizeof(S), x);
-  std::unique_ptr<Guarded> gp;
-  if (perm) gp = std::make_unique<Guarded>(size_t(K) * 4, perm);
-  Guarded gout(size_t(M) * N * sizeof(S));
-  gout.fill_bytes(0xff);  // NaN in every float format
-  std::unique_ptr<Guarded> gacc;
-  if (qmm_needs_acc(segs.size())) {
-    gacc = std::make_unique<Guarded>(size_t(M) * N * 4);
-    gacc->fill_nan_f32();
-  }
-  Guarded smem(size_t(MB_QMM_TG_FLOATS) * 4);
-
-  const auto plan = plan_qmm(M, N, segs, at, scale_type, perm != nullptr, path);
+             const UserBuf& x, const UserBuf& perm, const std::vector<UserBuf>& wq,
+             const std::vector<UserBuf>& scales, const std::vector<UserBuf>& biases,
+             int scale_type, const UserBuf& out, QmmPath path,
+             const simt::Options& opt) {
+  const auto plan = plan_qmm(M, N, segs, at, scale_type, perm.in != nullptr, path);
+  // The partial sum is eval_gpu's own temporary; here too.
+  std::vector<float> acc_sink(qmm_needs_acc(segs.size()) ? size_t(M) * N : 0);
+  Buffers bufs({MB_QMM_X, MB_QMM_PERM, MB_QMM_ACC, MB_QMM_OUT});
   for (const QmmLaunch& l : plan) {
-    const QmmSegment& s = segs[l.segment];
-    const size_t words = size_t(N) * s.k * s.bits / 32;
-    const size_t groups = size_t(N) * (s.k / s.group_size);
-    Guarded gw(words * 4, wq[l.segment]);
-    Guarded gs(groups * sbytes, scales[l.segment]);
-    Guarded gb(groups * sbytes, biases[l.segment]);
-    MbQmmParams p = l.params;
-    // Unbound-in-Metal slots get another buffer of the launch, as the host does.
-    const int32_t* pp = gp ? gp->as<int32_t>() : reinterpret_cast<const int32_t*>(gx.as<S>());
-    float* acc = gacc ? gacc->as<float>() : reinterpret_cast<float*>(gout.as<S>());
+    std::vector<UserBuf> user(MB_QMM_PARAMS);
+    user[MB_QMM_X] = x;
+    user[MB_QMM_PERM] = perm;
+    user[MB_QMM_WQ] = wq[size_t(l.segment)];
+    user[MB_QMM_SCALES] = scales[size_t(l.segment)];
+    user[MB_QMM_BIASES] = biases[size_t(l.segment)];
+    if (!acc_sink.empty()) user[MB_QMM_ACC] = {nullptr, acc_sink.data(), acc_sink.size() * 4};
+    user[MB_QMM_OUT] = out;
+    const std::vector<void*> p = bufs.bind(l, user);
+    Guarded smem(std::max<size_t>(l.threadgroup_bytes, 4));
+    MbQmmParams params = l.params;
     simt::Options o = opt;
-    if (l.threadgroup_bytes > smem.bytes())
-      throw std::runtime_error("harness: threadgroup memory larger than planned");
     o.group_start = [&](const simt::Dim3&) { smem.fill_nan_f32(); };
+    auto* xs = static_cast<const S*>(p[MB_QMM_X]);
+    auto* pp = static_cast<const int32_t*>(p[MB_QMM_PERM]);
+    auto* w = static_cast<const uint32_t*>(p[MB_QMM_WQ]);
+    auto* sc = static_cast<const uint8_t*>(p[MB_QMM_SCALES]);
+    auto* bi = static_cast<const uint8_t*>(p[MB_QMM_BIASES]);
+    auto* acc = static_cast<float*>(p[MB_QMM_ACC]);
+    auto* y = static_cast<S*>(p[MB_QMM_OUT]);
     if (l.tiled) {
       auto* fn = simt::find_kernel<QmmFn<S>>(l.kernel);
       simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
           [&](const simt::ThreadIds& t) {
-            fn(gx.as<S>(), pp, gw.as<uint32_t>(), gs.as<uint8_t>(),
-               gb.as<uint8_t>(), acc, gout.as<S>(), p, smem.as<float>(),
+            fn(xs, pp, w, sc, bi, acc, y, params, smem.as<float>(),
                u3(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup);
           }, o);
     } else {
       auto* fn = simt::find_kernel<QmvFn<S>>(l.kernel);
       simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
           [&](const simt::ThreadIds& t) {
-            fn(gx.as<S>(), pp, gw.as<uint32_t>(), gs.as<uint8_t>(),
-               gb.as<uint8_t>(), acc, gout.as<S>(), p,
+            fn(xs, pp, w, sc, bi, acc, y, params,
                u3(t.threadgroup_position_in_grid),
                t.simdgroup_index_in_threadgroup, t.thread_index_in_simdgroup);
           }, o);
     }
   }
-  std::memcpy(out, gout.as<S>(), gout.bytes());
+  bufs.finish();
 }
 
 // ---- KL ----------------------------------------------------------------------
@@ -211,105 +312,111 @@ void run_qmm(int M, int N, const std::vector<QmmSegment>& segs, ActType at,
 template <typename SA, typename SB>
 using KlFn = void(const SA*, const SB*, const float*, float*, int32_t*,
                   int32_t*, float*, int32_t*, float*, MbKlParams&, float*,
-                  uint3, uint, uint, uint, uint, uint);
+                  uint3, uint3, uint, uint, uint, uint);
 
+// user: the caller's buffers by index (MB_KL_A .. MB_KL_LSE_REF).
 template <typename SA, typename SB>
-void run_kl(int rows, int V, ActType ta, ActType tb, int mode, const void* a,
-            const void* b, const float* row_param, int threads, float* kl,
-            int32_t* status, int32_t* arg_q, float* lse_q, int32_t* arg_ref,
-            float* lse_ref, const simt::Options& opt) {
+void run_kl(int rows, int V, ActType ta, ActType tb, int mode, int threads,
+            const std::vector<UserBuf>& user, const simt::Options& opt) {
   const KlLaunch l = plan_kl(rows, V, ta, tb, mode, threads);
-  Guarded ga(size_t(rows) * V * sizeof(SA), a);
-  Guarded gb(size_t(rows) * V * sizeof(SB), b);
-  std::unique_ptr<Guarded> gp;
-  if (row_param) gp = std::make_unique<Guarded>(size_t(rows) * 4, row_param);
-  // Unused row parameter: Metal binds the reference buffer there.
-  const float* pp = gp ? gp->as<float>() : reinterpret_cast<const float*>(ga.as<SA>());
-  Guarded gkl(size_t(rows) * 4), glq(size_t(rows) * 4), glr(size_t(rows) * 4);
-  Guarded gaq(size_t(rows) * 4), gar(size_t(rows) * 4), gst(size_t(rows) * 4);
-  for (Guarded* g : {&gkl, &glq, &glr}) g->fill_nan_f32();
-  for (Guarded* g : {&gaq, &gar, &gst}) g->fill_bytes(0xab);
+  Buffers bufs({});
+  const std::vector<void*> p = bufs.bind(l, user);
   Guarded smem(l.threadgroup_bytes);
-  MbKlParams p = l.params;
+  MbKlParams params = l.params;
   auto* fn = simt::find_kernel<KlFn<SA, SB>>(l.kernel);
   simt::Options o = opt;
   o.group_start = [&](const simt::Dim3&) { smem.fill_nan_f32(); };
   simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
       [&](const simt::ThreadIds& t) {
-        fn(ga.as<SA>(), gb.as<SB>(), pp, gkl.as<float>(), gst.as<int32_t>(),
-           gaq.as<int32_t>(), glq.as<float>(), gar.as<int32_t>(),
-           glr.as<float>(), p, smem.as<float>(),
-           u3(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup,
-           t.threads_per_threadgroup.x, t.simdgroup_index_in_threadgroup,
+        fn(static_cast<const SA*>(p[MB_KL_A]), static_cast<const SB*>(p[MB_KL_B]),
+           static_cast<const float*>(p[MB_KL_ROW_PARAM]), static_cast<float*>(p[MB_KL_OUT]),
+           static_cast<int32_t*>(p[MB_KL_STATUS]), static_cast<int32_t*>(p[MB_KL_ARG_Q]),
+           static_cast<float*>(p[MB_KL_LSE_Q]), static_cast<int32_t*>(p[MB_KL_ARG_REF]),
+           static_cast<float*>(p[MB_KL_LSE_REF]), params, smem.as<float>(),
+           u3(t.threadgroup_position_in_grid), u3(t.threads_per_threadgroup),
+           t.thread_index_in_threadgroup, t.simdgroup_index_in_threadgroup,
            t.thread_index_in_simdgroup, t.simdgroups_per_threadgroup);
       }, o);
-  std::memcpy(kl, gkl.as<float>(), size_t(rows) * 4);
-  std::memcpy(status, gst.as<int32_t>(), size_t(rows) * 4);
-  std::memcpy(arg_q, gaq.as<int32_t>(), size_t(rows) * 4);
-  std::memcpy(lse_q, glq.as<float>(), size_t(rows) * 4);
-  std::memcpy(arg_ref, gar.as<int32_t>(), size_t(rows) * 4);
-  std::memcpy(lse_ref, glr.as<float>(), size_t(rows) * 4);
+  bufs.finish();
 }
 
 template <typename SA>
-void run_kl_b(ActType tb, int rows, int V, ActType ta, int mode, const void* a,
-              const void* b, const float* rp, int threads, float* o0,
-              int32_t* o1, int32_t* o2, float* o3, int32_t* o4, float* o5,
-              const simt::Options& opt) {
+void run_kl_b(ActType tb, int rows, int V, ActType ta, int mode, int threads,
+              const std::vector<UserBuf>& user, const simt::Options& opt) {
   if (tb == ActType::F32)
-    run_kl<SA, float>(rows, V, ta, tb, mode, a, b, rp, threads, o0, o1, o2, o3, o4, o5, opt);
+    run_kl<SA, float>(rows, V, ta, tb, mode, threads, user, opt);
   else if (tb == ActType::F16)
-    run_kl<SA, half>(rows, V, ta, tb, mode, a, b, rp, threads, o0, o1, o2, o3, o4, o5, opt);
+    run_kl<SA, half>(rows, V, ta, tb, mode, threads, user, opt);
   else
-    run_kl<SA, uint16_t>(rows, V, ta, tb, mode, a, b, rp, threads, o0, o1, o2, o3, o4, o5, opt);
+    run_kl<SA, uint16_t>(rows, V, ta, tb, mode, threads, user, opt);
 }
 
 // ---- selftest kernels -----------------------------------------------------------
 
-using StFn = void(const float*, float*, float*, uint3, uint, uint, uint, uint);
+using StFn = void(const float*, float*, float*, uint3, uint, uint3, uint, uint);
 
 }  // namespace
 
 extern "C" {
 
 // x: [M, K] of act type xtype (0 f32, 1 f16, 2 bf16); perm: int32 [K] or
-// null; per segment wq/scales/biases; out: [M, N] of xtype.
+// null; per segment wq/scales/biases with their sizes in bytes; out: [M, N]
+// of xtype. Sizes are checked against the launch's buffer description.
 // path: 0 auto, 1 GEMV, 2 tiled. order: 0 forward, 1 reverse, 2 shuffle.
 int mbemu_qmm(int M, int N, int nseg, const int* bits, const int* group_size,
-              const int* k, int xtype, const void* x, const int32_t* perm,
-              const uint32_t* const* wq, const void* const* scales,
-              const void* const* biases, int scale_type, void* out, int path,
-              int order, uint64_t seed, char* err, int errlen) {
+              const int* k, int xtype, const void* x, size_t x_bytes,
+              const int32_t* perm, size_t perm_bytes, const void* const* wq,
+              const size_t* wq_bytes, const void* const* scales,
+              const size_t* scales_bytes, const void* const* biases,
+              const size_t* biases_bytes, int scale_type, void* out,
+              size_t out_bytes, int path, int order, uint64_t seed, char* err,
+              int errlen) {
   return guarded_call([&] {
     std::vector<QmmSegment> segs;
-    for (int i = 0; i < nseg; ++i) segs.push_back({bits[i], group_size[i], k[i]});
+    std::vector<UserBuf> w, s, b;
+    for (int i = 0; i < nseg; ++i) {
+      segs.push_back({bits[i], group_size[i], k[i]});
+      w.push_back({wq[i], nullptr, wq_bytes[i]});
+      s.push_back({scales[i], nullptr, scales_bytes[i]});
+      b.push_back({biases[i], nullptr, biases_bytes[i]});
+    }
     const simt::Options o = options(order, seed);
     const auto p = QmmPath(path);
     const auto at = ActType(xtype);
+    const UserBuf ux{x, nullptr, x_bytes}, up{perm, nullptr, perm ? perm_bytes : 0};
+    const UserBuf uo{nullptr, out, out_bytes};
     if (xtype == 0)
-      run_qmm<float>(M, N, segs, at, x, perm, wq, scales, biases, scale_type, out, p, o);
+      run_qmm<float>(M, N, segs, at, ux, up, w, s, b, scale_type, uo, p, o);
     else if (xtype == 1)
-      run_qmm<half>(M, N, segs, at, x, perm, wq, scales, biases, scale_type, out, p, o);
+      run_qmm<half>(M, N, segs, at, ux, up, w, s, b, scale_type, uo, p, o);
     else
-      run_qmm<uint16_t>(M, N, segs, at, x, perm, wq, scales, biases, scale_type, out, p, o);
+      run_qmm<uint16_t>(M, N, segs, at, ux, up, w, s, b, scale_type, uo, p, o);
   }, err, errlen);
 }
 
-// a: [rows, V] of type ta, b: [rows, V] of type tb (0 f32, 1 f16, 2 bf16);
-// row_param: float32 [rows] or null; outputs in the primitive's order.
-int mbemu_kl(int rows, int V, int ta, int tb, int mode, const void* a,
-             const void* b, const float* row_param, int threads, float* kl,
-             int32_t* status, int32_t* arg_q, float* lse_q, int32_t* arg_ref,
-             float* lse_ref, int order, uint64_t seed, char* err, int errlen) {
+// ta, tb: dtypes of reference and logits (0 f32, 1 f16, 2 bf16). bufs[i],
+// bytes[i]: the buffer for index i (MB_KL_A .. MB_KL_LSE_REF; inputs read,
+// outputs written), null/0 for a slot left empty (the row parameter in
+// LOGITS mode). Sizes are checked against the launch's buffer description,
+// which is the CPU primitive's: in PROBS mode the row parameter is
+// float32 [rows, 2].
+int mbemu_kl(int rows, int V, int ta, int tb, int mode, int threads,
+             void* const* bufs, const size_t* bytes, int order, uint64_t seed,
+             char* err, int errlen) {
   return guarded_call([&] {
     const simt::Options o = options(order, seed);
+    std::vector<UserBuf> user(MB_KL_PARAMS);
+    for (int i = 0; i < MB_KL_PARAMS; ++i) {
+      if (i <= MB_KL_ROW_PARAM) user[size_t(i)] = {bufs[i], nullptr, bytes[i]};
+      else user[size_t(i)] = {nullptr, bufs[i], bytes[i]};
+    }
     const auto a_t = ActType(ta), b_t = ActType(tb);
     if (a_t == ActType::F32)
-      run_kl_b<float>(b_t, rows, V, a_t, mode, a, b, row_param, threads, kl, status, arg_q, lse_q, arg_ref, lse_ref, o);
+      run_kl_b<float>(b_t, rows, V, a_t, mode, threads, user, o);
     else if (a_t == ActType::F16)
-      run_kl_b<half>(b_t, rows, V, a_t, mode, a, b, row_param, threads, kl, status, arg_q, lse_q, arg_ref, lse_ref, o);
+      run_kl_b<half>(b_t, rows, V, a_t, mode, threads, user, o);
     else
-      run_kl_b<uint16_t>(b_t, rows, V, a_t, mode, a, b, row_param, threads, kl, status, arg_q, lse_q, arg_ref, lse_ref, o);
+      run_kl_b<uint16_t>(b_t, rows, V, a_t, mode, threads, user, o);
   }, err, errlen);
 }
 
@@ -330,7 +437,7 @@ int mbemu_selftest(const char* name, int groups, int threads, const float* in,
         [&](const simt::ThreadIds& t) {
           fn(gin.as<float>(), gout.as<float>(), tg.as<float>(),
              u3(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup,
-             t.threads_per_threadgroup.x, t.simdgroup_index_in_threadgroup,
+             u3(t.threads_per_threadgroup), t.simdgroup_index_in_threadgroup,
              t.thread_index_in_simdgroup);
         }, o);
     std::memcpy(out, gout.as<float>(), size_t(out_len) * 4);

@@ -165,6 +165,8 @@ inline float fabs(float x) { return std::fabs(x); }
 inline float floor(float x) { return std::floor(x); }
 inline float ceil(float x) { return std::ceil(x); }
 inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
+inline float rint(float x) { return std::rint(x); }
+inline float ldexp(float x, int e) { return std::ldexp(x, e); }
 inline float pow(float a, float b) { return std::pow(a, b); }
 inline float tanh(float x) { return std::tanh(x); }
 inline float fmax(float a, float b) { return std::fmax(a, b); }

@@ -121,11 +121,10 @@ def lib() -> ctypes.CDLL:
     global _LIB
     if _LIB is None:
         L = ctypes.CDLL(str(build()))
-        P, I, U64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64
-        L.mbemu_qmm.argtypes = [I, I, I, P, P, P, I, P, P, P, P, P, I, P, I, I, U64,
-                                ctypes.c_char_p, I]
-        L.mbemu_kl.argtypes = [I, I, I, I, I, P, P, P, I, P, P, P, P, P, P, I, U64,
-                               ctypes.c_char_p, I]
+        P, I, U64, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_size_t
+        L.mbemu_qmm.argtypes = [I, I, I, P, P, P, I, P, Z, P, Z, P, P, P, P, P, P, I, P, Z,
+                                I, I, U64, ctypes.c_char_p, I]
+        L.mbemu_kl.argtypes = [I, I, I, I, I, I, P, P, I, U64, ctypes.c_char_p, I]
         L.mbemu_selftest.argtypes = [ctypes.c_char_p, I, I, P, P, I, I, U64,
                                      ctypes.c_char_p, I]
         L.mbemu_kernel_count.argtypes = []
@@ -185,17 +184,21 @@ def qmatmul(x: np.ndarray, act: str, segments, N: int, perm=None, scale_type: st
     ks = np.array([s[2] for s in segments], dtype=np.int32)
     assert ks.sum() == K
     keep = []
-    wq_p, sc_p, bi_p = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)()
-    for i, (_, _, _, wq, sc, bi) in enumerate(segments):
-        wq, sc, bi = (np.ascontiguousarray(a) for a in (wq, sc, bi))
-        keep += [wq, sc, bi]
-        wq_p[i], sc_p[i], bi_p[i] = wq.ctypes.data, sc.ctypes.data, bi.ctypes.data
+    ptrs = [(ctypes.c_void_p * n)() for _ in range(3)]
+    sizes = [(ctypes.c_size_t * n)() for _ in range(3)]
+    for i, seg in enumerate(segments):
+        for j, a in enumerate(seg[3:]):
+            a = np.ascontiguousarray(a)
+            keep.append(a)
+            ptrs[j][i], sizes[j][i] = a.ctypes.data, a.nbytes
     perm_a = None if perm is None else np.ascontiguousarray(perm, dtype=np.int32)
     out = np.zeros((M, N), dtype=storage_dtype(act))
     err = ctypes.create_string_buffer(2048)
     rc = lib().mbemu_qmm(M, N, n, _ptr(bits), _ptr(gs), _ptr(ks), ACT_TYPES[act], _ptr(x),
-                         _ptr(perm_a), wq_p, sc_p, bi_p, ACT_TYPES[scale_type], _ptr(out),
-                         PATHS[path], ORDERS[order], seed, err, len(err))
+                         x.nbytes, _ptr(perm_a), 0 if perm_a is None else perm_a.nbytes,
+                         ptrs[0], sizes[0], ptrs[1], sizes[1], ptrs[2], sizes[2],
+                         ACT_TYPES[scale_type], _ptr(out), out.nbytes, PATHS[path],
+                         ORDERS[order], seed, err, len(err))
     _check(rc, err)
     return out
 
@@ -208,19 +211,29 @@ def kl(a: np.ndarray, b: np.ndarray, a_act: str, b_act: str | None = None,
        mode: str = "logits", row_param: np.ndarray | None = None, threads: int = 256,
        order: str = "shuffle", seed: int = 1) -> dict:
     """Run the Metal KL kernel on the emulator over rows of a (reference) and
-    b (candidate logits); returns the six per-row outputs by name."""
+    b (candidate logits); returns the six per-row outputs by name.
+
+    row_param is passed exactly as given (float32, any shape): the harness
+    refuses it unless its size is what the launch binds, the CPU primitive's
+    layout ([rows] shift in fixed_shift mode, [rows, 2] negH hi + lo in
+    probs mode)."""
     b_act = b_act or a_act
     a = np.ascontiguousarray(a)
     b = np.ascontiguousarray(b)
     assert a.shape == b.shape and a.ndim == 2
     rows, V = a.shape
-    rp = None if row_param is None else np.ascontiguousarray(row_param, dtype=np.float32)
+    rp = None if row_param is None else np.ascontiguousarray(row_param)
+    if rp is not None and rp.dtype != np.float32:
+        raise TypeError("row_param must be float32, as the primitive passes it")
     res = {k: np.zeros(rows, np.float32 if k in ("kl", "lse_q", "lse_ref") else np.int32)
            for k in KL_OUTPUTS}
+    arrays = [a, b, rp] + [res[k] for k in KL_OUTPUTS]
+    bufs = (ctypes.c_void_p * len(arrays))(*[None if x is None else x.ctypes.data
+                                             for x in arrays])
+    sizes = (ctypes.c_size_t * len(arrays))(*[0 if x is None else x.nbytes for x in arrays])
     err = ctypes.create_string_buffer(2048)
-    rc = lib().mbemu_kl(rows, V, ACT_TYPES[a_act], ACT_TYPES[b_act], KL_MODES[mode], _ptr(a),
-                        _ptr(b), _ptr(rp), threads, *(_ptr(res[k]) for k in KL_OUTPUTS),
-                        ORDERS[order], seed, err, len(err))
+    rc = lib().mbemu_kl(rows, V, ACT_TYPES[a_act], ACT_TYPES[b_act], KL_MODES[mode], threads,
+                        bufs, sizes, ORDERS[order], seed, err, len(err))
     _check(rc, err)
     return res
 

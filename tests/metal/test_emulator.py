@@ -154,3 +154,45 @@ def test_buffer_indices_follow_declaration_order(metal, params, enum, n):
     for name, idx in kernels.items():
         assert idx == list(range(n)), (name, idx)
     assert enum_values((E.METAL_DIR / params).read_text(), enum) == list(range(n))
+
+
+# Metal: the thread position / size attributes declared as vectors must all
+# have the same number of components (MSL spec, "Attributes for kernel
+# function input arguments"); uint3 next to a scalar uint fails to compile.
+# thread_index_in_threadgroup and the simdgroup attributes are scalars by
+# definition and not part of this rule.
+VECTOR_ATTRS = ("thread_position_in_grid", "thread_position_in_threadgroup",
+                "threadgroup_position_in_grid", "threads_per_grid",
+                "threads_per_threadgroup", "threadgroups_per_grid",
+                "dispatch_threads_per_threadgroup", "grid_origin", "grid_size")
+
+
+def position_attr_widths(text: str) -> dict[str, dict[str, int]]:
+    text = re.sub(r"\\\n", " ", text)  # macros spanning lines (selftest's ST_ARGS)
+    macros = dict(re.findall(r"#define\s+(\w+)\s+(.*)", text))
+    out = {}
+    for m in re.finditer(r"\[\[kernel\]\]\s+void\s+(\w+)\s*\((.*?)\)\s*\{", text, flags=re.S):
+        params = m.group(2)
+        for name, body in macros.items():
+            params = re.sub(rf"\b{name}\b", body, params)
+        widths = {}
+        for ty, attr in re.findall(r"\b(u?(?:int|short)[234]?)\s+\w+\s*\[\[(\w+)\]\]", params):
+            if attr in VECTOR_ATTRS:
+                widths[attr] = int(ty[-1]) if ty[-1].isdigit() else 1
+        out[m.group(1)] = widths
+    return out
+
+
+@pytest.mark.parametrize("src", METAL_SOURCES, ids=lambda p: p.name)
+def test_position_attributes_agree_in_vector_width(src):
+    kernels = position_attr_widths(src.read_text())
+    assert kernels
+    for name, widths in kernels.items():
+        assert len(set(widths.values())) <= 1, (name, widths)
+
+
+def test_position_attribute_rule_catches_a_mix():
+    bad = ("[[kernel]] void k(uint3 tid [[threadgroup_position_in_grid]],\n"
+           "  uint n [[threads_per_threadgroup]], uint l [[thread_index_in_threadgroup]]) {}")
+    assert position_attr_widths(bad) == {"k": {"threadgroup_position_in_grid": 3,
+                                               "threads_per_threadgroup": 1}}

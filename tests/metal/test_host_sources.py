@@ -37,7 +37,8 @@ def test_eval_gpu_sources_typecheck_against_mlx_headers():
     inc = mlx_include()
 
     def check(src: Path):
-        cmd = [cxx, "-std=c++20", "-fsyntax-only", "-D_METAL_", "-Wall", "-Werror",
+        cmd = [cxx, "-std=c++20", "-fsyntax-only", "-D_METAL_", "-DMIXBITS_HAS_METALLIB=1",
+               "-Wall", "-Werror",
                f"-I{E.EMU_DIR / 'stub'}", f"-I{inc}", f"-I{E.ROOT / 'cpp'}",
                f"-I{E.METAL_DIR}", str(src)]
         r = subprocess.run(cmd, capture_output=True, text=True)

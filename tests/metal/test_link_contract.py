@@ -61,7 +61,7 @@ def includes() -> list[Path]:
 def flags_for(src: Path) -> tuple[list[str], list[str]]:
     """(defines, extra flags) as CMakeLists.txt compiles the file."""
     if src.name == "metal.cpp":
-        return ["_METAL_"], []
+        return ["_METAL_", "MIXBITS_HAS_METALLIB=1"], []
     if src.name == "avx2.cpp":
         return ["MIXBITS_HAVE_AVX2=1"], ["-mavx2", "-mfma", "-mf16c"]
     return (["MIXBITS_HAVE_AVX2=1"] if X86 else []), []
