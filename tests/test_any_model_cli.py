@@ -82,3 +82,23 @@ def test_measure_refuses_bad_arguments_before_loading(folder, tmp_path, capsys):
     assert main(["measure", "--model", str(folder / "model"), "--tokens", str(big),
                  "--out", str(tmp_path / "t.json")]) == 2
     assert "vocabulary" in capsys.readouterr().err
+
+
+def test_readme_folder_example_runs_as_written(folder, tmp_path, monkeypatch):
+    """The README's 'Any mlx-lm model' commands, on the tiny hybrid folder."""
+    import re
+    import shlex
+    import shutil
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "path/to/mlx-model" in b)
+    shutil.copytree(folder / "model", tmp_path / "path" / "to" / "mlx-model")
+    shutil.copy(folder / "tokens.npy", tmp_path / "calib.npy")
+    monkeypatch.chdir(tmp_path)
+    lines = [ln.split("  #")[0].strip() for ln in block.strip().splitlines()]
+    assert len(lines) == 3
+    for line in lines:
+        argv = shlex.split(line)
+        assert argv[0] == "mixbits" and main(argv[1:]) == 0, line
+    assert (tmp_path / "mlx-model-3.5bpw" / "config.json").is_file()
