@@ -1,0 +1,72 @@
+"""Metal benchmarks (a Mac with Metal only): mixbits on mx.gpu against
+mx.quantized_matmul on the same weights, and the fused KL against MLX's
+op composition. Prints one table; exit status 0 even when mixbits is
+slower (check_on_mac.sh reports the ratios, it does not judge them).
+
+    python tests/metal/bench_gpu.py [--quick]
+"""
+
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+
+import mixbits
+import mixbits.kl as mkl
+
+
+def best_ms(fn, reps):
+    mx.eval(fn())  # warm-up: pipeline creation, metallib load
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t0)
+    return 1e3 * min(times)
+
+
+def qmm_rows(quick):
+    shapes = [(4096, 4096), (11008, 4096)] if not quick else [(4096, 4096)]
+    for N, K in shapes:
+        for bits in (4, 3, 8):
+            rng = np.random.default_rng(bits)
+            w = mx.array(rng.standard_normal((N, K)).astype(np.float32)).astype(mx.float16)
+            wq, s, b = mx.quantize(w, group_size=64, bits=bits)
+            for M in (1, 8, 32, 512):
+                x = mx.array(rng.standard_normal((M, K)).astype(np.float32)).astype(mx.float16)
+                ours = best_ms(lambda: mixbits.quantized_matmul(x, wq, s, b, 64, bits), 20)
+                mlx = best_ms(lambda: mx.quantized_matmul(x, wq, s, b, transpose=True,
+                                                          group_size=64, bits=bits), 20)
+                yield f"qmm {N}x{K} b{bits} M={M}", ours, mlx
+
+
+def kl_rows(quick):
+    for rows, V in ([(256, 151936), (64, 262144)] if not quick else [(64, 151936)]):
+        rng = np.random.default_rng(0)
+        a = mx.array((3 * rng.standard_normal((rows, V))).astype(np.float16))
+        b = mx.array((3 * rng.standard_normal((rows, V))).astype(np.float16))
+
+        def composed():
+            la = a.astype(mx.float32) - mx.logsumexp(a.astype(mx.float32), -1, keepdims=True)
+            lb = b.astype(mx.float32) - mx.logsumexp(b.astype(mx.float32), -1, keepdims=True)
+            return mx.sum(mx.exp(la) * (la - lb), -1)
+
+        ours = best_ms(lambda: mkl.kl_divergence(a, b, check=False), 10)
+        yield f"kl {rows}x{V}", ours, best_ms(composed, 10)
+
+
+def main():
+    if not mx.metal.is_available():
+        print("no Metal GPU")
+        return 2
+    quick = "--quick" in sys.argv
+    mx.set_default_device(mx.gpu)
+    print(f"{'case':32} {'mixbits ms':>11} {'mlx ms':>9} {'mlx/mixbits':>12}")
+    for name, ours, mlx in list(qmm_rows(quick)) + list(kl_rows(quick)):
+        print(f"{name:32} {ours:11.3f} {mlx:9.3f} {mlx / ours:12.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
