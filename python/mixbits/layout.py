@@ -52,6 +52,8 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
         raise ValueError(f"k={k} columns at {bits} bits do not fill whole words")
     if codes.size and (codes.min() < 0 or codes.max() >= 1 << bits):
         raise ValueError(f"codes out of range for {bits} bits")
+    if n == 0:  # numpy cannot infer a reshape of an empty array
+        return np.zeros((0, k * bits // 32), dtype=np.uint32)
     bitplanes = (codes.astype(np.uint32)[..., None] >> np.arange(bits, dtype=np.uint32)) & 1
     packed = np.packbits(bitplanes.astype(np.uint8).reshape(n, -1), axis=1, bitorder="little")
     return np.ascontiguousarray(packed).view(np.uint32).reshape(n, k * bits // 32)
