@@ -16,6 +16,9 @@ def add_arguments(p) -> None:
     p.add_argument("--holdout-seq", type=int, default=0,
                    help="also score every allocation on this many sequences that follow the "
                         "calibration ones in the text (never used for choosing)")
+    p.add_argument("--dynamic-quant", nargs=2, metavar=("LOW", "HIGH"),
+                   help="also score mlx-lm's dynamic_quant recipe (its gradient sensitivities on "
+                        "these calibration tokens; LOW/HIGH are table candidates, e.g. 3b_g64 4b_g64)")
     p.add_argument("--json", help="also write the rows as JSON here")
     p.add_argument("--save-allocations", metavar="DIR",
                    help="write each refined allocation as DIR/allocation_<bpw>bpw.json")
@@ -55,8 +58,18 @@ def run(args) -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(alloc, out)
 
+    dynamic = None
+    if args.dynamic_quant:
+        from ..measure.candidates import parse_candidate
+        from ..measure.dynamic_quant import sensitivities
+
+        lo, hi = (parse_candidate(c) for c in args.dynamic_quant)
+        if lo.kind != "uniform" or hi.kind != "uniform":
+            raise ValueError("--dynamic-quant takes two uniform candidates, e.g. 3b_g64 4b_g64")
+        sens = sensitivities(model, tokens, (lo.bits, lo.group_size), (hi.bits, hi.group_size))
+        dynamic = (sens, lo.name, hi.name)
     rows = compare(table, ev, args.bpw, args.low, args.high, args.max_evals, progress=True,
-                   holdout=hold, on_refined=save)
+                   holdout=hold, on_refined=save, dynamic=dynamic)
     print(f"joint KL on {tokens.shape[0]} x {tokens.shape[1]} calibration tokens"
           + (f"; held out: {held.shape[0]} x {held.shape[1]}" if hold else ""))
     print(format_rows(rows))

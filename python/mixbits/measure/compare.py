@@ -57,14 +57,18 @@ def mixed_rule(table: dict, low: str, high: str, adapter) -> dict[str, str]:
 
 def compare(table: dict, evaluator, targets: list[float], low: str = "3b_g64",
             high: str = "4b_g64", max_evals: int = 20, progress: bool = False,
-            holdout=None, on_refined=None) -> list[dict]:
+            holdout=None, on_refined=None, dynamic=None) -> list[dict]:
     """One row per target bpw (and one at the mixed rule's bpw): joint KL of
     the baseline, the knapsack optimum and the refined allocation on the
     calibration set of ``evaluator``; with a second evaluator ``holdout``
     (other tokens, never used for choosing), also each one's joint KL there
     (``holdout_joint_kl``), which shows whether refinement only fits the
     calibration set. ``on_refined(target_bpw, allocation)`` receives each
-    refined allocation (allocation.json layout)."""
+    refined allocation (allocation.json layout). ``dynamic``: (mlx-lm
+    dynamic_quant sensitivities, low, high candidate names) adds that
+    recipe at each target (``row["dynamic_quant"]``)."""
+    from .dynamic_quant import assignment as dynamic_assignment
+
     rows = []
     rule = mixed_rule(table, low, high, evaluator.adapter)
     rule_bpw = entry_bpw(table, rule)
@@ -91,9 +95,16 @@ def compare(table: dict, evaluator, targets: list[float], low: str = "3b_g64",
             base = uniform(table, name)
             row["baseline"] = {"name": f"uniform {name}", "bpw": ubpw}
         row["baseline"]["joint_kl"] = evaluator.joint_kl(base)[0]
+        plans = [("baseline", base), ("dp", dp_assign),
+                 ("refined", {a["path"]: a["kind"] for a in ref["assignment"]})]
+        if dynamic is not None and bpw is not rule_bpw:
+            sens, d_low, d_high = dynamic
+            dq = dynamic_assignment(table, sens, bpw, d_low, d_high)
+            row["dynamic_quant"] = {"name": f"mlx-lm dynamic_quant {d_low}/{d_high}",
+                                    "bpw": entry_bpw(table, dq), "joint_kl": evaluator.joint_kl(dq)[0]}
+            plans.append(("dynamic_quant", dq))
         if holdout is not None:
-            refined = {a["path"]: a["kind"] for a in ref["assignment"]}
-            for key, assign in (("baseline", base), ("dp", dp_assign), ("refined", refined)):
+            for key, assign in plans:
                 row[key]["holdout_joint_kl"] = holdout.joint_kl(assign)[0]
         rows.append(row)
     return rows
@@ -108,6 +119,14 @@ def format_rows(rows: list[dict]) -> str:
         lines.append(f"| {r['target_bpw']:.3f} | {b['name']} | {b['bpw']:.3f} | {b['joint_kl']:.4f} "
                      f"| {d['bpw']:.3f} | {d['joint_kl']:.4f} | {f['bpw']:.3f} | {f['joint_kl']:.4f} "
                      f"| {f['swaps']}/{f['evaluations']} |")
+    dq = [r for r in rows if "dynamic_quant" in r]
+    if dq:
+        lines += ["", f"{dq[0]['dynamic_quant']['name']} (same storage-bpw targets):", "",
+                  "| target bpw | bpw | joint KL | held-out joint KL |", "|---|---|---|---|"]
+        for r in dq:
+            d = r["dynamic_quant"]
+            lines.append(f"| {r['target_bpw']:.3f} | {d['bpw']:.3f} | {d['joint_kl']:.4f} "
+                         f"| {d.get('holdout_joint_kl', float('nan')):.4f} |")
     if rows and "holdout_joint_kl" in rows[0]["baseline"]:
         lines += ["", "held-out tokens (not used for any choice):", "",
                   "| target bpw | baseline | DP | refined |", "|---|---|---|---|"]
