@@ -23,7 +23,10 @@ TERNARY = "ternary"
 
 @dataclass(frozen=True)
 class Segment:
-    """One K-segment: MLX's (wq, scales, biases) triplet for ``k`` columns."""
+    """One K-segment: MLX's (wq, scales, biases) triplet for ``k`` columns.
+    ``kind`` says how the codes were chosen: "affine" (min-max) or
+    "ternary" ({-s, 0, +s}, stored as 2-bit affine); the storage is the
+    same, the kind travels with it so nobody re-derives it."""
 
     bits: int
     group_size: int
@@ -31,6 +34,7 @@ class Segment:
     wq: mx.array
     scales: mx.array
     biases: mx.array
+    kind: str = "affine"
 
     @property
     def spec(self) -> tuple[int, int, int]:
@@ -251,11 +255,12 @@ def quantize(w, segments, perm=None, dtype=None) -> QuantizedTensor:
     out, k0 = [], 0
     for bits, gs, k in specs:
         part = w[:, k0 : k0 + k]
+        kind = "ternary" if bits == TERNARY else "affine"
         if bits == TERNARY:
             wq, sc, bi = ternary_triplet(part, gs, dtype)
             bits = 2
         else:
             wq, sc, bi = mx.quantize(part.astype(dtype), group_size=gs, bits=bits)
-        out.append(Segment(bits, gs, k, wq, sc.astype(dtype), bi.astype(dtype)))
+        out.append(Segment(bits, gs, k, wq, sc.astype(dtype), bi.astype(dtype), kind))
         k0 += k
     return QuantizedTensor(out, perm)

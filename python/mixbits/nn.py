@@ -103,6 +103,19 @@ class _TensorCache:
         self.arrays = []
 
 
+class _SegmentArrays(nn.Module):
+    """One segment's ``weight``/``scales``/``biases``. A module, not a dict:
+    MLX's ``trainable_parameters`` turns a frozen array inside a plain dict
+    into ``{}``, which ``Module.update`` (hence ``nn.value_and_grad`` and
+    every optimizer step) then refuses; frozen arrays of a submodule are
+    simply left out. Parameter names are unchanged
+    (``segments.<i>.weight``)."""
+
+    def __init__(self, w, s, b):
+        super().__init__()
+        self.weight, self.scales, self.biases = w, s, b
+
+
 class _MixedWeight(nn.Module):
     """Shared storage logic of the linear and embedding layers."""
 
@@ -112,9 +125,7 @@ class _MixedWeight(nn.Module):
         if layout.is_mlx_affine:
             self.weight, self.scales, self.biases = triplets[0]
         else:
-            self.segments = [
-                {"weight": w, "scales": s, "biases": b} for (w, s, b) in triplets
-            ]
+            self.segments = [_SegmentArrays(w, s, b) for (w, s, b) in triplets]
             if layout.has_perm:
                 self.perm = perm
 
@@ -143,8 +154,8 @@ class _MixedWeight(nn.Module):
             a is not b for a, b in zip(cache.arrays, arrays)
         ):
             segs = [
-                Segment(bits, gs, k, w, s, b)
-                for (bits, gs, k), (w, s, b) in zip(self._layout.specs, triplets)
+                Segment(bits, gs, k, w, s, b, kind)
+                for (bits, gs, k), (w, s, b), kind in zip(self._layout.specs, triplets, self._layout.kinds)
             ]
             cache.tensor = QuantizedTensor(segs, perm)
             cache.arrays = arrays
@@ -200,16 +211,19 @@ class MixedQuantizedLinear(_MixedWeight):
         n, k = qt.shape
         if bias is not None and (not isinstance(bias, mx.array) or bias.shape != (n,)):
             raise ValueError(f"bias must be an mlx array of shape ({n},), got {getattr(bias, 'shape', bias)!r}")
-        kinds = tuple(kinds) if kinds is not None else ("affine",) * len(qt.segments)
+        kinds = tuple(kinds) if kinds is not None else tuple(seg.kind for seg in qt.segments)
         if len(kinds) != len(qt.segments):
             raise ValueError(f"kinds has {len(kinds)} entries for {len(qt.segments)} segments")
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layout = _Layout(tuple(qt.specs), kinds, qt.perm is not None)
         layer._set_storage(layout, [(s.wq, s.scales, s.biases) for s in qt.segments], qt.perm)
-        if bias is not None:
-            layer.bias = bias
         layer.freeze()
+        if bias is not None:
+            # As nn.QuantizedLinear.from_linear / nn.quantize: the quantized
+            # weight is frozen, the float bias stays trainable.
+            layer.bias = bias
+            layer.unfreeze(keys=["bias"], recurse=False)
         return layer
 
     @classmethod
@@ -230,7 +244,12 @@ class MixedQuantizedLinear(_MixedWeight):
         if not isinstance(ql, nn.QuantizedLinear):
             raise TypeError(f"ql must be an mlx.nn.QuantizedLinear, got {type(ql).__name__}")
         qt = _tensor_from_mlx_layer(ql, "QuantizedLinear")
-        return cls.from_tensor(qt, ql.get("bias"))
+        layer = cls.from_tensor(qt, ql.get("bias"))
+        # The bias keeps the trainability it had in ql (trainable after
+        # nn.quantize, frozen in a layer built from shapes).
+        if "bias" in layer and "bias" not in ql.trainable_parameters():
+            layer.freeze(keys=["bias"], recurse=False)
+        return layer
 
     # ------------------------------------------------------------ call
 
@@ -278,7 +297,7 @@ class MixedQuantizedEmbedding(_MixedWeight):
     def from_tensor(cls, qt: QuantizedTensor, kinds=None):
         if not isinstance(qt, QuantizedTensor):
             raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
-        kinds = tuple(kinds) if kinds is not None else ("affine",) * len(qt.segments)
+        kinds = tuple(kinds) if kinds is not None else tuple(seg.kind for seg in qt.segments)
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layout = _Layout(tuple(qt.specs), kinds, qt.perm is not None)

@@ -48,6 +48,16 @@ class Candidate:
             specs.append((self.lo_bits, gs, k - k_hi))
         return specs
 
+    @property
+    def nominal_bits(self):
+        """Width as allocation.json counts it: the bits (ternary: 2), or a
+        mixed candidate's share-weighted width."""
+        if self.kind == "uniform":
+            return self.bits
+        if self.kind == "ternary":
+            return 2
+        return (self.hi_percent * self.hi_bits + (100 - self.hi_percent) * self.lo_bits) / 100
+
     def perm(self, w: np.ndarray):
         """Input order for mixed candidates: salient (large-norm) columns first."""
         if self.kind != "mixed":
@@ -119,13 +129,12 @@ def build_layer(module, cand: Candidate, scale_dtype=None):
     w = dense_weight(module)
     k = w.shape[-1]
     segs = cand.segments(k)
-    kinds = ["ternary" if cand.kind == "ternary" else "affine"] * len(segs)
     if w.ndim == 2:
         perm = cand.perm(np.array(w)) if cand.kind == "mixed" else None
         qt = quantize_tensor(w, segs, perm=perm, dtype=scale_dtype)
         if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding)):
-            return MixedQuantizedEmbedding.from_tensor(qt, kinds)
-        return MixedQuantizedLinear.from_tensor(qt, module.get("bias"), kinds)
+            return MixedQuantizedEmbedding.from_tensor(qt)
+        return MixedQuantizedLinear.from_tensor(qt, module.get("bias"))
     if cand.kind == "mixed":
         raise ValueError(f"candidate {cand.name!r}: mixed segments are not available for "
                          f"{type(module).__name__} stacks (single-segment kinds only)")

@@ -67,12 +67,9 @@ class SiteResult:
     def to_entry(self) -> dict:
         cands = []
         for name, c in self.candidates.items():
-            nominal = c.bits if c.kind == "uniform" else (2 if c.kind == "ternary" else None)
-            if nominal is None:  # mixed: share-weighted nominal width
-                nominal = (c.hi_percent * c.hi_bits + (100 - c.hi_percent) * c.lo_bits) / 100
             cands.append({
                 "kind": name,
-                "bits": nominal,
+                "bits": c.nominal_bits,
                 "kl": self.kl[name],
                 "kl_stderr": self.kl_stderr[name],
                 "storage_bits": self.storage_bits[name],
