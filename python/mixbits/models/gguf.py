@@ -1,18 +1,19 @@
-"""Build an MLX llama model from a GGUF file, keeping its quantized weights.
+"""Build an mlx-lm model from a GGUF file (llama, qwen2, qwen3, gemma3,
+phi3; see :mod:`.gguf_arch`), keeping quantized weights where MLX can
+hold them exactly.
 
-``mx.load`` reads GGUF Q4_0/Q4_1/Q8_0 tensors straight into MLX affine
-triplets (``<name>.weight`` uint32, ``.scales``, ``.biases``); Q4_1 becomes
-4-bit group-32 and Q8_0 8-bit group-32. Those triplets become
-``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding`` layers of mlx-lm's
-llama model without re-quantizing.
+Tensors in Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 become ``nn.QuantizedLinear`` /
+``nn.QuantizedEmbedding`` layers with group size 32 and the same values
+(see :mod:`.gguf_tensors`); every other type gguf-py can decode (K-quants,
+IQ types, BF16...) becomes a dense float32 layer with gguf-py's decoded
+values. The model itself is mlx-lm's class for the architecture, so any
+folder we save is a normal mlx-lm model.
 
-Rotary embedding order: llama.cpp's converter permutes the rows of the q
-and k projections of each head from HF's half-split order ([x0..x63] with
-pairs (i, i+32)) into interleaved pairs (2i, 2i+1), because llama.cpp's
-LLAMA rope rotates adjacent pairs. We undo that row permutation (rows are
-whole quantization groups, so it is exact on the quantized storage) and
-use mlx-lm's default, non-traditional rope -- the weights then match the
-original HF checkpoint layout and any folder we save is a normal llama.
+Rotary embedding order (llama only): llama.cpp's converter permutes the
+rows of the q and k projections of each head from HF's half-split order
+into interleaved pairs. We undo that row permutation (rows are whole
+quantization groups, so it is exact on the quantized storage) and use
+mlx-lm's default, non-traditional rope.
 """
 
 from __future__ import annotations
@@ -22,79 +23,13 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..errors import FormatError
+from . import gguf_arch, gguf_file
+from .gguf_arch import UnsupportedArchitecture
+from .gguf_tensors import to_mlx
 from .tokenizer import Tokenizer
 
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def _mlx_name(gguf_name: str) -> str:
-    base, _, leaf = gguf_name.rpartition(".")
-    if base.startswith("blk."):
-        _, idx, part = base.split(".", 2)
-        if part not in _LAYER_NAMES:
-            raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-        return f"model.layers.{idx}.{_LAYER_NAMES[part]}.{leaf}"
-    if base not in _TOP_NAMES:
-        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"{_TOP_NAMES[base]}.{leaf}"
-
-
-def _int(meta, key):
-    if key not in meta:
-        raise ValueError(f"GGUF metadata has no {key!r}")
-    return int(meta[key].item())
-
-
-def _float(meta, key, default):
-    # GGUF stores these as float32; print them back at float32 precision so
-    # 1e-5 reads as 1e-05 in config.json, not 9.999999747378752e-06.
-    return float(f"{float(meta[key].item()):.7g}") if key in meta else default
-
-
-def config_from_metadata(meta: dict, tensors: dict) -> dict:
-    """mlx-lm llama config.json contents from GGUF ``llama.*`` metadata."""
-    arch = str(meta.get("general.architecture", ""))
-    if arch != "llama":
-        raise ValueError(f"only GGUF llama models are supported, got architecture {arch!r}")
-    n_head = _int(meta, "llama.attention.head_count")
-    hidden = _int(meta, "llama.embedding_length")
-    cfg = {
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "num_hidden_layers": _int(meta, "llama.block_count"),
-        "intermediate_size": _int(meta, "llama.feed_forward_length"),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": _int(meta, "llama.attention.head_count_kv")
-        if "llama.attention.head_count_kv" in meta
-        else n_head,
-        "head_dim": _int(meta, "llama.rope.dimension_count")
-        if "llama.rope.dimension_count" in meta
-        else hidden // n_head,
-        "rms_norm_eps": _float(meta, "llama.attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": _float(meta, "llama.rope.freq_base", 10000.0),
-        "rope_traditional": False,
-        "max_position_embeddings": _int(meta, "llama.context_length")
-        if "llama.context_length" in meta
-        else 4096,
-        "vocab_size": tensors["token_embd.weight"].shape[0],
-        "tie_word_embeddings": "output.weight" not in tensors,
-    }
-    if "tokenizer.ggml.eos_token_id" in meta:
-        cfg["eos_token_id"] = int(meta["tokenizer.ggml.eos_token_id"].item())
-    if "tokenizer.ggml.bos_token_id" in meta:
-        cfg["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"].item())
-    return cfg
+__all__ = ["UnsupportedArchitecture", "load_gguf", "read_weights", "unpermute_rope_rows"]
 
 
 def unpermute_rope_rows(a: mx.array, n_heads: int) -> mx.array:
@@ -107,61 +42,87 @@ def unpermute_rope_rows(a: mx.array, n_heads: int) -> mx.array:
     return a.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-def _quant_params(weights: dict, prefix: str, in_dims: int) -> dict:
-    w, s = weights[f"{prefix}.weight"], weights[f"{prefix}.scales"]
-    return {"group_size": in_dims // s.shape[-1], "bits": w.shape[-1] * 32 // in_dims, "mode": "affine"}
+def read_weights(path, *, undo_rope_permutation: bool = True, dense_dtype=None):
+    """(weights, bits, config, metadata): mlx-lm parameter name -> array,
+    quantized module path -> bits, the mlx-lm config. Raises
+    :class:`UnsupportedArchitecture` before decoding any tensor."""
+    meta, infos = gguf_file.read(path)
+    arch = gguf_arch.check_supported(meta)
+    cfg = gguf_arch.config(arch, meta, infos)
+    names = {name: gguf_arch.mlx_name(arch, name) for name in infos}  # unknown tensors fail here
+    permuted = {}
+    if gguf_arch.rope_permuted(arch):
+        if undo_rope_permutation:
+            for i in range(cfg["num_hidden_layers"]):
+                permuted[f"model.layers.{i}.self_attn.q_proj"] = cfg["num_attention_heads"]
+                permuted[f"model.layers.{i}.self_attn.k_proj"] = cfg["num_key_value_heads"]
+        else:
+            cfg["rope_traditional"] = True
+    weights, bits = {}, {}
+    for name, t in infos.items():
+        target = names[name]
+        module, _, leaf = target.rpartition(".")
+        parts = to_mlx(t, dense_dtype)
+        if "bits" in parts:
+            if leaf != "weight":
+                raise FormatError(f"GGUF tensor {name!r} is quantized but is not a weight")
+            bits[module] = parts.pop("bits")
+            arrays = {f"{module}.{k}": v for k, v in parts.items()}
+        else:
+            w = parts["weight"]
+            shift = gguf_arch.norm_shift(arch, target)
+            arrays = {target: w + shift if shift else w}
+        if module in permuted:
+            arrays = {k: unpermute_rope_rows(v, permuted[module]) for k, v in arrays.items()}
+        weights.update(arrays)
+    return weights, bits, cfg, meta
 
 
-def load_gguf(path, *, undo_rope_permutation: bool = True):
-    """(model, tokenizer, config) from a llama GGUF file.
+def _build(cfg: dict, weights: dict, bits: dict):
+    from mlx_lm.utils import _get_classes
 
-    ``config`` is what a saved folder's config.json holds, including the
-    mlx-lm ``quantization`` dict with one entry per quantized module.
-    With ``undo_rope_permutation=False`` the q/k rows stay in GGUF order
-    and the model uses traditional (interleaved) rope instead; both give
-    the same outputs.
-    """
-    from mlx_lm.models import llama
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    raw, meta = mx.load(str(path), return_metadata=True)
-    cfg = config_from_metadata(meta, raw)
-    weights = {_mlx_name(k): v for k, v in raw.items()}
-    if undo_rope_permutation:
-        for i in range(cfg["num_hidden_layers"]):
-            for proj, heads in (("q_proj", cfg["num_attention_heads"]), ("k_proj", cfg["num_key_value_heads"])):
-                for leaf in ("weight", "scales", "biases"):
-                    key = f"model.layers.{i}.self_attn.{proj}.{leaf}"
-                    if key in weights:
-                        weights[key] = unpermute_rope_rows(weights[key], heads)
-    else:
-        cfg["rope_traditional"] = True
-
-    model = llama.Model(llama.ModelArgs.from_dict(cfg))
+    model_cls, args_cls = _get_classes(cfg)
+    model = model_cls(args_cls.from_dict(cfg))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)  # ties lm_head where the file has no output.weight
     per_path = {}
 
     def predicate(p, m):
-        if f"{p}.scales" not in weights:
+        if p not in bits:
             return False
-        in_dims = m.weight.shape[-1]
-        per_path[p] = _quant_params(weights, p, in_dims)
+        per_path[p] = {"group_size": 32, "bits": bits[p], "mode": "affine"}
         return per_path[p]
 
     nn.quantize(model, class_predicate=predicate)
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
     model.eval()
-
     if per_path:
         counts = {}
         for q in per_path.values():
-            counts[(q["group_size"], q["bits"])] = counts.get((q["group_size"], q["bits"]), 0) + 1
-        gs, bits = max(counts, key=counts.get)
-        quant = {"group_size": gs, "bits": bits, "mode": "affine"}
+            counts[q["bits"]] = counts.get(q["bits"], 0) + 1
+        quant = {"group_size": 32, "bits": max(counts, key=counts.get), "mode": "affine"}
         quant.update({p: {"group_size": q["group_size"], "bits": q["bits"]} for p, q in per_path.items()})
         cfg["quantization"] = quant
         cfg["quantization_config"] = dict(quant)
+    return model
+
+
+def load_gguf(path, *, undo_rope_permutation: bool = True, dense_dtype=None):
+    """(model, tokenizer, config) from a GGUF file.
+
+    ``config`` is what a saved folder's config.json holds, including the
+    mlx-lm ``quantization`` dict with one entry per quantized module.
+    With ``undo_rope_permutation=False`` a llama model keeps q/k rows in
+    GGUF order and uses traditional (interleaved) rope instead; both give
+    the same outputs. ``dense_dtype`` casts tensors decoded densely (float32
+    by default, exact).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    weights, bits, cfg, meta = read_weights(path, undo_rope_permutation=undo_rope_permutation,
+                                            dense_dtype=dense_dtype)
     tokenizer = Tokenizer.from_gguf_metadata(meta)
+    model = _build(cfg, weights, bits)
     return model, tokenizer, cfg

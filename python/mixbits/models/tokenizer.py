@@ -1,10 +1,13 @@
-"""A byte-level BPE tokenizer rebuilt from a GGUF's vocabulary and merges,
-and read back from / written to a model folder (tokenizer.json +
-tokenizer_config.json, the files ``mlx_lm.load`` / transformers read).
+"""A tokenizer rebuilt from a GGUF's vocabulary -- byte-level BPE
+(``tokenizer.ggml.model == "gpt2"``, from its merges) or SentencePiece
+(``"llama"``, see :mod:`.tokenizer_spm`) -- and read back from / written
+to a model folder (tokenizer.json + tokenizer_config.json, the files
+``mlx_lm.load`` / transformers read).
 
-Uses only the ``tokenizers`` package. The pre-tokenizer for GGUF
-``tokenizer.ggml.pre`` values of the StarCoder family (SmolLM uses it):
-digits split one by one, then GPT-2's byte-level regex split; the same
+Uses only the ``tokenizers`` package. Byte-level BPE pre-tokenizers by
+GGUF ``tokenizer.ggml.pre``: the StarCoder family (SmolLM uses it) splits
+digits one by one, then GPT-2's byte-level regex; llama-3 and Qwen2 split
+with their own regexes (digits in runs of up to 3 / one by one); the same
 rules llama.cpp applies for these models.
 """
 
@@ -13,11 +16,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from . import tokenizer_spm
+
 # GGUF token types (llama.cpp's enum): 1 normal, 2 unknown, 3 control,
 # 4 user-defined, 5 unused, 6 byte.
 _CONTROL, _USER_DEFINED = 3, 4
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"}
 _PLAIN_GPT2_PRE = {"gpt2", "default", "mpt", "olmo", "jais"}
+# Regex splits (then byte-level mapping) of the llama-3 and Qwen2 families;
+# they differ only in how many digits one piece may hold.
+_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}%s| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_REGEX_PRE = {"llama-bpe": _SPLIT % "{1,3}", "llama3": _SPLIT % "{1,3}", "qwen2": _SPLIT % "", "deepseek-r1-qwen": _SPLIT % ""}
 
 
 class Tokenizer:
@@ -90,28 +99,15 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
         """Build from ``tokenizer.ggml.*`` keys (``mx.load(..., return_metadata=True)``)."""
-        from tokenizers import AddedToken, decoders, models, pre_tokenizers
-        from tokenizers import Tokenizer as _Tk
+        from tokenizers import AddedToken
 
         kind = str(meta.get("tokenizer.ggml.model", ""))
-        if kind != "gpt2":
-            raise ValueError(f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, got {kind!r}")
+        if kind not in ("gpt2", "llama"):
+            raise ValueError(f"GGUF tokenizer {kind!r} is not supported (byte-level BPE 'gpt2' and "
+                             "SentencePiece 'llama' are)")
         tokens = list(meta["tokenizer.ggml.tokens"])
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
         types = [int(t) for t in _as_list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))]
-        pre = str(meta.get("tokenizer.ggml.pre", "gpt2"))
-        if pre not in _DIGIT_SPLIT_PRE | _PLAIN_GPT2_PRE:
-            raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (known: {sorted(_DIGIT_SPLIT_PRE | _PLAIN_GPT2_PRE)})")
-
-        tk = _Tk(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-        if pre in _DIGIT_SPLIT_PRE:
-            tk.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level]
-            )
-        else:
-            tk.pre_tokenizer = byte_level
-        tk.decoder = decoders.ByteLevel()
+        tk = _bpe(meta, tokens) if kind == "gpt2" else tokenizer_spm.build(meta, tokens, types)
         specials = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
         users = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED]
         if specials:
@@ -136,6 +132,30 @@ class Tokenizer:
             special=special,
             chat_template=str(template) if template is not None else None,
         )
+
+
+def _bpe(meta: dict, tokens: list):
+    """Byte-level BPE (GPT-2 style) from the GGUF's tokens and merges."""
+    from tokenizers import Regex
+    from tokenizers import Tokenizer as _Tk
+    from tokenizers import decoders, models, pre_tokenizers
+
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    pre = str(meta.get("tokenizer.ggml.pre", "gpt2"))
+    known = _DIGIT_SPLIT_PRE | _PLAIN_GPT2_PRE | set(_REGEX_PRE)
+    if pre not in known:
+        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (known: {sorted(known)})")
+    tk = _Tk(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=pre not in _REGEX_PRE)
+    if pre in _REGEX_PRE:
+        split = pre_tokenizers.Split(Regex(_REGEX_PRE[pre]), behavior="isolated", invert=False)
+        tk.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    elif pre in _DIGIT_SPLIT_PRE:
+        tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tk.pre_tokenizer = byte_level
+    tk.decoder = decoders.ByteLevel()
+    return tk
 
 
 def _scalar(v):
