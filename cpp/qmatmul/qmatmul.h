@@ -30,6 +30,21 @@ class MixedQMatmul : public mx::UnaryPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
 
+  // Gradients (grad.cpp) are built from MLX ops on the same stream, so they
+  // run wherever MLX runs: wrt x, and wrt every segment's scales and biases;
+  // none wrt the packed codes or the permutation (as MLX's QuantizedMatmul).
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums,
+                             const std::vector<mx::array>& outputs) override;
+  std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& tangents,
+                             const std::vector<int>& argnums) override;
+  // Batching over x only; a vmapped weight is refused.
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
+      const std::vector<mx::array>& inputs,
+      const std::vector<int>& axes) override;
+
   const char* name() const override { return "MixedQMatmul"; }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(
@@ -49,5 +64,29 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
                         const std::vector<SegSpec>& segs,
                         Backend backend = Backend::Auto,
                         mx::StreamOrDevice s = {});
+
+// Graph helpers shared by the gradients of MixedQMatmul and of the gather
+// primitive (grad.cpp). `packed` as above; weights may carry leading batch
+// dimensions (..., N, words).
+namespace grad {
+// The dense weight (..., N, K) in stored (permuted) column order, in the
+// scales' dtype.
+mx::array dequantize_all(const std::vector<mx::array>& packed,
+                         const std::vector<SegSpec>& segs, mx::StreamOrDevice s);
+// y = x[..., perm] (a copy of x when there is no permutation).
+mx::array permute_cols(const mx::array& x, const std::optional<mx::array>& perm,
+                       mx::StreamOrDevice s);
+// The transpose of permute_cols: d[..., perm[k]] += g[..., k].
+mx::array unpermute_cols(const mx::array& g, const std::optional<mx::array>& perm,
+                         mx::StreamOrDevice s);
+// Gradients wrt scales and biases of segment i from G = dyᵀ·x[perm]
+// ((..., N, K), float32): dL/ds = Σ_{k∈g} G·q, dL/db = Σ_{k∈g} G.
+mx::array scales_grad(const mx::array& G, const std::vector<mx::array>& packed,
+                      const std::vector<SegSpec>& segs, size_t i,
+                      mx::StreamOrDevice s);
+mx::array biases_grad(const mx::array& G, const std::vector<mx::array>& packed,
+                      const std::vector<SegSpec>& segs, size_t i,
+                      mx::StreamOrDevice s);
+}  // namespace grad
 
 }  // namespace mixbits
