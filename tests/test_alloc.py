@@ -252,14 +252,14 @@ def test_allocation_like_table_with_its_budget_window():
                  {"kind": "ternary", "bits": 2, "kl": base * rng.uniform(5, 40)}]
         entries.append({"path": e["path"], "layer": e["layer"], "nparams": e["nparams"], "candidates": cands})
     table = SensitivityTable.from_dict({"format": "mixbits.sensitivity", "version": 1, "entries": entries})
-    p = MCKProblem.from_table(table)
+    p = MCKProblem.from_table(table, "nominal")  # the shared file's budget counts nominal bits
     lo, hi = raw["budget"]["low_avg"], raw["budget"]["high_avg"]
     budget, lower = math.floor(hi * p.total_params), math.ceil(lo * p.total_params)
     s = solve(p, budget, lower)
     _check_solution(p, s, budget, lower)
     ref_cost, _, dual = milp(p, budget, lower, cost_scale=1e3)
     assert dual * (1 - 1e-9) - 1e-12 <= s.cost <= ref_cost * (1 + 1e-12)
-    alloc = table.to_allocation(s.choice, low_avg=lo, high_avg=hi)
+    alloc = table.to_allocation(s.choice, low_avg=lo, high_avg=hi, count="nominal")
     assert lo <= alloc.average_bits <= hi
     assert alloc.sum_kl == pytest.approx(s.cost) and alloc.dp_sum_kl == pytest.approx(s.cost)
     Allocation.from_dict(alloc.to_dict())  # passes its own checks
@@ -324,17 +324,19 @@ def test_cli_sensitivity_table_writes_allocation(tmp_path, capsys):
     table = tmp_path / "table.json"
     table.write_text(json.dumps({"format": "mixbits.sensitivity", "version": 1, "embed_bits": 8, "entries": entries}))
     out = tmp_path / "allocation.json"
-    assert _cli(["allocate", str(table), "--bpw", "3.5", "--min-bpw", "3.4", "--out", str(out)]) == 0
+    assert _cli(["allocate", str(table), "--bpw", "3.5", "--min-bpw", "3.4", "--count", "nominal",
+                 "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "avg bits" in printed and "kinds" in printed
     a = Allocation.load(out)  # checks average_bits, sum_kl and the budget window
     assert 3.4 <= a.average_bits <= 3.5 and a.embed_bits == 8 and len(a.assignment) == len(entries)
-    p = MCKProblem.from_table(SensitivityTable.load(table))
+    p = MCKProblem.from_table(SensitivityTable.load(table), "nominal")
     assert a.sum_kl == pytest.approx(solve(p, p.budget_from_bpw(3.5), math.ceil(3.4 * p.total_params)).cost)
     bad = json.loads(table.read_text())
     bad["complete"] = False
     table.write_text(json.dumps(bad))
-    assert _cli(["allocate", str(table), "--bpw", "3.5", "--out", str(tmp_path / "b.json")]) == 2
+    assert _cli(["allocate", str(table), "--bpw", "3.5", "--count", "nominal",
+                 "--out", str(tmp_path / "b.json")]) == 2
     assert "has not finished" in capsys.readouterr().err
 
 

@@ -21,7 +21,7 @@ def test_totals_past_2_62_are_refused_not_wrapped(tmp_path, capsys):
     t = tmp_path / "t.json"
     t.write_text(json.dumps(_table([2**59, 2**59])))  # 8-bit options sum to 2**63
     out = tmp_path / "a.json"
-    rc = main(["allocate", str(t), "--budget-bits", str(2**63 - 1), "--out", str(out)])
+    rc = main(["allocate", str(t), "--budget-bits", str(2**63 - 1), "--count", "nominal", "--out", str(out)])
     cap = capsys.readouterr()
     assert rc == 2 and "2**62" in cap.err and "solved exactly" not in cap.out
     assert not out.exists()
@@ -48,7 +48,7 @@ def test_huge_bpw_budget_cannot_bind(tmp_path, capsys, bpw):
     t = tmp_path / "t.json"
     t.write_text(json.dumps(_table([2**40, 2**41])))  # 1e300 * 3 * 2**40 overflows a float
     out = tmp_path / "a.json"
-    assert main(["allocate", str(t), "--bpw", bpw, "--out", str(out), "--quiet"]) == 0
+    assert main(["allocate", str(t), "--bpw", bpw, "--count", "nominal", "--out", str(out), "--quiet"]) == 0
     a = json.loads(out.read_text())
     assert [e["bits"] for e in a["assignment"]] == [8, 8]  # the budget does not bind: cheapest KL
     assert "gap" in capsys.readouterr().out

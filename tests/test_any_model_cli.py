@@ -48,6 +48,9 @@ def test_pipeline_on_folder_without_tokenizer(folder, tmp_path):
     refined = tmp_path / "refined.json"
     assert main(["refine", str(table), "--model", m, "--tokens", str(folder / "tokens.json"),
                  "--bpw", "3.6", "--max-evals", "3", "--out", str(refined)]) == 0
+    # one budget meaning: allocate's default (storage bits) is refine's knapsack
+    assert json.loads(alloc.read_text())["sum_kl"] == pytest.approx(
+        json.loads(refined.read_text())["dp_sum_kl"])
     assert main(["plot", str(table), "--allocation", str(refined), "--out", str(tmp_path / "p.png")]) == 0
     out = tmp_path / "q"
     assert main(["quantize", "--model", m, "--allocation", str(refined), "--out", str(out)]) == 0

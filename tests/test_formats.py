@@ -327,7 +327,7 @@ def test_sensitivity_table_round_trip(alloc_raw, tmp_path):
     assert t.to_dict() == raw
     t.save(tmp_path / "t.json")
     assert SensitivityTable.load(tmp_path / "t.json").to_dict() == raw
-    a = t.to_allocation([2] * len(t.entries), high_avg=4.0)  # all 4-bit
+    a = t.to_allocation([2] * len(t.entries), high_avg=4.0, count="nominal")  # all 4-bit
     assert a.average_bits == 4.0 and a.embed_bits == 8
     assert Allocation.from_dict(a.to_dict()).to_dict() == a.to_dict()
 

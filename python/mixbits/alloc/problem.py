@@ -146,7 +146,7 @@ class MCKProblem:
         )
 
     @classmethod
-    def from_table(cls, table, count: str = "nominal") -> "MCKProblem":
+    def from_table(cls, table, count: str = "storage") -> "MCKProblem":
         """Slots = tensors, options = candidates; cost ``kl``. Bits are
         ``round(nparams * bits)`` for ``count="nominal"`` (so the average is
         allocation.json's average_bits) or each candidate's ``storage_bits``

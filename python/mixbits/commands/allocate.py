@@ -34,9 +34,10 @@ def add_arguments(p) -> None:
                         "check every option's total_bits")
     p.add_argument("--out", required=True, metavar="STRATEGY.json",
                    help="strategy (module -> chosen option) for a measurement; allocation.json for a table")
-    p.add_argument("--count", choices=("nominal", "storage"), default="nominal",
-                   help="sensitivity tables: budget counts nominal bits (nparams*bits, allocation.json's "
-                        "average_bits; default) or each candidate's storage_bits (codes + scales + biases)")
+    p.add_argument("--count", choices=("nominal", "storage"), default="storage",
+                   help="sensitivity tables: budget counts each candidate's storage bits (codes + "
+                        "scales + biases + permutation: 4-bit g64 = 4.5 bpw; default, as refine and "
+                        "compare) or nominal bits (nparams*bits, allocation.json's average_bits)")
     p.add_argument("--quiet", action="store_true", help="print only the totals, not the per-layer table")
 
 

@@ -200,7 +200,7 @@ class SensitivityTable:
     def complete(self) -> bool:
         return self.extra.get("complete", True) is not False
 
-    def to_allocation(self, choice, *, low_avg=None, high_avg=None, count: str = "nominal") -> Allocation:
+    def to_allocation(self, choice, *, low_avg=None, high_avg=None, count: str = "storage") -> Allocation:
         """The allocation.json for one candidate index per entry."""
         if len(choice) != len(self.entries):
             raise ValueError(f"choice has {len(choice)} items for {len(self.entries)} entries")
