@@ -17,8 +17,10 @@ def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="sensitivity table (JSON), checkpointed per tensor")
     p.add_argument("--resume", action="store_true", help="continue an interrupted sweep in --out")
     p.add_argument("--candidates", nargs="+", default=list(DEFAULT_CANDIDATES),
-                   help="e.g. 2b_g64 3b_g64 4b_g32 8b_g128 ternary_g64 4b10_3b_g64; a tensor gets "
-                        "those whose group size divides its K (expert stacks: single-segment only)")
+                   help="names such as 2b_g64 3b_g64 4b_g32 8b_g128 ternary_g64 4b10_3b_g64, or a "
+                        f"preset: 'default' ({' '.join(DEFAULT_CANDIDATES)}) or 'wide' (2/3/4/5/6/8 "
+                        "bits at g64 and g128, ternary, three mixed kinds); a tensor gets those whose "
+                        "group size divides its K (expert stacks: single-segment only)")
     p.add_argument("--max-batch", type=int, default=8,
                    help="sequences per suffix forward (candidates are batched up to this)")
     p.add_argument("--tensors", nargs="+",
@@ -35,10 +37,9 @@ def add_arguments(p) -> None:
 def check_arguments(args) -> None:
     """Everything checkable before the model loads (which can take minutes)."""
     from ..measure.calib import check_calibration_arguments
-    from ..measure.candidates import parse_candidate
+    from ..measure.candidates import expand_candidates
 
-    for c in args.candidates:
-        parse_candidate(c)
+    args.candidates = expand_candidates(args.candidates)
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     for flag, path in (("--out", args.out), ("--exl2-out", args.exl2_out)):

@@ -97,6 +97,27 @@ def _check(name: str, gs: int, bits: list[int]) -> None:
 
 DEFAULT_CANDIDATES = ("2b_g64", "3b_g64", "4b_g64", "8b_g64", "ternary_g64", "4b10_3b_g64")
 
+# Named sets for ``--candidates``: "default", and "wide" -- every width at
+# two group sizes, ternary, and two mixed kinds -- for sweeps that can
+# afford ~16 candidates per tensor.
+PRESETS = {
+    "default": DEFAULT_CANDIDATES,
+    "wide": tuple(f"{b}b_g{g}" for b in (2, 3, 4, 5, 6, 8) for g in (64, 128))
+    + ("ternary_g64", "4b10_3b_g64", "3b10_2b_g64", "6b10_4b_g64"),
+}
+
+
+def expand_candidates(names) -> list[str]:
+    """Candidate names with presets expanded, in order, without repeats;
+    every name checked (ValueError on an unknown one)."""
+    out = []
+    for n in names:
+        for c in PRESETS.get(n, (n,)):
+            parse_candidate(c)
+            if c not in out:
+                out.append(c)
+    return out
+
 
 def supports(cand: Candidate, site) -> bool:
     """Whether ``cand`` can be built for ``site`` (an adapter Site): group
