@@ -11,6 +11,7 @@
 #include "act/act.h"
 #include "attn/attn.h"
 #include "bench/probe.h"
+#include "gather/gather.h"
 #include "common/parallel.h"
 #include "kl/kl.h"
 #include "qmatmul/qmatmul.h"
@@ -35,6 +36,37 @@ NB_MODULE(_ext, m) {
       "x"_a, "perm"_a.none(), "packed"_a, "segments"_a, "backend"_a = 0,
       "y = x @ W.T for a mixed-segment quantized W. segments: (bits, "
       "group_size, k) per segment; packed: wq, scales, biases per segment.");
+
+  m.def(
+      "gather_qmatmul",
+      [](const mx::array& x, const std::optional<mx::array>& perm,
+         const std::vector<mx::array>& packed,
+         const std::vector<std::tuple<int, int, int>>& segs,
+         const std::optional<mx::array>& lhs,
+         const std::optional<mx::array>& rhs, bool sorted, int backend) {
+        std::vector<mixbits::SegSpec> specs;
+        for (auto [b, g, k] : segs) specs.push_back({b, g, k});
+        return mixbits::mixed_gather_qmm(x, perm, packed, specs, lhs, rhs,
+                                         sorted, mixbits::Backend(backend));
+      },
+      "x"_a, "perm"_a.none(), "packed"_a, "segments"_a, "lhs_indices"_a.none(),
+      "rhs_indices"_a.none(), "sorted_indices"_a = false, "backend"_a = 0,
+      "out[i] = x[lhs[i]] @ W[rhs[i]].T over the batches of x and of a "
+      "mixed-segment W with leading batch dims (mx.gather_qmm's meaning).");
+
+  m.def(
+      "batched_qmatmul",
+      [](const mx::array& x, const std::optional<mx::array>& perm,
+         const std::vector<mx::array>& packed,
+         const std::vector<std::tuple<int, int, int>>& segs, int backend) {
+        std::vector<mixbits::SegSpec> specs;
+        for (auto [b, g, k] : segs) specs.push_back({b, g, k});
+        return mixbits::mixed_batched_qmm(x, perm, packed, specs,
+                                          mixbits::Backend(backend));
+      },
+      "x"_a, "perm"_a.none(), "packed"_a, "segments"_a, "backend"_a = 0,
+      "x @ W.T with W's leading batch dims broadcast against x's, as "
+      "mx.quantized_matmul(..., transpose=True).");
 
   m.def(
       "swiglu",

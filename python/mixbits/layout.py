@@ -9,6 +9,7 @@ optional input permutation ``perm``: the tensor stores ``w[:, perm]`` and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -146,7 +147,7 @@ class QuantizedTensor:
         segments = list(segments)
         if not segments:
             raise ValueError("a QuantizedTensor needs at least one segment")
-        n = None
+        n = batch = None
         sdtype = getattr(segments[0].scales, "dtype", None)
         for i, s in enumerate(segments):
             if not isinstance(s, Segment):
@@ -155,12 +156,15 @@ class QuantizedTensor:
             if not isinstance(s.wq, mx.array):
                 raise TypeError(f"segments[{i}].wq must be an mlx.core.array, got {type(s.wq).__name__}")
             # Array dtypes and shapes are values (ValueError, as in MLX).
-            if s.wq.dtype != mx.uint32 or s.wq.ndim != 2:
-                raise ValueError(f"segments[{i}].wq must be a 2-D uint32 array, got {s.wq.dtype} {s.wq.shape}")
-            n = s.wq.shape[0] if n is None else n
-            if s.wq.shape != (n, s.k * s.bits // 32):
+            # Leading dimensions are a batch of matrices (an expert stack),
+            # the same for every array of every segment.
+            if s.wq.dtype != mx.uint32 or s.wq.ndim < 2:
+                raise ValueError(f"segments[{i}].wq must be a 2-D (or batched) uint32 array, got {s.wq.dtype} {s.wq.shape}")
+            if n is None:
+                batch, n = tuple(s.wq.shape[:-2]), s.wq.shape[-2]
+            if s.wq.shape != (*batch, n, s.k * s.bits // 32):
                 raise ValueError(
-                    f"segments[{i}].wq shape {s.wq.shape} != {(n, s.k * s.bits // 32)}"
+                    f"segments[{i}].wq shape {s.wq.shape} != {(*batch, n, s.k * s.bits // 32)}"
                 )
             for name in ("scales", "biases"):
                 a = getattr(s, name)
@@ -172,12 +176,13 @@ class QuantizedTensor:
                     raise ValueError(f"segments[{i}].{name} must be float32/float16/bfloat16, got {a.dtype}")
                 if a.dtype != sdtype:
                     raise ValueError(f"segments[{i}].{name} dtype {a.dtype} != segment 0 scales {sdtype}")
-                if a.shape != (n, s.k // s.group_size):
+                if a.shape != (*batch, n, s.k // s.group_size):
                     raise ValueError(
-                        f"segments[{i}].{name} shape {a.shape} != {(n, s.k // s.group_size)}"
+                        f"segments[{i}].{name} shape {a.shape} != {(*batch, n, s.k // s.group_size)}"
                     )
         self.segments = segments
-        self.shape = (n, sum(s.k for s in segments))
+        self.shape = (n, sum(s.k for s in segments))  # of one matrix
+        self.batch_shape = batch
         self.perm = None if perm is None else _check_perm(perm, self.shape[1])
 
     @property
@@ -195,19 +200,20 @@ class QuantizedTensor:
         return out
 
     def dequantize(self, unpermute: bool = False) -> mx.array:
-        """The dense [N, K] matrix in stored (permuted) column order, so
-        ``qmatmul(x, qt) == x[..., perm] @ qt.dequantize().T``. With
-        ``unpermute=True`` columns are in the original order instead."""
-        if self.shape[0] == 0:
+        """The dense [..., N, K] matrix (batch dims first, if any) in stored
+        (permuted) column order, so ``qmatmul(x, qt) == x[..., perm] @
+        qt.dequantize().T``. With ``unpermute=True`` columns are in the
+        original order instead."""
+        if self.shape[0] == 0 or 0 in self.batch_shape:
             # mx.dequantize cannot reshape an empty array; the answer is known.
-            return mx.zeros(self.shape, dtype=self.dtype)
+            return mx.zeros((*self.batch_shape, *self.shape), dtype=self.dtype)
         parts = [
             mx.dequantize(s.wq, s.scales, s.biases, group_size=s.group_size, bits=s.bits)
             for s in self.segments
         ]
-        w = mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        w = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
         if unpermute and self.perm is not None:
-            w = w[:, mx.argsort(self.perm)]
+            w = mx.take(w, mx.argsort(self.perm), axis=-1)
         return w
 
     @property
@@ -219,7 +225,7 @@ class QuantizedTensor:
     def bits_per_weight(self) -> float:
         """Storage bits per weight: codes plus scales and biases (perm excluded)."""
         n, k = self.shape
-        return 8.0 * sum(a.nbytes for a in self.arrays()) / (n * k)
+        return 8.0 * sum(a.nbytes for a in self.arrays()) / (n * k * math.prod(self.batch_shape))
 
     def __repr__(self) -> str:
         segs = ", ".join(f"{b}b/g{g}x{k}" for b, g, k in self.specs)

@@ -4,6 +4,7 @@ checked here, with a message naming it, before any kernel runs."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from . import _ext
 from ._backends import BACKENDS, backend_id, names
@@ -38,6 +39,9 @@ def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None) -> 
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
     _check_x(x, qt.shape[1])
+    if qt.batch_shape:
+        # A stack of matrices: batch dims broadcast as in mx.quantized_matmul.
+        return _ext.batched_qmatmul(x, qt.perm, qt.arrays(), qt.specs, _backend_id(backend))
     return _ext.qmatmul(x, qt.perm, qt.arrays(), qt.specs, _backend_id(backend))
 
 
@@ -52,7 +56,26 @@ def quantized_matmul(
     backend: str | None = None,
 ) -> mx.array:
     """Same meaning as ``mx.quantized_matmul(x, w, scales, biases,
-    transpose=True, group_size=group_size, bits=bits)``."""
+    transpose=True, group_size=group_size, bits=bits)``. ``w`` may have
+    leading batch dimensions ``(..., N, K*bits/32)`` (scales and biases
+    ``(..., N, K/group_size)``); they broadcast against x's as in MLX, which
+    needs x to have batch dimensions too (MLX would silently use the first
+    matrix of w for a 1-D or 2-D x; this refuses with a ValueError)."""
+    qt = _mlx_tensor(w, scales, biases, group_size, bits)
+    return qmatmul(_mlx_out_dtype(x, qt), qt, backend=backend)
+
+
+def _mlx_out_dtype(x, qt: QuantizedTensor):
+    """x cast to MLX's output dtype for (x, scales): their promotion (e.g.
+    float16 x with float32 scales -> float32), cast before the product."""
+    if isinstance(x, mx.array) and x.dtype in FLOAT_DTYPES and x.dtype != qt.dtype:
+        return x.astype(mx.result_type(x.dtype, qt.dtype))
+    return x
+
+
+def _mlx_tensor(w, scales, biases, group_size, bits) -> QuantizedTensor:
+    """One-segment tensor from MLX's (w, scales, biases) arguments, checked
+    as MLX checks them (TypeError for types, ValueError for values)."""
     check_int("bits", bits, BITS)
     check_int("group_size", group_size, GROUP_SIZES)
     for name, a in (("w", w), ("scales", scales), ("biases", biases)):
@@ -61,8 +84,75 @@ def quantized_matmul(
             raise ValueError(f"{name} must be provided for affine quantization")
         if not isinstance(a, mx.array):
             raise TypeError(f"{name} must be an mlx.core.array, got {type(a).__name__}")
-    if w.dtype != mx.uint32 or w.ndim != 2:
-        raise ValueError(f"w must be a 2-D uint32 array, got {w.dtype} with shape {w.shape}")
-    k = w.shape[1] * 32 // bits
-    qt = QuantizedTensor([Segment(bits, group_size, k, w, scales, biases)])
-    return qmatmul(x, qt, backend=backend)
+    if w.dtype != mx.uint32 or w.ndim < 2:
+        raise ValueError(f"w must be a uint32 array with at least 2 dimensions, got {w.dtype} with shape {w.shape}")
+    k = w.shape[-1] * 32 // bits
+    return QuantizedTensor([Segment(bits, group_size, k, w, scales, biases)])
+
+
+def _check_indices(name: str, idx):
+    if idx is None:
+        return None
+    if not isinstance(idx, mx.array):
+        raise TypeError(f"{name} must be an mlx.core.array or None, got {type(idx).__name__}")
+    if not mx.issubdtype(idx.dtype, mx.integer):
+        # MLX's message and type (ValueError) for float indices.
+        raise ValueError("[gather_qmm] Got indices with invalid dtype. Indices must be integral.")
+    return idx
+
+
+def gather_qmatmul(
+    x: mx.array,
+    qt: QuantizedTensor,
+    lhs_indices: mx.array | None = None,
+    rhs_indices: mx.array | None = None,
+    sorted_indices: bool = False,
+    *,
+    backend: str | None = None,
+) -> mx.array:
+    """``mx.gather_qmm(x, ..., transpose=True)`` for a mixed-segment stack
+    of matrices: ``qt`` holds segments with leading batch dims ``(E, ...)``
+    (an expert stack) and ``out[i] = x[lhs[i]][..., perm] @ W[rhs[i]].T``
+    with x ``(..., M, K)``; indices index the flattened batch dims and
+    broadcast together; each defaults to every batch of its operand. Output
+    ``broadcast(lhs, rhs).shape + (M, N)`` in x's dtype. An index out of
+    range gives NaN rows (MLX cannot check it when building the graph
+    either). ``sorted_indices`` is accepted for MLX compatibility; the CPU
+    kernel groups rows by expert whether or not they are sorted."""
+    if not isinstance(qt, QuantizedTensor):
+        raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
+    if not isinstance(x, mx.array):
+        raise TypeError(f"x must be an mlx.core.array, got {type(x).__name__}")
+    if not isinstance(sorted_indices, (bool, np.bool_)):
+        raise TypeError(f"sorted_indices must be a bool, got {type(sorted_indices).__name__}")
+    lhs = _check_indices("lhs_indices", lhs_indices)
+    rhs = _check_indices("rhs_indices", rhs_indices)
+    if lhs is None and rhs is None:
+        # As MLX: without indices this is the (batched) quantized matmul.
+        return qmatmul(x, qt, backend=backend)
+    _check_x(x, qt.shape[1])
+    return _ext.gather_qmatmul(x, qt.perm, qt.arrays(), qt.specs, lhs, rhs,
+                               bool(sorted_indices), _backend_id(backend))
+
+
+def gather_quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    lhs_indices: mx.array | None = None,
+    rhs_indices: mx.array | None = None,
+    group_size: int = 64,
+    bits: int = 4,
+    sorted_indices: bool = False,
+    *,
+    backend: str | None = None,
+) -> mx.array:
+    """Same meaning as ``mx.gather_qmm(x, w, scales, biases, lhs_indices,
+    rhs_indices, transpose=True, group_size=group_size, bits=bits,
+    sorted_indices=sorted_indices)``: w ``(E..., N, K*bits/32)``, x
+    ``(B..., M, K)``, output ``broadcast(lhs, rhs).shape + (M, N)``. See
+    :func:`gather_qmatmul` for the mixed-segment form."""
+    qt = _mlx_tensor(w, scales, biases, group_size, bits)
+    return gather_qmatmul(_mlx_out_dtype(x, qt), qt, lhs_indices, rhs_indices, sorted_indices,
+                          backend=backend)

@@ -1,0 +1,74 @@
+// MLX primitive for the gathered (and batched) mixed-segment quantized
+// matmul: out[i] = x[lhs[i]] · W[rhs[i]]ᵀ, the meaning of
+// mx.gather_qmm(..., transpose=True), for expert stacks (MoE) and for
+// weights with leading batch dimensions.
+#pragma once
+#include <optional>
+#include <vector>
+
+#include "qmatmul/qmatmul.h"
+
+namespace mixbits {
+
+// Inputs: x [Bx..., M, K], [perm [K]], (wq, scales, biases) per segment with
+// a common batch shape [Bw..., N, ·], then lhs and rhs (uint32, one shape).
+// Output: lhs.shape + [M, N] in x's dtype.
+class MixedGatherQMM : public mx::UnaryPrimitive {
+ public:
+  MixedGatherQMM(mx::Stream s, std::vector<SegSpec> segs, bool has_perm,
+                 Backend backend, bool sorted)
+      : mx::UnaryPrimitive(s),
+        segs_(std::move(segs)),
+        has_perm_(has_perm),
+        backend_(backend),
+        sorted_(sorted) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  // As MixedQMatmul's: wrt x and every segment's scales/biases, through
+  // MLX ops (gather_mm, segmented_mm, dequantize); no gradient wrt the
+  // packed weights, the permutation or the indices.
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums,
+                             const std::vector<mx::array>& outputs) override;
+  std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& tangents,
+                             const std::vector<int>& argnums) override;
+
+  const char* name() const override { return "MixedGatherQMM"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+ private:
+  std::vector<SegSpec> segs_;
+  bool has_perm_;
+  Backend backend_;
+  bool sorted_;
+};
+
+// Validates as MLX's gather_qmm does (std::invalid_argument -> ValueError)
+// and builds the node. Without indices each defaults to every batch of its
+// operand in order, as in MLX. On a GPU stream the product is composed from
+// MLX ops (dequantize + gather_mm): there is no Metal gather kernel yet.
+mx::array mixed_gather_qmm(const mx::array& x,
+                           const std::optional<mx::array>& perm,
+                           const std::vector<mx::array>& packed,
+                           const std::vector<SegSpec>& segs,
+                           std::optional<mx::array> lhs,
+                           std::optional<mx::array> rhs, bool sorted,
+                           Backend backend = Backend::Auto,
+                           mx::StreamOrDevice s = {});
+
+// x · Wᵀ for a W with leading batch dimensions, broadcast against x's as
+// mx.quantized_matmul(..., transpose=True) does (x needs at least 3 dims).
+mx::array mixed_batched_qmm(const mx::array& x,
+                            const std::optional<mx::array>& perm,
+                            const std::vector<mx::array>& packed,
+                            const std::vector<SegSpec>& segs,
+                            Backend backend = Backend::Auto,
+                            mx::StreamOrDevice s = {});
+
+}  // namespace mixbits
