@@ -48,6 +48,11 @@ def test_pipeline_on_folder_without_tokenizer(folder, tmp_path):
     refined = tmp_path / "refined.json"
     assert main(["refine", str(table), "--model", m, "--tokens", str(folder / "tokens.json"),
                  "--bpw", "3.6", "--max-evals", "3", "--out", str(refined)]) == 0
+    evolved = tmp_path / "evolved.json"
+    assert main(["refine", str(table), "--model", m, "--tokens", str(folder / "tokens.json"),
+                 "--bpw", "3.6", "--max-evals", "4", "--method", "evolve", "--out", str(evolved)]) == 0
+    jr = json.loads(evolved.read_text())["joint_refine"]
+    assert jr["method"] == "evolve" and jr["joint_kl_after"] <= jr["joint_kl_before"]
     # one budget meaning: allocate's default (storage bits) is refine's knapsack
     assert json.loads(alloc.read_text())["sum_kl"] == pytest.approx(
         json.loads(refined.read_text())["dp_sum_kl"])

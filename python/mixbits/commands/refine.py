@@ -14,7 +14,14 @@ def add_arguments(p) -> None:
     p.add_argument("--low-bpw", type=float, help="lower bound on average bits per weight")
     p.add_argument("--count", choices=["storage", "nominal"], default="storage",
                    help="storage: codes + fp16 scales/biases (4-bit g64 = 4.5); nominal: bits only")
-    p.add_argument("--max-evals", type=int, default=30, help="joint-KL evaluations for swaps (>= 1)")
+    p.add_argument("--max-evals", type=int, default=30,
+                   help="joint-KL evaluations for the search (>= 1; with --method evolve, counted in "
+                        "full-calibration-set equivalents)")
+    p.add_argument("--method", choices=("swaps", "evolve"), default="swaps",
+                   help="swaps: greedy one-up/one-down swaps ranked by predicted summed KL; evolve: "
+                        "evolutionary search (random level switches, children scored on growing "
+                        "prefixes of the calibration set)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of --method evolve")
     p.add_argument("--out", required=True, help="allocation.json to write")
 
 
@@ -42,10 +49,12 @@ def run(args) -> int:
 
     model, tokens = load_model_and_tokens(args)
     ev = JointEvaluator(model, tokens, chunk=4)
-    out = refine(table, ev, args.bpw, args.low_bpw, args.count, args.max_evals)
+    out = refine(table, ev, args.bpw, args.low_bpw, args.count, args.max_evals,
+                 method=args.method, seed=args.seed)
     write_json_atomic(out, args.out)
     jr = out["joint_refine"]
+    how = (f"{jr['generations']} generations, {jr['improvements']} improvements"
+           if jr.get("method") == "evolve" else f"{jr['swaps']} swaps kept")
     print(f"DP sum KL {out['dp_sum_kl']:.4f}; joint KL {jr['joint_kl_before']:.4f} -> "
-          f"{jr['joint_kl_after']:.4f} after {jr['swaps']} swaps ({jr['evaluations']} tried); "
-          f"wrote {args.out}")
+          f"{jr['joint_kl_after']:.4f} ({how}; {jr['evaluations']} evaluations); wrote {args.out}")
     return 0

@@ -42,9 +42,14 @@ class JointEvaluator:
             self._layers[key] = layer
         return self._layers[key]
 
-    def joint_kl(self, assignment: dict[str, str]) -> tuple[float, float]:
+    @property
+    def n_chunks(self) -> int:
+        return len(self.ref_logits)
+
+    def joint_kl(self, assignment: dict[str, str], chunks: int | None = None) -> tuple[float, float]:
         """(mean, standard error) of per-token KL with ``assignment``
-        (tensor path -> candidate name; others stay as loaded)."""
+        (tensor path -> candidate name; others stay as loaded), on all
+        calibration chunks or the first ``chunks`` of them."""
         unknown = sorted(set(assignment) - set(self.sites))
         if unknown:
             raise ValueError(f"assignment names unknown tensors: {unknown[:5]}")
@@ -52,7 +57,8 @@ class JointEvaluator:
             for path, cand in assignment.items():
                 self.adapter.set(path, self.layer(path, cand))
             parts = []
-            for ci, i in enumerate(range(0, len(self.tokens), self.chunk)):
+            starts = list(range(0, len(self.tokens), self.chunk))[: chunks or None]
+            for ci, i in enumerate(starts):
                 logits = self.model(mx.array(self.tokens[i : i + self.chunk]))
                 kl = kl_per_token(self.ref_logits[ci], logits)
                 parts.append(np.array(kl, dtype=np.float64).ravel())

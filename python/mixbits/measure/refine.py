@@ -119,11 +119,17 @@ def _powered(prob: MCKProblem, p: float) -> MCKProblem:
 
 def refine(table: dict, evaluator, high_avg: float, low_avg: float | None = None,
            count: str = "storage", max_evals: int = 30, calibration_ids=None,
-           progress: bool = True, powers=(1.5, 2.0)) -> dict:
-    """Allocation dict (allocation.json layout) after joint-KL swaps.
+           progress: bool = True, powers=(1.5, 2.0), method: str = "swaps", seed: int = 0) -> dict:
+    """Allocation dict (allocation.json layout) after joint-KL search.
 
     ``powers``: exponents p for the extra knapsack starts on KL**p (empty:
-    start from the plain optimum only)."""
+    start from the plain optimum only). ``method``: "swaps" (greedy
+    swaps ranked by predicted summed-KL change) or "evolve" (the
+    evolutionary search of :mod:`mixbits.measure.evolve`, scored on
+    growing prefixes of the calibration chunks; ``max_evals`` counts
+    full-set-equivalent evaluations)."""
+    if method not in ("swaps", "evolve"):
+        raise ValueError(f"method must be 'swaps' or 'evolve', got {method!r}")
     from tqdm import tqdm
 
     alloc, sol, prob = allocate_table(table, high_avg, low_avg, count)
@@ -163,7 +169,23 @@ def refine(table: dict, evaluator, high_avg: float, low_avg: float | None = None
     for s in starts:
         del s["choice"]
     tried, log = set(), []
-    while evals < max_evals:
+    search = {}
+    if method == "evolve":
+        from .evolve import evolve
+
+        def score(ch, chunks):
+            return evaluator.joint_kl(assignment(ch), chunks)[0]
+
+        def tick(gen, best, cost):
+            bar.update(max(0, min(max_evals, evals + round(cost)) - bar.n))
+
+        choice, current, cost, gens, wins = evolve(
+            score, prob.weights, choice, current, sol.budget, sol.lower,
+            n_chunks=evaluator.n_chunks, eval_budget=max_evals - evals, seed=seed, on_generation=tick)
+        bits = int(sum(prob.weights[i][j] for i, j in enumerate(choice)))
+        evals += cost
+        search = {"method": "evolve", "generations": gens, "improvements": wins, "seed": seed}
+    while method == "swaps" and evals < max_evals:
         moves = [m for m in _moves(prob, choice, bits, sol.budget, sol.lower)
                  if (m[1], m[2], m[3], m[4], tuple(choice)) not in tried]
         if not moves:
@@ -192,8 +214,9 @@ def refine(table: dict, evaluator, high_avg: float, low_avg: float | None = None
         "joint_kl_after": current,
         "starts": starts,
         "swaps": sum(1 for s in log if s["kept"]),
-        "evaluations": evals,
+        "evaluations": round(evals, 3),
         "log": log,
+        **search,
     }
     out["lagrangian_lower_bound"] = sol.lower_bound
     keys = ["average_bits", "embed_bits", "budget", "sum_kl", "dp_sum_kl", "joint_refine",
