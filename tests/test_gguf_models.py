@@ -206,3 +206,17 @@ def test_undecodable_tensor_type_named(tmp_path):
     w.close()
     with pytest.raises(mixbits.errors.FormatError, match="token_embd.weight.*Q8_1"):
         mixbits.load(path)
+
+
+def test_saved_folder_loads_in_mlx_lm_with_same_logits_and_tokens(written, tmp_path):
+    """What the loader builds is a plain mlx-lm model: save it, load the
+    folder with mlx_lm.load, same logits and token ids."""
+    import mlx_lm
+
+    name, _, vocab, _, model, tok, cfg = written
+    mixbits.save(model, tmp_path / "m", cfg, tok)
+    loaded, tok2 = mlx_lm.load(str(tmp_path / "m"))
+    ids = mx.array(np.random.default_rng(2).integers(0, len(vocab["tokens"]), size=(1, 9)))
+    assert mx.array_equal(loaded(ids), model(ids)).item(), name
+    text = "the cat and the hat, 12 at once"
+    assert tok2.encode(text) == tok.encode(text), name

@@ -99,7 +99,7 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
         """Build from ``tokenizer.ggml.*`` keys (``mx.load(..., return_metadata=True)``)."""
-        from tokenizers import AddedToken
+        from tokenizers import AddedToken, processors
 
         kind = str(meta.get("tokenizer.ggml.model", ""))
         if kind not in ("gpt2", "llama"):
@@ -123,6 +123,12 @@ class Tokenizer:
         names = {"bos": "bos", "eos": "eos", "unknown": "unk", "padding": "pad"}
         special = {names[r]: tokens[i] for r, i in ids.items() if i is not None}
         add_bos = bool(_scalar(meta.get("tokenizer.ggml.add_bos_token", False)))
+        if add_bos and ids["bos"] is not None:
+            # Saved with the folder: transformers / mlx_lm.load then add BOS
+            # as llama.cpp does (our encode adds it itself, without this).
+            bos = tokens[ids["bos"]]
+            tk.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, ids["bos"])])
         template = meta.get("tokenizer.chat_template")
         return cls(
             tk,
