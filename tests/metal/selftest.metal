@@ -120,6 +120,108 @@ template <int unused>
   out[gid + tsize.x] = in[gid];
 }
 
+// ---- simdgroup matrices ----------------------------------------------------
+// 128 threads copy `in` into threadgroup memory, read there as an 8 x 16
+// row-major matrix T = [L | R] (two 8x8 blocks). Each simdgroup s computes
+// one product and stores it into the right half (columns 8..15) of its own
+// 8 x 16 region out[128 s ...], leaving the left half untouched:
+//   s = 0: L R + 1 (filled)     R loaded with an origin, (8, 0)
+//   s = 1: Rᵀ L + 2 I           Rᵀ by a transposed load
+//   s = 2: (L L + R)ᵀ           stored transposed
+//   s = 3: R R + L              L loaded as the accumulator
+template <int unused>
+[[kernel]] void st_sgmm(ST_ARGS) {
+  const uint gid = tgid.x * tsize.x + lid;
+  tg[lid] = in[gid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  simdgroup_float8x8 L, R, D;
+  simdgroup_load(L, tg, 16);
+  simdgroup_load(R, tg, 16, ulong2(8, 0));
+  device float* o = out + 128 * simd_gid;
+  if (simd_gid == 0) {
+    simdgroup_multiply_accumulate(D, L, R, make_filled_simdgroup_matrix<float, 8, 8>(1.0f));
+    simdgroup_store(D, o, 16, ulong2(8, 0));
+  } else if (simd_gid == 1) {
+    simdgroup_float8x8 Rt;
+    simdgroup_load(Rt, tg + 8, 16, ulong2(0, 0), true);
+    simdgroup_multiply_accumulate(D, Rt, L, simdgroup_float8x8(2.0f));
+    simdgroup_store(D, o, 16, ulong2(8, 0));
+  } else if (simd_gid == 2) {
+    simdgroup_multiply_accumulate(D, L, L, R);
+    simdgroup_store(D, o + 8, 16, ulong2(0, 0), true);
+  } else {
+    simdgroup_multiply_accumulate(D, R, R, L);
+    simdgroup_store(D, o, 16, ulong2(8, 0));
+  }
+}
+
+// WRONG: st_sgmm's simdgroup 0 product with R loaded one column early
+// (origin (7, 0)); every simdgroup computes it.
+template <int unused>
+[[kernel]] void st_sgmm_wrong_origin(ST_ARGS) {
+  const uint gid = tgid.x * tsize.x + lid;
+  tg[lid] = in[gid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  simdgroup_float8x8 L, R, D;
+  simdgroup_load(L, tg, 16);
+  simdgroup_load(R, tg, 16, ulong2(7, 0));
+  simdgroup_multiply_accumulate(D, L, R, make_filled_simdgroup_matrix<float, 8, 8>(1.0f));
+  simdgroup_store(D, out + 128 * simd_gid, 16, ulong2(8, 0));
+}
+
+// WRONG: as st_sgmm_wrong_origin with the right origin but no barrier
+// between filling threadgroup memory and the simdgroup loads, which read
+// elements other simdgroups write.
+template <int unused>
+[[kernel]] void st_sgmm_no_barrier(ST_ARGS) {
+  const uint gid = tgid.x * tsize.x + lid;
+  tg[lid] = in[gid];
+  simdgroup_float8x8 L, R, D;
+  simdgroup_load(L, tg, 16);
+  simdgroup_load(R, tg, 16, ulong2(8, 0));
+  simdgroup_multiply_accumulate(D, L, R, make_filled_simdgroup_matrix<float, 8, 8>(1.0f));
+  simdgroup_store(D, out + 128 * simd_gid, 16, ulong2(8, 0));
+}
+
+// WRONG: simdgroup 0 stores L into threadgroup memory and each lane reads
+// elements back without a barrier (other lanes' stores are not yet
+// visible). 64 threads, one threadgroup: both simdgroups store the same
+// 8x8 matrix `in`, and thread t reads element 63 - t.
+template <int unused>
+[[kernel]] void st_sgmm_store_no_barrier(ST_ARGS) {
+  simdgroup_float8x8 L;
+  simdgroup_load(L, in, 8);
+  simdgroup_store(L, tg, 8);
+  out[lid] = tg[63 - lid];
+}
+
+// The same with a simdgroup barrier (each simdgroup stored the whole
+// matrix itself): out[t] = in[63 - t].
+template <int unused>
+[[kernel]] void st_sgmm_store_barrier(ST_ARGS) {
+  simdgroup_float8x8 L;
+  simdgroup_load(L, in, 8);
+  simdgroup_store(L, tg, 8);
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  out[lid] = tg[63 - lid];
+}
+
+// WRONG: only half the lanes load.
+template <int unused>
+[[kernel]] void st_sgmm_divergent(ST_ARGS) {
+  simdgroup_float8x8 L = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  if (simd_lid < 16) simdgroup_load(L, in, 8);
+  simdgroup_store(L, out, 8);
+}
+
+// WRONG: lanes pass different origins to one load.
+template <int unused>
+[[kernel]] void st_sgmm_lane_args(ST_ARGS) {
+  simdgroup_float8x8 L;
+  simdgroup_load(L, in, 8, ulong2(0, simd_lid % 2));
+  simdgroup_store(L, out, 8);
+}
+
 MB_INSTANTIATE_KERNEL("st_group_sum", st_group_sum, 0)
 MB_INSTANTIATE_KERNEL("st_reverse", st_reverse, 0)
 MB_INSTANTIATE_KERNEL("st_reverse_no_barrier", st_reverse_no_barrier, 0)
@@ -130,3 +232,10 @@ MB_INSTANTIATE_KERNEL("st_early_return", st_early_return, 0)
 MB_INSTANTIATE_KERNEL("st_barrier_mismatch", st_barrier_mismatch, 0)
 MB_INSTANTIATE_KERNEL("st_bad_lane", st_bad_lane, 0)
 MB_INSTANTIATE_KERNEL("st_write_past_end", st_write_past_end, 0)
+MB_INSTANTIATE_KERNEL("st_sgmm", st_sgmm, 0)
+MB_INSTANTIATE_KERNEL("st_sgmm_wrong_origin", st_sgmm_wrong_origin, 0)
+MB_INSTANTIATE_KERNEL("st_sgmm_no_barrier", st_sgmm_no_barrier, 0)
+MB_INSTANTIATE_KERNEL("st_sgmm_store_no_barrier", st_sgmm_store_no_barrier, 0)
+MB_INSTANTIATE_KERNEL("st_sgmm_store_barrier", st_sgmm_store_barrier, 0)
+MB_INSTANTIATE_KERNEL("st_sgmm_divergent", st_sgmm_divergent, 0)
+MB_INSTANTIATE_KERNEL("st_sgmm_lane_args", st_sgmm_lane_args, 0)

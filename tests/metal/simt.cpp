@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <exception>
 #include <map>
 #include <numeric>
@@ -119,6 +120,28 @@ Fiber& current_fiber() {
 }
 
 void yield_to_scheduler(Fiber& f) { swapcontext(&f.ctx, &g_group->sched); }
+
+// Releases simdgroup `s` if every one of its lanes waits at the same simd op
+// (throws if they wait at different ones); false if some lane has not
+// arrived yet.
+bool release_simdgroup(Group& g, uint32_t s, const Dim3& tg) {
+  const uint32_t lo = s * kSimdWidth, hi = std::min(g.threads, lo + kSimdWidth);
+  for (uint32_t i = lo; i < hi; ++i)
+    if (g.fibers[i].state != State::AtSimd) return false;
+  const Fiber& a = g.fibers[lo];
+  for (uint32_t i = lo; i < hi; ++i) {
+    const Fiber& b = g.fibers[i];
+    if (!same_site(a, b) || std::strcmp(a.op, b.op) != 0 || a.simd_seq != b.simd_seq) {
+      std::ostringstream os;
+      os << "simt: lanes of simdgroup " << s << " in threadgroup " << dim_str(tg)
+         << " meet at different simd ops: lane 0 at " << a.op << " " << where(a.loc)
+         << ", lane " << (i - lo) << " at " << b.op << " " << where(b.loc);
+      throw Error(os.str());
+    }
+  }
+  for (uint32_t i = lo; i < hi; ++i) g.fibers[i].state = State::Runnable;
+  return true;
+}
 
 // Releases lanes and threads waiting at synchronization points that every
 // participant has reached. Called when no thread can run; throws on a
@@ -256,6 +279,13 @@ void dispatch_threadgroups(Dim3 groups, Dim3 threads, const Body& body,
   g.slots.assign(size_t(nsimd) * 2 * kSimdWidth * kMaxSimdValueBytes, 0);
   std::mt19937_64 rng(opt.seed);
   std::vector<uint32_t> order(n);
+  // Puts a list of threads into the configured order.
+  auto arrange = [&](std::vector<uint32_t>& v) {
+    if (opt.order == Order::Reverse)
+      std::reverse(v.begin(), v.end());
+    else if (opt.order == Order::Shuffle)
+      std::shuffle(v.begin(), v.end(), rng);
+  };
   GroupGuard guard;
   g_group = &g;
 
@@ -293,16 +323,32 @@ void dispatch_threadgroups(Dim3 groups, Dim3 threads, const Body& body,
         }
         for (;;) {
           std::iota(order.begin(), order.end(), 0u);
-          if (opt.order == Order::Reverse)
-            std::reverse(order.begin(), order.end());
-          else if (opt.order == Order::Shuffle)
-            std::shuffle(order.begin(), order.end(), rng);
-          for (uint32_t i : order) {
+          arrange(order);
+          std::deque<uint32_t> queue(order.begin(), order.end());
+          while (!queue.empty()) {
+            const uint32_t i = queue.front();
+            queue.pop_front();
             if (g.fibers[i].state != State::Runnable) continue;
             g.current = int(i);
             swapcontext(&g.sched, &g.fibers[i].ctx);
             g.current = -1;
             if (g.error) std::rethrow_exception(g.error);
+            // A simdgroup whose last lane just arrived at a simd op goes on
+            // at once, ahead of every other thread: the most adversarial
+            // legal schedule for threadgroup memory. A simdgroup that reads
+            // what other simdgroups write (e.g. with simdgroup_load) without
+            // a threadgroup_barrier in between then reads it before it is
+            // written, in every order.
+            if (g.fibers[i].state == State::AtSimd) {
+              const uint32_t sg = i / kSimdWidth;
+              if (release_simdgroup(g, sg, tg)) {
+                const uint32_t lo = sg * kSimdWidth;
+                std::vector<uint32_t> lanes(std::min(n, lo + kSimdWidth) - lo);
+                std::iota(lanes.begin(), lanes.end(), lo);
+                arrange(lanes);
+                queue.insert(queue.begin(), lanes.begin(), lanes.end());
+              }
+            }
           }
           bool all_done = true;
           for (const Fiber& f : g.fibers) all_done &= f.state == State::Done;

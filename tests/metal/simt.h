@@ -14,8 +14,10 @@
 //  - a threadgroup_barrier not reached by every thread of the threadgroup
 //    (some returned early, or wait at another barrier) raises simt::Error.
 // Between synchronization points the order in which threads run is
-// configurable (forward, reverse, shuffled), so a missing barrier shows up
-// as a wrong result rather than depending on luck.
+// configurable (forward, reverse, shuffled), and a simdgroup whose lanes
+// all reached a simd op runs on at once, before any other thread (a legal
+// GPU schedule: simdgroups are independent between barriers), so a missing
+// barrier shows up as a wrong result rather than depending on luck.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -29,8 +31,9 @@ namespace simt {
 
 constexpr int kSimdWidth = 32;
 constexpr int kMaxThreadsPerGroup = 1024;
-// Largest value a simdgroup op can exchange (float4 / uint4 fit).
-constexpr size_t kMaxSimdValueBytes = 16;
+// Largest value a simdgroup op can exchange per lane (float4 / uint4, and a
+// lane's share of three 8x8 float simdgroup matrices, fit).
+constexpr size_t kMaxSimdValueBytes = 32;
 
 struct Error : std::runtime_error {
   using std::runtime_error::runtime_error;

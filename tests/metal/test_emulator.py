@@ -112,9 +112,9 @@ def test_unknown_kernel_name_fails():
 
 def test_every_instantiation_registered():
     # qmatmul: 3 activation types x 6 widths x 3 group sizes x 2 kernels;
-    # kl: 3 x 3 (reference, logits) types; selftest: 10 kernels. Duplicate
+    # kl: 3 x 3 (reference, logits) types; selftest: 17 kernels. Duplicate
     # host names would collapse into one entry.
-    assert E.kernel_count() == 3 * 6 * 3 * 2 + 3 * 3 + 10
+    assert E.kernel_count() == 3 * 6 * 3 * 2 + 3 * 3 + 17
 
 
 METAL_SOURCES = sorted(E.METAL_DIR.glob("*.metal")) + sorted(E.EMU_DIR.glob("*.metal"))
@@ -196,3 +196,72 @@ def test_position_attribute_rule_catches_a_mix():
            "  uint n [[threads_per_threadgroup]], uint l [[thread_index_in_threadgroup]]) {}")
     assert position_attr_widths(bad) == {"k": {"threadgroup_position_in_grid": 3,
                                                "threads_per_threadgroup": 1}}
+
+
+# ---------------------------------------------------------------- simdgroup matrices
+
+def sgmm_want(x):
+    """st_sgmm's four products from the 8 x 16 matrix [L | R], in float64."""
+    T = x.reshape(8, 16).astype(np.float64)
+    L, R = T[:, :8], T[:, 8:]
+    return [L @ R + 1, R.T @ L + 2 * np.eye(8), (L @ L + R).T, R @ R + L]
+
+
+def check_sgmm_regions(got, want):
+    got = got.reshape(4, 8, 16)
+    for s in range(4):
+        assert np.isnan(got[s, :, :8]).all(), f"simdgroup {s} wrote left of its origin"
+        np.testing.assert_allclose(got[s, :, 8:], want[s], rtol=1e-5, atol=1e-5,
+                                   err_msg=f"simdgroup {s}")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_simdgroup_matrix_load_store_mma(order):
+    # Origins, transposed load and store, diagonal / filled constructors,
+    # a loaded accumulator: each against numpy.
+    x = data(1, 128, seed=3)
+    got = E.selftest("st_sgmm", x, 1, 128, 512, order=order)
+    check_sgmm_regions(got, sgmm_want(x))
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_simdgroup_matrix_wrong_origin_gives_wrong_result(order):
+    x = data(1, 128, seed=4)
+    got = E.selftest("st_sgmm_wrong_origin", x, 1, 128, 512, order=order).reshape(4, 8, 16)
+    want = sgmm_want(x)[0]
+    for s in range(4):
+        assert not np.allclose(got[s, :, 8:], want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_simdgroup_matrix_load_without_barrier_gives_wrong_result(order):
+    # The emulator runs a simdgroup on as soon as its lanes meet at a simd
+    # op, so its loads see threadgroup memory other simdgroups have not yet
+    # written (NaN), in every thread order.
+    x = data(1, 128, seed=5)
+    got = E.selftest("st_sgmm_no_barrier", x, 1, 128, 512, order=order).reshape(4, 8, 16)
+    want = sgmm_want(x)[0]
+    wrong = [not np.allclose(got[s, :, 8:], want, rtol=1e-5, atol=1e-5) for s in range(4)]
+    assert any(wrong), "a load without a barrier read every element in time"
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_simdgroup_store_needs_a_barrier_before_other_lanes_read(order):
+    x = data(1, 64, seed=6)
+    ok = E.selftest("st_sgmm_store_barrier", x, 1, 64, 64, order=order)
+    np.testing.assert_array_equal(ok, x[::-1])
+    bad = E.selftest("st_sgmm_store_no_barrier", x, 1, 64, 64, order=order)
+    assert (bad != x[::-1]).any()
+
+
+def test_divergent_simdgroup_load_fails():
+    # Lanes 16..31 skip the load and meet the others at the store instead.
+    with pytest.raises(E.EmulatorError, match=r"meet at different simd ops: lane 0 at "
+                                             r"simdgroup_load selftest.metal:\d+, lane 16 at "
+                                             r"simdgroup_store"):
+        E.selftest("st_sgmm_divergent", data(1, 64), 1, 64, 64)
+
+
+def test_simdgroup_load_with_lane_dependent_arguments_fails():
+    with pytest.raises(E.EmulatorError, match="lanes pass different arguments to simdgroup_load"):
+        E.selftest("st_sgmm_lane_args", data(1, 128), 1, 128, 64)
