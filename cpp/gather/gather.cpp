@@ -140,9 +140,11 @@ mx::array mixed_gather_qmm(const mx::array& x,
     // MLX also differentiates itself.
     if (backend != Backend::Auto)
       fail("backend= chooses a CPU kernel; on the GPU leave it unset");
-    auto W = mx::astype(grad::dequantize_all(packed, segs, stream), x.dtype(), stream);
-    return mx::gather_mm(grad::permute_cols(x, perm, stream),
-                         mx::swapaxes(W, -1, -2, stream), li, ri, sorted, stream);
+    // float32 as on the CPU path (MLX's CPU gather_mm has no other type).
+    auto W = mx::astype(grad::dequantize_all(packed, segs, stream), mx::float32, stream);
+    auto xp = mx::astype(grad::permute_cols(x, perm, stream), mx::float32, stream);
+    auto y = mx::gather_mm(xp, mx::swapaxes(W, -1, -2, stream), li, ri, sorted, stream);
+    return mx::astype(y, x.dtype(), stream);
   }
   select_qmm(backend);  // throws now, not inside the graph, if unavailable
 

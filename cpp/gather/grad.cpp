@@ -92,9 +92,11 @@ std::vector<mx::array> MixedGatherQMM::vjp(
     if (const char* what = undifferentiable(arg, primals.size(), has_perm_))
       no_grad("vjp", what);
     if (arg == 0) {
-      auto W = mx::astype(grad::dequantize_all(p.packed, segs_, s), dy.dtype(), s);
+      // float32: MLX's CPU gather_mm takes nothing else.
+      auto W = mx::astype(grad::dequantize_all(p.packed, segs_, s), mx::float32, s);
       W = mx::reshape(W, {Bw, N, K}, s);
-      auto g = mx::gather_mm(dy, W, std::nullopt, p.rhs, false, s);
+      auto g = mx::gather_mm(mx::astype(dy, mx::float32, s), W, std::nullopt,
+                             p.rhs, false, s);
       g = mx::reshape(grad::unpermute_cols(g, p.perm, s), {P, 1, M, K}, s);
       auto dx = mx::scatter_add(mx::zeros({Bx, M, K}, g.dtype(), s), lflat, g, 0, s);
       out.push_back(mx::astype(mx::reshape(dx, p.x.shape(), s), p.x.dtype(), s));

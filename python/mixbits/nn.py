@@ -29,11 +29,12 @@ import mlx.nn as nn
 
 from .layout import BITS, GROUP_SIZES, TERNARY, QuantizedTensor, Segment, _as_segment_spec
 from .layout import quantize as _quantize
-from .ops import qmatmul
+from .ops import gather_qmatmul, qmatmul
 
 __all__ = [
     "MixedQuantizedLinear",
     "MixedQuantizedEmbedding",
+    "MixedQuantizedSwitchLinear",
     "patch",
     "quantize_model",
     "parse_assignment_spec",
@@ -208,6 +209,7 @@ class MixedQuantizedLinear(_MixedWeight):
         """Wrap an existing QuantizedTensor (no copy, no re-quantization)."""
         if not isinstance(qt, QuantizedTensor):
             raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
+        _require_batch(qt, 0, "MixedQuantizedLinear")
         n, k = qt.shape
         if bias is not None and (not isinstance(bias, mx.array) or bias.shape != (n,)):
             raise ValueError(f"bias must be an mlx array of shape ({n},), got {getattr(bias, 'shape', bias)!r}")
@@ -275,6 +277,130 @@ class MixedQuantizedLinear(_MixedWeight):
         )
 
 
+def _require_batch(qt: QuantizedTensor, ndim: int, what: str) -> None:
+    if len(qt.batch_shape) != ndim:
+        raise ValueError(
+            f"{what} needs a tensor with {ndim} batch dimension(s), got batch shape {qt.batch_shape}"
+        )
+
+
+class MixedQuantizedSwitchLinear(_MixedWeight):
+    """Drop-in for mlx-lm's ``QuantizedSwitchLinear`` (an expert stack,
+    ``layer(x, indices, sorted_indices=False)``) with a mixbits weight: every
+    expert has the same K-segments and permutation, each expert its own
+    codes, scales and biases (arrays ``(E, N, ·)``). Runs
+    :func:`mixbits.gather_qmatmul`; optional bias ``(E, N)`` added per
+    chosen expert as mlx-lm does. Parameter names as for
+    :class:`MixedQuantizedLinear`, so a one-segment layer has exactly
+    QuantizedSwitchLinear's ``weight``/``scales``/``biases``/``bias``."""
+
+    def __init__(
+        self,
+        input_dims: int,
+        output_dims: int,
+        num_experts: int,
+        bias: bool = True,
+        segments=None,
+        perm: bool = False,
+        dtype=mx.float16,
+    ):
+        super().__init__()
+        if segments is None:
+            segments = [(4, DEFAULT_GROUP_SIZE, input_dims)]
+        specs, kinds = _normalize_specs(segments, input_dims)
+        triplets = [
+            tuple(mx.broadcast_to(a, (num_experts, *a.shape)) * 1
+                  for a in _placeholder_triplet(output_dims, b, g, k, dtype))
+            for b, g, k in specs
+        ]
+        perm_arr = mx.arange(input_dims, dtype=mx.int32) if perm else None
+        self._set_storage(_Layout(specs, kinds, bool(perm)), triplets, perm_arr)
+        if bias:
+            self.bias = mx.zeros((num_experts, output_dims), dtype=dtype)
+        self.freeze()
+
+    @classmethod
+    def from_tensor(cls, qt: QuantizedTensor, bias: mx.array | None = None, kinds=None):
+        """Wrap a QuantizedTensor with one batch (expert) dimension."""
+        if not isinstance(qt, QuantizedTensor):
+            raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
+        _require_batch(qt, 1, "MixedQuantizedSwitchLinear")
+        (e,), (n, _) = qt.batch_shape, qt.shape
+        if bias is not None and (not isinstance(bias, mx.array) or bias.shape != (e, n)):
+            raise ValueError(f"bias must be an mlx array of shape ({e}, {n}), got {getattr(bias, 'shape', bias)!r}")
+        kinds = tuple(kinds) if kinds is not None else tuple(seg.kind for seg in qt.segments)
+        if len(kinds) != len(qt.segments):
+            raise ValueError(f"kinds has {len(kinds)} entries for {len(qt.segments)} segments")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layout = _Layout(tuple(qt.specs), kinds, qt.perm is not None)
+        layer._set_storage(layout, [(s.wq, s.scales, s.biases) for s in qt.segments], qt.perm)
+        layer.freeze()
+        if bias is not None:
+            layer.bias = bias  # trainable, as after SwitchLinear.to_quantized
+            layer.unfreeze(keys=["bias"], recurse=False)
+        return layer
+
+    @classmethod
+    def from_switch_linear(cls, sl, segments, perm=None, dtype=None):
+        """Quantize a float mlx-lm ``SwitchLinear`` (weight ``(E, N, K)``):
+        the same segments (and permutation) for every expert."""
+        w = getattr(sl, "weight", None)
+        if not isinstance(w, mx.array) or w.ndim != 3:
+            raise TypeError(f"sl must be an mlx-lm SwitchLinear with a (E, N, K) weight, got {type(sl).__name__}")
+        e, n, k = w.shape
+        _, kinds = _normalize_specs(segments, k)
+        qt = _quantize(w.reshape(e * n, k), segments, perm=perm, dtype=dtype or w.dtype)
+        segs = [
+            Segment(s.bits, s.group_size, s.k, *(a.reshape(e, n, -1) for a in (s.wq, s.scales, s.biases)), s.kind)
+            for s in qt.segments
+        ]
+        return cls.from_tensor(QuantizedTensor(segs, qt.perm), sl.get("bias"), kinds)
+
+    @classmethod
+    def from_quantized(cls, ql):
+        """Take over an mlx-lm ``QuantizedSwitchLinear``'s arrays as they
+        are (affine mode without a global scale: the arrays are shared,
+        nothing is re-quantized)."""
+        if getattr(ql, "mode", "affine") != "affine" or ql.get("global_scale") is not None \
+                or ql.get("biases") is None or not hasattr(ql, "bits"):
+            raise ValueError("only affine QuantizedSwitchLinear layers (no global scale) can be taken over")
+        wq = ql["weight"]
+        if wq.ndim != 3:
+            raise ValueError(f"expected a (E, N, K*bits/32) expert stack, got weight shape {wq.shape}")
+        k = wq.shape[-1] * 32 // ql.bits
+        qt = QuantizedTensor([Segment(ql.bits, ql.group_size, k, wq, ql["scales"], ql["biases"])])
+        layer = cls.from_tensor(qt, ql.get("bias"))
+        if "bias" in layer and "bias" not in ql.trainable_parameters():
+            layer.freeze(keys=["bias"], recurse=False)
+        return layer
+
+    @property
+    def input_dims(self) -> int:
+        return sum(k for _, _, k in self._layout.specs)
+
+    @property
+    def output_dims(self) -> int:
+        return self._triplets()[0][0].shape[-2]
+
+    @property
+    def num_experts(self) -> int:
+        return self._triplets()[0][0].shape[0]
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        qt = self.quantized_tensor()
+        y = gather_qmatmul(_promote(x, qt), qt, rhs_indices=indices, sorted_indices=sorted_indices)
+        if "bias" in self:
+            y = y + mx.expand_dims(self["bias"][indices], -2)
+        return y
+
+    def _extra_repr(self) -> str:
+        return (
+            f"input_dims={self.input_dims}, output_dims={self.output_dims}, "
+            f"num_experts={self.num_experts}, bias={'bias' in self}, {self._layout_repr()}"
+        )
+
+
 class MixedQuantizedEmbedding(_MixedWeight):
     """``nn.QuantizedEmbedding`` with a mixbits weight [num_embeddings, dims].
 
@@ -297,6 +423,7 @@ class MixedQuantizedEmbedding(_MixedWeight):
     def from_tensor(cls, qt: QuantizedTensor, kinds=None):
         if not isinstance(qt, QuantizedTensor):
             raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
+        _require_batch(qt, 0, "MixedQuantizedEmbedding")
         kinds = tuple(kinds) if kinds is not None else tuple(seg.kind for seg in qt.segments)
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
