@@ -8,10 +8,7 @@ always loads with ``mixbits.load``.
 
 from __future__ import annotations
 
-import sys
-
 DEFAULT_GROUP_SIZE = 64
-
 
 def allocation_candidates(alloc, model, *, group_size: int = DEFAULT_GROUP_SIZE,
                           strip_prefix: str = "") -> dict:
@@ -43,7 +40,6 @@ def allocation_candidates(alloc, model, *, group_size: int = DEFAULT_GROUP_SIZE,
         out[path] = cand
     return out
 
-
 def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = True) -> list[str]:
     """Replace every tensor in ``chosen`` ({path: Candidate}) by its
     candidate module -- the same constructor the sweep measured -- and,
@@ -65,7 +61,6 @@ def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = 
         adapter.set(p, layer)
     return list(built)
 
-
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, metavar="PATH", help="'smollm2', a llama .gguf file, or a model folder")
     p.add_argument("--allocation", required=True, metavar="ALLOCATION.json", help="per-tensor choices (allocation.json)")
@@ -74,7 +69,6 @@ def add_arguments(p) -> None:
                    help="group size for entries whose kind is a bare width ('4', 'ternary'); "
                         f"candidate names ('4b_g32') carry their own (default {DEFAULT_GROUP_SIZE})")
     p.add_argument("--strip-prefix", default="", help="remove this prefix from allocation paths first")
-
 
 def run(args) -> int:
     import mixbits
@@ -100,8 +94,7 @@ def run(args) -> int:
         replaced = quantize_candidates(model, chosen)
     except (KeyError, ValueError, TypeError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"--allocation: {msg}", file=sys.stderr)
-        return 2
+        raise FormatError(f"--allocation: {msg}") from None
     mixbits.save(model, args.out, config, tokenizer)
     print(f"quantized {len(replaced)} tensors (average {alloc.average_bits:.3f} bits) -> {args.out}")
     return 0

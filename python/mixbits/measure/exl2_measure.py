@@ -16,13 +16,15 @@ so its optimizer and ``mixbits allocate`` read the file unchanged.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 
 from ..adapter import ModelAdapter, get_module, set_module
 from ..formats.exl2 import Measurement, Option, ProjectionQuant
 from .candidates import Candidate, build_layer, parse_candidate, supports
-from .checkpoint import read_json
+from ..formats.errors import load_json
 from .replay import Replayer
 
 
@@ -49,11 +51,8 @@ def measure_modules(model, tokens, candidates, out, *, chunk: int = 4, resume: b
     if not groups:
         raise ValueError("the model has no decoder blocks (model.layers) to group into modules")
     done = {}
-    if resume:
-        try:
-            done = {k: v for k, v in read_json(out, "measurement")["measurement"].items() if v}
-        except FileNotFoundError:
-            pass
+    if resume and Path(out).exists():
+        done = {k: v for k, v in load_json(out, "measurement")["measurement"].items() if v}
     keys = list(groups)
     todo = [k for k in keys if k not in done]
     tokens = np.asarray(tokens)

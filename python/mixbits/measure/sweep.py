@@ -28,7 +28,7 @@ import numpy as np
 from ..adapter import ModelAdapter, Site
 from ..atomic import write_json_atomic
 from .candidates import Candidate, build_layer, parse_candidate, supports
-from .checkpoint import read_json
+from ..formats.errors import load_json
 from .replay import Replayer
 
 TABLE_FORMAT = "mixbits.sensitivity"
@@ -206,7 +206,7 @@ def sweep(model, tokens, out: str | Path, candidates=None, *, resume: bool = Fal
     if out.exists():
         if not resume:
             raise FileExistsError(f"{out} exists; pass resume=True (--resume) to continue it")
-        prev = read_json(out, "sweep checkpoint")
+        prev = load_json(out, "sweep checkpoint")
         if prev.get("meta") != meta:
             diff = [k for k in meta if prev.get("meta", {}).get(k) != meta[k]]
             raise ValueError(f"{out} was made with different settings ({', '.join(diff)}); "
