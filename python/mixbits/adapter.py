@@ -68,7 +68,9 @@ def _is_quantizable(m) -> bool:
         return True
     if "weight" not in m or not isinstance(m["weight"], mx.array):
         return False
-    return hasattr(m, "to_quantized") or "scales" in m
+    if "scales" in m:  # a stock quantized module: it knows its bits
+        return isinstance(getattr(m, "bits", None), int)
+    return hasattr(m, "to_quantized")
 
 
 def _form(m) -> str:
@@ -142,9 +144,11 @@ class ModelAdapter:
         self.sites: list[Site] = []
         self.fixed: dict[str, dict] = {}  # path -> {"bits", "group_size"} set by the model
         self.excluded: list[str] = []  # quantizable, but the model says "keep float"
+        inside = ()  # paths of quantizable modules: their children are storage, not tensors
         for path, m in modules.items():
-            if not path or not _is_quantizable(m):
+            if not path or path.startswith(inside) or not _is_quantizable(m):
                 continue
+            inside = (*inside, path + ".")
             rule = predicate(path, m) if callable(predicate) else True
             if rule is False:
                 self.excluded.append(path)

@@ -23,12 +23,10 @@ def positive_bpw(name: str, value) -> None:
 
 
 def calibration(args) -> None:
-    """--n-seq / --seq-len / --text of add_calibration_arguments."""
-    at_least("--n-seq", args.n_seq, 1)
-    at_least("--seq-len", args.seq_len, 2)
-    for f in getattr(args, "text", None) or []:
-        if not Path(f).is_file():
-            raise UsageError(f"--text: no such file: {f}")
+    """--text / --tokens / --n-seq / --seq-len of add_calibration_arguments."""
+    from ..measure.calib import check_calibration_arguments
+
+    check_calibration_arguments(args)
 
 
 def read_table(path, *, require_complete: bool = True) -> dict:

@@ -40,9 +40,11 @@ def token_sequences(tokenizer, text: str, n_seq: int, seq_len: int) -> np.ndarra
 
 def load_tokens(path) -> np.ndarray:
     """Token ids [n_seq, seq_len] from a .npy file or a JSON list of lists."""
+    from ..errors import UsageError
+
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--tokens: no such file: {path}")
+        raise UsageError(f"--tokens: no such file: {path}")
     try:
         if path.suffix == ".npy":
             arr = np.load(path, allow_pickle=False)
@@ -81,17 +83,19 @@ def add_calibration_arguments(p) -> None:
 def check_calibration_arguments(args):
     """Everything about the calibration set that can be checked before the
     model loads; returns the token ids when --tokens gives them."""
-    if args.text and args.tokens:
-        raise ValueError("give --text or --tokens, not both")
-    if args.tokens:
+    from ..errors import UsageError
+
+    if getattr(args, "text", None) and getattr(args, "tokens", None):
+        raise UsageError("give --text or --tokens, not both")
+    if getattr(args, "tokens", None):
         return load_tokens(args.tokens)
     if args.n_seq < 1:
-        raise ValueError(f"--n-seq must be >= 1, got {args.n_seq}")
+        raise UsageError(f"--n-seq must be >= 1, got {args.n_seq}")
     if args.seq_len < 2:
-        raise ValueError(f"--seq-len must be >= 2, got {args.seq_len}")
-    for p in args.text or []:
+        raise UsageError(f"--seq-len must be >= 2, got {args.seq_len}")
+    for p in getattr(args, "text", None) or []:
         if not Path(p).is_file():
-            raise FileNotFoundError(f"--text: no such file: {p}")
+            raise UsageError(f"--text: no such file: {p}")
     return None
 
 
