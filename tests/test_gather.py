@@ -265,3 +265,15 @@ def test_switch_linear_mixed_segments_and_training():
         opt.update(layer, grads)
         mx.eval(layer.parameters())
     assert loss(layer).item() < l0.item()
+
+
+def test_many_rows_of_one_expert_split_over_calls():
+    """More rows than one backend call takes (8192): every chunk lands in
+    its own output rows."""
+    rng = np.random.default_rng(10)
+    wq, s, b = mx.quantize(rand(rng, (2, 6, 64)), group_size=32, bits=4)
+    x = rand(rng, (8300, 1, 1, 64))
+    rhs = mx.array(np.r_[np.zeros(8250), np.ones(50)].astype(np.uint32)[:, None])
+    got = mixbits.gather_quantized_matmul(x, wq, s, b, None, rhs, group_size=32, bits=4)
+    want = mx.gather_qmm(x, wq, s, b, None, rhs, transpose=True, group_size=32, bits=4)
+    close(got, want, mx.float32)

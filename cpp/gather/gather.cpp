@@ -249,10 +249,13 @@ void MixedGatherQMM::eval_cpu(const std::vector<mx::array>& inputs,
     // Rows per backend call: all of an expert's rows (one decode of its
     // weights) up to a cap that bounds the float32 staging buffers.
     const int64_t per_call = std::max<int64_t>(1, 8192 / std::max(M, 1));
+    struct Call { int64_t expert, first, count; };  // a slice of `order`
+    std::vector<Call> calls;
+    for (int64_t e = 0; e < Bw; ++e)
+      for (int64_t c0 = start[e]; c0 < start[e + 1]; c0 += per_call)
+        calls.push_back({e, c0, std::min(per_call, start[e + 1] - c0)});
     std::vector<float> xf, yf;
-    for (int64_t e = 0; e < Bw; ++e) {
-     for (int64_t c0 = start[e]; c0 < start[e + 1]; c0 += per_call) {
-      const int64_t cnt = std::min(per_call, start[e + 1] - c0);
+    for (const auto& [e, c0, cnt] : calls) {
       QMatView w;
       w.N = N;
       w.K = K;
@@ -296,7 +299,6 @@ void MixedGatherQMM::eval_cpu(const std::vector<mx::array>& inputs,
             store_from_f32(o, dst + n, yf[r * N + n], ot);
         }
       });
-     }
     }
   });
 }
