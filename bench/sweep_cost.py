@@ -46,14 +46,14 @@ def setup(patch: bool):
         import tiny_models
 
         arch = args.model[5:]
-        big = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=12, head_dim=64,
-                   num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
-                   moe_intermediate_size=512, shared_expert_intermediate_size=512,
-                   linear_key_head_dim=64, linear_value_head_dim=64)
+        big = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, head_dim=64,
+                   num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
+                   moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                   linear_key_head_dim=32, linear_value_head_dim=32)
         tiny_models._BASE.update({k: v for k, v in big.items() if k in tiny_models._BASE})
         tiny_models.CONFIGS[arch].update({k: v for k, v in big.items() if k not in tiny_models._BASE})
         model, _ = tiny_models.build(arch)
-        toks = np.random.default_rng(0).integers(0, 4096, (args.n_seq, args.seq_len))
+        toks = np.random.default_rng(0).integers(0, 2048, (args.n_seq, args.seq_len))
     else:
         from mixbits.measure.calib import load_texts, token_sequences
         from mixbits.models import load
@@ -77,9 +77,10 @@ t_ref = time.perf_counter() - t
 blocks = len(rp.adapter.blocks)
 pick_blocks = sorted({round(i * (blocks - 1) / 5) for i in range(6)})
 sites = []
-for b in pick_blocks:  # two tensors per picked block: first and last of the block
+for b in pick_blocks:  # per picked block: the value and MLP-output projections (else first and last)
     inside = [s for s in rp.adapter.sites if s.block == b and all(supports(c, s) for c in cands)]
-    sites += [inside[0], inside[-1]]
+    by_role = {rp.adapter.role(s): s for s in inside}
+    sites += [by_role.get("values", inside[0]), by_role.get("down", inside[-1])]
 ours = naive = naive_stock = 0.0
 worst = worst_stock = 0.0
 results = {}
