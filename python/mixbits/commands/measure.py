@@ -30,6 +30,18 @@ def add_arguments(p) -> None:
     p.add_argument("--exl2-out", metavar="MEASUREMENT.json",
                    help="also write an ExLlamaV2-style measurement.json (module output "
                         "relative error per option; uniform and mixed candidates only)")
+    p.add_argument("--method", choices=("exact", "grad", "two-stage"), default="exact",
+                   help="exact: quantize each tensor at each candidate and run the model (default); "
+                        "grad: estimate every KL from diagonal-Fisher backward passes (about 1/20 "
+                        "the cost or less, ranks well, ignores interactions); two-stage: grad for all, "
+                        "then exact for the tensors nearest the allocator's decision boundary at "
+                        "--targets (see --exact-fraction)")
+    p.add_argument("--targets", type=float, nargs="+", default=[3.0, 3.5, 4.0, 4.5], metavar="BPW",
+                   help="two-stage: storage bpw budgets whose decisions must be exact")
+    p.add_argument("--exact-fraction", type=float, default=0.2,
+                   help="two-stage: share of tensors measured exactly per target (default 0.2)")
+    p.add_argument("--fisher-samples", type=int, default=2,
+                   help="grad/two-stage: sampled targets per sequence for the Fisher estimate")
     p.add_argument("--no-patch", action="store_true",
                    help="keep the model's own quantized layers instead of mixbits kernels")
 
@@ -40,6 +52,10 @@ def check_arguments(args) -> None:
     from ..measure.candidates import expand_candidates
 
     args.candidates = expand_candidates(args.candidates)
+    if not 0 < args.exact_fraction <= 1:
+        raise ValueError(f"--exact-fraction must be in (0, 1], got {args.exact_fraction}")
+    if args.fisher_samples < 1:
+        raise ValueError(f"--fisher-samples must be >= 1, got {args.fisher_samples}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     for flag, path in (("--out", args.out), ("--exl2-out", args.exl2_out)):
@@ -60,9 +76,19 @@ def run(args) -> int:
     g = group()
     model, tokens = load_model_and_tokens(args, patch=not args.no_patch)
     t0 = time.perf_counter()
-    table = sharded_sweep(model, tokens, args.out, args.candidates, resume=args.resume,
-                          model_id=str(args.model), max_batch=args.max_batch,
-                          sites=args.tensors, progress=g is None or g.rank() == 0)
+    if args.method != "exact":
+        from ..measure.two_stage import proxy_sweep
+
+        if g is not None and g.size() > 1:
+            raise ValueError(f"--method {args.method} runs in one process (its exact stage is small)")
+        table = proxy_sweep(model, tokens, args.out, args.candidates, method=args.method,
+                            sites=args.tensors, targets=args.targets, fraction=args.exact_fraction,
+                            samples=args.fisher_samples, max_batch=args.max_batch,
+                            model_id=str(args.model), resume=args.resume)
+    else:
+        table = sharded_sweep(model, tokens, args.out, args.candidates, resume=args.resume,
+                              model_id=str(args.model), max_batch=args.max_batch,
+                              sites=args.tensors, progress=g is None or g.rank() == 0)
     dt = time.perf_counter() - t0
     if args.exl2_out and (g is None or g.rank() == 0):
         from ..measure.exl2_measure import measure_modules

@@ -161,7 +161,8 @@ def select_sites(adapter: ModelAdapter, paths: list[str] | None) -> list[Site]:
     return [s for s in adapter.sites if s.path in set(paths)]
 
 
-def _meta(tokens, cfg, model_id, sites):
+def table_meta(tokens, cfg, model_id, sites) -> dict:
+    """The settings a table records (and a resumed sweep must match)."""
     return {
         "model": model_id,
         "tokens_sha256_16": tokens_digest(tokens),
@@ -199,7 +200,7 @@ def sweep(model, tokens, out: str | Path, candidates=None, *, resume: bool = Fal
     if bare:  # refuse now, not after hours of work
         raise ValueError(f"no candidate fits {bare[:3]} (group sizes must divide K; stacks take "
                          "single-segment kinds only)")
-    meta = _meta(tokens, cfg, model_id, all_sites)
+    meta = table_meta(tokens, cfg, model_id, all_sites)
     mine = all_sites[rank::world]
     out = Path(out)
     done: dict[str, dict] = {}
