@@ -36,12 +36,13 @@ Candidate fields:
 - ``bits`` (required number): the nominal width. A JSON integer must be one
   of 2,3,4,5,6,8; a mixed candidate gives its share-weighted width as a JSON
   float in [2, 8] (e.g. 3.1 for 10% 4-bit + 90% 3-bit). Counted as ``nparams * bits`` (rounded to whole
-  bits) under the default "nominal" budget, allocation.json's average_bits.
+  bits) under a "nominal" budget, allocation.json's average_bits.
 - ``kl`` (required finite number): the cost the allocator minimizes, summed
   over tensors.
 - ``storage_bits`` (optional int > 0): exact storage of the tensor in this
   candidate, codes plus fp16 scales and biases; required on every candidate
-  for a "storage" budget (``mixbits allocate --count storage``).
+  for a "storage" budget (the default of every command; ``--count nominal``
+  for tables without it).
 - anything else (``kl_stderr``, ``bpw``, ``group_size``, ...) is kept and
   ignored by the solver.
 
