@@ -1,0 +1,131 @@
+"""Shared pieces of the calibrated quantizers: input checks, MLX's own
+min-max rule replicated in numpy, code selection, and packing into the
+standard layout.
+
+Codes are chosen exactly as ``mx.quantize`` / ``layout.ternary_triplet``
+choose them (float32 parameters before rounding to the storage dtype), so a
+quantizer whose search or error feedback has nothing to do reproduces RTN
+bit for bit; reconstruction errors are measured with the parameters as
+stored (rounded to ``dtype``), since that is what the kernels decode.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ..layout import FLOAT_DTYPES, TERNARY, QuantizedTensor, Segment, _as_segment_spec, _check_perm, pack_codes
+
+F32 = np.float32
+
+
+def as_weight(w, dtype):
+    """``w`` as a float32 numpy [N, K] and the storage dtype (default: w's
+    float dtype, as ``layout.quantize``)."""
+    if isinstance(w, mx.array):
+        if w.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"w must be float32/float16/bfloat16, got {w.dtype}")
+        dtype = dtype or w.dtype
+        wn = np.array(w.astype(mx.float32))
+    else:
+        wn = np.asarray(w)
+        if not np.issubdtype(wn.dtype, np.floating):
+            raise ValueError(f"w must be a float array, got dtype {wn.dtype}")
+        dtype = dtype or (mx.float16 if wn.dtype == np.float16 else mx.float32)
+        wn = wn.astype(F32)
+    if wn.ndim != 2:
+        raise ValueError(f"w must be 2-D [N, K], got shape {wn.shape}")
+    if not np.isfinite(wn).all():
+        raise ValueError("w has NaN or infinite values")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype must be float32/float16/bfloat16, got {dtype}")
+    return wn, dtype
+
+
+def check_segments(segments, k_total: int) -> list[tuple]:
+    specs = [_as_segment_spec(s, i) for i, s in enumerate(segments)]
+    if not specs:
+        raise ValueError("segments must not be empty")
+    if sum(k for _, _, k in specs) != k_total:
+        raise ValueError(f"segment columns sum to {sum(k for _, _, k in specs)} but w has K={k_total}")
+    return specs
+
+
+def check_perm(perm, k_total: int):
+    return None if perm is None else np.array(_check_perm(perm, k_total)).astype(np.int64)
+
+
+def check_vector(name: str, v, k_total: int, nonneg=True) -> np.ndarray:
+    a = np.asarray(v, dtype=np.float64)
+    if a.shape != (k_total,):
+        raise ValueError(f"{name} must have shape ({k_total},), got {a.shape}")
+    if not np.isfinite(a).all():
+        raise ValueError(f"{name} has NaN or infinite values")
+    if nonneg and (a < 0).any():
+        raise ValueError(f"{name} must be >= 0")
+    return a
+
+
+def to_dtype(x: np.ndarray, dtype) -> np.ndarray:
+    """float32 values rounded through the storage dtype (round to nearest
+    even, as MLX casts), back in float32."""
+    x = np.asarray(x, dtype=F32)
+    if dtype == mx.float32:
+        return x
+    if dtype == mx.float16:
+        return x.astype(np.float16).astype(F32)
+    u = np.ascontiguousarray(x).view(np.uint32)  # bfloat16: keep the high half, RNE
+    u = (u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return u.view(F32)
+
+
+def minmax_params(g: np.ndarray, bits: int):
+    """MLX's affine rule on float32 groups [..., gs]: the range over
+    2**bits - 1 steps, nudged so the edge of larger magnitude is a code
+    exactly (the scale may come out negative; that is MLX's convention)."""
+    nb = F32(2**bits - 1)
+    lo, hi = g.min(axis=-1), g.max(axis=-1)
+    low_edge = np.abs(lo) > np.abs(hi)
+    scale = np.maximum((hi - lo) / nb, F32(1e-7))
+    scale = np.where(low_edge, scale, -scale)
+    edge = np.where(low_edge, lo, hi)
+    q0 = np.rint(edge / scale)
+    nz = q0 != 0
+    scale = np.where(nz, edge / np.where(nz, q0, F32(1)), scale).astype(F32)
+    bias = np.where(nz, edge, F32(0)).astype(F32)
+    return scale, bias
+
+
+def affine_codes(w, scale, bias, bits: int) -> np.ndarray:
+    return np.clip(np.rint((w - bias) / scale), 0, 2**bits - 1)
+
+
+def ternary_scale(g: np.ndarray) -> np.ndarray:
+    """absmean of float32 groups [..., gs] (zero groups get 1: any code 1
+    decodes to 0), as ``layout.ternary_triplet``."""
+    s = np.abs(g).mean(axis=-1)
+    return np.where(s > 0, s, 1.0).astype(F32)
+
+
+def ternary_codes(w, s) -> np.ndarray:
+    return np.clip(np.rint(w / s), -1, 1) + 1
+
+
+def decode(codes, scale_d, bias_d) -> np.ndarray:
+    """The reconstruction with stored (dtype-rounded) parameters, float32."""
+    return (scale_d * codes.astype(F32) + bias_d).astype(F32)
+
+
+def segment(bits, gs: int, codes: np.ndarray, scales: np.ndarray, biases: np.ndarray, dtype) -> Segment:
+    """A Segment from integer codes [N, k] and per-group parameters [N, k/gs]
+    already rounded to ``dtype``."""
+    kind = "ternary" if bits == TERNARY else "affine"
+    b = 2 if bits == TERNARY else bits
+    wq = mx.array(pack_codes(codes.astype(np.int64), b))
+    sc = mx.array(np.asarray(scales, F32)).astype(dtype)
+    bi = mx.array(np.asarray(biases, F32)).astype(dtype)
+    return Segment(b, gs, codes.shape[1], wq, sc, bi, kind)
+
+
+def tensor(segs, perm) -> QuantizedTensor:
+    return QuantizedTensor(segs, None if perm is None else perm.astype(np.int32))

@@ -1,0 +1,2 @@
+def awq(*a, **k):
+    raise NotImplementedError

@@ -1,0 +1,2 @@
+def search(*a, **k):
+    raise NotImplementedError
