@@ -31,8 +31,13 @@ def hessian(x):
 
 
 def dense(qt):
-    """What the kernels compute with, in original column order, float64."""
-    return np.array(qt.dequantize(unpermute=True).astype(mx.float32)).astype(np.float64)
+    """The stored weight decoded in float32 (codes, scales and biases as
+    stored; a float16 dequantize would round each weight again, which at
+    8 bits is as large as the quantization error), original column order."""
+    parts = [np.array(mx.dequantize(s.wq, s.scales.astype(mx.float32), s.biases.astype(mx.float32),
+                                    group_size=s.group_size, bits=s.bits)) for s in qt.segments]
+    d = np.concatenate(parts, axis=1).astype(np.float64)
+    return d if qt.perm is None else d[:, np.argsort(np.array(qt.perm))]
 
 
 def out_err(x, w, qt):
@@ -257,3 +262,65 @@ def test_gptq_rank_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gptq(w, [(4, 64, 128)], hessian(layer(n=8, k=128, t=400)[1]))
+
+
+# ------------------------------------------------------------------ search
+
+
+def _group_err(w, qt, h, perm, specs):
+    """Weighted squared error per (row, group), in stored column order."""
+    d = (w.astype(np.float64) - dense(qt))[:, perm] ** 2 * h[perm]
+    out, k0 = [], 0
+    for _, gs, k in specs:
+        out.append(d[:, k0 : k0 + k].reshape(len(w), -1, gs).sum(-1))
+        k0 += k
+    return np.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize("kind", list(SEGMENTS))
+def test_search_below_rtn(kind):
+    w, x = layer(seed=10)
+    segs = SEGMENTS[kind](256)
+    h = np.diag(hessian(x))
+    perm = np.random.default_rng(11).permutation(256) if kind == "4b25_2b" else None
+    for dtype in (mx.float16, mx.float32):
+        r = rtn(w, segs, perm, dtype)
+        s = search(w, segs, perm, dtype, h_diag=h)
+        # the guarantee: no group's weighted error above RTN's
+        p = np.arange(256) if perm is None else perm
+        hn = h / h.max()
+        g_s, g_r = _group_err(w, s, hn, p, segs), _group_err(w, r, hn, p, segs)
+        assert np.all(g_s <= g_r * (1 + 1e-6) + 1e-12)
+        ratio = out_err(x, w, s) / out_err(x, w, r)
+        plain = out_err(x, w, search(w, segs, perm, dtype)) / out_err(x, w, r)
+        print(f"search {kind} {dtype}: output error / RTN = {ratio:.3f} (h = diag X^T X), {plain:.3f} (h = 1)")
+        assert ratio < 0.9 and plain <= 1 + 1e-6
+
+
+def test_search_without_search_is_rtn():
+    w, _ = layer(n=32)
+    for kind in SEGMENTS:
+        for dtype in (mx.float32, mx.float16, mx.bfloat16):
+            segs = SEGMENTS[kind](256)
+            assert same(search(w, segs, dtype=dtype, grid=0, refine=0), rtn(w, segs, dtype=dtype))
+
+
+def test_search_deterministic_and_standard():
+    w, x = layer(seed=12)
+    segs = SEGMENTS["8b_3b_g32"](256)
+    perm = np.random.default_rng(13).permutation(256)
+    a = search(w, segs, perm, mx.float16, h_diag=np.diag(hessian(x)))
+    assert same(a, search(w, segs, perm, mx.float16, h_diag=np.diag(hessian(x))))
+    xs = mx.array(x[:7]).astype(mx.float16)
+    want = (xs[:, a.perm] @ a.dequantize().T).astype(mx.float32)
+    assert mx.allclose(mixbits.qmatmul(xs, a).astype(mx.float32), want, rtol=2e-2, atol=2e-2).item()
+
+
+def test_search_checks():
+    w, _ = layer(n=8, k=64)
+    with pytest.raises(ValueError, match="h_diag must have shape"):
+        search(w, [(4, 64, 64)], h_diag=np.ones(63))
+    with pytest.raises(ValueError, match=">= 0"):
+        search(w, [(4, 64, 64)], h_diag=-np.ones(64))
+    with pytest.raises(ValueError, match="sum to"):
+        search(w, [(4, 64, 128)])
