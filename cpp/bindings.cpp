@@ -27,15 +27,19 @@ NB_MODULE(_ext, m) {
       "qmatmul",
       [](const mx::array& x, const std::optional<mx::array>& perm,
          const std::vector<mx::array>& packed,
-         const std::vector<std::tuple<int, int, int>>& segs, int backend) {
+         const std::vector<std::tuple<int, int, int>>& segs, int backend,
+         int activations) {
         std::vector<mixbits::SegSpec> specs;
         for (auto [b, g, k] : segs) specs.push_back({b, g, k});
         return mixbits::mixed_qmatmul(x, perm, packed, specs,
-                                      mixbits::Backend(backend));
+                                      mixbits::Backend(backend), {},
+                                      mixbits::Activations(activations));
       },
       "x"_a, "perm"_a.none(), "packed"_a, "segments"_a, "backend"_a = 0,
+      "activations"_a = 0,
       "y = x @ W.T for a mixed-segment quantized W. segments: (bits, "
-      "group_size, k) per segment; packed: wq, scales, biases per segment.");
+      "group_size, k) per segment; packed: wq, scales, biases per segment; "
+      "activations: 0 float, 1 int8 (x quantized per group, M <= 16).");
 
   m.def(
       "gather_qmatmul",

@@ -13,6 +13,7 @@
 #include "common/mlx_args.h"
 #include "common/parallel.h"
 #include "qmatmul_host.h"
+#include "qmatmul_int8/kernel.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
@@ -29,7 +30,7 @@ namespace {
 mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm,
                         const std::vector<mx::array>& packed,
                         const std::vector<SegSpec>& segs, Backend backend,
-                        mx::StreamOrDevice s) {
+                        mx::StreamOrDevice s, Activations act) {
   if (segs.empty()) fail("at least one segment is required");
   if (packed.size() != 3 * segs.size())
     fail("expected 3 arrays (wq, scales, biases) per segment, got " +
@@ -98,11 +99,14 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
     // there, so it is refused, as is what the Metal kernels cannot index.
     if (backend != Backend::Auto)
       fail("backend= chooses a CPU kernel; on the GPU leave it unset");
+    if (act != Activations::Float)
+      fail("activations='int8' is a CPU contract; the GPU kernels take float x");
     const std::string why = metal_host::qmm_gpu_refusal(
         int64_t(x.size()) / int64_t(K), N, K);
     if (!why.empty()) fail(why);
   } else {
     select_qmm(backend);  // throws now, not inside the graph, if unavailable
+    if (act == Activations::Int8) select_qmm_int8(backend);
   }
 
   // The Metal kernels index x as a dense [M, K] matrix; the copy happens
@@ -117,7 +121,7 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
   out_shape.back() = N;
   return mx::array(
       out_shape, x.dtype(),
-      std::make_shared<MixedQMatmul>(stream, segs, bool(perm), backend),
+      std::make_shared<MixedQMatmul>(stream, segs, bool(perm), backend, act),
       std::move(inputs));
 }
 
@@ -130,7 +134,8 @@ std::vector<mx::Shape> MixedQMatmul::output_shapes(
 
 bool MixedQMatmul::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const MixedQMatmul&>(other);
-  return segs_ == o.segs_ && has_perm_ == o.has_perm_ && backend_ == o.backend_;
+  return segs_ == o.segs_ && has_perm_ == o.has_perm_ && backend_ == o.backend_ &&
+         act_ == o.act_;
 }
 
 void MixedQMatmul::eval_cpu(const std::vector<mx::array>& inputs,
@@ -143,7 +148,9 @@ void MixedQMatmul::eval_cpu(const std::vector<mx::array>& inputs,
   // Capturing the arrays keeps their buffers alive until the task has run.
   enc.dispatch([inputs, out = mx::array::unsafe_weak_copy(out),
                 segs = segs_, has_perm = has_perm_,
-                fn = select_qmm(backend_)]() mutable {
+                fn = select_qmm(backend_),
+                fn8 = act_ == Activations::Int8 ? select_qmm_int8(backend_)
+                                                : QmmRun(nullptr)]() mutable {
     const mx::array& x = inputs[0];
     const int first = has_perm ? 2 : 1;
     QMatView w;
@@ -224,21 +231,25 @@ void MixedQMatmul::eval_cpu(const std::vector<mx::array>& inputs,
     // Such rows are rare, so the whole call then takes the unfused scalar
     // reference, which has MLX's IEEE semantics. The scan is O(M*K), noise
     // next to the O(M*N*K) product.
-    std::atomic<bool> has_inf{false};
+    // The int8 contract is defined for finite x only (amax of a group with
+    // an inf or NaN means nothing): such calls take the float path, so
+    // activations='int8' has exactly the float path's IEEE behaviour.
+    std::atomic<bool> has_inf{false}, has_nan{false};
     parallel_for(M * K, 1 << 16, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i)
-        if (std::isinf(xf[i])) {
-          has_inf.store(true, std::memory_order_relaxed);
-          return;
+        if (!std::isfinite(xf[i])) {
+          (std::isinf(xf[i]) ? has_inf : has_nan).store(true, std::memory_order_relaxed);
+          if (has_inf.load(std::memory_order_relaxed)) return;
         }
     });
+    const bool int8 = fn8 && M <= kInt8MaxM && !has_inf.load() && !has_nan.load();
     if (!perm_ok) {
       // Never silent garbage: a broken permutation poisons the output.
       std::fill(y, y + M * N, std::numeric_limits<float>::quiet_NaN());
     } else {
       // The backend splits the outputs over threads; each worker runs all M
       // rows on its slice, so every weight is decoded once per call.
-      (has_inf.load() ? qmm_ref_run : fn)(xf.data(), int(M), w, y);
+      (int8 ? fn8 : has_inf.load() ? qmm_ref_run : fn)(xf.data(), int(M), w, y);
     }
     if (ot != DType::f32) {
       void* o = out.data<void>();

@@ -17,15 +17,21 @@ struct SegSpec {
   bool operator==(const SegSpec&) const = default;
 };
 
+// The CPU matmul's two numeric contracts (DESIGN.md): float activations
+// (float tolerance vs dequantize + matmul) or x quantized to int8 per group
+// with integer dots (cpp/qmatmul_int8/kernel.h; M <= kInt8MaxM only).
+enum class Activations : int { Float = 0, Int8 = 1 };
+
 // Inputs: x, [perm], then (wq, scales, biases) per segment.
 class MixedQMatmul : public mx::UnaryPrimitive {
  public:
   MixedQMatmul(mx::Stream s, std::vector<SegSpec> segs, bool has_perm,
-               Backend backend)
+               Backend backend, Activations act = Activations::Float)
       : mx::UnaryPrimitive(s),
         segs_(std::move(segs)),
         has_perm_(has_perm),
-        backend_(backend) {}
+        backend_(backend),
+        act_(act) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -54,6 +60,7 @@ class MixedQMatmul : public mx::UnaryPrimitive {
   std::vector<SegSpec> segs_;
   bool has_perm_;
   Backend backend_;
+  Activations act_;
 };
 
 // Validates everything (throws std::invalid_argument naming the bad
@@ -63,7 +70,8 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
                         const std::vector<mx::array>& packed,
                         const std::vector<SegSpec>& segs,
                         Backend backend = Backend::Auto,
-                        mx::StreamOrDevice s = {});
+                        mx::StreamOrDevice s = {},
+                        Activations act = Activations::Float);
 
 // Graph helpers shared by the gradients of MixedQMatmul and of the gather
 // primitive (grad.cpp). `packed` as above; weights may carry leading batch

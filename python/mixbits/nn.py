@@ -120,6 +120,23 @@ class _SegmentArrays(nn.Module):
 class _MixedWeight(nn.Module):
     """Shared storage logic of the linear and embedding layers."""
 
+    # The CPU matmul's numeric contract for this layer's products (a plain
+    # attribute, not a parameter: saving and loading are unchanged).
+    # "int8" quantizes x per group for calls of at most 16 rows; see
+    # mixbits.qmatmul. MixedQuantizedSwitchLinear does not use it.
+    _activations = "float"
+
+    @property
+    def activations(self) -> str:
+        return self._activations
+
+    @activations.setter
+    def activations(self, value: str) -> None:
+        from .ops import _activations_id
+
+        _activations_id(value)  # TypeError / ValueError as qmatmul's argument
+        self._activations = value
+
     def _set_storage(self, layout: _Layout, triplets, perm) -> None:
         self._layout = layout
         self._cache = _TensorCache()
@@ -265,7 +282,7 @@ class MixedQuantizedLinear(_MixedWeight):
 
     def __call__(self, x: mx.array) -> mx.array:
         qt = self.quantized_tensor()
-        y = qmatmul(_promote(x, qt), qt)
+        y = qmatmul(_promote(x, qt), qt, activations=self._activations)
         if "bias" in self:
             y = y + self["bias"]
         return y
@@ -469,7 +486,7 @@ class MixedQuantizedEmbedding(_MixedWeight):
     def as_linear(self, x: mx.array) -> mx.array:
         """``x @ W.T``: the tied output head, through mixbits.qmatmul."""
         qt = self.quantized_tensor()
-        return qmatmul(_promote(x, qt), qt)
+        return qmatmul(_promote(x, qt), qt, activations=self._activations)
 
     def _extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.dims}, {self._layout_repr()}"
@@ -555,7 +572,8 @@ def weight_layers(model: nn.Module) -> dict:
     return {p: m for p, m in model.named_modules() if isinstance(m, _LINEAR_KINDS + _EMBED_KINDS)}
 
 
-def patch(model: nn.Module, *, strict: bool = True, functions: bool = True) -> list[str]:
+def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
+          activations: str = "float") -> list[str]:
     """Replace, in place, every ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding``
     of ``model`` by its mixbits counterpart, sharing the same arrays (no
     re-quantization). Returns the replaced module paths.
@@ -568,9 +586,16 @@ def patch(model: nn.Module, *, strict: bool = True, functions: bool = True) -> l
     group sizes) raise a ValueError naming the path, or are left as they are
     with ``strict=False``. Nothing is replaced if any layer fails in strict
     mode.
+
+    ``activations`` sets every mixbits linear layer's (and tied head's)
+    numeric contract, replaced or already mixbits: ``"float"`` (default) or
+    ``"int8"`` (see :func:`mixbits.qmatmul`).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
+    from .ops import _activations_id
+
+    _activations_id(activations)
     planned = []
     for path, m in model.named_modules():
         try:
@@ -583,6 +608,9 @@ def patch(model: nn.Module, *, strict: bool = True, functions: bool = True) -> l
                 raise ValueError(f"cannot patch {path!r}: {e}") from None
     for path, new in planned:
         _set_module(model, path, new)
+    for _, m in model.named_modules():
+        if isinstance(m, (MixedQuantizedLinear, MixedQuantizedEmbedding)):
+            m.activations = activations
     if functions:
         from .routing import patch_functions
 

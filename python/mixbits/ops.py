@@ -30,19 +30,41 @@ def _check_x(x, K: int, name: str = "x") -> None:
         raise ValueError(f"{name} has last dimension {x.shape[-1:]} but the weight has K={K}")
 
 
-def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None) -> mx.array:
+ACTIVATIONS = {"float": 0, "int8": 1}
+
+
+def _activations_id(activations) -> int:
+    if not isinstance(activations, str):
+        raise TypeError(f"activations must be a str, got {type(activations).__name__}")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {sorted(ACTIVATIONS)}, got {activations!r}")
+    return ACTIVATIONS[activations]
+
+
+def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None,
+            activations: str = "float") -> mx.array:
     """``x @ W.T`` for a mixed-segment quantized W; any leading dims of x.
 
     With a permutation this is ``x[..., perm] @ qt.dequantize().T``. The
     output has x's dtype; accumulation is float32.
+
+    ``activations="int8"`` (CPU, 2-D weights) opts into the second numeric
+    contract where x has at most 16 rows: x is quantized per weight group to
+    int8 (scale max|x|/127) and multiplied with integer dots; the result is
+    the exact product of the dequantized weights with the quantized x, so
+    ``|error| <= sum_g (max|x_g|/254) * sum_{i in g} |w_i|`` (bench/INT8.md).
+    Calls with more rows, or with an inf/NaN in x, run the float path.
     """
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
+    act = _activations_id(activations)
     _check_x(x, qt.shape[1])
     if qt.batch_shape:
+        if act:
+            raise ValueError("activations='int8' is for 2-D weights; batched weights take 'float'")
         # A stack of matrices: batch dims broadcast as in mx.quantized_matmul.
         return _ext.batched_qmatmul(x, qt.perm, qt.arrays(), qt.specs, _backend_id(backend))
-    return _ext.qmatmul(x, qt.perm, qt.arrays(), qt.specs, _backend_id(backend))
+    return _ext.qmatmul(x, qt.perm, qt.arrays(), qt.specs, _backend_id(backend), act)
 
 
 def quantized_matmul(
@@ -54,15 +76,17 @@ def quantized_matmul(
     bits: int = 4,
     *,
     backend: str | None = None,
+    activations: str = "float",
 ) -> mx.array:
     """Same meaning as ``mx.quantized_matmul(x, w, scales, biases,
-    transpose=True, group_size=group_size, bits=bits)``. ``w`` may have
+    transpose=True, group_size=group_size, bits=bits)``; ``activations`` as
+    in :func:`qmatmul`. ``w`` may have
     leading batch dimensions ``(..., N, K*bits/32)`` (scales and biases
     ``(..., N, K/group_size)``); they broadcast against x's as in MLX, which
     needs x to have batch dimensions too (MLX would silently use the first
     matrix of w for a 1-D or 2-D x; this refuses with a ValueError)."""
     qt = _mlx_tensor(w, scales, biases, group_size, bits)
-    return qmatmul(_mlx_out_dtype(x, qt), qt, backend=backend)
+    return qmatmul(_mlx_out_dtype(x, qt), qt, backend=backend, activations=activations)
 
 
 def _mlx_out_dtype(x, qt: QuantizedTensor):

@@ -1,0 +1,97 @@
+// Runs the int8-activation contract: x quantized once per call (ref.cpp's
+// int8_quantize, the one definition of the quantization), re-ordered into
+// the byte order of the x86 decoders, then the outputs split over threads;
+// each segment's kernel comes from the ISA's table, chosen once.
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "common/cpu.h"
+#include "common/parallel.h"
+#include "qmatmul_int8/kernel.h"
+
+namespace mixbits {
+
+#if defined(MIXBITS_HAVE_AVX2)
+namespace {
+
+int gs_index(int gs) { return gs == 32 ? 0 : gs == 64 ? 1 : 2; }
+
+void run_table(const I8Table& t, const float* x, int M, const QMatView& w, float* y) {
+  Int8Acts a;
+  int8_quantize(x, M, w, a);
+  // The decoders' byte order, per unit of 32 columns (a copy of M*K bytes).
+  for (size_t si = 0; si < w.segs.size(); ++si) {
+    const int B = w.segs[si].bits;
+    if (x86_int8_col(B, 1) == 1 && x86_int8_col(B, 31) == 31) continue;
+    std::vector<int8_t>& v = a.x8[si];
+    int8_t tmp[32];
+    for (size_t u = 0; u < v.size(); u += 32) {
+      for (int p = 0; p < 32; ++p) tmp[p] = v[u + x86_int8_col(B, p)];
+      std::copy(tmp, tmp + 32, v.begin() + u);
+    }
+  }
+  std::vector<I8Seg> segs;
+  std::vector<I8Fn> fns;
+  int max_ng = 0;
+  for (const SegView& s : w.segs) {
+    const int ng = s.k / s.group_size;
+    segs.push_back({reinterpret_cast<const uint8_t*>(s.wq), int64_t(s.k) * s.bits / 8,
+                    s.scales, s.biases, w.sdtype, s.k, ng});
+    fns.push_back(t.fn[s.bits][gs_index(s.group_size)]);
+    max_ng = std::max(max_ng, ng);
+  }
+  const int N = w.N;
+  parallel_for(N, 16, [&](int64_t n0, int64_t n1) {
+    thread_local std::vector<float> scratch;
+    scratch.resize(size_t(8) * max_ng);
+    for (int m0 = 0; m0 < M; m0 += t.max_mb) {
+      const int mb = std::min(t.max_mb, M - m0);
+      for (int m = 0; m < mb; ++m)
+        std::fill(y + int64_t(m0 + m) * N + n0, y + int64_t(m0 + m) * N + n1, 0.0f);
+      for (size_t si = 0; si < segs.size(); ++si) {
+        const I8Seg& s = segs[si];
+        const I8X xv{a.x8[si].data() + int64_t(m0) * s.k, s.k,
+                     a.d[si].data() + int64_t(m0) * s.ngroups,
+                     a.xs[si].data() + int64_t(m0) * s.ngroups, s.ngroups};
+        fns[si](s, xv, mb, int(n0), int(n1), y + int64_t(m0) * N, N, scratch.data());
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void qmm_int8_avx2_run(const float* x, int M, const QMatView& w, float* y) {
+  run_table(int8_table_avx2(), x, M, w, y);
+}
+
+void qmm_int8_best_run(const float* x, int M, const QMatView& w, float* y) {
+  static const I8Table& t = cpu_isa().avx512vnni ? int8_table_vnni() : int8_table_avx2();
+  run_table(t, x, M, w, y);
+}
+#endif
+
+QmmRun select_qmm_int8(Backend requested) {
+  switch (requested) {
+    case Backend::Auto:
+#if defined(MIXBITS_HAVE_AVX2)
+      if (cpu_isa().avx2) return qmm_int8_best_run;
+#endif
+      return qmm_int8_ref_run;  // NEON integer dots: not written yet
+    case Backend::Ref:
+      return qmm_int8_ref_run;
+#if defined(MIXBITS_HAVE_AVX2)
+    case Backend::Avx2:
+      if (cpu_isa().avx2) return qmm_int8_avx2_run;
+      break;
+#endif
+    default:
+      break;
+  }
+  throw std::invalid_argument(
+      "qmatmul: activations='int8' has no kernel for backend " +
+      std::to_string(int(requested)) + " on this CPU (use 'auto' or 'ref')");
+}
+
+}  // namespace mixbits
