@@ -6,6 +6,7 @@
 
 #if defined(__METAL_VERSION__)
 #include <metal_simdgroup>
+#include <metal_simdgroup_matrix>
 #include <metal_stdlib>
 using namespace metal;
 
@@ -14,6 +15,9 @@ using namespace metal;
 #define MB_INSTANTIATE_KERNEL(name, func, ...) \
   template [[host_name(name)]] [[kernel]] decltype(func<__VA_ARGS__>) func<__VA_ARGS__>;
 #define MB_UNROLL _Pragma("clang loop unroll(full)")
+// The emulator checks that a word pointer made from a byte pointer is
+// aligned for its type; Metal requires it and would not say.
+#define MB_CHECK_ALIGNED(ptr)
 
 #else
 
@@ -21,5 +25,6 @@ using namespace metal;
 #error "compile .metal sources as C++ only after including tests/metal/metal_compat.h"
 #endif
 #define MB_UNROLL
+// MB_CHECK_ALIGNED: defined by metal_compat.h.
 
 #endif

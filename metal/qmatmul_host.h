@@ -28,9 +28,31 @@ struct QmmLaunch : Launch {
   bool tiled;
 };
 
-inline std::string qmm_kernel_name(bool tiled, ActType t, int bits, int gs) {
-  return std::string(tiled ? "mixbits_qmm_" : "mixbits_qmv_") +
-         act_type_name(t) + "_b" + std::to_string(bits) + "_g" +
+// Threadgroup memory a kernel may use: Metal guarantees 32 KiB on every
+// Apple GPU MLX supports (maxThreadgroupMemoryLength).
+constexpr size_t kMaxThreadgroupBytes = 32 * 1024;
+constexpr size_t kQmmThreadgroupBytes = size_t(MB_QMM_TG_FLOATS) * sizeof(float);
+static_assert(kQmmThreadgroupBytes <= kMaxThreadgroupBytes,
+              "the tiled kernel's tiles exceed 32 KiB of threadgroup memory");
+static_assert(MB_QMM_TG_FLOATS >= (MB_QMM_BM + MB_QMM_BN) * MB_QMM_TILE_STRIDE &&
+                  MB_QMM_TILE_STRIDE >= MB_QMM_BK && MB_QMM_TILE_STRIDE >= MB_QMM_BN &&
+                  MB_QMM_TILE_STRIDE % 4 == 0,
+              "x and W tiles (and the output tile staged in the x tile) fit, rows 16-byte aligned");
+static_assert(MB_QMM_THREADS == 32 * MB_QMM_SIMDGROUPS && MB_QMM_SIMDGROUPS == 4 &&
+                  MB_QMM_BM == 32 && MB_QMM_BN == 32 && MB_QMM_THREADS * 8 == MB_QMM_BM * MB_QMM_BK,
+              "qmatmul_tiled.metal's roles: 2 x 2 simdgroups of 16 x 16, 8 values per thread");
+
+inline ActType scale_act_type(int scale_type) {
+  return scale_type == MB_SCALE_F32   ? ActType::F32
+         : scale_type == MB_SCALE_F16 ? ActType::F16
+                                      : ActType::BF16;
+}
+
+// mixbits_{qmv,qmm}_<x dtype>_<scale dtype>_b<bits>_g<gs>, as instantiated by
+// MB_QMM_LADDER (qmatmul_common.h).
+inline std::string qmm_kernel_name(bool tiled, ActType t, int scale_type, int bits, int gs) {
+  return std::string(tiled ? "mixbits_qmm_" : "mixbits_qmv_") + act_type_name(t) + "_" +
+         act_type_name(scale_act_type(scale_type)) + "_b" + std::to_string(bits) + "_g" +
          std::to_string(gs);
 }
 
@@ -60,6 +82,8 @@ inline std::vector<QmmLaunch> plan_qmm(int M, int N,
                                        QmmPath path = QmmPath::Auto) {
   if (M <= 0 || N <= 0 || segs.empty())
     throw std::invalid_argument("plan_qmm: empty problem");
+  if (scale_type != MB_SCALE_F32 && scale_type != MB_SCALE_F16 && scale_type != MB_SCALE_BF16)
+    throw std::invalid_argument("plan_qmm: unknown scale dtype");
   int K = 0;
   for (const auto& s : segs) K += s.k;
   const bool tiled = qmm_uses_tiled(M, path);
@@ -68,7 +92,7 @@ inline std::vector<QmmLaunch> plan_qmm(int M, int N,
   for (size_t i = 0; i < segs.size(); ++i) {
     const QmmSegment& s = segs[i];
     QmmLaunch l;
-    l.kernel = qmm_kernel_name(tiled, xt, s.bits, s.group_size);
+    l.kernel = qmm_kernel_name(tiled, xt, scale_type, s.bits, s.group_size);
     l.params.M = M;
     l.params.N = N;
     l.params.K = K;
@@ -77,12 +101,11 @@ inline std::vector<QmmLaunch> plan_qmm(int M, int N,
     l.params.has_perm = has_perm ? 1 : 0;
     l.params.accumulate = i > 0 ? 1 : 0;
     l.params.write_out = i + 1 == segs.size() ? 1 : 0;
-    l.params.scale_type = scale_type;
     if (tiled) {
       l.grid[0] = uint32_t((N + MB_QMM_BN - 1) / MB_QMM_BN);
       l.grid[1] = uint32_t((M + MB_QMM_BM - 1) / MB_QMM_BM);
       l.group[0] = MB_QMM_THREADS;
-      l.threadgroup_bytes = size_t(MB_QMM_TG_FLOATS) * sizeof(float);
+      l.threadgroup_bytes = kQmmThreadgroupBytes;
     } else {
       l.grid[0] = uint32_t(M);
       l.grid[1] = uint32_t((N + MB_QMV_ROWS_PER_GROUP - 1) / MB_QMV_ROWS_PER_GROUP);
@@ -95,9 +118,7 @@ inline std::vector<QmmLaunch> plan_qmm(int M, int N,
     l.tiled = tiled;
     const size_t mk = size_t(M) * size_t(K), mn = size_t(M) * size_t(N);
     const size_t groups = size_t(N) * size_t(s.k / s.group_size);
-    const Elem se = scale_type == MB_SCALE_F32   ? Elem::F32
-                    : scale_type == MB_SCALE_F16 ? Elem::F16
-                                                 : Elem::BF16;
+    const Elem se = elem_of(scale_act_type(scale_type));
     const bool acc = qmm_needs_acc(segs.size());
     // Unused slots get `out` (freshly allocated: offset 0, aligned).
     l.buffers = {

@@ -1,10 +1,12 @@
-// The contract between the quantized-matmul kernels (qmatmul.metal) and the
-// host code that launches them (qmatmul_host.h, cpp/qmatmul/metal.cpp):
-// buffer indices, tile shapes and the per-dispatch parameter block. Plain
-// ints only, so the struct has one layout in Metal and in C++.
+// The contract between the quantized-matmul kernels (qmatmul_gemv.metal,
+// qmatmul_tiled.metal) and the host code that launches them (qmatmul_host.h,
+// cpp/qmatmul/metal.cpp): buffer indices, tile shapes and the per-dispatch
+// parameter block. Plain ints only, so the struct has one layout in Metal
+// and in C++.
 #pragma once
 
-// dtype of scales and biases (a runtime argument: it may differ from x's).
+// dtype of scales and biases. It may differ from x's; it picks the kernel
+// instantiation (qmm_kernel_name), the kernels never switch on it.
 enum MbScaleType { MB_SCALE_F32 = 0, MB_SCALE_F16 = 1, MB_SCALE_BF16 = 2 };
 
 // One dispatch computes the contribution of ONE K-segment:
@@ -21,7 +23,6 @@ struct MbQmmParams {
   int has_perm;     // gather x through perm
   int accumulate;   // add acc[m, n] (float32) to the result
   int write_out;    // 1: store to out (activation dtype); 0: store to acc
-  int scale_type;   // MbScaleType of scales and biases
 };
 
 // Buffer indices ([[buffer(i)]]), the same for both kernels.
@@ -45,14 +46,18 @@ enum MbQmmShape {
   MB_QMV_THREADS = 64,
   // Up to this many rows of x, GEMV is used; above it, the tiled kernel.
   MB_QMV_MAX_M = 8,
-  // Tiled (qmm): a BM x BN block of outputs per threadgroup of 128 threads,
-  // K walked in steps of BK = 32 (the smallest group size, so one BK step
-  // of one row lies in one group). x and dequantized W tiles are staged in
-  // threadgroup memory, rows padded by one float against bank conflicts.
+  // Tiled (qmm): a BM x BN block of outputs per threadgroup of 4
+  // simdgroups (2 x 2, each a 16 x 16 block: 2 x 2 simdgroup_float8x8
+  // accumulators), K walked in steps of BK = 32 (the smallest group size,
+  // so one BK step of one row lies in one group). Each step stages x and
+  // dequantized W in threadgroup memory as float, rows padded by 4 floats
+  // (16 bytes, as MLX pads) to spread banks and keep rows 16-byte aligned;
+  // the output tile is staged in the x tile's space at the end.
   MB_QMM_BM = 32,
   MB_QMM_BN = 32,
   MB_QMM_BK = 32,
+  MB_QMM_SIMDGROUPS = 4,
   MB_QMM_THREADS = 128,
-  MB_QMM_TILE_STRIDE = 33,
-  MB_QMM_TG_FLOATS = (32 + 32) * 33,
+  MB_QMM_TILE_STRIDE = 36,
+  MB_QMM_TG_FLOATS = (32 + 32) * 36,
 };

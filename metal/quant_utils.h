@@ -1,5 +1,6 @@
 // Math shared by the Metal kernels and C++: bfloat16 bit conversions, the
-// storage types of activations, and the decode of MLX's quantized layout.
+// storage types of activations and scales, and the decode of MLX's
+// quantized layout.
 //
 // Usable from Metal, from C++ under the emulator (metal_compat.h), and from
 // plain host C++ (address-space qualifiers become empty there).
@@ -25,8 +26,6 @@
 #define MB_UNROLL
 #endif
 
-#include "qmatmul_params.h"  // MbScaleType
-
 // ---- bfloat16 as raw bits (no native bfloat needed on any Metal version) ----
 
 inline float mb_bf16_to_float(uint16_t b) {
@@ -40,18 +39,13 @@ inline uint16_t mb_float_to_bf16(float f) {
   return uint16_t((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
-// ---- scale/bias loads: the scale dtype is a runtime argument ----------------
+// ---- storage types --------------------------------------------------------------
 
 #if defined(__METAL_VERSION__) || defined(MIXBITS_METAL_EMULATION)
 
-// Element i of a float32/float16/bfloat16 array given as raw bytes.
-inline float mb_load_scale(const device uint8_t* base, size_t i, int type) {
-  if (type == MB_SCALE_F32) return ((const device float*)base)[i];
-  if (type == MB_SCALE_F16) return float(((const device half*)base)[i]);
-  return mb_bf16_to_float(((const device uint16_t*)base)[i]);
-}
-
-// Storage of x and the output: the kernels are templates over one of these.
+// Storage of x, the output, and the scales/biases: the kernels are templates
+// over one of these for the activations and one for the scales (the scale
+// dtype may differ from x's; each combination is its own instantiation).
 struct MbF32 {
   typedef float storage;
   static float load(storage v) { return v; }
@@ -82,37 +76,67 @@ inline uint32_t mb_code_mask() {
 // inside one group (16 divides every group size).
 #define MB_CHUNK 16
 
+// The word the GEMV reads a chunk with. A chunk starts 2*bits*j bytes into a
+// row, and a row is a multiple of 4*bits bytes long (kseg is a multiple of
+// 32), so chunks are 4-byte aligned for even widths (read as bits/2 uint32)
+// and 2-byte aligned for odd ones (read as `bits` uint16).
+template <int bits>
+struct MbChunkWord {
+  typedef uint32_t type;
+};
+template <>
+struct MbChunkWord<3> {
+  typedef uint16_t type;
+};
+template <>
+struct MbChunkWord<5> {
+  typedef uint16_t type;
+};
+
+template <int bits>
+inline constexpr int mb_chunk_words() {
+  return 2 * bits / int(sizeof(typename MbChunkWord<bits>::type));
+}
+
 // Pre-scale 16 activations so that weights can be *masked, not shifted*:
-// code i sits at bit s_i = (i*bits) % 8 of its byte, so (byte & mask<<s_i)
-// equals code<<s_i, and multiplying it by x_i / 2^s_i gives code*x_i.
+// code i sits at bit s_i = (i*bits) % W of its W-bit word, so
+// (word & mask<<s_i) equals code<<s_i, and multiplying it by x_i / 2^s_i
+// gives code*x_i (a power-of-two scale: exact unless x_i / 2^s_i is
+// subnormal, i.e. |x_i| < 2^-96 for 32-bit words).
 // Returns the plain sum of the 16 activations (for the bias term).
 template <int bits>
 inline float mb_prescale16(MB_THREAD float* xs) {
+  constexpr int W = 8 * int(sizeof(typename MbChunkWord<bits>::type));
   float sum = 0.0f;
   MB_UNROLL for (int i = 0; i < MB_CHUNK; ++i) {
     sum += xs[i];
-    const int s = (i * bits) & 7;
-    xs[i] = xs[i] * (1.0f / float(1 << s));
+    const int s = (i * bits) % W;
+    xs[i] = xs[i] * (1.0f / float(1u << s));
   }
   return sum;
 }
 
-// sum_i code_i * x_i over one chunk of 16 codes starting at byte `w`, with xs
-// pre-scaled by mb_prescale16. A code that straddles into the next byte has
-// its high part masked there (no shift); that part is worth
-// code_hi << (8 - s), i.e. xs * 2^s * 2^(8-s) = xs * 256.
+// sum_i code_i * x_i over one chunk of 16 codes held in `w` (the chunk's
+// mb_chunk_words<bits>() words, as read from the row), with xs pre-scaled
+// by mb_prescale16. A code that straddles into the next word has its high
+// part masked there (no shift); that part is worth code_hi << (W - s),
+// i.e. xs * 2^s * 2^(W-s) = xs * 2^W.
 template <int bits>
-inline float mb_qdot16(const MB_DEVICE uint8_t* w, const MB_THREAD float* xs) {
+inline float mb_qdot16(const MB_THREAD typename MbChunkWord<bits>::type* w,
+                       const MB_THREAD float* xs) {
+  constexpr int W = 8 * int(sizeof(typename MbChunkWord<bits>::type));
+  constexpr uint32_t word_mask = W == 32 ? 0xffffffffu : (1u << W) - 1u;
+  constexpr float two_w = W == 32 ? 4294967296.0f : 65536.0f;  // 2^W
   float acc = 0.0f;
   MB_UNROLL for (int i = 0; i < MB_CHUNK; ++i) {
     const int bit = i * bits;
-    const int byte = bit >> 3;
-    const int s = bit & 7;
-    const uint32_t lo_mask = (mb_code_mask<bits>() << s) & 0xffu;
-    acc += float(w[byte] & lo_mask) * xs[i];
-    if (s + bits > 8) {
-      const uint32_t hi_mask = mb_code_mask<bits>() >> (8 - s);
-      acc += float(w[byte + 1] & hi_mask) * (xs[i] * 256.0f);
+    const int word = bit / W;
+    const int s = bit % W;
+    const uint32_t lo_mask = (mb_code_mask<bits>() << s) & word_mask;
+    acc += float(uint32_t(w[word]) & lo_mask) * xs[i];
+    if (s + bits > W) {
+      const uint32_t hi_mask = mb_code_mask<bits>() >> (W - s);
+      acc += float(uint32_t(w[word + 1]) & hi_mask) * (xs[i] * two_w);
     }
   }
   return acc;

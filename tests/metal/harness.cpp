@@ -247,16 +247,16 @@ int guarded_call(F&& f, char* err, int errlen) {
 
 // ---- qmatmul ---------------------------------------------------------------
 
-template <typename S>
-using QmvFn = void(const S*, const int32_t*, const uint32_t*, const uint8_t*,
-                   const uint8_t*, float*, S*, MbQmmParams&, uint3, uint, uint);
-template <typename S>
-using QmmFn = void(const S*, const int32_t*, const uint32_t*, const uint8_t*,
-                   const uint8_t*, float*, S*, MbQmmParams&, float*, uint3,
-                   uint);
+// S: storage of x and out; SC: storage of scales and biases.
+template <typename S, typename SC>
+using QmvFn = void(const S*, const int32_t*, const uint32_t*, const SC*, const SC*,
+                   float*, S*, MbQmmParams&, uint3, uint, uint);
+template <typename S, typename SC>
+using QmmFn = void(const S*, const int32_t*, const uint32_t*, const SC*, const SC*,
+                   float*, S*, MbQmmParams&, float*, uint3, uint, uint);
 
 // x, perm: user buffers; per segment wq/scales/biases; out receives [M, N].
-template <typename S>
+template <typename S, typename SC>
 void run_qmm(int M, int N, const std::vector<QmmSegment>& segs, ActType at,
              const UserBuf& x, const UserBuf& perm, const std::vector<UserBuf>& wq,
              const std::vector<UserBuf>& scales, const std::vector<UserBuf>& biases,
@@ -283,19 +283,20 @@ void run_qmm(int M, int N, const std::vector<QmmSegment>& segs, ActType at,
     auto* xs = static_cast<const S*>(p[MB_QMM_X]);
     auto* pp = static_cast<const int32_t*>(p[MB_QMM_PERM]);
     auto* w = static_cast<const uint32_t*>(p[MB_QMM_WQ]);
-    auto* sc = static_cast<const uint8_t*>(p[MB_QMM_SCALES]);
-    auto* bi = static_cast<const uint8_t*>(p[MB_QMM_BIASES]);
+    auto* sc = static_cast<const SC*>(p[MB_QMM_SCALES]);
+    auto* bi = static_cast<const SC*>(p[MB_QMM_BIASES]);
     auto* acc = static_cast<float*>(p[MB_QMM_ACC]);
     auto* y = static_cast<S*>(p[MB_QMM_OUT]);
     if (l.tiled) {
-      auto* fn = simt::find_kernel<QmmFn<S>>(l.kernel);
+      auto* fn = simt::find_kernel<QmmFn<S, SC>>(l.kernel);
       simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
           [&](const simt::ThreadIds& t) {
             fn(xs, pp, w, sc, bi, acc, y, params, smem.as<float>(),
-               u3(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup);
+               u3(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup,
+               t.simdgroup_index_in_threadgroup);
           }, o);
     } else {
-      auto* fn = simt::find_kernel<QmvFn<S>>(l.kernel);
+      auto* fn = simt::find_kernel<QmvFn<S, SC>>(l.kernel);
       simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
           [&](const simt::ThreadIds& t) {
             fn(xs, pp, w, sc, bi, acc, y, params,
@@ -305,6 +306,35 @@ void run_qmm(int M, int N, const std::vector<QmmSegment>& segs, ActType at,
     }
   }
   bufs.finish();
+}
+
+// The instantiation for x dtype `xtype` (0 f32, 1 f16, 2 bf16) and scale
+// dtype `scale_type` (MbScaleType).
+template <typename S>
+void run_qmm_x(int scale_type, int M, int N, const std::vector<QmmSegment>& segs,
+               ActType at, const UserBuf& x, const UserBuf& perm,
+               const std::vector<UserBuf>& w, const std::vector<UserBuf>& s,
+               const std::vector<UserBuf>& b, const UserBuf& out, QmmPath path,
+               const simt::Options& o) {
+  if (scale_type == MB_SCALE_F32)
+    run_qmm<S, float>(M, N, segs, at, x, perm, w, s, b, scale_type, out, path, o);
+  else if (scale_type == MB_SCALE_F16)
+    run_qmm<S, half>(M, N, segs, at, x, perm, w, s, b, scale_type, out, path, o);
+  else
+    run_qmm<S, uint16_t>(M, N, segs, at, x, perm, w, s, b, scale_type, out, path, o);
+}
+
+void run_qmm_typed(int xtype, int scale_type, int M, int N,
+                   const std::vector<QmmSegment>& segs, ActType at, const UserBuf& x,
+                   const UserBuf& perm, const std::vector<UserBuf>& w,
+                   const std::vector<UserBuf>& s, const std::vector<UserBuf>& b,
+                   const UserBuf& out, QmmPath path, const simt::Options& o) {
+  if (xtype == 0)
+    run_qmm_x<float>(scale_type, M, N, segs, at, x, perm, w, s, b, out, path, o);
+  else if (xtype == 1)
+    run_qmm_x<half>(scale_type, M, N, segs, at, x, perm, w, s, b, out, path, o);
+  else
+    run_qmm_x<uint16_t>(scale_type, M, N, segs, at, x, perm, w, s, b, out, path, o);
 }
 
 // ---- KL ----------------------------------------------------------------------
@@ -385,12 +415,7 @@ int mbemu_qmm(int M, int N, int nseg, const int* bits, const int* group_size,
     const auto at = ActType(xtype);
     const UserBuf ux{x, nullptr, x_bytes}, up{perm, nullptr, perm ? perm_bytes : 0};
     const UserBuf uo{nullptr, out, out_bytes};
-    if (xtype == 0)
-      run_qmm<float>(M, N, segs, at, ux, up, w, s, b, scale_type, uo, p, o);
-    else if (xtype == 1)
-      run_qmm<half>(M, N, segs, at, ux, up, w, s, b, scale_type, uo, p, o);
-    else
-      run_qmm<uint16_t>(M, N, segs, at, ux, up, w, s, b, scale_type, uo, p, o);
+    run_qmm_typed(xtype, scale_type, M, N, segs, at, ux, up, w, s, b, uo, p, o);
   }, err, errlen);
 }
 

@@ -482,6 +482,20 @@ using namespace metal;
   static const bool MB_COMPAT_CAT(mb_kernel_registered_, __COUNTER__) = \
       ::simt::register_kernel(name, &func<__VA_ARGS__>);
 
+// ---- alignment of reinterpreted pointers ---------------------------------------
+// A kernel that reads words through a pointer made from a byte pointer
+// states the alignment it relies on; Metal requires it silently, x86 does not
+// care, so the emulator checks it.
+#define MB_CHECK_ALIGNED(ptr) ::metal_compat_detail::check_aligned(ptr, #ptr, __LINE__)
+namespace metal_compat_detail {
+template <typename T>
+inline void check_aligned(const T* p, const char* what, int line) {
+  if (reinterpret_cast<uintptr_t>(p) % alignof(T) != 0)
+    throw simt::Error(std::string("simt: ") + what + " at line " + std::to_string(line) +
+                      " is not aligned for its " + std::to_string(sizeof(T)) + "-byte type");
+}
+}  // namespace metal_compat_detail
+
 // ---- address spaces (last: after every standard header) -------------------------
 #define device
 #define threadgroup register

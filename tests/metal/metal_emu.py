@@ -26,7 +26,7 @@ METAL_DIR = ROOT / "metal"
 EMU_DIR = ROOT / "tests" / "metal"
 BUILD_ROOT = ROOT / "build" / "metal-emu"
 
-UNITS = ["simt.cpp", "harness.cpp", "emu_qmatmul.cpp", "emu_kl.cpp", "emu_selftest.cpp"]
+UNITS = ["simt.cpp", "harness.cpp", "emu_qmv.cpp", "emu_qmm.cpp", "emu_kl.cpp", "emu_selftest.cpp"]
 FLAGS = [
     "-std=c++20", "-O2", "-fPIC", "-pthread", "-Wall", "-Wextra",
     "-Wno-unknown-pragmas", "-Wno-register", "-Wno-unused-parameter",

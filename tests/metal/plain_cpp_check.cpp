@@ -1,6 +1,7 @@
 // metal/quant_utils.h included by plain host C++ (no Metal, no compat
 // header): the decode and bfloat16 helpers, exported for ctypes.
 #include <cstdint>
+#include <cstring>
 
 #include "quant_utils.h"
 
@@ -9,12 +10,17 @@ template <int bits>
 void unpack_row_t(const uint8_t* row, int n_codes, uint32_t* codes) {
   for (int j = 0; j < n_codes; j += 8) mb_unpack8<bits>(row + j / 8 * bits, codes + j);
 }
+// The GEMV's chunk dot: the chunk read as words (memcpy: the caller's byte
+// pointer need not be aligned here), activations pre-scaled.
 template <int bits>
 float qdot_t(const uint8_t* w, const float* x) {
+  typename MbChunkWord<bits>::type words[mb_chunk_words<bits>()];
+  std::memcpy(words, w, sizeof words);
+  static_assert(sizeof words == 2 * bits, "a chunk is 2*bits bytes");
   float xs[MB_CHUNK];
   for (int i = 0; i < MB_CHUNK; ++i) xs[i] = x[i];
   mb_prescale16<bits>(xs);
-  return mb_qdot16<bits>(w, xs);
+  return mb_qdot16<bits>(words, xs);
 }
 }  // namespace
 

@@ -18,6 +18,8 @@ GROUP_SIZES = (32, 64, 128)
 ACTS = ("float32", "float16", "bfloat16")
 MX_DTYPE = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 OUT_EPS = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+# Rows of x: GEMV up to 8, the tiled kernel from 9 (every M runs both).
+MS = (1, 3, 8, 9, 33, 100)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -92,14 +94,15 @@ def run_case(rng, M, N, specs, act, scale_act=None, perm=True, paths=("gemv", "t
 def test_qmatmul_every_width_group_and_dtype(bits, gs, act):
     rng = np.random.default_rng(bits * 1000 + gs + 7 * ACTS.index(act))
     # N not a multiple of the 8 rows of a GEMV threadgroup nor of the 32 of
-    # a tile; K spans a partial 512-column GEMV block.
+    # a tile; K spans a partial 512-column GEMV block and several BK steps
+    # of the tiled kernel; M = 100 is four row tiles, the last one partial.
     N = int(rng.choice([5, 13, 37]))
     k = gs * int(rng.integers(1, 5))
-    for M in (1, 3, 8, 33):
+    for M in MS:
         run_case(rng, M, N, [(bits, gs, k)], act, perm=bool(M % 2))
 
 
-@pytest.mark.parametrize("M", [1, 3, 8, 33])
+@pytest.mark.parametrize("M", MS)
 @pytest.mark.parametrize("act", ACTS)
 def test_qmatmul_mixed_segments_with_perm(M, act):
     rng = np.random.default_rng(100 + M)
@@ -107,9 +110,9 @@ def test_qmatmul_mixed_segments_with_perm(M, act):
     run_case(rng, M, 67, specs, act, perm=True)
 
 
-@pytest.mark.parametrize("act,scale_act", [("float32", "float16"), ("float32", "bfloat16"),
-                                           ("float16", "float32"), ("bfloat16", "float16")])
+@pytest.mark.parametrize("act,scale_act", [(a, s) for a in ACTS for s in ACTS if a != s])
 def test_qmatmul_scale_dtype_differs_from_x(act, scale_act):
+    # Each (x dtype, scale dtype) pair is its own kernel instantiation.
     rng = np.random.default_rng(5)
     run_case(rng, 3, 21, [(5, 64, 128), (3, 32, 96)], act, scale_act=scale_act)
     run_case(rng, 33, 21, [(5, 64, 128), (3, 32, 96)], act, scale_act=scale_act)

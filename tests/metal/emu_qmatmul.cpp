@@ -1,3 +1,0 @@
-// qmatmul.metal, unchanged, compiled as C++ for the SIMT emulator.
-#include "metal_compat.h"
-#include "qmatmul.metal"

@@ -1,0 +1,3 @@
+// qmatmul_tiled.metal, unchanged, compiled as C++ for the SIMT emulator.
+#include "metal_compat.h"
+#include "qmatmul_tiled.metal"
