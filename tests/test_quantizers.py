@@ -20,8 +20,9 @@ def layer(n=128, k=256, t=384, seed=0, outliers=8, scale=12.0):
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
     mix = np.eye(k) + 0.3 * rng.standard_normal((k, k)) / np.sqrt(k)
-    x = rng.standard_normal((t, k)) @ mix
-    x[:, rng.choice(k, outliers, replace=False)] *= scale
+    hot = rng.choice(k, outliers, replace=False)
+    x = rng.standard_normal((t, k)) @ mix  # a longer t extends the same tokens
+    x[:, hot] *= scale
     return w, x.astype(np.float32)
 
 
@@ -324,3 +325,80 @@ def test_search_checks():
         search(w, [(4, 64, 64)], h_diag=-np.ones(64))
     with pytest.raises(ValueError, match="sum to"):
         search(w, [(4, 64, 128)])
+
+
+# ------------------------------------------------------------------ AWQ
+
+
+def awq_dense(qt, inv):
+    """The effective weight after the fold: Q(W diag(s)) diag(1/s)."""
+    return dense(qt) * np.array(inv)[None, :]
+
+
+@pytest.mark.parametrize("kind", list(SEGMENTS))
+def test_awq_not_above_rtn(kind):
+    w, xx = layer(seed=20, t=768)
+    x, held = xx[:384], xx[384:]  # same channels, fresh tokens
+    segs = SEGMENTS[kind](256)
+    perm = np.random.default_rng(21).permutation(256) if kind == "4b25_2b" else None
+    r = rtn(w, segs, perm)
+    qt, inv = awq(w, segs, np.abs(x).mean(0), x, perm=perm)
+    e = lambda xs, d: float(np.linalg.norm(xs.astype(np.float64) @ (w - d).T))  # noqa: E731
+    ratio = e(x, awq_dense(qt, inv)) / e(x, dense(r))
+    held_ratio = e(held, awq_dense(qt, inv)) / e(held, dense(r))
+    print(f"awq {kind}: error / RTN = {ratio:.3f} (calibration), {held_ratio:.3f} (held out)")
+    assert ratio <= 1 + 1e-9  # alpha = 0 (RTN) is in the search
+    if kind != "ternary":  # absmean ternary gains nothing here: alpha = 0 wins
+        assert ratio < 0.8 and held_ratio < 0.85
+
+
+def test_awq_without_search_is_rtn():
+    w, x = layer(n=32)
+    for kind in ("3b", "ternary", "4b25_2b"):
+        segs = SEGMENTS[kind](256)
+        qt, inv = awq(w, segs, np.abs(x).mean(0), x, grid=0, dtype=mx.float16)
+        assert same(qt, rtn(w, segs, dtype=mx.float16))
+        assert np.array_equal(np.array(inv), np.ones(256, np.float32))
+
+
+def test_awq_fold_into_rmsnorm():
+    """The documented fold: norm.weight *= inv_scales, then the stored
+    tensor through mixbits.qmatmul reproduces the layer about as well as it
+    does on the calibration inputs, better than RTN."""
+    import mlx.nn as nn
+
+    w, _ = layer(seed=22)
+    rng = np.random.default_rng(23)
+    hidden = rng.standard_normal((384, 256)).astype(np.float32)
+    gamma = np.ones(256, np.float32)
+    gamma[rng.choice(256, 8, replace=False)] = 15.0  # the norm makes the outliers
+    norm = nn.RMSNorm(256)
+    norm.weight = mx.array(gamma)
+    y = np.array(norm(mx.array(hidden)))
+    segs = [(3, 64, 256)]
+    qt, inv = awq(w, segs, np.abs(y).mean(0), y, dtype=mx.float32)
+    norm.weight = norm.weight * inv
+    out = np.array(mixbits.qmatmul(norm(mx.array(hidden)), qt)).astype(np.float64)
+    ref = y.astype(np.float64) @ w.T.astype(np.float64)
+    e_awq = np.linalg.norm(out - ref)
+    e_rtn = np.linalg.norm(np.array(mixbits.qmatmul(mx.array(y), rtn(w, segs))) - ref)
+    e_direct = np.linalg.norm(y.astype(np.float64) @ (w - awq_dense(qt, inv)).T)
+    print(f"awq folded: {e_awq:.4f} vs direct {e_direct:.4f}, RTN {e_rtn:.4f}")
+    assert e_awq < 0.8 * e_rtn
+    assert abs(e_awq - e_direct) < 1e-3 * e_direct
+
+
+def test_awq_shared_scales_and_checks():
+    w, x = layer(n=64, seed=24)
+    xm = np.abs(x).mean(0)
+    qt, inv = awq(w, [(4, 64, 256)], xm, x)
+    again, inv2 = awq(w, [(4, 64, 256)], xm, x)
+    assert same(qt, again) and np.array_equal(np.array(inv), np.array(inv2))
+    reused, inv3 = awq(w, [(4, 64, 256)], xm, inv_scales=np.array(inv))
+    assert same(reused, qt) and np.array_equal(np.array(inv3), np.array(inv))
+    with pytest.raises(ValueError, match="X_sample must be"):
+        awq(w, [(4, 64, 256)], xm, x[:, :128])
+    with pytest.raises(ValueError, match="x_abs_mean must have shape"):
+        awq(w, [(4, 64, 256)], xm[:5])
+    with pytest.raises(ValueError, match="inv_scales must be > 0"):
+        awq(w, [(4, 64, 256)], xm, inv_scales=np.zeros(256))
