@@ -40,11 +40,14 @@ def allocation_candidates(alloc, model, *, group_size: int = DEFAULT_GROUP_SIZE,
         out[path] = cand
     return out
 
-def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = True) -> list[str]:
+def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = True,
+                        tokens=None) -> list[str]:
     """Replace every tensor in ``chosen`` ({path: Candidate}) by its
     candidate module -- the same constructor the sweep measured -- and,
     with ``fixed``, the tensors the model's own quant_predicate pins (e.g.
-    MoE router gates at 8 bits), as mlx-lm would. Returns replaced paths."""
+    MoE router gates at 8 bits), as mlx-lm would. Calibrated candidates
+    (``+gptq``, ``+search``) need the calibration ``tokens`` [n_seq, seq_len]
+    their layer inputs come from (the sweep's). Returns replaced paths."""
     import mlx.core as mx
 
     from mixbits.adapter import ModelAdapter
@@ -55,7 +58,18 @@ def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = 
     if fixed:
         for path, spec in adapter.fixed.items():
             plan.setdefault(path, parse_candidate(f"{spec['bits']}b_g{spec['group_size']}"))
-    built = {p: build_layer(adapter.get(p), c, scale_dtype) for p, c in plan.items()}
+    rp = None
+    if any(c.calibrated for c in plan.values()):
+        from mixbits.measure.replay import Replayer
+
+        if tokens is None:
+            raise ValueError("the allocation has calibrated candidates (+gptq/+search): give the "
+                             "calibration tokens they were measured with (--tokens or --text)")
+        rp = Replayer(model, [mx.array(tokens[i : i + 4]) for i in range(0, len(tokens), 4)], adapter)
+    # Hessians come from the unquantized model: all layers are built before any is swapped in.
+    built = {p: build_layer(adapter.get(p), c, scale_dtype,
+                            rp.input_hessian(adapter.site(p)) if c.calibrated else None)
+             for p, c in plan.items()}
     for p, layer in built.items():
         mx.eval(layer.parameters())
         adapter.set(p, layer)
@@ -69,6 +83,10 @@ def add_arguments(p) -> None:
                    help="group size for entries whose kind is a bare width ('4', 'ternary'); "
                         f"candidate names ('4b_g32') carry their own (default {DEFAULT_GROUP_SIZE})")
     p.add_argument("--strip-prefix", default="", help="remove this prefix from allocation paths first")
+    p.add_argument("--tokens", metavar="FILE",
+                   help="calibration token ids (.npy/.json [n_seq, seq_len]) for calibrated candidates "
+                        "(+gptq, +search): the layer inputs they quantize against; use the sweep's")
+
 
 def run(args) -> int:
     import mixbits
@@ -84,6 +102,11 @@ def run(args) -> int:
     except (OSError, FormatError) as e:
         raise FormatError(f"--allocation: {e}") from None
     check_replaceable(args.out)  # a file, device or folder of other files as --out fails now
+    tokens = None
+    if args.tokens:
+        from mixbits.measure.calib import load_tokens
+
+        tokens = load_tokens(args.tokens)
     try:
         model, tokenizer, config = mixbits.load(args.model)
     except FileNotFoundError as e:
@@ -91,7 +114,7 @@ def run(args) -> int:
     try:
         chosen = allocation_candidates(alloc, model, group_size=args.group_size,
                                        strip_prefix=args.strip_prefix)
-        replaced = quantize_candidates(model, chosen)
+        replaced = quantize_candidates(model, chosen, tokens=tokens)
     except (KeyError, ValueError, TypeError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         raise FormatError(f"--allocation: {msg}") from None

@@ -6,6 +6,18 @@ A candidate is named by a short string so tables stay readable:
   ``4b10_3b_g64``         10% of the columns at 4 bits, the rest at 3 bits;
                           the 4-bit columns are those with the largest
                           weight-column norms (stored first via a permutation)
+
+An optional suffix names the quantizer (default: round-to-nearest min-max):
+  ``3b_g64+search``       per-group scale/bias search on the weighted error
+  ``3b_g64+gptq``         GPTQ error feedback on the layer input's X^T X; a
+                          mixed kind (``4b10_3b_g64+gptq``) orders columns by
+                          the Hessian diagonal (act-order: salient columns in
+                          the wide segment, as EXL2), a uniform one keeps the
+                          natural order (an MLX-loadable single segment)
+Every quantizer stores the same layout, so kernels, layers and saved
+folders do not know which one ran. Calibrated quantizers need the layer
+inputs the sweep's reference pass records; they apply to linears inside
+decoder blocks.
 """
 
 from __future__ import annotations
@@ -31,6 +43,12 @@ class Candidate:
     hi_bits: int | None = None  # mixed
     hi_percent: int | None = None
     lo_bits: int | None = None
+    quantizer: str = "rtn"  # "rtn", "search" or "gptq"
+
+    @property
+    def calibrated(self) -> bool:
+        """Needs the layer's input statistics (X^T X)."""
+        return self.quantizer != "rtn"
 
     def segments(self, k: int) -> list[tuple]:
         """Segment spec for a tensor with k input columns."""
@@ -66,7 +84,18 @@ class Candidate:
         return np.argsort(-norms, kind="stable").astype(np.int32)
 
 
+QUANTIZERS = ("rtn", "search", "gptq")
+
+
 def parse_candidate(name: str) -> Candidate:
+    import dataclasses
+
+    base, plus, quantizer = name.partition("+")
+    if plus:
+        if quantizer not in QUANTIZERS[1:]:
+            raise ValueError(f"candidate {name!r}: unknown quantizer {quantizer!r}; "
+                             f"expected one of {', '.join('+' + q for q in QUANTIZERS[1:])}")
+        return dataclasses.replace(parse_candidate(base), name=name, quantizer=quantizer)
     if m := _UNIFORM.match(name):
         bits, gs = int(m[1]), int(m[2])
         cand = Candidate(name, "uniform", gs, bits=bits)
@@ -121,14 +150,17 @@ def expand_candidates(names) -> list[str]:
 
 def supports(cand: Candidate, site) -> bool:
     """Whether ``cand`` can be built for ``site`` (an adapter Site): group
-    size dividing K, and, for stacks (expert / multi-head weights, kept in
-    MLX's stock quantized classes), single-segment kinds only."""
+    size dividing K; for stacks (expert / multi-head weights, kept in MLX's
+    stock quantized classes), single-segment kinds only; calibrated
+    quantizers only for linears inside blocks (whose inputs are recorded)."""
     if site.k % cand.group_size:
+        return False
+    if cand.calibrated and (site.form != "linear" or site.block is None):
         return False
     return not (site.form == "stack" and cand.kind == "mixed")
 
 
-def build_layer(module, cand: Candidate, scale_dtype=None):
+def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None):
     """The quantized module that replaces ``module`` at candidate ``cand``.
 
     The one constructor the sweep, joint evaluation and ``quantize`` share,
@@ -136,6 +168,8 @@ def build_layer(module, cand: Candidate, scale_dtype=None):
     embeddings become mixbits layers; stacks (SwitchLinear, MultiLinear)
     keep mlx-lm's own quantized class with MLX-layout arrays, so saved
     folders load with ``mlx_lm.load``. ``scale_dtype`` defaults to float16.
+    ``inputs``: (X^T X [K, K], token count) of the layer's input on the
+    calibration set, for calibrated quantizers.
     """
     import copy
 
@@ -150,6 +184,12 @@ def build_layer(module, cand: Candidate, scale_dtype=None):
     w = dense_weight(module)
     k = w.shape[-1]
     segs = cand.segments(k)
+    if cand.calibrated:
+        if inputs is None or w.ndim != 2:
+            raise ValueError(f"candidate {cand.name!r} needs the layer input's X^T X (a linear "
+                             "inside a decoder block, measured or quantized with calibration tokens)")
+        qt = _calibrated(w, segs, cand, inputs, scale_dtype)
+        return MixedQuantizedLinear.from_tensor(qt, module.get("bias"))
     if w.ndim == 2:
         perm = cand.perm(np.array(w)) if cand.kind == "mixed" else None
         qt = quantize_tensor(w, segs, perm=perm, dtype=scale_dtype)
@@ -185,3 +225,19 @@ def candidate_for_entry(kind: str, bits, group_size: int = 64) -> Candidate:
     if kind.isdigit():
         return parse_candidate(f"{kind}b_g{group_size}")
     return parse_candidate(kind)
+
+
+def _calibrated(w, segs, cand: Candidate, inputs, scale_dtype):
+    """The calibrated quantizers of :mod:`mixbits.quantizers`."""
+    from .. import quantizers
+
+    hessian, n_tokens = inputs
+    h = np.asarray(hessian, dtype=np.float64)
+    if cand.quantizer == "gptq":
+        return quantizers.gptq(w, segs, h, act_order=cand.kind == "mixed", dtype=scale_dtype,
+                               n_tokens=n_tokens)
+    diag = np.diag(h)
+    perm = None
+    if cand.kind == "mixed":  # salient columns first, by the input's energy, as act-order does
+        perm = np.argsort(-diag, kind="stable").astype(np.int32)
+    return quantizers.search(w, segs, perm=perm, dtype=scale_dtype, h_diag=diag)

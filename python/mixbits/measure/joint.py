@@ -34,10 +34,23 @@ class JointEvaluator:
         mx.eval(out)
         return out
 
+    def hessian(self, path: str):
+        """(X^T X, tokens) of a tensor's input on this evaluator's tokens
+        (calibrated candidates), from a replay of the unquantized model."""
+        from .replay import Replayer
+
+        if getattr(self, "_replayer", None) is None:
+            chunks = [mx.array(self.tokens[i : i + self.chunk])
+                      for i in range(0, len(self.tokens), self.chunk)]
+            self._replayer = Replayer(self.model, chunks, self.adapter)
+        return self._replayer.input_hessian(self.sites[path])
+
     def layer(self, path: str, cand_name: str):
         key = (path, cand_name)
         if key not in self._layers:
-            layer = build_layer(self.originals[path], parse_candidate(cand_name), self.scale_dtype)
+            cand = parse_candidate(cand_name)
+            h = self.hessian(path) if cand.calibrated else None
+            layer = build_layer(self.originals[path], cand, self.scale_dtype, h)
             mx.eval(layer.parameters())
             self._layers[key] = layer
         return self._layers[key]

@@ -116,6 +116,22 @@ class _LeafBranch(_Proxy):
         return self._split(name) if callable(attr) and not name.startswith("_") else attr
 
 
+class _InputRecorder(_Proxy):
+    """Accumulates X^T X (float32) of what a linear receives."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        object.__setattr__(self, "_h", None)
+        object.__setattr__(self, "_n", 0)
+
+    def __call__(self, x, *args, **kwargs):
+        x2 = x.reshape(-1, x.shape[-1]).astype(mx.float32)
+        h = x2.T @ x2
+        object.__setattr__(self, "_h", h if self._h is None else self._h + h)
+        object.__setattr__(self, "_n", self._n + x2.shape[0])
+        return self._inner(x, *args, **kwargs)
+
+
 def _concat(outs):
     if len(outs) == 1:
         return outs[0]
@@ -196,6 +212,39 @@ class Replayer:
         if not mx.allclose(logits, ref, rtol=1e-4, atol=1e-4 * (1 + float(mx.abs(ref).max()))).item():
             self.replayable = False
             self.reason = "replaying the recorded blocks does not reproduce model(tokens)"
+
+    # ------------------------------------------------------------ layer inputs
+
+    def input_hessian(self, site: Site):
+        """(X^T X [K, K] float32, token count) of what ``site`` (a linear)
+        receives on the calibration set. A replayable model runs only the
+        site's block on its recorded arguments; otherwise the whole model.
+        Memory: one K x K matrix at a time (K = 14336 is 0.8 GB)."""
+        ad = self.adapter
+        if site.block is not None and self.replayable:
+            block = ad.blocks[site.block]
+            local = ad.local_path(site)
+            original = get_module(block, local)
+            rec = _InputRecorder(original)
+            set_module(block, local, rec)
+            try:
+                for recs in self.records:
+                    args, kwargs, _ = recs[site.block]
+                    block(*args, **kwargs)
+                    mx.eval(rec._h)
+            finally:
+                set_module(block, local, original)
+        else:
+            original = ad.get(site.path)
+            rec = _InputRecorder(original)
+            ad.set(site.path, rec)
+            try:
+                for toks in self.chunks:
+                    self._forward(toks)
+                    mx.eval(rec._h)
+            finally:
+                ad.set(site.path, original)
+        return rec._h, rec._n
 
     # ------------------------------------------------------------ candidates
 

@@ -97,9 +97,10 @@ def measure_site(rp: Replayer, site: Site, cands: list[Candidate], cfg: SweepCon
     forward, ``cfg.max_batch`` sequences at a time."""
     t0 = time.perf_counter()
     original = rp.adapter.get(site.path)
+    inputs = rp.input_hessian(site) if any(c.calibrated for c in cands) else None
     layers, storage = [], {}
     for c in cands:
-        layer = build_layer(original, c, cfg.scale_dtype)
+        layer = build_layer(original, c, cfg.scale_dtype, inputs)
         layers.append(layer)
         storage[c.name] = storage_bits(layer, site)
     sums = {c.name: [] for c in cands}
