@@ -86,7 +86,7 @@ template <typename IO, typename SC, int bits, int group_size>
     MB_UNROLL for (int kk = 0; kk < MB_QMM_BK; kk += 8) {
       simdgroup_float8x8 a[2], bt[2];
       MB_UNROLL for (int i = 0; i < 2; ++i) {
-        simdgroup_load(a[i], xt, S, ulong2(kk, sm + 8 * i));
+        simdgroup_load(a[i], xt, S, ulong2(ulong(kk), ulong(sm + 8 * i)));
       }
       MB_UNROLL for (int j = 0; j < 2; ++j) {
         simdgroup_load(bt[j], wt + (sn + 8 * j) * S + kk, S, ulong2(0, 0), true);
@@ -105,7 +105,7 @@ template <typename IO, typename SC, int bits, int group_size>
   threadgroup float* ct = xt;  // [BM][S]
   MB_UNROLL for (int i = 0; i < 2; ++i) {
     MB_UNROLL for (int j = 0; j < 2; ++j) {
-      simdgroup_store(c[i][j], ct, S, ulong2(sn + 8 * j, sm + 8 * i));
+      simdgroup_store(c[i][j], ct, S, ulong2(ulong(sn + 8 * j), ulong(sm + 8 * i)));
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -2,8 +2,8 @@
 primitive and float64 references, and bad input refused before dispatch.
 
 Needs a Mac with Metal (tests/metal/check_on_mac.sh runs it); on any other
-machine every test here is skipped with that reason. On Linux the same
-kernels are checked on the emulator (test_metal_kernels.py,
+machine the whole module is skipped, with one line saying so. On Linux the
+same kernels are checked on the emulator (test_metal_kernels.py,
 test_kl_vs_primitive.py, test_kl_accuracy.py).
 """
 
@@ -14,9 +14,9 @@ import pytest
 import mixbits
 import mixbits.kl as mkl
 
-pytestmark = pytest.mark.skipif(
-    not (hasattr(mx, "metal") and mx.metal.is_available()),
-    reason="needs an Apple GPU (Metal): run tests/metal/check_on_mac.sh on a Mac")
+if not (hasattr(mx, "metal") and mx.metal.is_available()):
+    pytest.skip("needs an Apple GPU (Metal): run tests/metal/check_on_mac.sh on a Mac",
+                allow_module_level=True)
 
 
 def on(device, fn, *args, **kw):
@@ -41,6 +41,24 @@ def test_quantized_matmul_gpu_matches_mlx(M, bits, dtype):
                       bits=bits).astype(mx.float32))
     tol = {mx.float32: 2e-4, mx.float16: 2e-2, mx.bfloat16: 1e-1}[dtype]
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("M", [3, 100])
+@pytest.mark.parametrize("xdt,sdt", [(mx.float32, mx.float16), (mx.bfloat16, mx.float32),
+                                     (mx.float16, mx.bfloat16)])
+def test_scale_dtype_other_than_x_gpu_matches_cpu(M, xdt, sdt):
+    # Each (x dtype, scale dtype) pair is its own kernel instantiation.
+    rng = np.random.default_rng(M)
+    N, K, gs, bits = 77, 256, 32, 5
+    w = mx.array(rng.standard_normal((N, K)).astype(np.float32)).astype(sdt)
+    wq, s, b = mx.quantize(w, group_size=gs, bits=bits)
+    x = mx.array(rng.standard_normal((M, K)).astype(np.float32)).astype(xdt)
+    cpu = np.array(on(mx.cpu, mixbits.quantized_matmul, x, wq, s, b, group_size=gs,
+                      bits=bits).astype(mx.float32))
+    gpu = np.array(on(mx.gpu, mixbits.quantized_matmul, x, wq, s, b, group_size=gs,
+                      bits=bits).astype(mx.float32))
+    tol = {mx.float32: 1e-4, mx.float16: 2e-2, mx.bfloat16: 1e-1}[xdt]
+    np.testing.assert_allclose(gpu, cpu, rtol=tol, atol=tol * np.abs(cpu).max())
 
 
 @pytest.mark.parametrize("M", [1, 5, 40])
