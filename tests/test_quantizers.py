@@ -89,9 +89,10 @@ def test_gptq_strictly_below_rtn(bits):
     e_rtn = out_err(x, w, rtn(w, segs))
     # Natural order gains least at 2 bits here (outlier columns quantized
     # late get little compensation left), still clearly below RTN.
-    for act, bound in ((True, 0.8), (False, 0.97)):
-        ratio = out_err(x, w, gptq(w, segs, hessian(x), act_order=act, n_tokens=len(x))) / e_rtn
-        print(f"gptq {bits}b act_order={act}: error / RTN = {ratio:.3f}")
+    for act, params, bound in ((True, "minmax", 0.8), (False, "minmax", 0.97), (True, "search", 0.7)):
+        qt = gptq(w, segs, hessian(x), act_order=act, n_tokens=len(x), params=params)
+        ratio = out_err(x, w, qt) / e_rtn
+        print(f"gptq {bits}b act_order={act} params={params}: error / RTN = {ratio:.3f}")
         assert ratio < bound
 
 
@@ -100,10 +101,11 @@ def test_gptq_below_rtn_other_kinds(kind):
     w, x = layer(seed=2)
     segs = SEGMENTS[kind](w.shape[1])
     # act-order: RTN gets the same perm, so only the error feedback differs.
-    qt = gptq(w, segs, hessian(x), n_tokens=len(x))
-    ratio = out_err(x, w, qt) / out_err(x, w, rtn(w, segs, np.array(qt.perm)))
-    print(f"gptq {kind}: error / RTN = {ratio:.3f}")
-    assert ratio < 0.9
+    for params in ("minmax", "search"):
+        qt = gptq(w, segs, hessian(x), n_tokens=len(x), params=params)
+        ratio = out_err(x, w, qt) / out_err(x, w, rtn(w, segs, np.array(qt.perm)))
+        print(f"gptq {kind} params={params}: error / RTN = {ratio:.3f}")
+        assert ratio < 0.9
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
@@ -162,8 +164,9 @@ def test_gptq_matches_obq_reference(block):
 def test_gptq_deterministic():
     w, x = layer(k=512, t=600, seed=5)
     segs = SEGMENTS["4b25_2b"](512)
-    a = gptq(w, segs, hessian(x), block=96, dtype=mx.float16)
-    assert same(a, gptq(w, segs, hessian(x), block=96, dtype=mx.float16))
+    for params in ("minmax", "search"):
+        a = gptq(w, segs, hessian(x), block=96, dtype=mx.float16, params=params)
+        assert same(a, gptq(w, segs, hessian(x), block=96, dtype=mx.float16, params=params))
 
 
 def test_act_order_segments_beat_uniform_planted():
@@ -247,6 +250,8 @@ def test_gptq_checks():
         gptq(w, [(4, 64, 64)], H, perm=np.arange(64))
     with pytest.raises(ValueError, match="perm"):
         gptq(w, [(4, 64, 64)], H, perm=np.zeros(64, int), act_order=False)
+    with pytest.raises(ValueError, match="params"):
+        gptq(w, [(4, 64, 64)], H, params="hqq")
 
 
 def test_gptq_rank_warning():

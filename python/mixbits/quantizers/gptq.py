@@ -17,6 +17,7 @@ import scipy.linalg
 
 from ..layout import TERNARY
 from . import _grid as G
+from .search import _affine, _ternary
 
 
 def check_hessian(H, k_total: int) -> np.ndarray:
@@ -108,7 +109,8 @@ def _blocks(groups, block: int):
     return out + [cur] if cur else out
 
 
-def gptq(w, segments, H, perm=None, act_order=True, damp=0.01, block=128, dtype=None, n_tokens=None):
+def gptq(w, segments, H, perm=None, act_order=True, damp=0.01, block=128, dtype=None, n_tokens=None,
+         params="minmax"):
     """GPTQ-quantize ``w`` [N, K] into ``segments`` given ``H = X^T X``
     (K x K, of the layer input, any float dtype; float64 used inside).
 
@@ -121,6 +123,10 @@ def gptq(w, segments, H, perm=None, act_order=True, damp=0.01, block=128, dtype=
     (their input was always zero, so only their error-free zero matters).
     ``block``: columns per lazy update (rounded to whole groups).
     ``n_tokens``: calibration tokens behind H, for the rank warning.
+    ``params``: how a group's scale/bias are chosen when it is reached:
+    "minmax" (MLX's rule on the error-updated columns, as GPTQ does) or
+    "search" (``search``'s clip grid + least squares on those columns,
+    column j weighted by 1/[H^-1]_jj, the OBQ cost of its rounding error).
     Returns a :class:`mixbits.layout.QuantizedTensor` in the standard layout.
     """
     W, dtype = G.as_weight(w, dtype)
@@ -131,6 +137,8 @@ def gptq(w, segments, H, perm=None, act_order=True, damp=0.01, block=128, dtype=
         raise ValueError(f"block must be a positive int, got {block!r}")
     if not (np.isfinite(damp) and damp >= 0):
         raise ValueError(f"damp must be a finite number >= 0, got {damp!r}")
+    if params not in ("minmax", "search"):
+        raise ValueError(f"params must be 'minmax' or 'search', got {params!r}")
     if perm is not None and act_order:
         raise ValueError("pass perm with act_order=False (act_order=True derives the perm from H)")
     diag = np.diag(H).copy()
@@ -148,7 +156,7 @@ def gptq(w, segments, H, perm=None, act_order=True, damp=0.01, block=128, dtype=
     U = inverse_cholesky(H, float(damp))
 
     codes = np.zeros((N, K), dtype=np.int64)
-    params = [(np.zeros((N, k // gs), G.F32), np.zeros((N, k // gs), G.F32)) for _, gs, k in specs]
+    stored = [(np.zeros((N, k // gs), G.F32), np.zeros((N, k // gs), G.F32)) for _, gs, k in specs]
     seg_start = np.cumsum([0] + [k for _, _, k in specs])
     for blk in _blocks(_groups(specs), int(block)):
         b0 = blk[0][0]
@@ -161,13 +169,22 @@ def gptq(w, segments, H, perm=None, act_order=True, damp=0.01, block=128, dtype=
             # first); ternary ones see w as is (layout.ternary_triplet).
             cast = (lambda v: v.astype(G.F32)) if bits == TERNARY else (lambda v: G.to_dtype(v, dtype))
             grp = cast(W1[:, g0 - b0 : g0 - b0 + gs])
-            if bits == TERNARY:
+            if params == "search":
+                hj = (1.0 / np.diag(U1)[g0 - b0 : g0 - b0 + gs] ** 2)
+                hj = (hj / hj.max()).astype(G.F32)[None, None, :]
+                t3 = W1[:, g0 - b0 : g0 - b0 + gs].astype(G.F32)[:, None, :]
+                if bits == TERNARY:
+                    _, s, b = _ternary(t3, hj, dtype, 20, 2)
+                else:
+                    _, s, b = _affine(t3, hj, bits, dtype, 20, 2)
+                s, b = s[:, 0], b[:, 0]
+            elif bits == TERNARY:
                 s = G.ternary_scale(grp)
                 b = -G.to_dtype(s, dtype)  # stored as scale s, bias -s
             else:
                 s, b = G.minmax_params(grp, bits)
             gi = (g0 - seg_start[si]) // gs
-            params[si][0][:, gi], params[si][1][:, gi] = s, b
+            stored[si][0][:, gi], stored[si][1][:, gi] = s, b
             s_d, b_d = G.to_dtype(s, dtype), G.to_dtype(b, dtype)
             for j in range(g0, g0 + gs):
                 c = j - b0
@@ -181,7 +198,7 @@ def gptq(w, segments, H, perm=None, act_order=True, damp=0.01, block=128, dtype=
 
     segs = []
     for si, (bits, gs, k) in enumerate(specs):
-        s, b = params[si]
+        s, b = stored[si]
         segs.append(G.segment(bits, gs, codes[:, seg_start[si] : seg_start[si + 1]],
                               G.to_dtype(s, dtype), G.to_dtype(b, dtype), dtype))
     return G.tensor(segs, perm)
