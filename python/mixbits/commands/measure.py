@@ -32,8 +32,9 @@ def add_arguments(p) -> None:
                         "relative error per option; uniform and mixed candidates only)")
     p.add_argument("--method", choices=("exact", "grad", "two-stage"), default="exact",
                    help="exact: quantize each tensor at each candidate and run the model (default); "
-                        "grad: estimate every KL from diagonal-Fisher backward passes (about 1/20 "
-                        "the cost or less, ranks well, ignores interactions); two-stage: grad for all, "
+                        "grad: estimate every KL from diagonal-Fisher backward passes (one backward "
+                        "per sequence and sample for all tensors; ignores interactions); two-stage: "
+                        "grad for all, "
                         "then exact for the tensors nearest the allocator's decision boundary at "
                         "--targets (see --exact-fraction)")
     p.add_argument("--targets", type=float, nargs="+", default=[3.0, 3.5, 4.0, 4.5], metavar="BPW",
