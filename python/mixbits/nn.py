@@ -137,6 +137,25 @@ class _MixedWeight(nn.Module):
         _activations_id(value)  # TypeError / ValueError as qmatmul's argument
         self._activations = value
 
+    @classmethod
+    def _wrap(cls, qt: QuantizedTensor, kinds=None, bias=None):
+        """A layer holding ``qt``'s arrays as they are (no copy, no
+        re-quantization), frozen; a float ``bias`` stays trainable, as after
+        nn.QuantizedLinear.from_linear / SwitchLinear.to_quantized. Callers
+        check shapes first."""
+        kinds = tuple(kinds) if kinds is not None else tuple(seg.kind for seg in qt.segments)
+        if len(kinds) != len(qt.segments):
+            raise ValueError(f"kinds has {len(kinds)} entries for {len(qt.segments)} segments")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layout = _Layout(tuple(qt.specs), kinds, qt.perm is not None)
+        layer._set_storage(layout, [(s.wq, s.scales, s.biases) for s in qt.segments], qt.perm)
+        layer.freeze()
+        if bias is not None:
+            layer.bias = bias
+            layer.unfreeze(keys=["bias"], recurse=False)
+        return layer
+
     def _set_storage(self, layout: _Layout, triplets, perm) -> None:
         self._layout = layout
         self._cache = _TensorCache()
@@ -230,20 +249,7 @@ class MixedQuantizedLinear(_MixedWeight):
         n, k = qt.shape
         if bias is not None and (not isinstance(bias, mx.array) or bias.shape != (n,)):
             raise ValueError(f"bias must be an mlx array of shape ({n},), got {getattr(bias, 'shape', bias)!r}")
-        kinds = tuple(kinds) if kinds is not None else tuple(seg.kind for seg in qt.segments)
-        if len(kinds) != len(qt.segments):
-            raise ValueError(f"kinds has {len(kinds)} entries for {len(qt.segments)} segments")
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layout = _Layout(tuple(qt.specs), kinds, qt.perm is not None)
-        layer._set_storage(layout, [(s.wq, s.scales, s.biases) for s in qt.segments], qt.perm)
-        layer.freeze()
-        if bias is not None:
-            # As nn.QuantizedLinear.from_linear / nn.quantize: the quantized
-            # weight is frozen, the float bias stays trainable.
-            layer.bias = bias
-            layer.unfreeze(keys=["bias"], recurse=False)
-        return layer
+        return cls._wrap(qt, kinds, bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, segments, perm=None, dtype=None):
@@ -345,18 +351,7 @@ class MixedQuantizedSwitchLinear(_MixedWeight):
         (e,), (n, _) = qt.batch_shape, qt.shape
         if bias is not None and (not isinstance(bias, mx.array) or bias.shape != (e, n)):
             raise ValueError(f"bias must be an mlx array of shape ({e}, {n}), got {getattr(bias, 'shape', bias)!r}")
-        kinds = tuple(kinds) if kinds is not None else tuple(seg.kind for seg in qt.segments)
-        if len(kinds) != len(qt.segments):
-            raise ValueError(f"kinds has {len(kinds)} entries for {len(qt.segments)} segments")
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layout = _Layout(tuple(qt.specs), kinds, qt.perm is not None)
-        layer._set_storage(layout, [(s.wq, s.scales, s.biases) for s in qt.segments], qt.perm)
-        layer.freeze()
-        if bias is not None:
-            layer.bias = bias  # trainable, as after SwitchLinear.to_quantized
-            layer.unfreeze(keys=["bias"], recurse=False)
-        return layer
+        return cls._wrap(qt, kinds, bias)
 
     @classmethod
     def from_switch_linear(cls, sl, segments, perm=None, dtype=None):
@@ -441,13 +436,7 @@ class MixedQuantizedEmbedding(_MixedWeight):
         if not isinstance(qt, QuantizedTensor):
             raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
         _require_batch(qt, 0, "MixedQuantizedEmbedding")
-        kinds = tuple(kinds) if kinds is not None else tuple(seg.kind for seg in qt.segments)
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layout = _Layout(tuple(qt.specs), kinds, qt.perm is not None)
-        layer._set_storage(layout, [(s.wq, s.scales, s.biases) for s in qt.segments], qt.perm)
-        layer.freeze()
-        return layer
+        return cls._wrap(qt, kinds)
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, segments, perm=None, dtype=None):
