@@ -39,7 +39,7 @@ def _float_stack(m, w):
         from mlx_lm.models.switch_layers import SwitchLinear
     except ImportError:  # pragma: no cover - mlx-lm is a test dependency
         return None
-    if type(m).__name__ not in ("SwitchLinear", "QuantizedSwitchLinear"):
+    if type(m).__name__ not in ("SwitchLinear", "QuantizedSwitchLinear", "MixedQuantizedSwitchLinear"):
         return None
     e, n, k = w.shape
     twin = SwitchLinear(k, n, e, bias="bias" in m)
@@ -49,67 +49,125 @@ def _float_stack(m, w):
     return twin
 
 
-def fisher_diagonal(model, tokens, sites, *, samples: int = 1, seed: int = 0, progress: bool = True):
-    """{path: diag Fisher summed over tokens (float32, weight shape)} and
-    the token count. ``sites``: adapter Sites of ``model``."""
-    from tqdm import tqdm
+def _stack_modules(ad, sites) -> tuple[dict, dict]:
+    """({path: module whose float ``weight`` gets differentiated}, {path:
+    original module to put back}) for the expert / multi-head stacks. A
+    stack routes each token to some of its matrices, so its gradient is
+    taken on the weight itself (float twins of quantized stacks), not
+    through taps."""
+    from ..adapter import dense_weight
 
-    from ..adapter import ModelAdapter, dense_weight
-    from .dynamic_quant import float_copy
-
-    twin = float_copy(model)
-    ad = ModelAdapter(twin)
-    paths = [s.path for s in sites]
+    diff, originals = {}, {}
     for s in sites:
+        if s.form != "stack":
+            continue
         m = ad.get(s.path)
-        if s.form == "stack" and "scales" in m:
+        if "scales" in m or not isinstance(m.get("weight"), mx.array) or m["weight"].ndim != 3:
             f = _float_stack(m, dense_weight(m))
             if f is None:
                 raise ValueError(f"{s.path}: no float twin for {type(m).__name__}; "
                                  "the gradient proxy cannot differentiate it")
-            ad.set(s.path, f)
-    twin.freeze()
-    for p in paths:
-        ad.get(p).unfreeze(keys=["weight"], recurse=False)
+            originals[s.path] = m
+            m = f
+        diff[s.path] = m
+    return diff, originals
 
-    def loss(batch, targets):
-        logits = twin(batch).astype(mx.float32)
+
+def fisher_diagonal(model, tokens, sites, *, samples: int = 1, seed: int = 0, batch: int = 2,
+                    progress: bool = True):
+    """{path: diag Fisher summed over tokens (float32, weight shape)} and
+    the token count. ``sites``: adapter Sites of ``model``.
+
+    The model runs as it is (its own quantized / mixbits layers; routed
+    kernels suspended, as they have no derivatives). Per batch of
+    sequences: one recording forward (the reference distribution P and
+    every tapped module's input x), then per sample one backward pass for
+    the output gradients dy of all tapped modules at once; the weight
+    gradient of sequence b is dy_b^T x_b (numpy), squared and summed.
+    Embeddings: dy rows added at their token ids, plus dy^T x of their use
+    as a tied head. Stacks: their weights' own gradient, per batch.
+    """
+    from tqdm import tqdm
+
+    from .. import routing
+    from ..adapter import ModelAdapter
+    from .taps import Taps, split_key
+
+    ad = ModelAdapter(model)
+    tapped = {s.path: ad.get(s.path) for s in sites if s.form != "stack"}
+    forms = {s.path: s.form for s in sites}
+    stacks, originals = _stack_modules(ad, sites)
+    fisher = {s.path: np.zeros(s.shape, np.float32) for s in sites}
+    toks = np.asarray(tokens)
+
+    def loss(deltas, weights, x, targets):
+        taps.perturb(deltas)
+        for p, w in weights.items():
+            stacks[p].weight = w
+        logits = model(x).astype(mx.float32)
         lse = mx.logsumexp(logits, axis=-1)
         picked = mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
         return (lse - picked).sum()
 
-    grad_fn = nn.value_and_grad(twin, loss)
+    grad_fn = mx.value_and_grad(loss, argnums=(0, 1))
     key = mx.random.key(seed)
-    fisher = {p: mx.zeros(ad.get(p)["weight"].shape, dtype=mx.float32) for p in paths}
-    toks = np.asarray(tokens)
     bar = tqdm(total=len(toks) * samples, desc="fisher", unit="seq", disable=not progress)
-    for i in range(len(toks)):
-        batch = mx.array(toks[i : i + 1])
-        ref = model(batch).astype(mx.float32)
-        for _ in range(samples):
-            key, sub = mx.random.split(key)
-            y = mx.random.categorical(ref, key=sub)  # y_t ~ P(.|x_<t)
-            _, grads = grad_fn(batch, y)
-            flat = dict(_flatten(grads))
-            for p in paths:
-                g = flat[p + ".weight"].astype(mx.float32)
-                fisher[p] = fisher[p] + g * g
-            mx.eval(list(fisher.values()))
-            bar.update(1)
+    try:
+        for p, m in stacks.items():
+            if p in originals:
+                ad.set(p, m)
+        weights0 = {p: m.weight for p, m in stacks.items()}
+        with routing.suspended(), Taps(tapped) as taps:
+            for b0 in range(0, len(toks), batch):
+                x = mx.array(toks[b0 : b0 + batch])
+                n_seq = int(x.shape[0])
+                taps.capture()
+                ref = model(x).astype(mx.float32)
+                mx.eval(ref, list(taps.inputs.values()))
+                inputs = {k: np.array(v if mx.issubdtype(v.dtype, mx.integer) else v.astype(mx.float32))
+                          for k, v in taps.inputs.items()}
+                for _ in range(samples):
+                    key, sub = mx.random.split(key)
+                    y = mx.random.categorical(ref, key=sub)  # y_t ~ P(.|x_<t)
+                    deltas = {k: mx.zeros(shape, dtype) for k, (shape, dtype) in taps.shapes.items()}
+                    _, (gd, gw) = grad_fn(deltas, weights0, x, y)
+                    mx.eval(gd, gw)
+                    _accumulate(fisher, inputs, gd, forms, n_seq, split_key)
+                    for p, g in gw.items():
+                        g = np.array(g.astype(mx.float32))
+                        fisher[p] += g * g
+                    bar.update(n_seq)
+    finally:
+        for p, m in stacks.items():
+            m.weight = weights0.get(p, m.weight)
+        for p, m in originals.items():
+            ad.set(p, m)
     bar.close()
-    n_tok = toks.size * samples
-    return fisher, n_tok
+    return {p: mx.array(v) for p, v in fisher.items()}, toks.size * samples
 
 
-def _flatten(tree, prefix=""):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _flatten(v, f"{prefix}{k}.")
-    elif isinstance(tree, list):
-        for i, v in enumerate(tree):
-            yield from _flatten(v, f"{prefix}{i}.")
-    else:
-        yield prefix[:-1], tree
+def _accumulate(fisher, inputs, grads, forms, n_seq, split_key) -> None:
+    """fisher[path] += (weight gradient of one sample)^2 for every tapped
+    path. A sample is one sequence when every recorded call of the module
+    keeps the batch as its leading axis, else the whole batch (still
+    unbiased: cross terms between positions have zero mean, see above)."""
+    calls: dict[str, list] = {}
+    for k, d in grads.items():
+        path, tag = split_key(k)
+        calls.setdefault(path, []).append((tag, inputs[k], np.array(d.astype(mx.float32))))
+    for path, parts in calls.items():
+        split = all(x.ndim >= 2 and x.shape[0] == n_seq and d.shape[0] == n_seq
+                    for _, x, d in parts)
+        for b in range(n_seq if split else 1):
+            g = np.zeros(fisher[path].shape, np.float32)
+            for tag, x, d in parts:
+                xb, db = (x[b], d[b]) if split else (x, d)
+                db = db.reshape(-1, d.shape[-1])
+                if forms[path] == "embedding" and tag == "call":
+                    np.add.at(g, xb.reshape(-1).astype(np.int64), db)  # rows of the looked-up ids
+                else:
+                    g += db.T @ xb.reshape(-1, x.shape[-1])
+            fisher[path] += g * g
 
 
 def estimate(fisher: mx.array, n_tokens: int, original, layer) -> float:
