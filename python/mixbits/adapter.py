@@ -28,6 +28,10 @@ class Site:
     block: int | None  # index of the decoder block holding it, None outside blocks
     shape: tuple  # dense weight shape: (N, K), or (E, N, K) for stacks
     form: str  # "linear", "embedding" or "stack" (expert stacks, multi-head linears)
+    # An expert stack called with expert indices (mlx-lm's SwitchLinear and
+    # its quantized forms): mixbits has a mixed-segment layer for it
+    # (MixedQuantizedSwitchLinear); other stacks keep MLX's single segment.
+    experts: bool = False
 
     @property
     def nparams(self) -> int:
@@ -55,16 +59,15 @@ class Site:
 
 
 def _mixbits_kinds():
-    from .nn import MixedQuantizedEmbedding, MixedQuantizedLinear
+    from .nn import MixedQuantizedEmbedding, MixedQuantizedLinear, MixedQuantizedSwitchLinear
 
-    return MixedQuantizedLinear, MixedQuantizedEmbedding
+    return MixedQuantizedLinear, MixedQuantizedEmbedding, MixedQuantizedSwitchLinear
 
 
 def _is_quantizable(m) -> bool:
     """mlx-lm's rule: a module that can turn itself quantized, or one that
     already is (stock or mixbits)."""
-    lin, emb = _mixbits_kinds()
-    if isinstance(m, (lin, emb)):
+    if isinstance(m, _mixbits_kinds()):
         return True
     if "weight" not in m or not isinstance(m["weight"], mx.array):
         return False
@@ -74,19 +77,21 @@ def _is_quantizable(m) -> bool:
 
 
 def _form(m) -> str:
-    lin, emb = _mixbits_kinds()
+    lin, emb, switch = _mixbits_kinds()
     if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding, emb)):
         return "embedding"
     if isinstance(m, (nn.Linear, nn.QuantizedLinear, lin)):
         return "linear"
+    if isinstance(m, switch):
+        return "stack"
     return "stack" if m["weight"].ndim == 3 else "linear"
 
 
 def weight_shape(m) -> tuple:
     """Dense weight shape of a quantizable module, whatever its storage."""
-    lin, emb = _mixbits_kinds()
-    if isinstance(m, (lin, emb)):
-        return tuple(m.quantized_tensor().shape)
+    if isinstance(m, _mixbits_kinds()):
+        qt = m.quantized_tensor()
+        return (*qt.batch_shape, *qt.shape)
     w = m["weight"]
     if "scales" in m:
         bits = getattr(m, "bits", None)
@@ -98,8 +103,7 @@ def weight_shape(m) -> tuple:
 
 def dense_weight(m) -> mx.array:
     """The float32 dense weight of a quantizable module (original column order)."""
-    lin, emb = _mixbits_kinds()
-    if isinstance(m, (lin, emb)):
+    if isinstance(m, _mixbits_kinds()):
         return m.quantized_tensor().dequantize(unpermute=True).astype(mx.float32)
     if "scales" in m:
         mode = getattr(m, "mode", "affine")
@@ -124,6 +128,8 @@ class ModelAdapter:
     """
 
     def __init__(self, model: nn.Module):
+        from .nn import is_expert_stack
+
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
         self.model = model
@@ -156,7 +162,8 @@ class ModelAdapter:
             if isinstance(rule, dict):
                 self.fixed[path] = {"bits": rule.get("bits"), "group_size": rule.get("group_size")}
                 continue
-            self.sites.append(Site(path, self.block_of(path), weight_shape(m), _form(m)))
+            self.sites.append(Site(path, self.block_of(path), weight_shape(m), _form(m),
+                                   experts=is_expert_stack(m)))
         # Data-flow order: embeddings, blocks (children in the order the
         # block defines them: attention before MLP), then heads.
         self.sites.sort(key=self._order)

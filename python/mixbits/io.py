@@ -12,7 +12,8 @@ and the tokenizer files. In config.json:
   with ``mlx_lm.load`` unchanged.
 - ``"mixbits"``: ``{"format": 1, "layers": {"<module path>": {"segments":
   [[bits, group_size, k], ...], "kinds": [...], "perm": bool}}}`` for every
-  mixbits layer. Multi-segment or permuted layers appear only here (their
+  mixbits layer (linears, embeddings and expert stacks, whose arrays carry
+  a leading expert axis). Multi-segment or permuted layers appear only here (their
   parameters are ``<path>.segments.<i>.weight/scales/biases`` and
   ``<path>.perm``); :func:`load` reads them.
 """
@@ -32,7 +33,8 @@ from .formats.errors import FormatError, expect_dict, load_json
 from .formats.safetensors_header import read_header
 from .formats.mlx_config import MlxQuantization, with_quantization
 from .layout import QuantizedTensor, Segment
-from .nn import MixedQuantizedEmbedding, MixedQuantizedLinear, _MixedWeight, _set_module
+from .nn import (MixedQuantizedEmbedding, MixedQuantizedLinear, MixedQuantizedSwitchLinear, _MixedWeight,
+                 _set_module, is_expert_stack)
 from .nn import patch as _patch
 
 FORMAT_VERSION = 1
@@ -178,6 +180,8 @@ def _load_folder(folder: Path, patch: bool):
         kinds = desc.get("kinds")
         if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)):
             new = MixedQuantizedEmbedding.from_tensor(qt, kinds)
+        elif is_expert_stack(m):  # mlx-lm's SwitchLinear placeholder (or its quantized form)
+            new = MixedQuantizedSwitchLinear.from_tensor(qt, weights.get(f"{path}.bias"), kinds)
         else:
             new = MixedQuantizedLinear.from_tensor(qt, weights.get(f"{path}.bias"), kinds)
         _set_module(model, path, new)

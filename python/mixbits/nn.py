@@ -27,7 +27,7 @@ from typing import Iterable, Mapping
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layout import BITS, GROUP_SIZES, TERNARY, QuantizedTensor, Segment, _as_segment_spec
+from .layout import BITS, GROUP_SIZES, TERNARY, QuantizedTensor, Segment, _as_segment_spec, _check_perm
 from .layout import quantize as _quantize
 from .ops import gather_qmatmul, qmatmul
 
@@ -35,10 +35,12 @@ __all__ = [
     "MixedQuantizedLinear",
     "MixedQuantizedEmbedding",
     "MixedQuantizedSwitchLinear",
+    "is_expert_stack",
     "patch",
     "quantize_model",
     "parse_assignment_spec",
     "quantized_layers",
+    "quantize_stack",
 ]
 
 DEFAULT_GROUP_SIZE = 64
@@ -123,7 +125,7 @@ class _MixedWeight(nn.Module):
     # The CPU matmul's numeric contract for this layer's products (a plain
     # attribute, not a parameter: saving and loading are unchanged).
     # "int8" quantizes x per group for calls of at most 16 rows; see
-    # mixbits.qmatmul. MixedQuantizedSwitchLinear does not use it.
+    # mixbits.qmatmul. MixedQuantizedSwitchLinear accepts "float" only.
     _activations = "float"
 
     @property
@@ -307,6 +309,22 @@ def _require_batch(qt: QuantizedTensor, ndim: int, what: str) -> None:
         )
 
 
+def quantize_stack(w, segments, perm=None, dtype=None) -> QuantizedTensor:
+    """Quantize an expert stack ``w`` ``(E, N, K)`` into ``segments``, the
+    same segments and input permutation for every expert (what one
+    MixedQuantizedSwitchLinear holds). Groups run along K within a row, so
+    this is :func:`mixbits.quantize` of the ``(E*N, K)`` rows, reshaped."""
+    if not isinstance(w, mx.array) or w.ndim != 3:
+        raise ValueError(f"an expert stack weight must be an (E, N, K) mlx array, got {getattr(w, 'shape', type(w).__name__)}")
+    e, n, k = w.shape
+    qt = _quantize(w.reshape(e * n, k), segments, perm=perm, dtype=dtype or w.dtype)
+    segs = [
+        Segment(s.bits, s.group_size, s.k, *(a.reshape(e, n, -1) for a in (s.wq, s.scales, s.biases)), s.kind)
+        for s in qt.segments
+    ]
+    return QuantizedTensor(segs, qt.perm)
+
+
 class MixedQuantizedSwitchLinear(_MixedWeight):
     """Drop-in for mlx-lm's ``QuantizedSwitchLinear`` (an expert stack,
     ``layer(x, indices, sorted_indices=False)``) with a mixbits weight: every
@@ -360,29 +378,19 @@ class MixedQuantizedSwitchLinear(_MixedWeight):
         w = getattr(sl, "weight", None)
         if not isinstance(w, mx.array) or w.ndim != 3:
             raise TypeError(f"sl must be an mlx-lm SwitchLinear with a (E, N, K) weight, got {type(sl).__name__}")
-        e, n, k = w.shape
-        _, kinds = _normalize_specs(segments, k)
-        qt = _quantize(w.reshape(e * n, k), segments, perm=perm, dtype=dtype or w.dtype)
-        segs = [
-            Segment(s.bits, s.group_size, s.k, *(a.reshape(e, n, -1) for a in (s.wq, s.scales, s.biases)), s.kind)
-            for s in qt.segments
-        ]
-        return cls.from_tensor(QuantizedTensor(segs, qt.perm), sl.get("bias"), kinds)
+        _, kinds = _normalize_specs(segments, w.shape[-1])
+        return cls.from_tensor(quantize_stack(w, segments, perm, dtype), sl.get("bias"), kinds)
 
     @classmethod
     def from_quantized(cls, ql):
         """Take over an mlx-lm ``QuantizedSwitchLinear``'s arrays as they
         are (affine mode without a global scale: the arrays are shared,
         nothing is re-quantized)."""
-        if getattr(ql, "mode", "affine") != "affine" or ql.get("global_scale") is not None \
-                or ql.get("biases") is None or not hasattr(ql, "bits"):
-            raise ValueError("only affine QuantizedSwitchLinear layers (no global scale) can be taken over")
-        wq = ql["weight"]
-        if wq.ndim != 3:
-            raise ValueError(f"expected a (E, N, K*bits/32) expert stack, got weight shape {wq.shape}")
-        k = wq.shape[-1] * 32 // ql.bits
-        qt = QuantizedTensor([Segment(ql.bits, ql.group_size, k, wq, ql["scales"], ql["biases"])])
-        layer = cls.from_tensor(qt, ql.get("bias"))
+        wq = ql.get("weight") if isinstance(ql, nn.Module) else None
+        if not isinstance(wq, mx.array) or wq.ndim != 3 or "scales" not in ql:
+            raise TypeError(f"ql must be an mlx-lm QuantizedSwitchLinear with an (E, N, K*bits/32) "
+                            f"weight, got {type(ql).__name__} {getattr(wq, 'shape', '')}")
+        layer = cls.from_tensor(_tensor_from_mlx_layer(ql, "QuantizedSwitchLinear"), ql.get("bias"))
         if "bias" in layer and "bias" not in ql.trainable_parameters():
             layer.freeze(keys=["bias"], recurse=False)
         return layer
@@ -398,6 +406,20 @@ class MixedQuantizedSwitchLinear(_MixedWeight):
     @property
     def num_experts(self) -> int:
         return self._triplets()[0][0].shape[0]
+
+    @property
+    def activations(self) -> str:
+        return "float"
+
+    @activations.setter
+    def activations(self, value: str) -> None:
+        from .ops import _activations_id
+
+        _activations_id(value)
+        if value != "float":
+            # gather_qmatmul has one numeric contract; the int8 one exists
+            # for 2-D weights only (mixbits.qmatmul).
+            raise ValueError(f"MixedQuantizedSwitchLinear runs the float contract only, got activations={value!r}")
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         qt = self.quantized_tensor()
@@ -506,10 +528,12 @@ def _tensor_from_mlx_layer(layer, what: str) -> QuantizedTensor:
         raise ValueError(
             f"{what} has group_size={layer.group_size}; mixbits supports group sizes {GROUP_SIZES}"
         )
+    if layer.get("global_scale") is not None:  # mlx-lm's per-expert nvfp4 scale
+        raise ValueError(f"{what} has a global scale; mixbits takes over affine layers without one")
     w, s, b = layer["weight"], layer["scales"], layer.get("biases")
     if b is None:
         raise ValueError(f"{what} has no biases; affine layers must have them")
-    k = w.shape[1] * 32 // layer.bits
+    k = w.shape[-1] * 32 // layer.bits  # the last axis: expert stacks have (E, N, K*bits/32)
     return QuantizedTensor([Segment(layer.bits, layer.group_size, k, w, s, b)])
 
 
@@ -555,6 +579,26 @@ _LINEAR_KINDS = (nn.Linear, nn.QuantizedLinear, MixedQuantizedLinear)
 _EMBED_KINDS = (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding)
 
 
+def _mlx_lm_switch_kinds() -> tuple[tuple, tuple]:
+    """mlx-lm's ((SwitchLinear,), (QuantizedSwitchLinear,)), or empty
+    tuples when mlx-lm (an optional dependency) is absent: then no model
+    has such stacks."""
+    try:
+        from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+    except ImportError:
+        return (), ()
+    return (SwitchLinear,), (QuantizedSwitchLinear,)
+
+
+def is_expert_stack(m) -> bool:
+    """An expert stack ``layer(x, indices)`` that :class:`MixedQuantizedSwitchLinear`
+    replaces: mlx-lm's float ``SwitchLinear``, its ``QuantizedSwitchLinear``,
+    or a mixbits one. Other 3-D weights (mlx-lm's MultiLinear heads) are
+    not: they are called without indices."""
+    floats, quantized = _mlx_lm_switch_kinds()
+    return isinstance(m, floats + quantized + (MixedQuantizedSwitchLinear,))
+
+
 def weight_layers(model: nn.Module) -> dict:
     """path -> module for every linear or embedding layer, float or quantized:
     the tensors an assignment can name."""
@@ -564,7 +608,8 @@ def weight_layers(model: nn.Module) -> dict:
 def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
           activations: str = "float") -> list[str]:
     """Replace, in place, every ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding``
-    of ``model`` by its mixbits counterpart, sharing the same arrays (no
+    and every mlx-lm ``QuantizedSwitchLinear`` (expert stack) of ``model``
+    by its mixbits counterpart, sharing the same arrays (no
     re-quantization). Returns the replaced module paths.
 
     With ``functions=True`` (default) the model's causal attention and
@@ -578,13 +623,15 @@ def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
 
     ``activations`` sets every mixbits linear layer's (and tied head's)
     numeric contract, replaced or already mixbits: ``"float"`` (default) or
-    ``"int8"`` (see :func:`mixbits.qmatmul`).
+    ``"int8"`` (see :func:`mixbits.qmatmul`). Expert stacks keep the float
+    contract: the gather kernel has no int8 path.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
     from .ops import _activations_id
 
     _activations_id(activations)
+    _, stock_stacks = _mlx_lm_switch_kinds()
     planned = []
     for path, m in model.named_modules():
         try:
@@ -592,6 +639,8 @@ def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
                 planned.append((path, MixedQuantizedLinear.from_quantized(m)))
             elif isinstance(m, nn.QuantizedEmbedding):
                 planned.append((path, MixedQuantizedEmbedding.from_quantized(m)))
+            elif isinstance(m, stock_stacks):
+                planned.append((path, MixedQuantizedSwitchLinear.from_quantized(m)))
         except ValueError as e:
             if strict:
                 raise ValueError(f"cannot patch {path!r}: {e}") from None
@@ -664,14 +713,15 @@ def _segment_list(segs, where: str) -> tuple:
 
 
 def _float_weight(m) -> mx.array:
-    """The dense weight of a (possibly quantized) linear/embedding, original column order."""
-    if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-        return mx.dequantize(
-            m["weight"], m["scales"], m.get("biases"), group_size=m.group_size, bits=m.bits,
-            mode=getattr(m, "mode", "affine"),
-        )
+    """The dense weight of a (possibly quantized) linear, embedding or
+    expert stack, original column order."""
     if isinstance(m, _MixedWeight):
         return m.quantized_tensor().dequantize(unpermute=True)
+    if "scales" in m:  # a stock quantized layer (QuantizedLinear/Embedding/SwitchLinear)
+        return mx.dequantize(
+            m["weight"], m["scales"], m.get("biases"), group_size=m.group_size, bits=m.bits,
+            mode=getattr(m, "mode", "affine"), global_scale=m.get("global_scale"),
+        )
     return m.weight
 
 
@@ -679,23 +729,28 @@ def quantize_model(model: nn.Module, assignment: Mapping, *, dtype=None) -> list
     """Quantize the tensors named in ``assignment`` (module path -> spec,
     see :func:`parse_assignment_spec`) in place; other modules are left as
     they are. Linear layers become :class:`MixedQuantizedLinear`, embeddings
-    :class:`MixedQuantizedEmbedding`. Already-quantized layers are
-    dequantized first. Scales/biases take ``dtype`` (default: the source
-    scales' dtype for quantized layers, the weight dtype for float ones).
+    :class:`MixedQuantizedEmbedding`, expert stacks (mlx-lm's
+    ``SwitchLinear`` / ``QuantizedSwitchLinear``, or mixbits ones)
+    :class:`MixedQuantizedSwitchLinear` with the same segments and
+    permutation for every expert. Already-quantized layers are dequantized
+    first. Scales/biases take ``dtype`` (default: the source scales' dtype
+    for quantized layers, the weight dtype for float ones).
 
     Every entry is validated (path exists, module kind, segment columns sum
-    to K, group sizes divide) before any module is changed. Returns the
-    replaced paths.
+    to K, group sizes divide, permutation) and every new layer built before
+    any module is changed. Returns the replaced paths.
     """
+    from .adapter import weight_shape
+
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
     if not isinstance(assignment, Mapping):
         raise TypeError(f"assignment must be a mapping of module path -> spec, got {type(assignment).__name__}")
     modules = dict(model.named_modules())
-    linear_kinds, embed_kinds = _LINEAR_KINDS, _EMBED_KINDS
+    kinds = _LINEAR_KINDS + _EMBED_KINDS + sum(_mlx_lm_switch_kinds(), ()) + (MixedQuantizedSwitchLinear,)
     unknown = [p for p in assignment if p not in modules]
     if unknown:
-        known = [p for p, m in modules.items() if isinstance(m, linear_kinds + embed_kinds)]
+        known = [p for p, m in modules.items() if isinstance(m, kinds)]
         raise KeyError(
             f"assignment names {len(unknown)} path(s) not in the model: {unknown[:5]}"
             + (" ..." if len(unknown) > 5 else "")
@@ -704,45 +759,43 @@ def quantize_model(model: nn.Module, assignment: Mapping, *, dtype=None) -> list
     plan = []
     for path, raw in assignment.items():
         m = modules[path]
-        if not isinstance(m, linear_kinds + embed_kinds):
+        if not isinstance(m, kinds):
             raise TypeError(
-                f"assignment[{path!r}]: module is {type(m).__name__}, not a linear or embedding layer"
+                f"assignment[{path!r}]: module is {type(m).__name__}, not a linear, embedding "
+                "or expert-stack (SwitchLinear) layer"
             )
         spec = parse_assignment_spec(raw, path)
-        w_shape = _weight_shape(m)
-        segs = spec.resolve(w_shape[1])
+        w_shape = weight_shape(m)
+        segs = spec.resolve(w_shape[-1])
         try:
-            _normalize_specs(segs, w_shape[1])
+            _normalize_specs(segs, w_shape[-1])
+            perm = None if spec.perm is None else _check_perm(spec.perm, w_shape[-1])
         except ValueError as e:
             raise ValueError(f"assignment[{path!r}]: {e} (weight shape {w_shape})") from None
-        plan.append((path, m, segs, spec.perm))
-    replaced = []
+        plan.append((path, m, segs, perm))
+    # All layers are built before the first swap: a failure while
+    # quantizing (e.g. a source layer that cannot be dequantized) leaves
+    # the model as it was.
+    built = []
     for path, m, segs, perm in plan:
         w = _float_weight(m)
         if dtype is not None:
             dt = dtype
         elif isinstance(m, _MixedWeight):
             dt = m.quantized_tensor().dtype
-        elif isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        elif "scales" in m:
             dt = m["scales"].dtype
         else:
             dt = w.dtype
-        _, kinds = _normalize_specs(segs)
-        qt = _quantize(w, segs, perm=perm, dtype=dt)
-        if isinstance(m, linear_kinds):
-            new = MixedQuantizedLinear.from_tensor(qt, m.get("bias"), kinds)
+        _, seg_kinds = _normalize_specs(segs)
+        if is_expert_stack(m):
+            new = MixedQuantizedSwitchLinear.from_tensor(quantize_stack(w, segs, perm, dt), m.get("bias"), seg_kinds)
+        elif isinstance(m, _LINEAR_KINDS):
+            new = MixedQuantizedLinear.from_tensor(_quantize(w, segs, perm=perm, dtype=dt), m.get("bias"), seg_kinds)
         else:
-            new = MixedQuantizedEmbedding.from_tensor(qt, kinds)
+            new = MixedQuantizedEmbedding.from_tensor(_quantize(w, segs, perm=perm, dtype=dt), seg_kinds)
         mx.eval(new.parameters())
+        built.append((path, new))
+    for path, new in built:
         _set_module(model, path, new)
-        replaced.append(path)
-    return replaced
-
-
-def _weight_shape(m) -> tuple[int, int]:
-    if isinstance(m, _MixedWeight):
-        return m.quantized_tensor().shape
-    if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-        w = m["weight"]
-        return (w.shape[0], w.shape[1] * 32 // m.bits)
-    return tuple(m.weight.shape)
+    return [p for p, _ in built]
