@@ -77,10 +77,14 @@ class Candidate:
         return (self.hi_percent * self.hi_bits + (100 - self.hi_percent) * self.lo_bits) / 100
 
     def perm(self, w: np.ndarray):
-        """Input order for mixed candidates: salient (large-norm) columns first."""
+        """Input order for mixed candidates: salient (large-norm) columns
+        first. ``w`` is [N, K], or an expert stack [E, N, K] that shares one
+        order: each expert's column norms, summed over experts (an expert's
+        salient columns count as much however the others' norms compare)."""
         if self.kind != "mixed":
             return None
-        norms = np.linalg.norm(np.asarray(w, dtype=np.float32), axis=0)
+        w = np.asarray(w, dtype=np.float32)
+        norms = np.linalg.norm(w, axis=-2).reshape(-1, w.shape[-1]).sum(axis=0)
         return np.argsort(-norms, kind="stable").astype(np.int32)
 
 
@@ -150,14 +154,15 @@ def expand_candidates(names) -> list[str]:
 
 def supports(cand: Candidate, site) -> bool:
     """Whether ``cand`` can be built for ``site`` (an adapter Site): group
-    size dividing K; for stacks (expert / multi-head weights, kept in MLX's
-    stock quantized classes), single-segment kinds only; calibrated
-    quantizers only for linears inside blocks (whose inputs are recorded)."""
+    size dividing K; mixed kinds for linears, embeddings and expert stacks
+    (MixedQuantizedSwitchLinear), not for other stacks (multi-head weights,
+    kept in MLX's stock quantized class); calibrated quantizers only for
+    linears inside blocks (whose inputs are recorded)."""
     if site.k % cand.group_size:
         return False
     if cand.calibrated and (site.form != "linear" or site.block is None):
         return False
-    return not (site.form == "stack" and cand.kind == "mixed")
+    return not (site.form == "stack" and cand.kind == "mixed" and not site.experts)
 
 
 def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None):
@@ -166,8 +171,10 @@ def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None):
     The one constructor the sweep, joint evaluation and ``quantize`` share,
     so a measured candidate is exactly what gets saved. Linears and
     embeddings become mixbits layers; stacks (SwitchLinear, MultiLinear)
-    keep mlx-lm's own quantized class with MLX-layout arrays, so saved
-    folders load with ``mlx_lm.load``. ``scale_dtype`` defaults to float16.
+    at single-segment kinds keep mlx-lm's own quantized class with
+    MLX-layout arrays, so saved folders load with ``mlx_lm.load``; expert
+    stacks at mixed kinds become a MixedQuantizedSwitchLinear with one
+    permutation for all experts. ``scale_dtype`` defaults to float16.
     ``inputs``: (X^T X [K, K], token count) of the layer's input on the
     calibration set, for calibrated quantizers.
     """
@@ -178,7 +185,8 @@ def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None):
 
     from ..adapter import dense_weight
     from ..layout import quantize as quantize_tensor
-    from ..nn import MixedQuantizedEmbedding, MixedQuantizedLinear
+    from ..nn import (MixedQuantizedEmbedding, MixedQuantizedLinear, MixedQuantizedSwitchLinear,
+                      is_expert_stack, quantize_stack)
 
     scale_dtype = scale_dtype or mx.float16
     w = dense_weight(module)
@@ -197,18 +205,27 @@ def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None):
             return MixedQuantizedEmbedding.from_tensor(qt)
         return MixedQuantizedLinear.from_tensor(qt, module.get("bias"))
     if cand.kind == "mixed":
-        raise ValueError(f"candidate {cand.name!r}: mixed segments are not available for "
-                         f"{type(module).__name__} stacks (single-segment kinds only)")
-    lead = w.shape[:-1]
-    seg = quantize_tensor(w.reshape(-1, k), segs, dtype=scale_dtype).segments[0]
+        if not is_expert_stack(module):
+            raise ValueError(f"candidate {cand.name!r}: mixed segments are not available for "
+                             f"{type(module).__name__} stacks (single-segment kinds only)")
+        qt = quantize_stack(w, segs, perm=cand.perm(np.array(w)), dtype=scale_dtype)
+        return MixedQuantizedSwitchLinear.from_tensor(qt, module.get("bias"))
+    seg = quantize_stack(w, segs, dtype=scale_dtype).segments[0]
     bits = seg.bits
-    if "scales" in module:
+    if isinstance(module, MixedQuantizedSwitchLinear):
+        # Back to mlx-lm's class (MLX-loadable); its constructor's random
+        # weight is lazy and replaced below before anything evaluates it.
+        from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+        q = QuantizedSwitchLinear(k, w.shape[-2], w.shape[0], bias=False,
+                                  group_size=cand.group_size, bits=bits)
+        if "bias" in module:
+            q.bias = module["bias"]
+    elif "scales" in module:
         q = copy.copy(module)
     else:
         q = module.to_quantized(group_size=cand.group_size, bits=bits)
-    q.weight = seg.wq.reshape(*lead, -1)
-    q.scales = seg.scales.reshape(*lead, -1)
-    q.biases = seg.biases.reshape(*lead, -1)
+    q.weight, q.scales, q.biases = seg.wq, seg.scales, seg.biases
     q.group_size, q.bits = cand.group_size, bits
     if getattr(q, "mode", "affine") != "affine":
         q.mode = "affine"

@@ -127,9 +127,9 @@ def measure_site(rp: Replayer, site: Site, cands: list[Candidate], cfg: SweepCon
 def storage_bits(layer, site: Site) -> int:
     """Exact storage bits of a quantized module's weight: codes, scales,
     biases and the permutation (not a float bias)."""
-    from ..nn import MixedQuantizedEmbedding, MixedQuantizedLinear
+    from ..nn import _MixedWeight
 
-    if isinstance(layer, (MixedQuantizedLinear, MixedQuantizedEmbedding)):
+    if isinstance(layer, _MixedWeight):  # linears, embeddings and expert stacks
         return int(round(layer.quantized_tensor().bits_per_weight * site.nparams))
     return int(sum(layer[k].nbytes * 8 for k in ("weight", "scales", "biases") if k in layer))
 
@@ -199,8 +199,8 @@ def sweep(model, tokens, out: str | Path, candidates=None, *, resume: bool = Fal
     site_cands = {s.path: [c for c in cands if supports(c, s)] for s in all_sites}
     bare = [s.path for s in all_sites if not site_cands[s.path]]
     if bare:  # refuse now, not after hours of work
-        raise ValueError(f"no candidate fits {bare[:3]} (group sizes must divide K; stacks take "
-                         "single-segment kinds only)")
+        raise ValueError(f"no candidate fits {bare[:3]} (group sizes must divide K; multi-head "
+                         "stacks take single-segment kinds only)")
     meta = table_meta(tokens, cfg, model_id, all_sites)
     mine = all_sites[rank::world]
     out = Path(out)
