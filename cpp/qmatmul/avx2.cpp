@@ -797,4 +797,114 @@ void qmm_avx2_run(const float* x, int M, const QMatView& w, float* y) {
   }
 }
 
+// ------------------------------------------------------------ transposed
+//
+// dx = dy · W, the gradient wrt x. The forward's pieces are reused: a tile
+// of W [nb rows x kc columns] is dequantized by dequant_tile (decode order
+// along the columns), transposed to [kc x nb] with each row one true column
+// of W, and the forward's micro-kernel runs over it with dy as the
+// activation block: its inner dimension is now the nb rows of W. Threads
+// split the K output columns (work items of kTKC columns inside one
+// segment), so every dx element has one writer and no reduction is needed.
+
+namespace {
+
+constexpr int kTKC = 128;  // W columns (dx columns) per tile; all group sizes divide it
+constexpr int kTNB = 256;  // W rows per tile: the micro-kernel's inner length
+
+// rows 0..7 of an 8x8 block (row stride lds) -> o[c] = column c.
+inline void transpose8x8(const float* src, int64_t lds, __m256 o[8]) {
+  __m256 t[8], u[8];
+  for (int j = 0; j < 8; j += 2) {
+    const __m256 a = _mm256_loadu_ps(src + j * lds), b = _mm256_loadu_ps(src + (j + 1) * lds);
+    t[j] = _mm256_unpacklo_ps(a, b);      // a0 b0 a1 b1 | a4 b4 a5 b5
+    t[j + 1] = _mm256_unpackhi_ps(a, b);  // a2 b2 a3 b3 | a6 b6 a7 b7
+  }
+  for (int h = 0; h < 8; h += 4) {  // rows 4h'..4h'+3: columns c | c+4
+    u[h + 0] = _mm256_shuffle_ps(t[h], t[h + 2], 0x44);
+    u[h + 1] = _mm256_shuffle_ps(t[h], t[h + 2], 0xEE);
+    u[h + 2] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0x44);
+    u[h + 3] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    o[c] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x20);
+    o[c + 4] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x31);
+  }
+}
+
+// tile: [nbp x kc] (row stride kc) in decode order, rows >= nb already
+// zero; T: [kc x ldt], T row c = true column c of the tile. Decode position
+// 8k+i of a unit holds column 4i+k, so output vector i of the 8x8 block at
+// decode positions 8k..8k+7 is stored to T row 4i+k of the unit.
+void transpose_tile(const float* tile, int nbp, int kc, float* T, int ldt) {
+  __m256 o[8];
+  for (int r = 0; r < nbp; r += 8)
+    for (int u = 0; u < kc; u += kUnit)
+      for (int k = 0; k < 4; ++k) {
+        transpose8x8(tile + int64_t(r) * kc + u + 8 * k, kc, o);
+        for (int i = 0; i < 8; ++i)
+          _mm256_storeu_ps(T + int64_t(u + 4 * i + k) * ldt + r, o[i]);
+      }
+}
+
+struct TItem {
+  int seg, c0, c1;  // segment-local columns, group aligned
+};
+
+// dx columns [s.k0 + c0, s.k0 + c1) for all M rows. dy has row stride ldd
+// >= round_up(N, 16) with zeros past N, so the micro-kernel's reads past
+// the last W row meet zeros in both operands.
+void t_item(const float* dy, int64_t ldd, int M, const QMatView& w,
+            const std::vector<SegFns>& fns, const TItem& it, float* dx) {
+  const SegView& s = w.segs[it.seg];
+  const int N = w.N, K = w.K, kc = it.c1 - it.c0;
+  const MicroPick mk = pick_micro();
+  thread_local std::vector<float> tile, T;
+  tile.resize(size_t(kTNB) * kTKC);
+  T.resize(size_t(kTKC) * kTNB);
+  float* out = dx + s.k0 + it.c0;
+  for (int m = 0; m < M; ++m) std::fill(out + int64_t(m) * K, out + int64_t(m) * K + kc, 0.0f);
+  for (int n0 = 0; n0 < N; n0 += kTNB) {
+    const int nb = std::min(kTNB, N - n0), nbp = (nb + 15) / 16 * 16;
+    fns[it.seg].dequant(s, w.sdtype, n0, nb, it.c0, it.c1, tile.data(), kc);
+    std::fill(tile.data() + int64_t(nb) * kc, tile.data() + int64_t(nbp) * kc, 0.0f);
+    transpose_tile(tile.data(), nbp, kc, T.data(), nbp);
+    for (int m = 0; m < M; m += mk.mr) {
+      const int mr = std::min(mk.mr, M - m);
+      for (int j = 0; j < kc; j += mk.nr) {
+        const int nr = std::min(mk.nr, kc - j);
+        mk.table[mr][nr](dy + int64_t(m) * ldd + n0, int(ldd), T.data() + int64_t(j) * nbp,
+                         nbp, nbp, out + int64_t(m) * K + j, K);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void qmm_t_avx2_run(const float* dy, int M, const QMatView& w, float* dx) {
+  const int N = w.N;
+  const int64_t ldd = (int64_t(N) + 15) / 16 * 16;
+  std::vector<float> padded;
+  if (ldd != N) {
+    padded.assign(size_t(M) * ldd, 0.0f);
+    parallel_for(M, 64, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        std::memcpy(padded.data() + m * ldd, dy + m * N, sizeof(float) * N);
+    });
+    dy = padded.data();
+  }
+  std::vector<SegFns> fns;
+  std::vector<TItem> items;
+  for (size_t si = 0; si < w.segs.size(); ++si) {
+    const SegView& s = w.segs[si];
+    fns.push_back(seg_fns(s.bits, s.group_size));
+    for (int c0 = 0; c0 < s.k; c0 += kTKC)
+      items.push_back({int(si), c0, std::min(s.k, c0 + kTKC)});
+  }
+  parallel_for(int64_t(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) t_item(dy, ldd, M, w, fns, items[i], dx);
+  });
+}
+
 }  // namespace mixbits

@@ -54,9 +54,32 @@ void qmm_avx2_run(const float* x, int M, const QMatView& w, float* y);
 void qmm_neon_run(const float* x, int M, const QMatView& w, float* y);
 #endif
 
+// The transposed product, the gradient of y = x · Wᵀ wrt x:
+// dx[m, k] = sum_n dy[m, n] * W[n, k] for rows m < M and all K columns (in
+// the permuted order: the caller un-permutes). dy is float32 [M, N], dense;
+// dx is float32 [M, K] (row stride K). Backends split the K output columns
+// over threads, so no two threads write the same dx element.
+using QmmTRun = void (*)(const float* dy, int M, const QMatView& w, float* dx);
+
+// The scalar reference for dx columns [k0, k1), float64 sums.
+void qmm_t_ref(const float* dy, int M, const QMatView& w, float* dx, int k0,
+               int k1);
+void qmm_t_ref_run(const float* dy, int M, const QMatView& w, float* dx);
+#if defined(MIXBITS_HAVE_AVX2)
+void qmm_t_avx2_run(const float* dy, int M, const QMatView& w, float* dx);
+#endif
+
 // The backend used for `requested` on this CPU; throws if it is forced but
-// unavailable. Auto picks the fastest available.
+// unavailable. Auto picks the fastest available. One choice serves both
+// directions: select_qmm_t(b) is the transposed kernel of the backend
+// select_qmm(b) runs.
 QmmRun select_qmm(Backend requested);
+QmmTRun select_qmm_t(Backend requested);
+// Whether the CPU gradient wrt x takes the transposed kernel for
+// `requested` rather than MLX's dequantize + matmul: yes where it is SIMD
+// (AVX2) or the caller forced a backend. Auto on arm64 keeps MLX's matmul
+// (Accelerate's sgemm on macOS) until a NEON transposed kernel exists.
+bool prefer_qmm_t(Backend requested);
 // Names of backends usable on this machine, for tests and benchmarks.
 std::vector<Backend> available_qmm_backends();
 

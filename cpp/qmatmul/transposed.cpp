@@ -1,0 +1,226 @@
+// MixedQMatmulT: graph construction, CPU evaluation and derivatives of the
+// transposed product z = dy · W (transposed.h).
+#include "qmatmul/transposed.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "common/mlx_args.h"
+#include "common/parallel.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+namespace mixbits {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) {
+  throw std::invalid_argument("qmatmul (transposed): " + msg);
+}
+
+int total_k(const std::vector<SegSpec>& segs) {
+  int k = 0;
+  for (const auto& sg : segs) k += sg.k;
+  return k;
+}
+
+}  // namespace
+
+mx::array mixed_qmatmul_t(const mx::array& dy,
+                          const std::vector<mx::array>& packed,
+                          const std::vector<SegSpec>& segs, Backend backend,
+                          mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu)
+    fail("runs on the CPU only; on the GPU the gradient is dequantize + matmul");
+  if (segs.empty() || packed.size() != 3 * segs.size())
+    fail("expected 3 arrays (wq, scales, biases) per segment");
+  if (dy.ndim() < 1) fail("dy must have at least one dimension");
+  if (!is_float_dtype(dy.dtype())) fail("dy must be float32, float16 or bfloat16");
+  const int N = packed[0].shape(0);
+  if (dy.shape(-1) != N)
+    fail("dy has " + std::to_string(dy.shape(-1)) + " columns but W has N=" +
+         std::to_string(N) + " rows");
+  select_qmm_t(backend);  // throws now, not inside the graph, if unavailable
+  // The kernels read dense row-major buffers.
+  std::vector<mx::array> inputs{mx::contiguous(dy, false, stream)};
+  for (const auto& a : packed) inputs.push_back(mx::contiguous(a, false, stream));
+  mx::Shape out_shape = dy.shape();
+  out_shape.back() = total_k(segs);
+  return mx::array(out_shape, dy.dtype(),
+                   std::make_shared<MixedQMatmulT>(stream, segs, backend),
+                   std::move(inputs));
+}
+
+std::vector<mx::Shape> MixedQMatmulT::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  mx::Shape s = inputs[0].shape();
+  s.back() = total_k(segs_);
+  return {s};
+}
+
+bool MixedQMatmulT::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const MixedQMatmulT&>(other);
+  return segs_ == o.segs_ && backend_ == o.backend_;
+}
+
+void MixedQMatmulT::eval_cpu(const std::vector<mx::array>& inputs,
+                             mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  // Capturing the arrays keeps their buffers alive until the task has run.
+  enc.dispatch([inputs, out = mx::array::unsafe_weak_copy(out), segs = segs_,
+                fn = select_qmm_t(backend_)]() mutable {
+    const mx::array& dy = inputs[0];
+    QMatView w;
+    w.N = inputs[1].shape(0);
+    w.sdtype = to_dtype(inputs[2].dtype());
+    int k0 = 0;
+    for (size_t i = 0; i < segs.size(); ++i) {
+      w.segs.push_back({segs[i].bits, segs[i].group_size, k0, segs[i].k,
+                        inputs[1 + 3 * i].data<uint32_t>(),
+                        inputs[2 + 3 * i].data<void>(), inputs[3 + 3 * i].data<void>()});
+      k0 += segs[i].k;
+    }
+    w.K = k0;
+    const int64_t N = w.N, K = w.K, M = int64_t(out.size()) / K;
+    if (M == 0) return;
+    // No special case for inf or NaN in dy (unlike the forward): the
+    // transposed kernels multiply by the dequantized W, no folded bias, so
+    // they have a dense matmul's IEEE behaviour.
+    const DType dt = to_dtype(dy.dtype()), ot = to_dtype(out.dtype());
+    std::vector<float> dyf, zf;
+    const float* d = nullptr;
+    if (dt == DType::f32) {
+      d = dy.data<float>();
+    } else {
+      dyf.resize(size_t(M * N));
+      const void* src = dy.data<void>();
+      parallel_for(M * N, 1 << 14, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) dyf[i] = load_as_f32(src, i, dt);
+      });
+      d = dyf.data();
+    }
+    float* z = nullptr;
+    if (ot == DType::f32) {
+      z = out.data<float>();
+    } else {
+      zf.resize(size_t(M * K));
+      z = zf.data();
+    }
+    fn(d, int(M), w, z);
+    if (ot != DType::f32) {
+      void* o = out.data<void>();
+      parallel_for(M * K, 1 << 14, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) store_from_f32(o, i, z[i], ot);
+      });
+    }
+  });
+}
+
+void MixedQMatmulT::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error(
+      "[MixedQMatmulT] the transposed quantized product has no GPU kernel; "
+      "MixedQMatmul's gradient on a GPU stream uses dequantize + matmul and "
+      "never builds this node there.");
+}
+
+std::vector<mx::array> MixedQMatmulT::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums, const std::vector<mx::array>&) {
+  auto s = stream();
+  const mx::array& dy = primals[0];
+  const mx::array& g = cotangents[0];
+  const std::vector<mx::array> packed(primals.begin() + 1, primals.end());
+  std::vector<mx::array> out;
+  for (int arg : argnums) {
+    if (arg == 0) {
+      // z = dy · W, so d/d(dy) = g · Wᵀ: the forward product.
+      out.push_back(mx::astype(
+          mixed_qmatmul(g, std::nullopt, packed, segs_, backend_, s), dy.dtype(), s));
+      continue;
+    }
+    const size_t seg = size_t(arg - 1) / 3;
+    const int role = (arg - 1) % 3;
+    if (role == 0)
+      throw std::runtime_error(
+          "[MixedQMatmulT::vjp] no gradient wrt the quantized weights.");
+    // dL/dW[n, k] = sum over rows of dy[., n] g[., k]: the same outer
+    // product the forward's scales/biases gradients start from.
+    const int N = dy.shape(-1), K = g.shape(-1);
+    auto d2 = mx::reshape(mx::astype(dy, mx::float32, s), {-1, N}, s);
+    auto g2 = mx::reshape(mx::astype(g, mx::float32, s), {-1, K}, s);
+    auto G = mx::matmul(mx::transpose(d2, s), g2, s);
+    out.push_back(role == 1 ? grad::scales_grad(G, packed, segs_, seg, s)
+                            : grad::biases_grad(G, packed, segs_, seg, s));
+  }
+  return out;
+}
+
+std::vector<mx::array> MixedQMatmulT::jvp(const std::vector<mx::array>& primals,
+                                          const std::vector<mx::array>& tangents,
+                                          const std::vector<int>& argnums) {
+  auto s = stream();
+  const mx::array& dy = primals[0];
+  const std::vector<mx::array> packed(primals.begin() + 1, primals.end());
+  std::optional<mx::array> t_dy;
+  std::vector<std::optional<mx::array>> dsb(packed.size());
+  for (size_t j = 0; j < argnums.size(); ++j) {
+    const int arg = argnums[j];
+    if (arg == 0) {
+      t_dy = tangents[j];
+    } else if ((arg - 1) % 3 == 0) {
+      throw std::runtime_error(
+          "[MixedQMatmulT::jvp] no derivative wrt the quantized weights.");
+    } else {
+      dsb[arg - 1] = tangents[j];
+    }
+  }
+  std::optional<mx::array> z;
+  if (t_dy) z = mixed_qmatmul_t(*t_dy, packed, segs_, backend_, s);
+  // W is linear in (scales, biases): segment i's tangent is
+  // dy · dequantize(wq_i, ds_i, db_i), zero where neither is given.
+  bool any = false;
+  for (const auto& t : dsb) any |= bool(t);
+  if (any) {
+    std::vector<mx::array> parts;
+    auto dyf = mx::astype(dy, mx::float32, s);
+    for (size_t i = 0; i < segs_.size(); ++i) {
+      auto& ds = dsb[3 * i + 1];
+      auto& db = dsb[3 * i + 2];
+      if (!ds && !db) {
+        mx::Shape sh = dy.shape();
+        sh.back() = segs_[i].k;
+        parts.push_back(mx::zeros(sh, mx::float32, s));
+        continue;
+      }
+      const mx::array& sc = packed[3 * i + 1];
+      auto dW = mx::dequantize(packed[3 * i], ds ? *ds : mx::zeros_like(sc, s),
+                               db ? *db : mx::zeros_like(sc, s), segs_[i].group_size,
+                               segs_[i].bits, "affine", std::nullopt, std::nullopt, s);
+      parts.push_back(mx::matmul(dyf, mx::astype(dW, mx::float32, s), s));
+    }
+    auto t = mx::astype(mx::concatenate(parts, -1, s), dy.dtype(), s);
+    z = z ? mx::add(*z, t, s) : t;
+  }
+  return {*z};
+}
+
+std::pair<std::vector<mx::array>, std::vector<int>> MixedQMatmulT::vmap(
+    const std::vector<mx::array>& inputs, const std::vector<int>& axes) {
+  for (size_t i = 1; i < axes.size(); ++i)
+    if (axes[i] >= 0)
+      throw std::runtime_error(
+          "[MixedQMatmulT::vmap] only dy can be vmapped, not the weights.");
+  // dy's leading dimensions are batch dimensions of the product already.
+  mx::array dy = axes[0] >= 0 ? mx::moveaxis(inputs[0], axes[0], 0, stream())
+                              : inputs[0];
+  const std::vector<mx::array> packed(inputs.begin() + 1, inputs.end());
+  return {{mixed_qmatmul_t(dy, packed, segs_, backend_, stream())},
+          {axes[0] >= 0 ? 0 : -1}};
+}
+
+}  // namespace mixbits

@@ -1,0 +1,56 @@
+// MLX primitive for the transposed product z = dy · W (W the [N, K]
+// mixed-segment quantized matrix, z in W's stored, permuted column order):
+// the CPU gradient of MixedQMatmul wrt x. MLX's own CPU matmul is a
+// reference BLAS on Linux, so dequantize + matmul there is ~40x slower than
+// an sgemm; this runs the backend's transposed kernel instead
+// (kernel.h: select_qmm_t). CPU only: the GPU keeps dequantize + matmul.
+#pragma once
+#include <vector>
+
+#include "qmatmul/qmatmul.h"
+
+namespace mixbits {
+
+// Inputs: dy [..., N], then (wq, scales, biases) per segment. Output
+// [..., K] in dy's dtype.
+class MixedQMatmulT : public mx::UnaryPrimitive {
+ public:
+  MixedQMatmulT(mx::Stream s, std::vector<SegSpec> segs, Backend backend)
+      : mx::UnaryPrimitive(s), segs_(std::move(segs)), backend_(backend) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  // z is bilinear in dy and W: derivatives wrt dy (through the forward
+  // kernel) and wrt scales and biases (grad:: helpers), so gradients of
+  // gradients through qmatmul keep working on the CPU.
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums,
+                             const std::vector<mx::array>& outputs) override;
+  std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& tangents,
+                             const std::vector<int>& argnums) override;
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
+      const std::vector<mx::array>& inputs,
+      const std::vector<int>& axes) override;
+
+  const char* name() const override { return "MixedQMatmulT"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+ private:
+  std::vector<SegSpec> segs_;
+  Backend backend_;
+};
+
+// z = dy · W on a CPU stream. The weights are those a MixedQMatmul node
+// already validated; dy's shape and dtype are checked here
+// (std::invalid_argument).
+mx::array mixed_qmatmul_t(const mx::array& dy,
+                          const std::vector<mx::array>& packed,
+                          const std::vector<SegSpec>& segs, Backend backend,
+                          mx::StreamOrDevice s = {});
+
+}  // namespace mixbits
