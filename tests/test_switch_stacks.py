@@ -293,6 +293,29 @@ def test_measure_allocate_quantize_saves_the_measured_experts(tmp_path):
             np.testing.assert_array_equal(np.array(have[name]), np.array(ref[name]), err_msg=f"{path}.{name}")
 
 
+def test_uniform_candidate_on_a_mixbits_stack_is_mlx_lms_class():
+    """Re-measuring a loaded mixbits model: a single-segment candidate on a
+    MixedQuantizedSwitchLinear gives mlx-lm's QuantizedSwitchLinear (bias
+    kept), the same arrays as from a float stack of the same weights."""
+    from mixbits.measure.candidates import build_layer, parse_candidate
+
+    rng = np.random.default_rng(8)
+    sl = SwitchLinear(128, 16, 3, bias=True)
+    sl.bias = mx.array(rng.standard_normal((3, 16)).astype(np.float32))
+    mixed = MixedQuantizedSwitchLinear.from_switch_linear(sl, [(8, 64, 64), (3, 32, 64)],
+                                                          perm=rng.permutation(128))
+    twin = SwitchLinear(128, 16, 3, bias=True)
+    twin.weight, twin.bias = mixed.quantized_tensor().dequantize(unpermute=True), sl.bias
+    for name in ("3b_g32", "4b25_2b_g32"):
+        got, want = (build_layer(m, parse_candidate(name)) for m in (mixed, twin))
+        assert type(got) is type(want)
+        assert isinstance(got, QuantizedSwitchLinear if name == "3b_g32" else MixedQuantizedSwitchLinear)
+        have, ref = dict(tree_flatten(got.parameters())), dict(tree_flatten(want.parameters()))
+        assert have.keys() == ref.keys() and "bias" in have
+        for k in have:
+            np.testing.assert_array_equal(np.array(have[k]), np.array(ref[k]), err_msg=f"{name} {k}")
+
+
 def test_expert_perm_ranks_column_norms_summed_over_experts():
     from mixbits.measure.candidates import parse_candidate
 
