@@ -1,0 +1,214 @@
+"""Compiled single-token decode for mlx-lm models (opt-in).
+
+A plain decode step rebuilds the whole graph in Python every token (a few
+hundred small nodes: norms, rope, reshapes, cache updates) and MLX
+dispatches each node on its own; for a small model that costs more than the
+quantized matmuls. :class:`Decoder` runs the model's *own* forward under
+``mx.compile`` instead, so the graph is traced once and replayed, and
+MLX fuses the elementwise chains.
+
+``mx.compile`` caches a trace by the shapes of its inputs and bakes every
+Python value in, so mlx-lm's KV caches (Python offsets, buffers that grow
+and get sliced to the current length) cannot be traced as they are. Here
+each cache is replaced, for the decode steps, by a fixed-capacity buffer
+whose offset is an *array* input: rope takes an array offset, the new key
+is written with ``mx.slice_update`` at that offset, and the cache's
+``make_mask`` (which mlx-lm models call through ``create_attention_mask``)
+returns a boolean mask over the buffer that hides the unused slots. The
+trace then has the same shapes at every step and is built once per
+capacity.
+
+This holds for models that touch their cache only through ``offset``,
+``update_and_fetch`` and ``make_mask`` with ``KVCache`` or
+``RotatingKVCache`` (keep=0) caches: llama, qwen2/3, gemma3, mistral, phi3,
+MoE variants... Other caches (quantized, SSM/recurrent, ``keep`` > 0) are
+refused with :class:`Unsupported` at construction. Because a model could
+still build its decode mask without asking the cache, the first compiled
+step is checked against the model's plain forward on the same state (``verify``),
+and refused if they disagree.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+__all__ = ["Decoder", "Unsupported"]
+
+STEP = 256  # capacity granularity, as mlx-lm's KVCache grows
+
+
+class Unsupported(ValueError):
+    """The model's caches (or forward) cannot run as a compiled decode step."""
+
+
+class _StepCache:
+    """Stands in for one mlx-lm KV cache while a decode step is traced.
+
+    ``keys``/``values`` are (B, heads, capacity, dim) buffers; ``offset`` is
+    an int32 scalar array: the position of the token being decoded. With a
+    ``window`` (a RotatingKVCache's max_size) the buffer is a ring: slot s
+    holds the latest token t <= offset with t % window == s."""
+
+    def __init__(self, keys, values, offset, window):
+        self.keys, self.values, self.offset, self.window = keys, values, offset, window
+        self.masked = False
+
+    def update_and_fetch(self, keys, values):
+        if keys.shape[2] != 1:
+            raise Unsupported(f"a compiled decode step takes one token, got {keys.shape[2]}")
+        slot = self.offset if self.window is None else self.offset % self.window
+        start = mx.reshape(slot, (1,))
+        self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), start, axes=(2,))
+        self.values = mx.slice_update(self.values, values.astype(self.values.dtype), start, axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, N, window_size=None, return_array=False):
+        if N != 1:
+            raise Unsupported(f"a compiled decode step takes one token, got {N}")
+        self.masked = True
+        pos = mx.arange(self.keys.shape[2])
+        if self.window is None:
+            # Slots past the current token hold nothing yet.
+            mask = pos <= self.offset
+            if window_size is not None:
+                mask = mask & (pos > self.offset - window_size)
+            return mask
+        # Ring: slot s holds the token (offset - (offset - s) mod window),
+        # valid when it exists (slot <= offset) and lies inside window_size.
+        mask = pos <= self.offset
+        if window_size is not None and window_size < self.window:
+            mask = mask & (((self.offset - pos) % self.window) < window_size)
+        return mask
+
+    # mlx-lm asks these of a cache in some code paths; answer as a non-empty cache.
+    def empty(self):
+        return False
+
+    def __bool__(self):
+        return True
+
+
+def _capacity(n: int) -> int:
+    return max(STEP, -(-n // STEP) * STEP)
+
+
+def _pad(a: mx.array, capacity: int) -> mx.array:
+    extra = capacity - a.shape[2]
+    if extra == 0:
+        return a
+    return mx.concatenate([a, mx.zeros((*a.shape[:2], extra, a.shape[3]), a.dtype)], axis=2)
+
+
+def _buffers(cache, capacity: int):
+    """(keys, values, window) of one filled mlx-lm cache as step buffers."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    if type(cache) is KVCache:
+        keys, values = cache.keys_and_values()
+        return _pad(keys, capacity), _pad(values, capacity), None
+    if type(cache) is RotatingKVCache:
+        if cache.keep != 0:
+            raise Unsupported(f"RotatingKVCache with keep={cache.keep} (only keep=0 is compiled)")
+        w, off = cache.max_size, cache.offset
+        # Temporal order (mlx-lm's own helper), the last min(offset, w)
+        # tokens, then token t moved to ring slot t % w.
+        keys, values = (cache._temporal_order(a)[..., -min(off, w):, :] for a in (cache.keys, cache.values))
+        if off < w:
+            return _pad(keys, w), _pad(values, w), w
+        shift = (off - w) % w
+        return mx.roll(keys, shift, axis=2), mx.roll(values, shift, axis=2), w
+    raise Unsupported(f"{type(cache).__name__} is not compiled (KVCache and RotatingKVCache are)")
+
+
+class Decoder:
+    """Greedy-or-not decoding state for one sequence (batch 1) of ``model``.
+
+    ``prefill(ids)`` runs the model's plain forward over the prompt (mlx-lm
+    caches, mixbits' prefill kernels when patched); ``step(token)`` then
+    decodes one token per call through the compiled step and returns the
+    logits ``model(token, cache)`` would return.
+
+    The compiled step captures the model's weights when it is traced: make
+    a new Decoder after changing them. ``verify=True`` checks the first
+    compiled step against the model's plain forward (same state, same
+    token) and raises :class:`Unsupported` if the logits differ by more
+    than ``atol`` + ``rtol``·|plain| -- e.g. a model that builds its own
+    decode mask instead of asking the cache.
+    """
+
+    def __init__(self, model: nn.Module, *, verify: bool = True, rtol: float = 1e-3, atol: float = 1e-3):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.verify, self.rtol, self.atol = verify, rtol, atol
+        self._cache = None  # mlx-lm caches until the first step
+        self._state = None  # (keys, values, windows) step buffers after it
+        self.offset = 0
+        self._fn = mx.compile(self._traced)
+
+    def prefill(self, ids, capacity: int | None = None) -> mx.array:
+        """Logits of the model's plain forward over ``ids`` ((1, L) or a
+        list of token ids). ``capacity``: the longest sequence expected
+        (prompt + new tokens), so the step is traced once; it grows by
+        256 positions (one retrace each) when exceeded."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        x = mx.array([list(ids)]) if not isinstance(ids, mx.array) else ids
+        if x.ndim != 2 or x.shape[0] != 1 or x.shape[1] < 1:
+            raise ValueError(f"ids must be one non-empty sequence (1, L), got shape {tuple(x.shape)}")
+        self._cache = make_prompt_cache(self.model)
+        logits = self.model(x, cache=self._cache)
+        self.offset = x.shape[1]
+        self._capacity = _capacity(max(capacity or 0, self.offset + 1))
+        # Refuse unsupported caches now, before any decoding.
+        for c in self._cache:
+            if type(c).__name__ not in ("KVCache", "RotatingKVCache") or getattr(c, "keep", 0):
+                _buffers(c, self._capacity)
+        return logits
+
+    def _traced(self, tokens, offset, keys, values):
+        caches = [_StepCache(k, v, offset, w) for k, v, w in zip(keys, values, self._windows)]
+        logits = self.model(tokens, cache=caches)
+        if not any(c.masked for c in caches):
+            raise Unsupported(f"{type(self.model).__name__} never asked its cache for a decode mask")
+        return logits, [c.keys for c in caches], [c.values for c in caches]
+
+    def step(self, token) -> mx.array:
+        """Logits (1, 1, vocab) for ``token`` (an int or a (1, 1) array)
+        at the next position."""
+        if self._cache is None and self._state is None:
+            raise RuntimeError("call prefill(ids) before step()")
+        x = token if isinstance(token, mx.array) else mx.array([[int(token)]])
+        x = mx.reshape(x, (1, 1))
+        plain = None
+        if self._state is None:
+            self._state = self._from_cache()
+            if self.verify:
+                plain = self.model(x, cache=self._cache)
+            self._cache = None
+        if self.offset >= self._capacity:
+            self._capacity += STEP  # new shapes: MLX traces the step again
+            self._state = ([_pad(k, self._capacity) for k in self._state[0]],
+                           [_pad(v, self._capacity) for v in self._state[1]])
+        keys, values = self._state
+        self._state = None  # drop our references so slice_update may reuse the buffers
+        logits, keys, values = self._fn(x, mx.array(self.offset, dtype=mx.int32), keys, values)
+        self._state = (keys, values)
+        self.offset += 1
+        if plain is not None:
+            self._check(plain, logits)
+        return logits
+
+    def _from_cache(self):
+        bufs = [_buffers(c, self._capacity) for c in self._cache]
+        self._windows = [w for _, _, w in bufs]
+        return [k for k, _, _ in bufs], [v for _, v, _ in bufs]
+
+    def _check(self, plain, compiled):
+        plain, compiled = plain.astype(mx.float32), compiled.astype(mx.float32)
+        if plain.shape != compiled.shape or not mx.allclose(compiled, plain, rtol=self.rtol, atol=self.atol).item():
+            err = mx.abs(compiled - plain).max().item() if plain.shape == compiled.shape else None
+            raise Unsupported(
+                f"the compiled decode step of {type(self.model).__name__} disagrees with its plain forward "
+                f"(max |diff| {err}); decode with the model itself")

@@ -1,0 +1,123 @@
+"""mixbits.decode.Decoder: the compiled decode step gives the logits of the
+model's own plain forward (mlx-lm caches, one token per call) at every step
+after a prompt, on tiny random-weight mlx-lm models quantized to 4 bits and
+patched with mixbits; and it refuses what it cannot compile."""
+
+from __future__ import annotations
+
+import pytest
+
+import mlx.core as mx
+import mlx.nn as nn
+
+import mixbits
+import tiny_models
+from mixbits.decode import Decoder, Unsupported
+
+# llama / qwen3: KVCache; gemma3_text: RotatingKVCache(8) on every other
+# layer (the prompt + steps pass the window, so the ring wraps); qwen3_moe:
+# expert stacks through gather_qmatmul; ministral3: sliding layers by
+# layer_types; phi3: fused qkv and gate_up projections.
+ARCHS = ["llama", "qwen3", "gemma3_text", "qwen3_moe", "ministral3", "phi3"]
+
+
+def _patched(arch: str):
+    mx.set_default_device(mx.cpu)
+    model, cfg = tiny_models.build(arch)
+    nn.quantize(model, group_size=32, bits=4)
+    assert mixbits.patch(model), f"{arch}: nothing patched"
+    return model, cfg
+
+
+def _plain_logits(model, prompt, tokens):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    out = [model(mx.array([prompt]), cache=cache)[:, -1:]]
+    for t in tokens:
+        out.append(model(mx.array([[t]]), cache=cache))
+    return out
+
+
+def _compiled_logits(model, prompt, tokens, capacity=None):
+    d = Decoder(model)
+    out = [d.prefill(prompt, capacity=capacity)[:, -1:]]
+    for t in tokens:
+        out.append(d.step(t))
+    return out, d.offset
+
+
+def _ids(cfg, n, seed):
+    return mx.random.randint(0, cfg["vocab_size"], (n,), key=mx.random.key(seed)).tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_steps_match_the_plain_forward(arch):
+    model, cfg = _patched(arch)
+    # Fixed (not argmax) tokens, so a wrong step cannot hide behind the
+    # same greedy choice.
+    prompt, tokens = _ids(cfg, 11, 1), _ids(cfg, 12, 2)
+    plain = _plain_logits(model, prompt, tokens)
+    compiled, offset = _compiled_logits(model, prompt, tokens)
+    for i, (p, c) in enumerate(zip(plain, compiled)):
+        assert c.shape == p.shape, (arch, i)
+        err = mx.abs(c - p).max().item()
+        assert err <= 1e-4 * (1 + mx.abs(p).max().item()), f"{arch} step {i}: max |diff| {err}"
+    assert offset == len(prompt) + len(tokens)
+
+
+def test_capacity_grows_past_the_first_trace():
+    # 250 prompt tokens in a 256-slot buffer: the 7th step grows it (retrace).
+    model, cfg = _patched("llama")
+    prompt, tokens = _ids(cfg, 250, 3), _ids(cfg, 9, 4)
+    plain = _plain_logits(model, prompt, tokens)
+    compiled, _ = _compiled_logits(model, prompt, tokens, capacity=1)
+    for i, (p, c) in enumerate(zip(plain, compiled)):
+        assert mx.allclose(c, p, rtol=1e-4, atol=1e-4).item(), f"step {i}"
+
+
+def test_recurrent_caches_are_refused():
+    model, cfg = _patched("qwen3_next")
+    with pytest.raises(Unsupported, match="not compiled"):
+        Decoder(model).prefill(_ids(cfg, 5, 5))
+
+
+def test_a_model_that_builds_its_own_decode_mask_is_refused(monkeypatch):
+    # A model that never asks its cache for the mask would attend to the
+    # buffer's empty slots: the trace refuses it.
+    import mlx_lm.models.llama as llama
+
+    model, cfg = _patched("llama")
+    monkeypatch.setattr(llama, "create_attention_mask", lambda h, cache=None, **kw: None)
+    d = Decoder(model)
+    d.prefill(_ids(cfg, 5, 6))
+    with pytest.raises(Unsupported, match="decode mask"):
+        d.step(3)
+
+
+def test_verify_refuses_a_step_that_disagrees(monkeypatch):
+    # Plant a wrong mask (every slot visible, the empty ones too): the
+    # first step's check against the plain forward catches it.
+    from mixbits import decode
+
+    model, cfg = _patched("llama")
+    orig = decode._StepCache.make_mask
+
+    def everything(self, N, window_size=None, return_array=False):
+        return orig(self, N, window_size, return_array) | True
+
+    monkeypatch.setattr(decode._StepCache, "make_mask", everything)
+    d = Decoder(model)
+    d.prefill(_ids(cfg, 5, 7))
+    with pytest.raises(Unsupported, match="disagrees"):
+        d.step(3)
+
+
+def test_step_before_prefill_and_bad_ids():
+    model, _ = _patched("llama")
+    with pytest.raises(RuntimeError, match="prefill"):
+        Decoder(model).step(1)
+    with pytest.raises(ValueError, match="one non-empty sequence"):
+        Decoder(model).prefill(mx.zeros((2, 3), dtype=mx.int32))
+    with pytest.raises(TypeError):
+        Decoder(object())
