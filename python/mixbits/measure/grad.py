@@ -75,8 +75,8 @@ def _stack_modules(ad, sites) -> tuple[dict, dict]:
 
 def fisher_diagonal(model, tokens, sites, *, samples: int = 1, seed: int = 0, batch: int = 2,
                     progress: bool = True):
-    """{path: diag Fisher summed over tokens (float32, weight shape)} and
-    the token count. ``sites``: adapter Sites of ``model``.
+    """{path: diag Fisher summed over tokens (numpy float32, weight shape)}
+    and the token count. ``sites``: adapter Sites of ``model``.
 
     The model runs as it is (its own quantized / mixbits layers; routed
     kernels suspended, as they have no derivatives). Per batch of
@@ -143,7 +143,7 @@ def fisher_diagonal(model, tokens, sites, *, samples: int = 1, seed: int = 0, ba
         for p, m in originals.items():
             ad.set(p, m)
     bar.close()
-    return {p: mx.array(v) for p, v in fisher.items()}, toks.size * samples
+    return fisher, toks.size * samples
 
 
 def _accumulate(fisher, inputs, grads, forms, n_seq, split_key) -> None:
@@ -170,18 +170,20 @@ def _accumulate(fisher, inputs, grads, forms, n_seq, split_key) -> None:
             fisher[path] += g * g
 
 
-def estimate(fisher: mx.array, n_tokens: int, original, layer) -> float:
-    """1/2 sum F (W_c - W)^2 per token for one tensor and candidate layer."""
+def estimate(fisher: np.ndarray, n_tokens: int, dense: np.ndarray, layer) -> float:
+    """1/2 sum F (W_c - W)^2 per token for one tensor (``dense``: its
+    float32 weight, computed once per tensor) and candidate layer."""
     from ..adapter import dense_weight
 
-    d = dense_weight(layer) - dense_weight(original)
-    return float(0.5 * (fisher * d * d).sum().item() / n_tokens)
+    d = np.array(dense_weight(layer)) - dense
+    d *= d
+    return float(0.5 * np.vdot(fisher, d) / n_tokens)
 
 
 def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples: int = 1,
                  seed: int = 0, progress: bool = True) -> list[dict]:
     """Table entries (the sweep's layout) with proxy KLs for ``sites``."""
-    from ..adapter import ModelAdapter
+    from ..adapter import ModelAdapter, dense_weight
     from .candidates import build_layer
     from .sweep import storage_bits
 
@@ -194,12 +196,13 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
     for s in sites:
         t1 = time.perf_counter()
         original = ad.get(s.path)
+        dense = np.array(dense_weight(original))
         cands = []
         for c in site_cands[s.path]:
             layer = build_layer(original, c, scale_dtype)
             sb = storage_bits(layer, s)
             cands.append({"kind": c.name, "bits": c.nominal_bits,
-                          "kl": estimate(fisher[s.path], n_tok, original, layer),
+                          "kl": estimate(fisher[s.path], n_tok, dense, layer),
                           "storage_bits": sb, "bpw": sb / s.nparams, "group_size": c.group_size,
                           "source": "grad"})
         entry = {"path": s.path}
