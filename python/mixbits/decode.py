@@ -35,7 +35,13 @@ import mlx.nn as nn
 
 __all__ = ["Decoder", "Unsupported"]
 
-STEP = 256  # capacity granularity, as mlx-lm's KVCache grows
+# Buffer capacity: rounded up to ROUND positions, grown by GROW when a
+# sequence outgrows it. Every capacity is a new trace (~0.3 s), and MLX's
+# CPU attention behind the mask costs time in proportion to the capacity,
+# not to the tokens held: hence a tight first capacity (the caller knows
+# prompt + max new tokens) and rare, large growth steps.
+ROUND = 32
+GROW = 256
 
 
 class Unsupported(ValueError):
@@ -90,7 +96,7 @@ class _StepCache:
 
 
 def _capacity(n: int) -> int:
-    return max(STEP, -(-n // STEP) * STEP)
+    return -(-n // ROUND) * ROUND
 
 
 def _pad(a: mx.array, capacity: int) -> mx.array:
@@ -100,25 +106,34 @@ def _pad(a: mx.array, capacity: int) -> mx.array:
     return mx.concatenate([a, mx.zeros((*a.shape[:2], extra, a.shape[3]), a.dtype)], axis=2)
 
 
-def _buffers(cache, capacity: int):
-    """(keys, values, window) of one filled mlx-lm cache as step buffers."""
+def _window(cache) -> int | None:
+    """None for a KVCache, the ring size for a RotatingKVCache (keep=0);
+    Unsupported for any other cache."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     if type(cache) is KVCache:
-        keys, values = cache.keys_and_values()
-        return _pad(keys, capacity), _pad(values, capacity), None
+        return None
     if type(cache) is RotatingKVCache:
         if cache.keep != 0:
             raise Unsupported(f"RotatingKVCache with keep={cache.keep} (only keep=0 is compiled)")
-        w, off = cache.max_size, cache.offset
-        # Temporal order (mlx-lm's own helper), the last min(offset, w)
-        # tokens, then token t moved to ring slot t % w.
-        keys, values = (cache._temporal_order(a)[..., -min(off, w):, :] for a in (cache.keys, cache.values))
-        if off < w:
-            return _pad(keys, w), _pad(values, w), w
-        shift = (off - w) % w
-        return mx.roll(keys, shift, axis=2), mx.roll(values, shift, axis=2), w
+        return cache.max_size
     raise Unsupported(f"{type(cache).__name__} is not compiled (KVCache and RotatingKVCache are)")
+
+
+def _buffers(cache, capacity: int):
+    """(keys, values, window) of one filled mlx-lm cache as step buffers."""
+    w = _window(cache)
+    if w is None:
+        keys, values = cache.keys_and_values()
+        return _pad(keys, capacity), _pad(values, capacity), None
+    off = cache.offset
+    # Temporal order (mlx-lm's own helper), the last min(offset, w)
+    # tokens, then token t moved to ring slot t % w.
+    keys, values = (cache._temporal_order(a)[..., -min(off, w):, :] for a in (cache.keys, cache.values))
+    if off < w:
+        return _pad(keys, w), _pad(values, w), w
+    shift = (off - w) % w
+    return mx.roll(keys, shift, axis=2), mx.roll(values, shift, axis=2), w
 
 
 class Decoder:
@@ -150,8 +165,9 @@ class Decoder:
     def prefill(self, ids, capacity: int | None = None) -> mx.array:
         """Logits of the model's plain forward over ``ids`` ((1, L) or a
         list of token ids). ``capacity``: the longest sequence expected
-        (prompt + new tokens), so the step is traced once; it grows by
-        256 positions (one retrace each) when exceeded."""
+        (prompt + new tokens), so the step is traced once; without it,
+        the prompt + 256. The buffer grows by 256 positions (one retrace
+        each) when exceeded."""
         from mlx_lm.models.cache import make_prompt_cache
 
         x = mx.array([list(ids)]) if not isinstance(ids, mx.array) else ids
@@ -160,11 +176,9 @@ class Decoder:
         self._cache = make_prompt_cache(self.model)
         logits = self.model(x, cache=self._cache)
         self.offset = x.shape[1]
-        self._capacity = _capacity(max(capacity or 0, self.offset + 1))
-        # Refuse unsupported caches now, before any decoding.
-        for c in self._cache:
-            if type(c).__name__ not in ("KVCache", "RotatingKVCache") or getattr(c, "keep", 0):
-                _buffers(c, self._capacity)
+        self._capacity = _capacity(max(capacity or self.offset + GROW, self.offset + 1))
+        for c in self._cache:  # refuse unsupported caches before any decoding
+            _window(c)
         return logits
 
     def _traced(self, tokens, offset, keys, values):
@@ -188,12 +202,20 @@ class Decoder:
                 plain = self.model(x, cache=self._cache)
             self._cache = None
         if self.offset >= self._capacity:
-            self._capacity += STEP  # new shapes: MLX traces the step again
-            self._state = ([_pad(k, self._capacity) for k in self._state[0]],
-                           [_pad(v, self._capacity) for v in self._state[1]])
+            self._capacity += GROW  # new shapes: MLX traces the step again
+            grow = [a if w else _pad(a, self._capacity) for a, w in zip(self._state[0], self._windows)]
+            self._state = (grow, [a if w else _pad(a, self._capacity)
+                                  for a, w in zip(self._state[1], self._windows)])
         keys, values = self._state
         self._state = None  # drop our references so slice_update may reuse the buffers
-        logits, keys, values = self._fn(x, mx.array(self.offset, dtype=mx.int32), keys, values)
+        try:
+            logits, keys, values = self._fn(x, mx.array(self.offset, dtype=mx.int32), keys, values)
+        except Unsupported:
+            raise
+        except (TypeError, ValueError, RuntimeError) as e:
+            # e.g. a model doing Python arithmetic or control flow on cache.offset
+            raise Unsupported(f"{type(self.model).__name__}'s forward cannot be traced with an array "
+                              f"cache offset: {e}") from e
         self._state = (keys, values)
         self.offset += 1
         if plain is not None:

@@ -1,0 +1,262 @@
+"""Where a SmolLM2-135M decode token goes, patched with mixbits, one thread,
+CPU time: the plain step (``model(token, cache)``) next to the compiled one
+(``mixbits.decode.Decoder``).
+
+    OPENBLAS_NUM_THREADS=1 python bench/decode_profile.py [--steps 24] [--reps 5]
+
+Per token:
+- build: CPU time of the Python call that returns the (lazy) logits;
+- eval: CPU time of ``mx.eval`` on them (MLX's own stream thread included,
+  as ``time.process_time`` counts every thread of the process);
+- within eval, measured apart on the same arrays: the model's 211 quantized
+  matmuls (210 linears + the tied head, each as the model dispatches it,
+  all in one graph) and the 30 decode attentions at this cache length (as
+  the step runs them: no mask for the plain step, the boolean mask over the
+  256-slot buffer for the compiled one); "other" is the rest of eval (norms,
+  rope, cache updates, reshapes, SwiGLU, and MLX's per-node dispatch);
+- graph nodes: the primitives of one step's graph, by MLX op name, counted
+  from ``mx.export_to_dot`` (noise-free, unlike the times).
+
+Times are medians over ``--reps`` rounds of ``--steps`` tokens, the two
+steps interleaved so load from other processes hits both alike. Saves
+bench/results/decode_profile.json.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # read when MLX's BLAS loads
+
+import argparse
+import collections
+import json
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROMPT = 64
+TEXT = "The quick brown fox jumps over the lazy dog while the capital of France is Paris. " * 8
+
+
+def setup_cpu_one_thread():
+    from mixbits import _ext
+
+    mx.set_default_device(mx.cpu)
+    _ext.set_max_threads(1)
+
+
+def load_smollm2(patch: bool = True):
+    import mixbits
+    from mixbits.models import smollm2
+    from mixbits.models.gguf import load_gguf
+
+    model, tok, _ = load_gguf(smollm2.fetch())
+    if patch:
+        mixbits.patch(model)
+    return model, tok
+
+
+def prompt_ids(tok, n: int = PROMPT) -> list[int]:
+    ids = tok.encode(TEXT)[:n]
+    assert len(ids) == n
+    return ids
+
+
+class Plain:
+    """The model's own decode: ``model(token, cache)`` with mlx-lm caches."""
+
+    name = "plain"
+
+    def __init__(self, model, ids, capacity):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.model, self.cache = model, make_prompt_cache(model)
+        self.first = model(mx.array([ids]), cache=self.cache)
+        mx.eval(self.first, [c.state for c in self.cache])
+
+    def __call__(self, token):
+        return self.model(token, cache=self.cache)
+
+    def outputs(self, logits):
+        return [logits]
+
+
+class Compiled:
+    """``mixbits.decode.Decoder``: the same forward, compiled."""
+
+    name = "compiled"
+
+    def __init__(self, model, ids, capacity):
+        from mixbits.decode import Decoder
+
+        self.dec = Decoder(model)
+        self.first = self.dec.prefill(ids, capacity=capacity)
+        mx.eval(self.first)
+
+    def __call__(self, token):
+        return self.dec.step(token)
+
+    def outputs(self, logits):
+        return [logits, *self.dec._state[0], *self.dec._state[1]]
+
+
+def count_nodes(arrays) -> collections.Counter:
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "g.dot")
+        mx.export_to_dot(path, *arrays)
+        text = Path(path).read_text()
+    return collections.Counter(re.findall(r'\[label ="?([A-Za-z_]+)', text))
+
+
+def warm(step, n: int = 2):
+    """Greedy tokens through ``step`` (the first compiled one traces and checks)."""
+    nxt = mx.argmax(step.first[:, -1:], axis=-1)
+    for _ in range(n):
+        nxt = mx.argmax(step(nxt)[:, -1:], axis=-1)
+        mx.eval(nxt)
+    return nxt
+
+
+def time_steps(step, nxt, steps: int):
+    """(build, eval) CPU seconds of each of ``steps`` greedy decode steps."""
+    build, ev = [], []
+    for _ in range(steps):
+        t0 = time.process_time()
+        logits = step(nxt)
+        nxt = mx.argmax(logits[:, -1:], axis=-1)
+        t1 = time.process_time()
+        mx.eval(nxt)
+        t2 = time.process_time()
+        build.append(t1 - t0)
+        ev.append(t2 - t1)
+    return build, ev, nxt
+
+
+def median_eval(build, reps: int) -> float:
+    """Median CPU time of ``mx.eval`` on the arrays ``build()`` returns
+    (the graph is built, untimed, before each evaluation)."""
+    mx.eval(build())
+    ts = []
+    for _ in range(reps):
+        out = build()
+        t0 = time.process_time()
+        mx.eval(out)
+        ts.append(time.process_time() - t0)
+    return statistics.median(ts)
+
+
+def matmul_graph(model):
+    """A function evaluating every quantized matmul of one decode token (the
+    linears and the tied head, as the layers dispatch them) in one graph."""
+    import mlx.nn as nn
+
+    from mixbits.nn import MixedQuantizedEmbedding, MixedQuantizedLinear
+
+    calls = []
+    for _, m in model.named_modules():
+        if isinstance(m, MixedQuantizedLinear):
+            calls.append((m, mx.random.normal((1, 1, m.input_dims))))
+        elif isinstance(m, nn.QuantizedLinear):
+            calls.append((m, mx.random.normal((1, 1, m.weight.shape[1] * 32 // m.bits))))
+        elif isinstance(m, (MixedQuantizedEmbedding, nn.QuantizedEmbedding)):
+            calls.append((m.as_linear, mx.random.normal((1, 1, m.dims))))
+    mx.eval([x for _, x in calls])
+    return (lambda: [f(x) for f, x in calls]), len(calls)
+
+
+def attention_graph(model, length: int, capacity: int | None):
+    """30 decode attentions (one per layer) as the step runs them: MLX's
+    sdpa with no mask over ``length`` keys (plain), or with the boolean mask
+    over the ``capacity``-slot buffer (compiled)."""
+    layers = model.model.layers
+    attn = layers[0].self_attn
+    h, hk, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    s = capacity or length
+    q = mx.random.normal((1, h, 1, d))
+    kv = [(mx.random.normal((1, hk, s, d)), mx.random.normal((1, hk, s, d))) for _ in layers]
+    mask = None if capacity is None else mx.arange(s) <= length - 1
+    mx.eval(q, kv, mask if mask is not None else q)
+    sdpa = mx.fast.scaled_dot_product_attention
+    return lambda: [sdpa(q, k, v, scale=attn.scale, mask=mask) for k, v in kv]
+
+
+def profile(model, tok, steps: int, reps: int) -> dict:
+    ids = prompt_ids(tok)
+    capacity = PROMPT + (steps + 4) * reps
+    modes = [Plain(model, ids, capacity), Compiled(model, ids, capacity)]
+    nodes, samples, nxt = {}, {m.name: ([], []) for m in modes}, {}
+    for m in modes:
+        nxt[m.name] = warm(m)
+        nodes[m.name] = count_nodes(m.outputs(m(nxt[m.name])))
+        nxt[m.name] = warm(m, 1)
+    for _ in range(reps):  # interleaved rounds
+        for m in modes:
+            b, e, nxt[m.name] = time_steps(m, nxt[m.name], steps)
+            samples[m.name][0].extend(b)
+            samples[m.name][1].extend(e)
+    mm, n_mm = matmul_graph(model)
+    t_mm = median_eval(mm, 2 * reps)
+    length = PROMPT + (steps * reps) // 2  # the middle of the timed steps
+    out = {}
+    for m in modes:
+        build = statistics.median(samples[m.name][0])
+        ev = statistics.median(samples[m.name][1])
+        t_att = median_eval(attention_graph(model, length, None if m.name == "plain" else
+                                           m.dec._capacity), 2 * reps)
+        c = nodes[m.name]
+        out[m.name] = {
+            "ms_per_token": 1e3 * (build + ev),
+            "tok_s": 1 / (build + ev),
+            "build_ms": 1e3 * build,
+            "eval_ms": 1e3 * ev,
+            "qmatmul_ms": 1e3 * t_mm,
+            "attention_ms": 1e3 * t_att,
+            "other_eval_ms": 1e3 * (ev - t_mm - t_att),
+            "graph_nodes": sum(c.values()),
+            "nodes_by_op": dict(c.most_common()),
+        }
+    return {"model": "SmolLM2-135M Q4_1 (GGUF), mixbits.patch", "prompt": PROMPT,
+            "steps": steps, "reps": reps, "quantized_matmuls": n_mm,
+            "clock": "time.process_time, 1 thread (mixbits set_max_threads(1), OPENBLAS_NUM_THREADS=1)",
+            "load_average": os.getloadavg()[0], "modes": out}
+
+
+def report(res: dict) -> str:
+    rows = [("tok/s", "tok_s", "{:.1f}"), ("ms/token", "ms_per_token", "{:.1f}"),
+            ("  graph build (Python)", "build_ms", "{:.1f}"), ("  eval", "eval_ms", "{:.1f}"),
+            ("    quantized matmuls", "qmatmul_ms", "{:.1f}"), ("    attention", "attention_ms", "{:.1f}"),
+            ("    other (norm, rope, cache, dispatch)", "other_eval_ms", "{:.1f}"),
+            ("graph nodes per token", "graph_nodes", "{}")]
+    m = res["modes"]
+    lines = [f"{res['model']}, prompt {res['prompt']}, {res['steps']} x {res['reps']} steps, "
+             f"one thread CPU time (load average {res['load_average']:.2f})",
+             f"{'':40} {'plain':>9} {'compiled':>9}"]
+    lines += [f"{label:40} {fmt.format(m['plain'][k]):>9} {fmt.format(m['compiled'][k]):>9}" for label, k, fmt in rows]
+    for name in ("plain", "compiled"):
+        top = ", ".join(f"{k} {v}" for k, v in list(m[name]["nodes_by_op"].items())[:10])
+        lines.append(f"{name} nodes: {top}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=24, help="decode steps per round (default 24)")
+    ap.add_argument("--reps", type=int, default=5, help="interleaved rounds (default 5)")
+    ap.add_argument("--out", default=str(RESULTS / "decode_profile.json"))
+    a = ap.parse_args(argv)
+    setup_cpu_one_thread()
+    model, tok = load_smollm2()
+    res = profile(model, tok, a.steps, a.reps)
+    print(report(res))
+    Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    print(f"saved {a.out}")
+
+
+if __name__ == "__main__":
+    main()
