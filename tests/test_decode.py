@@ -128,3 +128,27 @@ def test_step_before_prefill_and_bad_ids():
         Decoder(model).prefill(mx.zeros((2, 3), dtype=mx.int32))
     with pytest.raises(TypeError):
         Decoder(object())
+
+
+class _Tokens:
+    """A tokenizer over space-separated token ids."""
+
+    eos_token_ids = []
+
+    def encode(self, text):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_greedy_generate_gives_the_plain_tokens(arch):
+    from mixbits.decode import greedy_generate as compiled
+    from mixbits.models import greedy_generate as plain
+
+    model, cfg = _patched(arch)
+    prompt = " ".join(map(str, _ids(cfg, 7, 8)))
+    want = plain(model, _Tokens(), prompt, max_tokens=14)
+    got = compiled(model, _Tokens(), prompt, max_tokens=14)
+    assert got.ids == want.ids and len(got.ids) == 14

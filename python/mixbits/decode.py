@@ -234,3 +234,35 @@ class Decoder:
             raise Unsupported(
                 f"the compiled decode step of {type(self.model).__name__} disagrees with its plain forward "
                 f"(max |diff| {err}); decode with the model itself")
+
+
+def greedy_generate(model, tokenizer, prompt: str, max_tokens: int = 16, stop_at_eos: bool = True):
+    """:func:`mixbits.models.greedy_generate` with the decode steps compiled
+    (same tokens, same :class:`~mixbits.models.eval.Generation` result).
+    Raises :class:`Unsupported` (before or at the first decode step) for a
+    model the compiled step cannot run; callers fall back to the plain one."""
+    import time
+
+    from .models.eval import Generation
+
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise ValueError("prompt encodes to no tokens")
+    eos = set(getattr(tokenizer, "eos_token_ids", []) or [])
+    gen = Generation(prompt_ids=list(ids))
+    dec = Decoder(model)
+    t0 = time.perf_counter()
+    logits = dec.prefill(ids, capacity=len(ids) + max_tokens)
+    nxt = mx.argmax(logits[0, -1]).item()
+    gen.prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()  # the first step's trace and check count as decode time
+    while not (stop_at_eos and nxt in eos):
+        gen.ids.append(nxt)
+        if len(gen.ids) >= max_tokens:
+            break
+        nxt = mx.argmax(dec.step(nxt)[0, -1]).item()
+    gen.decode_s = time.perf_counter() - t0
+    gen.text = tokenizer.decode(gen.ids)
+    return gen

@@ -14,6 +14,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate (default 32)")
     p.add_argument("--patch", action="store_true",
                    help="run every quantized layer through mixbits.qmatmul instead of MLX's kernel")
+    p.add_argument("--compiled", action="store_true",
+                   help="decode through mixbits.decode (the model's forward compiled with mx.compile, checked "
+                        "against the plain step once); models it cannot compile fall back to the plain loop")
     p.add_argument("--no-stats", action="store_true", help="do not print timings to stderr")
 
 
@@ -32,12 +35,22 @@ def run(args) -> int:
     if tokenizer is None:
         print(f"--model: {args.model} has no tokenizer.json", file=sys.stderr)
         return 2
-    gen = greedy_generate(model, tokenizer, args.prompt, max_tokens=args.max_tokens)
+    gen = None
+    if args.compiled:
+        from mixbits.decode import Unsupported, greedy_generate as compiled_generate
+
+        try:
+            gen = compiled_generate(model, tokenizer, args.prompt, max_tokens=args.max_tokens)
+        except Unsupported as e:
+            print(f"--compiled: {e}; decoding with the plain step", file=sys.stderr)
+    if gen is None:
+        gen = greedy_generate(model, tokenizer, args.prompt, max_tokens=args.max_tokens)
     print(args.prompt + gen.text)
     if not args.no_stats:
         layers = "mixbits" if args.patch else "mlx"
+        how = ", compiled decode (first step traces and checks it)" if args.compiled else ""
         print(
-            f"[{layers} layers] prompt {len(gen.prompt_ids)} tokens, {gen.prefill_tps:.1f} tok/s prefill; "
+            f"[{layers} layers{how}] prompt {len(gen.prompt_ids)} tokens, {gen.prefill_tps:.1f} tok/s prefill; "
             f"{len(gen.ids)} generated, {gen.decode_tps:.1f} tok/s decode",
             file=sys.stderr,
         )
