@@ -102,15 +102,18 @@ def weight_shape(m) -> tuple:
 
 
 def dense_weight(m) -> mx.array:
-    """The float32 dense weight of a quantizable module (original column order)."""
+    """The float32 dense weight of a quantizable module (original column
+    order); quantized ones as ``s*q + b`` in float32 (scales widened first)."""
     if isinstance(m, _mixbits_kinds()):
-        return m.quantized_tensor().dequantize(unpermute=True).astype(mx.float32)
+        return m.quantized_tensor().dequantize(unpermute=True, dtype=mx.float32)
     if "scales" in m:
         mode = getattr(m, "mode", "affine")
         if mode != "affine":
             raise ValueError(f"only affine quantized layers can be re-quantized, got mode {mode!r}")
-        return mx.dequantize(m["weight"], m["scales"], m.get("biases"), group_size=m.group_size,
-                             bits=m.bits).astype(mx.float32)
+        biases = m.get("biases")
+        return mx.dequantize(m["weight"], m["scales"].astype(mx.float32),
+                             None if biases is None else biases.astype(mx.float32),
+                             group_size=m.group_size, bits=m.bits)
     return m["weight"].astype(mx.float32)
 
 

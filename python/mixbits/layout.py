@@ -199,16 +199,25 @@ class QuantizedTensor:
             out += [s.wq, s.scales, s.biases]
         return out
 
-    def dequantize(self, unpermute: bool = False) -> mx.array:
+    def dequantize(self, unpermute: bool = False, dtype=None) -> mx.array:
         """The dense [..., N, K] matrix (batch dims first, if any) in stored
         (permuted) column order, so ``qmatmul(x, qt) == x[..., perm] @
         qt.dequantize().T``. With ``unpermute=True`` columns are in the
-        original order instead."""
+        original order instead. ``dtype`` (e.g. float32): scales and biases
+        are widened to it first (exactly), so ``s*q + b`` is formed in that
+        precision -- as the CPU kernels form it -- instead of being rounded
+        to the scales' half precision (MLX's CPU half arithmetic is also
+        2-3x slower)."""
         if self.shape[0] == 0 or 0 in self.batch_shape:
             # mx.dequantize cannot reshape an empty array; the answer is known.
-            return mx.zeros((*self.batch_shape, *self.shape), dtype=self.dtype)
+            return mx.zeros((*self.batch_shape, *self.shape), dtype=dtype or self.dtype)
+
+        def widen(a):
+            return a if dtype is None else a.astype(dtype)
+
         parts = [
-            mx.dequantize(s.wq, s.scales, s.biases, group_size=s.group_size, bits=s.bits)
+            mx.dequantize(s.wq, widen(s.scales), widen(s.biases), group_size=s.group_size,
+                          bits=s.bits)
             for s in self.segments
         ]
         w = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
