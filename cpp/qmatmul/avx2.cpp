@@ -809,8 +809,14 @@ void qmm_avx2_run(const float* x, int M, const QMatView& w, float* y) {
 
 namespace {
 
-constexpr int kTKC = 128;  // W columns (dx columns) per tile; all group sizes divide it
-constexpr int kTNB = 256;  // W rows per tile: the micro-kernel's inner length
+// Measured here (1 thread, 4-bit g64, M=256/1024): 64 x 1024 ran at 85-92
+// GFLOP/s, 128 x 256 at 50-58 (32..256 x 256..2048 tried; chosen by
+// measurement, not a cache model). Long rows amortize the micro-kernel's
+// horizontal sums; its few rows of dy stay in L1 across the tile's columns.
+// Group size 128 widens a tile to 128 columns.
+constexpr int kTKC = 64;     // W columns (dx columns) per tile, at least
+constexpr int kTKCMax = 128; // ... and at most (the largest group size)
+constexpr int kTNB = 1024;   // W rows per tile: the micro-kernel's inner length
 
 // rows 0..7 of an 8x8 block (row stride lds) -> o[c] = column c.
 inline void transpose8x8(const float* src, int64_t lds, __m256 o[8]) {
@@ -848,7 +854,7 @@ void transpose_tile(const float* tile, int nbp, int kc, float* T, int ldt) {
 }
 
 struct TItem {
-  int seg, c0, c1;  // segment-local columns, group aligned
+  int seg, c0, c1;  // segment-local columns, group aligned, c1 - c0 <= kTKCMax
 };
 
 // dx columns [s.k0 + c0, s.k0 + c1) for all M rows. dy has row stride ldd
@@ -860,8 +866,8 @@ void t_item(const float* dy, int64_t ldd, int M, const QMatView& w,
   const int N = w.N, K = w.K, kc = it.c1 - it.c0;
   const MicroPick mk = pick_micro();
   thread_local std::vector<float> tile, T;
-  tile.resize(size_t(kTNB) * kTKC);
-  T.resize(size_t(kTKC) * kTNB);
+  tile.resize(size_t(kTNB) * kTKCMax);
+  T.resize(size_t(kTKCMax) * kTNB);
   float* out = dx + s.k0 + it.c0;
   for (int m = 0; m < M; ++m) std::fill(out + int64_t(m) * K, out + int64_t(m) * K + kc, 0.0f);
   for (int n0 = 0; n0 < N; n0 += kTNB) {
@@ -899,8 +905,10 @@ void qmm_t_avx2_run(const float* dy, int M, const QMatView& w, float* dx) {
   for (size_t si = 0; si < w.segs.size(); ++si) {
     const SegView& s = w.segs[si];
     fns.push_back(seg_fns(s.bits, s.group_size));
-    for (int c0 = 0; c0 < s.k; c0 += kTKC)
-      items.push_back({int(si), c0, std::min(s.k, c0 + kTKC)});
+    // Items never split a group: dequant_tile works on whole groups.
+    const int width = std::max(kTKC, s.group_size);
+    for (int c0 = 0; c0 < s.k; c0 += width)
+      items.push_back({int(si), c0, std::min(s.k, c0 + width)});
   }
   parallel_for(int64_t(items.size()), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) t_item(dy, ldd, M, w, fns, items[i], dx);
