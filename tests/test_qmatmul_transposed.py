@@ -97,6 +97,20 @@ def test_mixed_segments_with_permutation(specs, backend):
             assert_matmul_close(dx_through_vjp(qt, dy, backend), ref, mag)
 
 
+@pytest.mark.skipif("avx2" not in BACKENDS, reason="no AVX2 on this CPU")
+def test_eight_lane_micro_kernel(monkeypatch):
+    """On an AVX-512 CPU the 16-lane micro-kernel runs; MIXBITS_QMM_ISA=avx2
+    (read per call) forces the 8-lane one, so both are checked here."""
+    monkeypatch.setenv("MIXBITS_QMM_ISA", "avx2")
+    rng = np.random.default_rng(8)
+    for specs in MIXED:
+        qt = make(rng, 1100, specs, perm=True)
+        for m in (1, 5, 130):
+            dy = rand(rng, (m, 1100))
+            ref, mag = reference(qt, dy)
+            assert_matmul_close(dx_through_vjp(qt, dy, "avx2"), ref, mag)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
 @pytest.mark.parametrize("sdtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
