@@ -170,6 +170,18 @@ def matmul_graph(model):
     return (lambda: [f(x) for f, x in calls]), len(calls)
 
 
+def weight_bytes(model) -> int:
+    """Bytes of every quantized module's arrays (codes, scales, biases):
+    what one decode token must read."""
+    from mlx.utils import tree_flatten
+
+    total = 0
+    for _, m in model.named_modules():
+        if "Quantized" in type(m).__name__:
+            total += sum(a.nbytes for _, a in tree_flatten(m.parameters()))
+    return total
+
+
 def attention_graph(model, length: int, capacity: int | None):
     """30 decode attentions (one per layer) as the step runs them: MLX's
     sdpa with no mask over ``length`` keys (plain), or with the boolean mask
@@ -202,6 +214,10 @@ def profile(model, tok, steps: int, reps: int) -> dict:
             samples[m.name][1].extend(e)
     mm, n_mm = matmul_graph(model)
     t_mm = median_eval(mm, 2 * reps)
+    from mixbits import _ext
+
+    nbytes = weight_bytes(model)
+    probe = float(_ext.read_bandwidth_gbps(1 << 28, 5))
     length = PROMPT + (steps * reps) // 2  # the middle of the timed steps
     out = {}
     for m in modes:
@@ -223,6 +239,8 @@ def profile(model, tok, steps: int, reps: int) -> dict:
         }
     return {"model": "SmolLM2-135M Q4_1 (GGUF), mixbits.patch", "prompt": PROMPT,
             "steps": steps, "reps": reps, "quantized_matmuls": n_mm,
+            "weight_mb": nbytes / 1e6, "qmatmul_gbps": nbytes / t_mm / 1e9, "probe_gbps": probe,
+            "weights_at_probe_ms": 1e3 * nbytes / (probe * 1e9),
             "clock": "time.process_time, 1 thread (mixbits set_max_threads(1), OPENBLAS_NUM_THREADS=1)",
             "load_average": os.getloadavg()[0], "modes": out}
 
@@ -238,6 +256,9 @@ def report(res: dict) -> str:
              f"one thread CPU time (load average {res['load_average']:.2f})",
              f"{'':40} {'plain':>9} {'compiled':>9}"]
     lines += [f"{label:40} {fmt.format(m['plain'][k]):>9} {fmt.format(m['compiled'][k]):>9}" for label, k, fmt in rows]
+    lines.append(f"quantized weights {res['weight_mb']:.1f} MB per token: the matmul graph reads them at "
+                 f"{res['qmatmul_gbps']:.1f} GB/s; read-bandwidth probe (1 thread) {res['probe_gbps']:.1f} GB/s "
+                 f"-> {res['weights_at_probe_ms']:.1f} ms")
     for name in ("plain", "compiled"):
         top = ", ".join(f"{k} {v}" for k, v in list(m[name]["nodes_by_op"].items())[:10])
         lines.append(f"{name} nodes: {top}")
