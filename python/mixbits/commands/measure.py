@@ -20,7 +20,12 @@ def add_arguments(p) -> None:
                    help="names such as 2b_g64 3b_g64 4b_g32 8b_g128 ternary_g64 4b10_3b_g64, or a "
                         f"preset: 'default' ({' '.join(DEFAULT_CANDIDATES)}) or 'wide' (2/3/4/5/6/8 "
                         "bits at g64 and g128, ternary, three mixed kinds); a tensor gets those whose "
-                        "group size divides its K (multi-head stacks such as MLA's: single-segment only)")
+                        "group size divides its K (multi-head stacks such as MLA's: single-segment only). "
+                        "A suffix picks a calibrated quantizer, for linears inside decoder blocks: "
+                        "+search (per-group clip search on the input-weighted error), +gptq (GPTQ "
+                        "error feedback on the input's X^T X; mixed kinds in act-order), +act (mixed "
+                        "kinds only: round-to-nearest, wide segment on the columns with the largest "
+                        "E[x^2]*|W col|^2), e.g. 3b_g64+gptq 4b10_3b_g64+act")
     p.add_argument("--max-batch", type=int, default=8,
                    help="sequences per suffix forward (candidates are batched up to this)")
     p.add_argument("--tensors", nargs="+",

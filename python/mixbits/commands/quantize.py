@@ -63,7 +63,7 @@ def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = 
         from mixbits.measure.replay import Replayer
 
         if tokens is None:
-            raise ValueError("the allocation has calibrated candidates (+gptq/+search): give the "
+            raise ValueError("the allocation has calibrated candidates (+gptq/+search/+act): give the "
                              "calibration tokens they were measured with (--tokens or --text)")
         rp = Replayer(model, [mx.array(tokens[i : i + 4]) for i in range(0, len(tokens), 4)], adapter)
     # Hessians come from the unquantized model: all layers are built before any is swapped in.
@@ -85,7 +85,7 @@ def add_arguments(p) -> None:
     p.add_argument("--strip-prefix", default="", help="remove this prefix from allocation paths first")
     p.add_argument("--tokens", metavar="FILE",
                    help="calibration token ids (.npy/.json [n_seq, seq_len]) for calibrated candidates "
-                        "(+gptq, +search): the layer inputs they quantize against; use the sweep's")
+                        "(+gptq, +search, +act): the layer inputs they quantize against; use the sweep's")
 
 
 def run(args) -> int:

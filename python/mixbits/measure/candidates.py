@@ -43,7 +43,7 @@ class Candidate:
     hi_bits: int | None = None  # mixed
     hi_percent: int | None = None
     lo_bits: int | None = None
-    quantizer: str = "rtn"  # "rtn", "search" or "gptq"
+    quantizer: str = "rtn"  # "rtn", "act", "search" or "gptq"
 
     @property
     def calibrated(self) -> bool:
@@ -88,7 +88,7 @@ class Candidate:
         return np.argsort(-norms, kind="stable").astype(np.int32)
 
 
-QUANTIZERS = ("rtn", "search", "gptq")
+QUANTIZERS = ("rtn", "act", "search", "gptq")
 
 
 def parse_candidate(name: str) -> Candidate:
@@ -99,7 +99,11 @@ def parse_candidate(name: str) -> Candidate:
         if quantizer not in QUANTIZERS[1:]:
             raise ValueError(f"candidate {name!r}: unknown quantizer {quantizer!r}; "
                              f"expected one of {', '.join('+' + q for q in QUANTIZERS[1:])}")
-        return dataclasses.replace(parse_candidate(base), name=name, quantizer=quantizer)
+        cand = dataclasses.replace(parse_candidate(base), name=name, quantizer=quantizer)
+        if quantizer == "act" and cand.kind != "mixed":
+            raise ValueError(f"candidate {name!r}: +act only orders a mixed kind's columns; "
+                             f"{base!r} has one segment (use {base!r} itself)")
+        return cand
     if m := _UNIFORM.match(name):
         bits, gs = int(m[1]), int(m[2])
         cand = Candidate(name, "uniform", gs, bits=bits)
@@ -244,12 +248,25 @@ def candidate_for_entry(kind: str, bits, group_size: int = 64) -> Candidate:
     return parse_candidate(kind)
 
 
+def act_perm(w: np.ndarray, x_energy: np.ndarray) -> np.ndarray:
+    """Columns by E[x_k^2] * |W[:, k]|^2, largest first: the energy column k
+    contributes to the layer's output on the calibration inputs (up to
+    cross terms), so the wide segment goes where rounding costs most.
+    ``x_energy``: the diagonal of X^T X (any positive multiple of E[x^2])."""
+    col = np.square(np.asarray(w, dtype=np.float64)).sum(axis=0)
+    return np.argsort(-(np.asarray(x_energy, dtype=np.float64) * col), kind="stable").astype(np.int32)
+
+
 def _calibrated(w, segs, cand: Candidate, inputs, scale_dtype):
     """The calibrated quantizers of :mod:`mixbits.quantizers`."""
     from .. import quantizers
 
     hessian, n_tokens = inputs
     h = np.asarray(hessian, dtype=np.float64)
+    if cand.quantizer == "act":
+        from ..layout import quantize as quantize_tensor
+
+        return quantize_tensor(w, segs, perm=act_perm(np.array(w), np.diag(h)), dtype=scale_dtype)
     if cand.quantizer == "gptq":
         # Group scales by the weighted clip search: the best GPTQ variant on
         # the quantizer tests (0.45 of RTN's output error at 2-4 bits vs 0.6).
