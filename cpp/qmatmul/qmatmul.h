@@ -36,9 +36,10 @@ class MixedQMatmul : public mx::UnaryPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
 
-  // Gradients (grad.cpp) are built from MLX ops on the same stream, so they
-  // run wherever MLX runs: wrt x, and wrt every segment's scales and biases;
+  // Gradients (grad.cpp) wrt x, and wrt every segment's scales and biases;
   // none wrt the packed codes or the permutation (as MLX's QuantizedMatmul).
+  // Built from MLX ops on the same stream, except dy·W on a CPU stream, which
+  // runs the transposed kernel (MixedQMatmulT, transposed.h).
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
                              const std::vector<mx::array>& cotangents,
                              const std::vector<int>& argnums,

@@ -1,0 +1,145 @@
+"""The gradient of mixbits.qmatmul wrt x on the CPU, one thread, CPU time:
+the transposed kernel through the packed weights (what mx.vjp now runs on a
+CPU stream) against the path it replaced (mx.dequantize + mx.matmul, MLX's
+reference-BLAS CPU matmul on Linux) and numpy float32 dy @ W (OpenBLAS
+sgemm on a W dequantized beforehand, so numpy pays no decode).
+
+SmolLM2-135M shapes N x K = 1536x576, 576x1536, 576x576, 192x576,
+49152x576 at M = 256 and 1024; 4-bit g64, 8-bit g64, and a mixed tensor
+(6/4/3-bit g64 on 1/4, 1/2, 1/4 of the columns, with a permutation).
+Writes bench/results/qmatmul_vjp_1thread_cpu.json and prints the table.
+
+    OPENBLAS_NUM_THREADS=1 python bench/bench_qmatmul_vjp.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+import mixbits
+from mixbits import _ext
+
+SHAPES = [(1536, 576), (576, 1536), (576, 576), (192, 576), (49152, 576)]
+MS = [256, 1024]
+KINDS = ["4b_g64", "8b_g64", "mixed_6-4-3_g64"]
+
+
+def cpu_flags() -> list[str]:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                want = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"]
+                return [f for f in want if f in have]
+    except OSError:
+        pass
+    return [platform.machine()]
+
+
+def segments(kind: str, k: int):
+    if kind == "4b_g64":
+        return [(4, 64, k)], False
+    if kind == "8b_g64":
+        return [(8, 64, k)], False
+    q = k // 64 // 4 * 64
+    return [(6, 64, q), (4, 64, k - 2 * q), (3, 64, q)], True
+
+
+def time_call(fn, min_time: float, max_reps: int = 50) -> dict:
+    """Median CPU time over repetitions after a warm-up; a call slower than
+    2 s is timed once (its warm-up is the sample)."""
+    t0 = time.process_time()
+    fn()
+    first = time.process_time() - t0
+    ts = []
+    if first > 2.0:
+        ts = [first]
+    else:
+        start = time.perf_counter()
+        while len(ts) < max_reps and (len(ts) < 3 or time.perf_counter() - start < min_time):
+            t0 = time.process_time()
+            fn()
+            ts.append(time.process_time() - t0)
+    return {"median_s": statistics.median(ts), "min_s": min(ts), "reps": len(ts)}
+
+
+def case(n, k, kind, m, rng, min_time):
+    segs, use_perm = segments(kind, k)
+    w = mx.array(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k))
+    perm = rng.permutation(k).astype(np.int32) if use_perm else None
+    qt = mixbits.quantize(w, segs, perm=perm)
+    x = mx.array(rng.standard_normal((m, k), dtype=np.float32))
+    dy = mx.array(rng.standard_normal((m, n), dtype=np.float32))
+    mx.eval(x, dy, *qt.arrays())
+
+    def new():  # only dx is evaluated: the forward is not in its graph
+        _, (dx,) = mx.vjp(lambda v: mixbits.qmatmul(v, qt), [x], [dy])
+        mx.eval(dx)
+
+    def old():  # what MixedQMatmul's vjp built before: dequantize, matmul, scatter
+        W = mx.concatenate([mx.dequantize(s.wq, s.scales, s.biases, group_size=s.group_size,
+                                          bits=s.bits) for s in qt.segments], axis=-1)
+        dxp = dy @ W
+        if qt.perm is not None:
+            dxp = mx.zeros_like(dxp).at[:, qt.perm].add(dxp)
+        mx.eval(dxp)
+
+    W = np.array(qt.dequantize(unpermute=True), dtype=np.float32)
+    dyn = np.array(dy)
+
+    def numpy():
+        dyn @ W
+
+    t = {"mixbits": time_call(new, min_time), "mlx_old": time_call(old, min_time, 3),
+         "numpy": time_call(numpy, min_time)}
+    ms = {k_: v["median_s"] * 1e3 for k_, v in t.items()}
+    flop = 2.0 * m * n * k
+    return {"n": n, "k": k, "kind": kind, "m": m, "times": t, "ms": ms,
+            "gflops": {k_: flop / v / 1e6 for k_, v in ms.items()},
+            "old_over_new": ms["mlx_old"] / ms["mixbits"], "numpy_over_new": ms["numpy"] / ms["mixbits"]}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="576x1536 and M=256 only")
+    ap.add_argument("--min-time", type=float, default=0.5)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "qmatmul_vjp_1thread_cpu.json"))
+    a = ap.parse_args(argv)
+    mx.set_default_device(mx.cpu)
+    _ext.set_max_threads(1)
+    flags = cpu_flags()
+    print(f"CPU flags: {' '.join(flags)}; OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}")
+    print("one thread, CPU time (median); dx = dy @ W, GFLOP/s = 2*M*N*K / time")
+    hdr = (f"{'N x K':>11} {'kind':>16} {'M':>5} {'mixbits ms':>10} {'old ms':>9} {'numpy ms':>9} "
+           f"{'old/new':>7} {'np/new':>6} {'GFLOP/s':>7}")
+    print(hdr + "\n" + "-" * len(hdr))
+    rng = np.random.default_rng(0)
+    rows = []
+    for n, k in ([(576, 1536)] if a.quick else SHAPES):
+        for kind in KINDS:
+            for m in ([256] if a.quick else MS):
+                r = case(n, k, kind, m, rng, a.min_time)
+                rows.append(r)
+                ms = r["ms"]
+                print(f"{f'{n}x{k}':>11} {kind:>16} {m:>5} {ms['mixbits']:>10.2f} {ms['mlx_old']:>9.1f} "
+                      f"{ms['numpy']:>9.2f} {r['old_over_new']:>7.1f} {r['numpy_over_new']:>6.2f} "
+                      f"{r['gflops']['mixbits']:>7.1f}", flush=True)
+    out = {"cpu_flags": flags, "clock": "process_time, median", "threads": 1,
+           "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
+           "load_average": os.getloadavg(), "mlx": mx.__version__, "rows": rows}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=1))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
