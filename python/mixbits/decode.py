@@ -1,9 +1,11 @@
 """Compiled single-token decode for mlx-lm models (opt-in).
 
-A plain decode step rebuilds the whole graph in Python every token (a few
-hundred small nodes: norms, rope, reshapes, cache updates) and MLX
-dispatches each node on its own; for a small model that costs more than the
-quantized matmuls. :class:`Decoder` runs the model's *own* forward under
+A plain decode step rebuilds the whole graph in Python every token and MLX
+dispatches each node on its own. On the CPU that graph is large because
+MLX runs ``mx.fast.rms_norm``, ``rope`` and ``scaled_dot_product_attention``
+as composed fallbacks: SmolLM2-135M's decode token is ~4,200 nodes, and
+building plus dispatching them costs about as much as its 211 quantized
+matmuls (bench/decode_profile.py). :class:`Decoder` runs the model's *own* forward under
 ``mx.compile`` instead, so the graph is traced once and replayed, and
 MLX fuses the elementwise chains.
 
@@ -22,10 +24,11 @@ This holds for models that touch their cache only through ``offset``,
 ``update_and_fetch`` and ``make_mask`` with ``KVCache`` or
 ``RotatingKVCache`` (keep=0) caches: llama, qwen2/3, gemma3, mistral, phi3,
 MoE variants... Other caches (quantized, SSM/recurrent, ``keep`` > 0) are
-refused with :class:`Unsupported` at construction. Because a model could
-still build its decode mask without asking the cache, the first compiled
-step is checked against the model's plain forward on the same state (``verify``),
-and refused if they disagree.
+refused with :class:`Unsupported` at prefill; so is a forward that cannot
+be traced with an array offset. Because a model could still build its
+decode mask without asking the cache, the first compiled step is checked
+against the model's plain forward on the same state (``verify``), and
+refused if they disagree.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ import mlx.nn as nn
 __all__ = ["Decoder", "Unsupported", "greedy_generate"]
 
 # Buffer capacity: rounded up to ROUND positions, grown by GROW when a
-# sequence outgrows it. Every capacity is a new trace (~0.3 s), and MLX's
+# sequence outgrows it. Every capacity is a new trace (~0.1-0.2 s CPU on
+# SmolLM2, plus a one-off JIT build of MLX's fused CPU kernels the first
+# time a graph is seen on a machine -- cached on disk), and MLX's
 # CPU attention behind the mask costs time in proportion to the capacity,
 # not to the tokens held: hence a tight first capacity (the caller knows
 # prompt + max new tokens) and rare, large growth steps.
