@@ -12,6 +12,7 @@ import pytest
 
 import mixbits
 from mixbits import _ext
+from mixbits._backends import BACKENDS as BACKEND_IDS
 from mixbits.layout import BITS, GROUP_SIZES, QuantizedTensor, Segment
 from reference import assert_matmul_close, dequantize_f64, to_f64
 
@@ -233,3 +234,21 @@ def test_second_order_vjp_jvp_vmap():
     v_o = mx.vmap(lambda d: ours(d, *sb), in_axes=1)(mx.swapaxes(dys, 0, 1))
     v_r = mx.stack([ref(d, *sb) for d in dys])
     np.testing.assert_allclose(np.array(v_o), np.array(v_r), rtol=1e-4, atol=1e-4)
+
+
+def test_repeated_permutation_entries_accumulate():
+    """The C++ op takes any in-range index vector (the Python layer refuses
+    non-permutations): dx is then the transpose of the gather, repeated
+    columns summed, as MLX's own take + matmul differentiates."""
+    rng = np.random.default_rng(13)
+    qt = make(rng, 30, [(4, 32, 64), (3, 32, 32)], perm=False)
+    idx = rng.integers(0, 96, 96).astype(np.int32)  # repeats, and gaps
+    perm = mx.array(idx)
+    W = mx.concatenate([mx.dequantize(s.wq, s.scales, s.biases, group_size=s.group_size,
+                                      bits=s.bits) for s in qt.segments], axis=-1)
+    x, dy = rand(rng, (7, 96)), rand(rng, (7, 30))
+    _, (want,) = mx.vjp(lambda v: mx.take(v, perm, axis=-1) @ W.T, [x], [dy])
+    for b in BACKENDS:
+        f = lambda v: _ext.qmatmul(v, perm, qt.arrays(), qt.specs, BACKEND_IDS[b])
+        _, (got,) = mx.vjp(f, [x], [dy])
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)

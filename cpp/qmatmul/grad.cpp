@@ -144,15 +144,16 @@ std::vector<mx::array> MixedQMatmul::vjp(
   for (int arg : argnums) {
     const Arg a = classify(arg, has_perm_);
     if (a.kind == Arg::X) {
-      // dy·W in stored (permuted) column order; the device is the stream's,
-      // decided here, so a GPU graph never holds the CPU-only node.
-      auto dxp = s.device == mx::Device::cpu && prefer_qmm_t(backend_)
-                     ? mixed_qmatmul_t(dy, packed, segs_, backend_, s)
-                     : mx::matmul(dy,
-                                  mx::astype(grad::dequantize_all(packed, segs_, s),
-                                             dy.dtype(), s),
-                                  s);
-      auto dx = grad::unpermute_cols(dxp, perm, s);
+      // dy·W, un-permuted. The device is the stream's, decided here, so a
+      // GPU graph never holds the CPU-only node.
+      auto dx = s.device == mx::Device::cpu && prefer_qmm_t(backend_)
+                    ? mixed_qmatmul_t(dy, perm, packed, segs_, backend_, s)
+                    : grad::unpermute_cols(
+                          mx::matmul(dy,
+                                     mx::astype(grad::dequantize_all(packed, segs_, s),
+                                                dy.dtype(), s),
+                                     s),
+                          perm, s);
       out.push_back(mx::astype(dx, x.dtype(), s));
     } else if (a.kind == Arg::Perm || a.role == 0) {
       no_grad("vjp", a);

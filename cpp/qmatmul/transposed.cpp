@@ -1,7 +1,8 @@
 // MixedQMatmulT: graph construction, CPU evaluation and derivatives of the
-// transposed product z = dy · W (transposed.h).
+// transposed product dx = dy · W, un-permuted (transposed.h).
 #include "qmatmul/transposed.h"
 
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -27,6 +28,7 @@ int total_k(const std::vector<SegSpec>& segs) {
 }  // namespace
 
 mx::array mixed_qmatmul_t(const mx::array& dy,
+                          const std::optional<mx::array>& perm,
                           const std::vector<mx::array>& packed,
                           const std::vector<SegSpec>& segs, Backend backend,
                           mx::StreamOrDevice s) {
@@ -43,12 +45,17 @@ mx::array mixed_qmatmul_t(const mx::array& dy,
          std::to_string(N) + " rows");
   select_qmm_t(backend);  // throws now, not inside the graph, if unavailable
   // The kernels read dense row-major buffers.
+  const int K = total_k(segs);
+  if (perm && (perm->ndim() != 1 || perm->shape(0) != K ||
+               (perm->dtype() != mx::int32 && perm->dtype() != mx::uint32)))
+    fail("perm must be int32 or uint32 of shape (" + std::to_string(K) + ",)");
   std::vector<mx::array> inputs{mx::contiguous(dy, false, stream)};
+  if (perm) inputs.push_back(mx::contiguous(*perm, false, stream));
   for (const auto& a : packed) inputs.push_back(mx::contiguous(a, false, stream));
   mx::Shape out_shape = dy.shape();
-  out_shape.back() = total_k(segs);
+  out_shape.back() = K;
   return mx::array(out_shape, dy.dtype(),
-                   std::make_shared<MixedQMatmulT>(stream, segs, backend),
+                   std::make_shared<MixedQMatmulT>(stream, segs, bool(perm), backend),
                    std::move(inputs));
 }
 
@@ -61,7 +68,7 @@ std::vector<mx::Shape> MixedQMatmulT::output_shapes(
 
 bool MixedQMatmulT::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const MixedQMatmulT&>(other);
-  return segs_ == o.segs_ && backend_ == o.backend_;
+  return segs_ == o.segs_ && has_perm_ == o.has_perm_ && backend_ == o.backend_;
 }
 
 void MixedQMatmulT::eval_cpu(const std::vector<mx::array>& inputs,
@@ -72,16 +79,18 @@ void MixedQMatmulT::eval_cpu(const std::vector<mx::array>& inputs,
   enc.set_output_array(out);
   // Capturing the arrays keeps their buffers alive until the task has run.
   enc.dispatch([inputs, out = mx::array::unsafe_weak_copy(out), segs = segs_,
-                fn = select_qmm_t(backend_)]() mutable {
+                has_perm = has_perm_, fn = select_qmm_t(backend_)]() mutable {
     const mx::array& dy = inputs[0];
+    const int first = has_perm ? 2 : 1;
     QMatView w;
-    w.N = inputs[1].shape(0);
-    w.sdtype = to_dtype(inputs[2].dtype());
+    w.N = inputs[first].shape(0);
+    w.sdtype = to_dtype(inputs[first + 1].dtype());
     int k0 = 0;
     for (size_t i = 0; i < segs.size(); ++i) {
       w.segs.push_back({segs[i].bits, segs[i].group_size, k0, segs[i].k,
-                        inputs[1 + 3 * i].data<uint32_t>(),
-                        inputs[2 + 3 * i].data<void>(), inputs[3 + 3 * i].data<void>()});
+                        inputs[first + 3 * i].data<uint32_t>(),
+                        inputs[first + 3 * i + 1].data<void>(),
+                        inputs[first + 3 * i + 2].data<void>()});
       k0 += segs[i].k;
     }
     w.K = k0;
@@ -103,15 +112,33 @@ void MixedQMatmulT::eval_cpu(const std::vector<mx::array>& inputs,
       });
       d = dyf.data();
     }
+    const int32_t* perm = has_perm ? inputs[1].data<int32_t>() : nullptr;
     float* z = nullptr;
-    if (ot == DType::f32) {
+    if (ot == DType::f32 && !perm) {
       z = out.data<float>();
     } else {
       zf.resize(size_t(M * K));
       z = zf.data();
     }
     fn(d, int(M), w, z);
-    if (ot != DType::f32) {
+    if (perm) {
+      bool ok = true;
+      for (int64_t k = 0; k < K; ++k) ok &= perm[k] >= 0 && perm[k] < K;
+      void* o = out.data<void>();
+      parallel_for(M, 16, [&](int64_t m0, int64_t m1) {
+        std::vector<float> row(K);
+        for (int64_t m = m0; m < m1; ++m) {
+          // Accumulate in float32, round once: a repeated column sums.
+          // A broken permutation poisons the row, never silent garbage.
+          std::fill(row.begin(), row.end(),
+                    ok ? 0.0f : std::numeric_limits<float>::quiet_NaN());
+          const float* zr = z + m * K;
+          if (ok)
+            for (int64_t k = 0; k < K; ++k) row[perm[k]] += zr[k];
+          for (int64_t k = 0; k < K; ++k) store_from_f32(o, m * K + k, row[k], ot);
+        }
+      });
+    } else if (ot != DType::f32) {
       void* o = out.data<void>();
       parallel_for(M * K, 1 << 14, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) store_from_f32(o, i, z[i], ot);
@@ -127,6 +154,27 @@ void MixedQMatmulT::eval_gpu(const std::vector<mx::array>&, mx::array&) {
       "never builds this node there.");
 }
 
+namespace {
+
+// The inputs after dy: the permutation, if any, and the packed weights.
+struct Parts {
+  std::optional<mx::array> perm;
+  std::vector<mx::array> packed;
+};
+
+Parts split(const std::vector<mx::array>& in, bool has_perm) {
+  const size_t first = has_perm ? 2 : 1;
+  return {has_perm ? std::optional<mx::array>(in[1]) : std::nullopt,
+          std::vector<mx::array>(in.begin() + first, in.end())};
+}
+
+[[noreturn]] void no_grad(const char* fn, bool perm) {
+  throw std::runtime_error(std::string("[MixedQMatmulT::") + fn + "] no gradient wrt " +
+                           (perm ? "the permutation." : "the quantized weights."));
+}
+
+}  // namespace
+
 std::vector<mx::array> MixedQMatmulT::vjp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents,
@@ -134,25 +182,26 @@ std::vector<mx::array> MixedQMatmulT::vjp(
   auto s = stream();
   const mx::array& dy = primals[0];
   const mx::array& g = cotangents[0];
-  const std::vector<mx::array> packed(primals.begin() + 1, primals.end());
+  const auto [perm, packed] = split(primals, has_perm_);
+  const int first = has_perm_ ? 2 : 1;
   std::vector<mx::array> out;
   for (int arg : argnums) {
     if (arg == 0) {
-      // z = dy · W, so d/d(dy) = g · Wᵀ: the forward product.
-      out.push_back(mx::astype(
-          mixed_qmatmul(g, std::nullopt, packed, segs_, backend_, s), dy.dtype(), s));
+      // dx = unpermute(dy · W), so d/d(dy) = g[..., perm] · Wᵀ: the forward.
+      out.push_back(mx::astype(mixed_qmatmul(g, perm, packed, segs_, backend_, s),
+                               dy.dtype(), s));
       continue;
     }
-    const size_t seg = size_t(arg - 1) / 3;
-    const int role = (arg - 1) % 3;
-    if (role == 0)
-      throw std::runtime_error(
-          "[MixedQMatmulT::vjp] no gradient wrt the quantized weights.");
-    // dL/dW[n, k] = sum over rows of dy[., n] g[., k]: the same outer
+    if (has_perm_ && arg == 1) no_grad("vjp", true);
+    const size_t seg = size_t(arg - first) / 3;
+    const int role = (arg - first) % 3;
+    if (role == 0) no_grad("vjp", false);
+    // dL/dW[n, k] = sum over rows of dy[., n] g[., perm[k]]: the same outer
     // product the forward's scales/biases gradients start from.
     const int N = dy.shape(-1), K = g.shape(-1);
     auto d2 = mx::reshape(mx::astype(dy, mx::float32, s), {-1, N}, s);
-    auto g2 = mx::reshape(mx::astype(g, mx::float32, s), {-1, K}, s);
+    auto g2 = mx::reshape(
+        mx::astype(grad::permute_cols(g, perm, s), mx::float32, s), {-1, K}, s);
     auto G = mx::matmul(mx::transpose(d2, s), g2, s);
     out.push_back(role == 1 ? grad::scales_grad(G, packed, segs_, seg, s)
                             : grad::biases_grad(G, packed, segs_, seg, s));
@@ -165,22 +214,19 @@ std::vector<mx::array> MixedQMatmulT::jvp(const std::vector<mx::array>& primals,
                                           const std::vector<int>& argnums) {
   auto s = stream();
   const mx::array& dy = primals[0];
-  const std::vector<mx::array> packed(primals.begin() + 1, primals.end());
+  const auto [perm, packed] = split(primals, has_perm_);
+  const int first = has_perm_ ? 2 : 1;
   std::optional<mx::array> t_dy;
   std::vector<std::optional<mx::array>> dsb(packed.size());
   for (size_t j = 0; j < argnums.size(); ++j) {
     const int arg = argnums[j];
-    if (arg == 0) {
-      t_dy = tangents[j];
-    } else if ((arg - 1) % 3 == 0) {
-      throw std::runtime_error(
-          "[MixedQMatmulT::jvp] no derivative wrt the quantized weights.");
-    } else {
-      dsb[arg - 1] = tangents[j];
-    }
+    if (arg == 0) t_dy = tangents[j];
+    else if (has_perm_ && arg == 1) no_grad("jvp", true);
+    else if ((arg - first) % 3 == 0) no_grad("jvp", false);
+    else dsb[arg - first] = tangents[j];
   }
   std::optional<mx::array> z;
-  if (t_dy) z = mixed_qmatmul_t(*t_dy, packed, segs_, backend_, s);
+  if (t_dy) z = mixed_qmatmul_t(*t_dy, perm, packed, segs_, backend_, s);
   // W is linear in (scales, biases): segment i's tangent is
   // dy · dequantize(wq_i, ds_i, db_i), zero where neither is given.
   bool any = false;
@@ -203,7 +249,8 @@ std::vector<mx::array> MixedQMatmulT::jvp(const std::vector<mx::array>& primals,
                                segs_[i].bits, "affine", std::nullopt, std::nullopt, s);
       parts.push_back(mx::matmul(dyf, mx::astype(dW, mx::float32, s), s));
     }
-    auto t = mx::astype(mx::concatenate(parts, -1, s), dy.dtype(), s);
+    auto t = grad::unpermute_cols(mx::concatenate(parts, -1, s), perm, s);
+    t = mx::astype(t, dy.dtype(), s);
     z = z ? mx::add(*z, t, s) : t;
   }
   return {*z};
@@ -218,8 +265,8 @@ std::pair<std::vector<mx::array>, std::vector<int>> MixedQMatmulT::vmap(
   // dy's leading dimensions are batch dimensions of the product already.
   mx::array dy = axes[0] >= 0 ? mx::moveaxis(inputs[0], axes[0], 0, stream())
                               : inputs[0];
-  const std::vector<mx::array> packed(inputs.begin() + 1, inputs.end());
-  return {{mixed_qmatmul_t(dy, packed, segs_, backend_, stream())},
+  const auto [perm, packed] = split(inputs, has_perm_);
+  return {{mixed_qmatmul_t(dy, perm, packed, segs_, backend_, stream())},
           {axes[0] >= 0 ? 0 : -1}};
 }
 

@@ -1,6 +1,6 @@
-// MLX primitive for the transposed product z = dy · W (W the [N, K]
-// mixed-segment quantized matrix, z in W's stored, permuted column order):
-// the CPU gradient of MixedQMatmul wrt x. MLX's own CPU matmul is a
+// MLX primitive for the transposed product dx = dy · W (W the [N, K]
+// mixed-segment quantized matrix), un-permuted to x's column order: the CPU
+// gradient of MixedQMatmul wrt x. MLX's own CPU matmul is a
 // reference BLAS on Linux, so dequantize + matmul there is ~40x slower than
 // an sgemm; this runs the backend's transposed kernel instead
 // (kernel.h: select_qmm_t). CPU only: the GPU keeps dequantize + matmul.
@@ -11,17 +11,24 @@
 
 namespace mixbits {
 
-// Inputs: dy [..., N], then (wq, scales, biases) per segment. Output
-// [..., K] in dy's dtype.
+// Inputs: dy [..., N], [perm], then (wq, scales, biases) per segment.
+// Output [..., K] in dy's dtype: dx[..., perm[k]] += (dy · W)[..., k], the
+// transpose of the forward's gather (a repeated column accumulates). The
+// un-permutation is fused into the output pass: as a separate MLX scatter
+// it cost 10-25% of the whole gradient on the mixed bench tensors.
 class MixedQMatmulT : public mx::UnaryPrimitive {
  public:
-  MixedQMatmulT(mx::Stream s, std::vector<SegSpec> segs, Backend backend)
-      : mx::UnaryPrimitive(s), segs_(std::move(segs)), backend_(backend) {}
+  MixedQMatmulT(mx::Stream s, std::vector<SegSpec> segs, bool has_perm,
+                Backend backend)
+      : mx::UnaryPrimitive(s),
+        segs_(std::move(segs)),
+        has_perm_(has_perm),
+        backend_(backend) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
 
-  // z is bilinear in dy and W: derivatives wrt dy (through the forward
+  // dx is bilinear in dy and W: derivatives wrt dy (through the forward
   // kernel) and wrt scales and biases (grad:: helpers), so gradients of
   // gradients through qmatmul keep working on the CPU.
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
@@ -42,13 +49,15 @@ class MixedQMatmulT : public mx::UnaryPrimitive {
 
  private:
   std::vector<SegSpec> segs_;
+  bool has_perm_;
   Backend backend_;
 };
 
-// z = dy · W on a CPU stream. The weights are those a MixedQMatmul node
-// already validated; dy's shape and dtype are checked here
-// (std::invalid_argument).
+// dx = dy · W, un-permuted, on a CPU stream. The weights and perm are
+// those a MixedQMatmul node already validated; dy's shape and dtype are
+// checked here (std::invalid_argument).
 mx::array mixed_qmatmul_t(const mx::array& dy,
+                          const std::optional<mx::array>& perm,
                           const std::vector<mx::array>& packed,
                           const std::vector<SegSpec>& segs, Backend backend,
                           mx::StreamOrDevice s = {});
