@@ -152,3 +152,22 @@ def test_greedy_generate_gives_the_plain_tokens(arch):
     want = plain(model, _Tokens(), prompt, max_tokens=14)
     got = compiled(model, _Tokens(), prompt, max_tokens=14)
     assert got.ids == want.ids and len(got.ids) == 14
+
+
+def test_a_forward_branching_on_the_offset_is_refused(monkeypatch):
+    # Python control flow on cache.offset needs its value while tracing.
+    import mlx_lm.models.llama as llama
+
+    model, cfg = _patched("llama")
+    call = llama.Attention.__call__
+
+    def branching(self, x, mask=None, cache=None):
+        if cache is not None and cache.offset > 1000:
+            raise AssertionError("unreachable in this test")
+        return call(self, x, mask, cache)
+
+    monkeypatch.setattr(llama.Attention, "__call__", branching)
+    d = Decoder(model)
+    d.prefill(_ids(cfg, 5, 9))
+    with pytest.raises(Unsupported, match="cannot be traced"):
+        d.step(3)

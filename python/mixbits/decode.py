@@ -218,8 +218,8 @@ class Decoder:
             logits, keys, values = self._fn(x, mx.array(self.offset, dtype=mx.int32), keys, values)
         except Unsupported:
             raise
-        except (TypeError, ValueError, RuntimeError) as e:
-            # e.g. a model doing Python arithmetic or control flow on cache.offset
+        except (TypeError, ValueError, RuntimeError, AttributeError) as e:
+            # e.g. Python control flow on cache.offset, or a cache attribute the stand-in lacks
             raise Unsupported(f"{type(self.model).__name__}'s forward cannot be traced with an array "
                               f"cache offset: {e}") from e
         self._state = (keys, values)
