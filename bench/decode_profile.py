@@ -1,6 +1,6 @@
 """Where a SmolLM2-135M decode token goes, patched with mixbits, one thread,
 CPU time: the plain step (``model(token, cache)``) next to the compiled one
-(``mixbits.decode.Decoder``).
+(``mixbits.decode.Decoder``), with MLX's rope and with its rope stand-in.
 
     OPENBLAS_NUM_THREADS=1 python bench/decode_profile.py [--steps 24] [--reps 5]
 
@@ -91,11 +91,12 @@ class Compiled:
     """``mixbits.decode.Decoder``: the same forward, compiled."""
 
     name = "compiled"
+    fast_rope = True
 
     def __init__(self, model, ids, capacity):
         from mixbits.decode import Decoder
 
-        self.dec = Decoder(model)
+        self.dec = Decoder(model, fast_rope=self.fast_rope)
         self.first = self.dec.prefill(ids, capacity=capacity)
         mx.eval(self.first)
 
@@ -104,6 +105,13 @@ class Compiled:
 
     def outputs(self, logits):
         return [logits, *self.dec._state[0], *self.dec._state[1]]
+
+
+class CompiledMLXRope(Compiled):
+    """The compiled step with MLX's own rope (``fast_rope=False``)."""
+
+    name = "compiled_mlx_rope"
+    fast_rope = False
 
 
 def count_nodes(arrays) -> collections.Counter:
@@ -201,7 +209,7 @@ def attention_graph(model, length: int, capacity: int | None):
 def profile(model, tok, steps: int, reps: int) -> dict:
     ids = prompt_ids(tok)
     capacity = PROMPT + (steps + 4) * reps
-    modes = [Plain(model, ids, capacity), Compiled(model, ids, capacity)]
+    modes = [Plain(model, ids, capacity), CompiledMLXRope(model, ids, capacity), Compiled(model, ids, capacity)]
     nodes, samples, nxt = {}, {m.name: ([], []) for m in modes}, {}
     for m in modes:
         nxt[m.name] = warm(m)
@@ -252,14 +260,15 @@ def report(res: dict) -> str:
             ("    other (norm, rope, cache, dispatch)", "other_eval_ms", "{:.1f}"),
             ("graph nodes per token", "graph_nodes", "{}")]
     m = res["modes"]
+    names = list(m)
     lines = [f"{res['model']}, prompt {res['prompt']}, {res['steps']} x {res['reps']} steps, "
              f"one thread CPU time (load average {res['load_average']:.2f})",
-             f"{'':40} {'plain':>9} {'compiled':>9}"]
-    lines += [f"{label:40} {fmt.format(m['plain'][k]):>9} {fmt.format(m['compiled'][k]):>9}" for label, k, fmt in rows]
+             f"{'':40}" + "".join(f" {n:>17}" for n in names)]
+    lines += [f"{label:40}" + "".join(f" {fmt.format(m[n][k]):>17}" for n in names) for label, k, fmt in rows]
     lines.append(f"quantized weights {res['weight_mb']:.1f} MB per token: the matmul graph reads them at "
                  f"{res['qmatmul_gbps']:.1f} GB/s; read-bandwidth probe (1 thread) {res['probe_gbps']:.1f} GB/s "
                  f"-> {res['weights_at_probe_ms']:.1f} ms")
-    for name in ("plain", "compiled"):
+    for name in names:
         top = ", ".join(f"{k} {v}" for k, v in list(m[name]["nodes_by_op"].items())[:10])
         lines.append(f"{name} nodes: {top}")
     return "\n".join(lines)

@@ -171,3 +171,21 @@ def test_a_forward_branching_on_the_offset_is_refused(monkeypatch):
     d.prefill(_ids(cfg, 5, 9))
     with pytest.raises(Unsupported, match="cannot be traced"):
         d.step(3)
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims,scale,dtype", [(16, 1.0, mx.float32), (8, 0.5, mx.float32), (16, 1.0, mx.float16)])
+def test_step_rope_is_the_rope(traditional, dims, scale, dtype):
+    # The stand-in traced for one token at an array offset against MLX's
+    # own op; dims < 16 leaves the last features unrotated.
+    from mixbits.decode import _StepRoPE
+
+    mx.set_default_device(mx.cpu)
+    rope = nn.RoPE(dims, traditional=traditional, base=10000.0, scale=scale)
+    x = mx.random.normal((1, 3, 1, 16), key=mx.random.key(10)).astype(dtype)
+    for offset in (0, 7, 1000):
+        want = rope(x, offset=offset)
+        got = _StepRoPE(rope, {})(x, offset=mx.array(offset, dtype=mx.int32))
+        assert got.dtype == want.dtype
+        tol = 1e-5 if dtype == mx.float32 else 2e-3
+        assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), rtol=tol, atol=tol).item(), offset
