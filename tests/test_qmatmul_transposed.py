@@ -252,3 +252,9 @@ def test_repeated_permutation_entries_accumulate():
         f = lambda v: _ext.qmatmul(v, perm, qt.arrays(), qt.specs, BACKEND_IDS[b])
         _, (got,) = mx.vjp(f, [x], [dy])
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+    # An out-of-range index: NaN, as the forward gives, never garbage.
+    bad = mx.array(np.where(np.arange(96) == 5, 96, idx).astype(np.int32))
+    for b in BACKENDS:
+        f = lambda v: _ext.qmatmul(v, bad, qt.arrays(), qt.specs, BACKEND_IDS[b])
+        _, (got,) = mx.vjp(f, [x], [dy])
+        assert np.isnan(np.array(got)).all()
