@@ -3,13 +3,14 @@ and decode tokens/s, plain decode (``model(token, cache)``) next to the
 compiled decode (``mixbits.decode.Decoder``), for stock MLX quantized
 layers and for mixbits layers (``mixbits.patch``).
 
-    OPENBLAS_NUM_THREADS=1 python bench/bench_decode.py [--steps 16] [--reps 5]
+    OPENBLAS_NUM_THREADS=1 python bench/bench_decode.py [--steps 32] [--reps 4]
 
-Decode: greedy steps after the 64-token prompt, median per-token CPU time
-over ``--reps`` rounds of ``--steps`` tokens, plain and compiled rounds
-interleaved. The compiled Decoder is made once per model (its one-off
-trace and first-step check are not timed; they are reported as
-``first_step_s``, CPU seconds). Saves bench/results/decode.json.
+Decode: median per-token CPU time over ``--reps`` interleaved rounds, each
+a fresh prefill of the 64-token prompt then 2 untimed + ``--steps`` timed
+greedy steps (bench/decode_profile.py's rounds), and the fastest token
+(``*_best``: noise only adds time). The compiled step's one-off trace and
+check (its first step) are untimed there and reported as ``first_step_s``
+(CPU seconds). Saves bench/results/decode.json.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from decode_profile import RESULTS, Compiled, Plain, load_smollm2, prompt_ids, setup_cpu_one_thread, time_steps
+from decode_profile import RESULTS, Compiled, Plain, load_smollm2, prompt_ids, rounds, setup_cpu_one_thread, warm
 
 
 def prefill_tps(model, ids, reps: int) -> float:
@@ -42,27 +43,23 @@ def prefill_tps(model, ids, reps: int) -> float:
 
 
 def decode_tps(model, ids, steps: int, reps: int) -> dict:
-    capacity = len(ids) + (steps + 4) * reps + 8
-    modes = [Plain(model, ids, capacity), Compiled(model, ids, capacity)]
-    nxt = {m.name: mx.argmax(m.first[:, -1:], axis=-1) for m in modes}
+    samples = rounds(model, ids, [Plain, Compiled], steps, reps)
+    out = {}
+    for name, (build, ev) in samples.items():
+        per = [b + e for b, e in zip(build, ev)]
+        out[name], out[f"{name}_best"] = 1 / statistics.median(per), 1 / min(per)
+    # The one-off cost of a compiled generation's first step (trace + check).
+    m = Compiled(model, ids, len(ids) + 8)
     t0 = time.process_time()
-    _, _, nxt["compiled"] = time_steps(modes[1], nxt["compiled"], 1)  # trace + check
-    first = time.process_time() - t0
-    _, _, nxt["plain"] = time_steps(modes[0], nxt["plain"], 1)
-    per = {m.name: [] for m in modes}
-    for _ in range(reps):
-        for m in modes:
-            b, e, nxt[m.name] = time_steps(m, nxt[m.name], steps)
-            per[m.name].extend(x + y for x, y in zip(b, e))
-    out = {name: 1 / statistics.median(v) for name, v in per.items()}
-    out["first_step_s"] = first
+    warm(m, 1)
+    out["first_step_s"] = time.process_time() - t0
     return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--impl", nargs="+", default=["mlx", "mixbits"], choices=["mlx", "mixbits"])
     ap.add_argument("--out", default=str(RESULTS / "decode.json"))
     a = ap.parse_args(argv)
@@ -72,14 +69,16 @@ def main(argv=None):
         model, tok = load_smollm2(patch=impl == "mixbits")
         ids = prompt_ids(tok)
         # Stock MLX's CPU quantized matmul is ~10x slower: fewer rounds.
-        reps = a.reps if impl == "mixbits" else max(2, a.reps // 2)
+        reps = a.reps if impl == "mixbits" else 2
         row = {"impl": impl, "prompt": len(ids), "prefill_tps": prefill_tps(model, ids, reps)}
         d = decode_tps(model, ids, a.steps if impl == "mixbits" else max(4, a.steps // 4), reps)
         row.update(decode_plain_tps=d["plain"], decode_compiled_tps=d["compiled"],
+                   decode_plain_best_tps=d["plain_best"], decode_compiled_best_tps=d["compiled_best"],
                    compiled_over_plain=d["compiled"] / d["plain"], first_step_s=d["first_step_s"])
         rows.append(row)
         print(f"{impl:8} prefill {row['prefill_tps']:7.1f} tok/s   decode plain {row['decode_plain_tps']:6.1f}"
-              f"  compiled {row['decode_compiled_tps']:6.1f} tok/s ({row['compiled_over_plain']:.2f}x; "
+              f"  compiled {row['decode_compiled_tps']:6.1f} tok/s ({row['compiled_over_plain']:.2f}x; fastest token "
+              f"{row['decode_plain_best_tps']:.1f} / {row['decode_compiled_best_tps']:.1f} tok/s; "
               f"first compiled step {row['first_step_s']:.2f} s)", flush=True)
         del model
     res = {"model": "SmolLM2-135M Q4_1 (GGUF)", "steps": a.steps, "reps": a.reps,

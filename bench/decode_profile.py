@@ -2,7 +2,7 @@
 CPU time: the plain step (``model(token, cache)``) next to the compiled one
 (``mixbits.decode.Decoder``), with MLX's rope and with its rope stand-in.
 
-    OPENBLAS_NUM_THREADS=1 python bench/decode_profile.py [--steps 24] [--reps 5]
+    OPENBLAS_NUM_THREADS=1 python bench/decode_profile.py [--steps 32] [--reps 4]
 
 Per token:
 - build: CPU time of the Python call that returns the (lazy) logits;
@@ -12,13 +12,16 @@ Per token:
   matmuls (210 linears + the tied head, each as the model dispatches it,
   all in one graph) and the 30 decode attentions at this cache length (as
   the step runs them: no mask for the plain step, the boolean mask over the
-  256-slot buffer for the compiled one); "other" is the rest of eval (norms,
+  whole buffer for the compiled one); "other" is the rest of eval (norms,
   rope, cache updates, reshapes, SwiGLU, and MLX's per-node dispatch);
 - graph nodes: the primitives of one step's graph, by MLX op name, counted
   from ``mx.export_to_dot`` (noise-free, unlike the times).
 
-Times are medians over ``--reps`` rounds of ``--steps`` tokens, the two
-steps interleaved so load from other processes hits both alike. Saves
+Each round prefills the prompt afresh and decodes 2 untimed + ``--steps``
+timed tokens (the compiled buffers hold prompt + those tokens, as in a
+generation of that length). Times are medians over ``--reps`` rounds, the
+steps interleaved round by round so load from other processes hits all alike;
+the fastest token of each is reported too (noise only adds time). Saves
 bench/results/decode_profile.json.
 """
 
@@ -206,37 +209,56 @@ def attention_graph(model, length: int, capacity: int | None):
     return lambda: [sdpa(q, k, v, scale=attn.scale, mask=mask) for k, v in kv]
 
 
+WARM = 2  # untimed first steps of a round (the compiled step's trace and check)
+
+
+def rounds(model, ids, kinds, steps: int, reps: int) -> dict:
+    """{kind name: (build seconds, eval seconds)} of every timed step:
+    ``reps`` interleaved rounds, each from a fresh prefill of ``ids``, of
+    WARM untimed + ``steps`` timed greedy steps."""
+    capacity = len(ids) + WARM + steps + 1
+    samples = {k.name: ([], []) for k in kinds}
+    for _ in range(reps):
+        for k in kinds:
+            m = k(model, ids, capacity)
+            b, e, _ = time_steps(m, warm(m, WARM), steps)
+            samples[k.name][0].extend(b)
+            samples[k.name][1].extend(e)
+    return samples
+
+
 def profile(model, tok, steps: int, reps: int) -> dict:
     ids = prompt_ids(tok)
-    capacity = PROMPT + (steps + 4) * reps
-    modes = [Plain(model, ids, capacity), CompiledMLXRope(model, ids, capacity), Compiled(model, ids, capacity)]
-    nodes, samples, nxt = {}, {m.name: ([], []) for m in modes}, {}
-    for m in modes:
-        nxt[m.name] = warm(m)
-        nodes[m.name] = count_nodes(m.outputs(m(nxt[m.name])))
-        nxt[m.name] = warm(m, 1)
-    for _ in range(reps):  # interleaved rounds
-        for m in modes:
-            b, e, nxt[m.name] = time_steps(m, nxt[m.name], steps)
-            samples[m.name][0].extend(b)
-            samples[m.name][1].extend(e)
+    # Each round decodes from a fresh prompt state, as a generation of
+    # WARM + steps tokens would: the compiled buffers hold exactly that.
+    capacity = PROMPT + WARM + steps + 1
+    kinds = [Plain, CompiledMLXRope, Compiled]
+    nodes = {}
+    for k in kinds:
+        m = k(model, ids, capacity)
+        nodes[k.name] = count_nodes(m.outputs(m(warm(m))))
+    samples = rounds(model, ids, kinds, steps, reps)
     mm, n_mm = matmul_graph(model)
     t_mm = median_eval(mm, 2 * reps)
     from mixbits import _ext
 
     nbytes = weight_bytes(model)
     probe = float(_ext.read_bandwidth_gbps(1 << 28, 5))
-    length = PROMPT + (steps * reps) // 2  # the middle of the timed steps
+    length = PROMPT + WARM + steps // 2  # the middle of the timed steps
+    from mixbits.decode import _capacity  # the slots a compiled round's buffers have
+
     out = {}
-    for m in modes:
-        build = statistics.median(samples[m.name][0])
-        ev = statistics.median(samples[m.name][1])
-        t_att = median_eval(attention_graph(model, length, None if m.name == "plain" else
-                                           m.dec._capacity), 2 * reps)
-        c = nodes[m.name]
-        out[m.name] = {
+    for k in kinds:
+        build = statistics.median(samples[k.name][0])
+        ev = statistics.median(samples[k.name][1])
+        t_att = median_eval(attention_graph(model, length, None if k is Plain else _capacity(capacity)), 2 * reps)
+        c = nodes[k.name]
+        totals = [b + e for b, e in zip(*samples[k.name])]
+        out[k.name] = {
             "ms_per_token": 1e3 * (build + ev),
             "tok_s": 1 / (build + ev),
+            "ms_per_token_median_total": 1e3 * statistics.median(totals),
+            "ms_per_token_min": 1e3 * min(totals),
             "build_ms": 1e3 * build,
             "eval_ms": 1e3 * ev,
             "qmatmul_ms": 1e3 * t_mm,
@@ -246,7 +268,7 @@ def profile(model, tok, steps: int, reps: int) -> dict:
             "nodes_by_op": dict(c.most_common()),
         }
     return {"model": "SmolLM2-135M Q4_1 (GGUF), mixbits.patch", "prompt": PROMPT,
-            "steps": steps, "reps": reps, "quantized_matmuls": n_mm,
+            "steps": steps, "reps": reps, "untimed_first_steps": WARM, "compiled_capacity": _capacity(capacity), "quantized_matmuls": n_mm,
             "weight_mb": nbytes / 1e6, "qmatmul_gbps": nbytes / t_mm / 1e9, "probe_gbps": probe,
             "weights_at_probe_ms": 1e3 * nbytes / (probe * 1e9),
             "clock": "time.process_time, 1 thread (mixbits set_max_threads(1), OPENBLAS_NUM_THREADS=1)",
@@ -258,10 +280,12 @@ def report(res: dict) -> str:
             ("  graph build (Python)", "build_ms", "{:.1f}"), ("  eval", "eval_ms", "{:.1f}"),
             ("    quantized matmuls", "qmatmul_ms", "{:.1f}"), ("    attention", "attention_ms", "{:.1f}"),
             ("    other (norm, rope, cache, dispatch)", "other_eval_ms", "{:.1f}"),
-            ("graph nodes per token", "graph_nodes", "{}")]
+            ("graph nodes per token", "graph_nodes", "{}"),
+            ("fastest token, ms (least disturbed)", "ms_per_token_min", "{:.1f}")]
     m = res["modes"]
     names = list(m)
-    lines = [f"{res['model']}, prompt {res['prompt']}, {res['steps']} x {res['reps']} steps, "
+    lines = [f"{res['model']}, prompt {res['prompt']}, {res['reps']} rounds of {res['untimed_first_steps']} + "
+             f"{res['steps']} steps (compiled buffers: {res['compiled_capacity']} slots), "
              f"one thread CPU time (load average {res['load_average']:.2f})",
              f"{'':40}" + "".join(f" {n:>17}" for n in names)]
     lines += [f"{label:40}" + "".join(f" {fmt.format(m[n][k]):>17}" for n in names) for label, k, fmt in rows]
@@ -276,8 +300,8 @@ def report(res: dict) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=24, help="decode steps per round (default 24)")
-    ap.add_argument("--reps", type=int, default=5, help="interleaved rounds (default 5)")
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps per round (default 32)")
+    ap.add_argument("--reps", type=int, default=4, help="interleaved rounds (default 4)")
     ap.add_argument("--out", default=str(RESULTS / "decode_profile.json"))
     a = ap.parse_args(argv)
     setup_cpu_one_thread()
