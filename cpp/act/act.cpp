@@ -45,6 +45,15 @@ SwigluFn select_swiglu(ActBackend requested) {
   return swiglu_ref;
 }
 
+SwigluVjpFn select_swiglu_vjp(ActBackend requested) {
+  // Same availability rules (and errors) as the forward.
+  [[maybe_unused]] const SwigluFn fwd = select_swiglu(requested);
+#if defined(MIXBITS_HAVE_AVX2)
+  if (fwd == swiglu_avx2) return swiglu_vjp_avx2;
+#endif
+  return swiglu_vjp_ref;
+}
+
 mx::array swiglu(const mx::array& gate, const mx::array& up,
                  ActBackend backend, mx::StreamOrDevice s) {
   if (gate.dtype() != mx::float32 || up.dtype() != mx::float32)

@@ -19,11 +19,52 @@ class Swiglu : public mx::Primitive {
   void eval_gpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
 
+  // Derivatives wrt gate and up (act.cpp): on a CPU stream through the
+  // SwigluVjp kernel below (vjp) or it and Swiglu (jvp); on another device
+  // composed of MLX ops.
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums,
+                             const std::vector<mx::array>& outputs) override;
+  std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& tangents,
+                             const std::vector<int>& argnums) override;
+
   const char* name() const override { return "Swiglu"; }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
+  }
+
+ private:
+  ActBackend backend_;
+};
+
+// The vjp of Swiglu on the CPU: inputs gate, up, dy (contiguous float32 of
+// one shape); outputs d gate, d up. Its own derivatives (second order) are
+// those of the same formulas written with MLX ops, differentiated by MLX.
+class SwigluVjp : public mx::Primitive {
+ public:
+  SwigluVjp(mx::Stream s, ActBackend backend) : mx::Primitive(s), backend_(backend) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums,
+                             const std::vector<mx::array>& outputs) override;
+  std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& tangents,
+                             const std::vector<int>& argnums) override;
+
+  const char* name() const override { return "SwigluVjp"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape(), inputs[0].shape()};
   }
 
  private:

@@ -12,13 +12,23 @@ enum class ActBackend : int { Auto = 0, Ref = 1, Avx2 = 2 };
 
 // y[i] = silu(g[i]) * u[i] for i in [0, n).
 using SwigluFn = void (*)(const float* g, const float* u, float* y, int64_t n);
+// The vjp for the cotangent dy, both inputs in one pass:
+//   dg[i] = dy[i] u[i] s (1 + g[i] (1 - s)),  du[i] = dy[i] g[i] s,
+// with s = sigmoid(g[i]) (silu'(g) = s (1 + g (1 - s))).
+using SwigluVjpFn = void (*)(const float* g, const float* u, const float* dy,
+                             float* dg, float* du, int64_t n);
 
 void swiglu_ref(const float* g, const float* u, float* y, int64_t n);
+void swiglu_vjp_ref(const float* g, const float* u, const float* dy, float* dg,
+                    float* du, int64_t n);
 #if defined(MIXBITS_HAVE_AVX2)
 void swiglu_avx2(const float* g, const float* u, float* y, int64_t n);
+void swiglu_vjp_avx2(const float* g, const float* u, const float* dy, float* dg,
+                     float* du, int64_t n);
 #endif
 
 SwigluFn select_swiglu(ActBackend requested);
+SwigluVjpFn select_swiglu_vjp(ActBackend requested);
 std::vector<ActBackend> available_act_backends();
 
 }  // namespace mixbits

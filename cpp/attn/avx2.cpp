@@ -15,16 +15,21 @@ namespace {
 // A 6 x 16 tile of C: 12 ymm accumulators + 2 for the B row + 1 broadcast
 // fit the 16 registers, and each k step issues 12 FMAs for 2 loads, so the
 // loop is FMA-bound instead of load-bound.
-template <int R>
+// TN: A is stored transposed (element (r, p) at a[p * lda + r]) and the
+// tile is added to C (the backward's C += A^T B); else C = A B.
+template <int R, bool TN>
 inline void tile16(const float* a, int64_t lda, const float* b, int64_t ldb,
                    float* c, int64_t ldc, int64_t k) {
   __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = TN ? _mm256_loadu_ps(c + r * ldc) : _mm256_setzero_ps();
+    acc[r][1] = TN ? _mm256_loadu_ps(c + r * ldc + 8) : _mm256_setzero_ps();
+  }
   for (int64_t p = 0; p < k; ++p) {
     const __m256 b0 = _mm256_loadu_ps(b + p * ldb);
     const __m256 b1 = _mm256_loadu_ps(b + p * ldb + 8);
     for (int r = 0; r < R; ++r) {
-      const __m256 x = _mm256_broadcast_ss(a + r * lda + p);
+      const __m256 x = _mm256_broadcast_ss(TN ? a + p * lda + r : a + r * lda + p);
       acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
     }
@@ -36,51 +41,71 @@ inline void tile16(const float* a, int64_t lda, const float* b, int64_t ldb,
 }
 
 // Columns left over after the 16-wide tiles (n % 16): one row at a time,
-// 8 lanes then scalar. Rare in practice (key counts are cut at 16).
+// 8 lanes then scalar. Rare in practice (key counts are cut at 16, head
+// dims are multiples of 16).
+template <bool TN>
 inline void cols_tail(const float* a, int64_t lda, const float* b, int64_t ldb,
                       float* c, int64_t ldc, int64_t m, int64_t n, int64_t k) {
   for (int64_t i = 0; i < m; ++i) {
+    const float* ai = TN ? a + i : a + i * lda;
+    const int64_t as = TN ? lda : 1;  // stride of row i of A along p
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-      __m256 acc = _mm256_setzero_ps();
+      __m256 acc = TN ? _mm256_loadu_ps(c + i * ldc + j) : _mm256_setzero_ps();
       for (int64_t p = 0; p < k; ++p)
-        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(a + i * lda + p),
+        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(ai + p * as),
                               _mm256_loadu_ps(b + p * ldb + j), acc);
       _mm256_storeu_ps(c + i * ldc + j, acc);
     }
     for (; j < n; ++j) {
-      float s = 0;
-      for (int64_t p = 0; p < k; ++p) s += a[i * lda + p] * b[p * ldb + j];
+      float s = TN ? c[i * ldc + j] : 0.0f;
+      for (int64_t p = 0; p < k; ++p) s += ai[p * as] * b[p * ldb + j];
       c[i * ldc + j] = s;
     }
   }
 }
 
-template <int R>
+template <int R, bool TN>
 inline void row_block(const float* a, int64_t lda, const float* b, int64_t ldb,
                       float* c, int64_t ldc, int64_t n, int64_t k) {
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) tile16<R>(a, lda, b + j, ldb, c + j, ldc, k);
-  if (j < n) cols_tail(a, lda, b + j, ldb, c + j, ldc, R, n - j, k);
+  for (; j + 16 <= n; j += 16) tile16<R, TN>(a, lda, b + j, ldb, c + j, ldc, k);
+  if (j < n) cols_tail<TN>(a, lda, b + j, ldb, c + j, ldc, R, n - j, k);
+}
+
+// Rows of C in blocks of 6; row i of A starts at a + i * lda (plain) or at
+// a + i (TN: A's column i).
+template <bool TN>
+void gemm(const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+          int64_t ldc, int64_t m, int64_t n, int64_t k) {
+  const int64_t row_step = TN ? 1 : lda;
+  int64_t i = 0;
+  for (; i + 6 <= m; i += 6)
+    row_block<6, TN>(a + i * row_step, lda, b, ldb, c + i * ldc, ldc, n, k);
+  const float* ai = a + i * row_step;
+  float* ci = c + i * ldc;
+  switch (m - i) {
+    case 5: row_block<5, TN>(ai, lda, b, ldb, ci, ldc, n, k); break;
+    case 4: row_block<4, TN>(ai, lda, b, ldb, ci, ldc, n, k); break;
+    case 3: row_block<3, TN>(ai, lda, b, ldb, ci, ldc, n, k); break;
+    case 2: row_block<2, TN>(ai, lda, b, ldb, ci, ldc, n, k); break;
+    case 1: row_block<1, TN>(ai, lda, b, ldb, ci, ldc, n, k); break;
+    default: break;
+  }
+  _mm256_zeroupper();
 }
 
 }  // namespace
 
 void attn_gemm_avx2(const float* a, int64_t lda, const float* b, int64_t ldb,
                     float* c, int64_t ldc, int64_t m, int64_t n, int64_t k) {
-  int64_t i = 0;
-  for (; i + 6 <= m; i += 6) row_block<6>(a + i * lda, lda, b, ldb, c + i * ldc, ldc, n, k);
-  const float* ai = a + i * lda;
-  float* ci = c + i * ldc;
-  switch (m - i) {
-    case 5: row_block<5>(ai, lda, b, ldb, ci, ldc, n, k); break;
-    case 4: row_block<4>(ai, lda, b, ldb, ci, ldc, n, k); break;
-    case 3: row_block<3>(ai, lda, b, ldb, ci, ldc, n, k); break;
-    case 2: row_block<2>(ai, lda, b, ldb, ci, ldc, n, k); break;
-    case 1: row_block<1>(ai, lda, b, ldb, ci, ldc, n, k); break;
-    default: break;
-  }
-  _mm256_zeroupper();
+  gemm<false>(a, lda, b, ldb, c, ldc, m, n, k);
+}
+
+void attn_gemm_tn_acc_avx2(const float* a, int64_t lda, const float* b,
+                           int64_t ldb, float* c, int64_t ldc, int64_t m,
+                           int64_t n, int64_t k) {
+  gemm<true>(a, lda, b, ldb, c, ldc, m, n, k);
 }
 
 float attn_exp_row_avx2(float* x, int64_t n, float max) {

@@ -36,9 +36,9 @@ AttnKernels select_attn(AttnBackend requested) {
                                 " is not available on this CPU");
   switch (b) {
 #if defined(MIXBITS_HAVE_AVX2)
-    case AttnBackend::Avx2: return {attn_gemm_avx2, attn_exp_row_avx2};
+    case AttnBackend::Avx2: return {attn_gemm_avx2, attn_exp_row_avx2, attn_gemm_tn_acc_avx2};
 #endif
-    default: return {attn_gemm_ref, attn_exp_row_ref};
+    default: return {attn_gemm_ref, attn_exp_row_ref, attn_gemm_tn_acc_ref};
   }
 }
 

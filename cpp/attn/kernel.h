@@ -23,19 +23,32 @@ using AttnGemmFn = void (*)(const float* a, int64_t lda, const float* b,
                             int64_t n, int64_t k);
 // x[0..n) = e^(x - max); returns the sum of the results.
 using AttnExpRowFn = float (*)(float* x, int64_t n, float max);
+// C[m x n] += A^T . B with A stored k x m (lda), B k x n: the backward's
+// key-side products dV += P^T dO and dK += dS^T Q, read straight from the
+// row-major P / dS without transposing them.
+using AttnGemmTnAccFn = void (*)(const float* a, int64_t lda, const float* b,
+                                 int64_t ldb, float* c, int64_t ldc, int64_t m,
+                                 int64_t n, int64_t k);
 
 struct AttnKernels {
   AttnGemmFn gemm;
   AttnExpRowFn exp_row;
+  AttnGemmTnAccFn gemm_tn_acc;
 };
 
 void attn_gemm_ref(const float* a, int64_t lda, const float* b, int64_t ldb,
                    float* c, int64_t ldc, int64_t m, int64_t n, int64_t k);
 float attn_exp_row_ref(float* x, int64_t n, float max);
+void attn_gemm_tn_acc_ref(const float* a, int64_t lda, const float* b,
+                          int64_t ldb, float* c, int64_t ldc, int64_t m,
+                          int64_t n, int64_t k);
 #if defined(MIXBITS_HAVE_AVX2)
 void attn_gemm_avx2(const float* a, int64_t lda, const float* b, int64_t ldb,
                     float* c, int64_t ldc, int64_t m, int64_t n, int64_t k);
 float attn_exp_row_avx2(float* x, int64_t n, float max);
+void attn_gemm_tn_acc_avx2(const float* a, int64_t lda, const float* b,
+                           int64_t ldb, float* c, int64_t ldc, int64_t m,
+                           int64_t n, int64_t k);
 #endif
 
 // The kernels for `requested` on this CPU; throws if it is forced but
@@ -53,5 +66,15 @@ struct AttnShape {
 void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
                           const float* q, const float* k, const float* v,
                           float scale, float* out);
+
+// The vjp of causal_attention_cpu: dq [B, H, T, D], dk and dv [B, Hk, S, D]
+// from contiguous float32 q, k, v and the output cotangent dout [B, H, T, D]
+// (grad.cpp says how the work is split). Each output element is written by
+// one work item in a fixed order, so results do not depend on the thread
+// count.
+void causal_attention_vjp_cpu(const AttnKernels& kern, const AttnShape& sh,
+                              const float* q, const float* k, const float* v,
+                              const float* dout, float scale, float* dq,
+                              float* dk, float* dv);
 
 }  // namespace mixbits

@@ -25,4 +25,15 @@ float attn_exp_row_ref(float* x, int64_t n, float max) {
   return float(s);
 }
 
+void attn_gemm_tn_acc_ref(const float* a, int64_t lda, const float* b,
+                          int64_t ldb, float* c, int64_t ldc, int64_t m,
+                          int64_t n, int64_t k) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double s = c[i * ldc + j];
+      for (int64_t p = 0; p < k; ++p) s += double(a[p * lda + i]) * b[p * ldb + j];
+      c[i * ldc + j] = float(s);
+    }
+}
+
 }  // namespace mixbits

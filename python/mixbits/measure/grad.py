@@ -133,8 +133,7 @@ def fisher_diagonal(model, tokens, sites, *, samples: int = 1, seed: int = 0, ba
                     key, sub = mx.random.split(key)
                     y = mx.random.categorical(ref, key=sub)  # y_t ~ P(.|x_<t)
                     deltas = {k: mx.zeros(shape, dtype) for k, (shape, dtype) in taps.shapes.items()}
-                    with routing.suspended():
-                        _, (gd, gw) = grad_fn(deltas, weights0, x, y)
+                    _, (gd, gw) = grad_fn(deltas, weights0, x, y)
                     mx.eval(gd, gw)
                     _accumulate(fisher, inputs, gd, forms, n_seq, split_key)
                     for p, g in gw.items():
