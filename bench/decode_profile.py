@@ -2,7 +2,7 @@
 CPU time: the plain step (``model(token, cache)``) next to the compiled one
 (``mixbits.decode.Decoder``), with MLX's rope and with its rope stand-in.
 
-    OPENBLAS_NUM_THREADS=1 python bench/decode_profile.py [--steps 32] [--reps 4]
+    OPENBLAS_NUM_THREADS=1 python bench/decode_profile.py [--steps 32] [--reps 6]
 
 Per token:
 - build: CPU time of the Python call that returns the (lazy) logits;
@@ -181,6 +181,16 @@ def matmul_graph(model):
     return (lambda: [f(x) for f, x in calls]), len(calls)
 
 
+def contiguous_graph(model):
+    """``mx.contiguous`` of every quantized weight array (already
+    contiguous): the wrappers mixbits' matmul op adds, alone."""
+    from mlx.utils import tree_flatten
+
+    arrays = [a for _, m in model.named_modules() if "Quantized" in type(m).__name__
+              for _, a in tree_flatten(m.parameters())]
+    return lambda: [mx.contiguous(a) for a in arrays]
+
+
 def weight_bytes(model) -> int:
     """Bytes of every quantized module's arrays (codes, scales, biases):
     what one decode token must read."""
@@ -237,21 +247,33 @@ def profile(model, tok, steps: int, reps: int) -> dict:
     for k in kinds:
         m = k(model, ids, capacity)
         nodes[k.name] = count_nodes(m.outputs(m(warm(m))))
-    samples = rounds(model, ids, kinds, steps, reps)
-    mm, n_mm = matmul_graph(model)
-    t_mm = median_eval(mm, 2 * reps)
     from mixbits import _ext
+    from mixbits.decode import _capacity  # the slots a compiled round's buffers have
 
+    length = PROMPT + WARM + steps // 2  # the middle of the timed steps
+    mm, n_mm = matmul_graph(model)
+    pieces = {"qmatmul": mm, "contiguous": contiguous_graph(model),
+              "attention_plain": attention_graph(model, length, None),
+              "attention_compiled": attention_graph(model, length, _capacity(capacity))}
+    # The pieces are timed inside every round too, so the subtraction
+    # below compares times taken under the same load.
+    samples = {k.name: ([], []) for k in kinds}
+    piece_s = {name: [] for name in pieces}
+    for _ in range(reps):
+        for name, (b, e) in rounds(model, ids, kinds, steps, 1).items():
+            samples[name][0].extend(b)
+            samples[name][1].extend(e)
+        for name, build in pieces.items():
+            piece_s[name].append(median_eval(build, 3))
+    t_mm, t_contig = (statistics.median(piece_s[n]) for n in ("qmatmul", "contiguous"))
     nbytes = weight_bytes(model)
     probe = float(_ext.read_bandwidth_gbps(1 << 28, 5))
-    length = PROMPT + WARM + steps // 2  # the middle of the timed steps
-    from mixbits.decode import _capacity  # the slots a compiled round's buffers have
 
     out = {}
     for k in kinds:
         build = statistics.median(samples[k.name][0])
         ev = statistics.median(samples[k.name][1])
-        t_att = median_eval(attention_graph(model, length, None if k is Plain else _capacity(capacity)), 2 * reps)
+        t_att = statistics.median(piece_s["attention_plain" if k is Plain else "attention_compiled"])
         c = nodes[k.name]
         totals = [b + e for b, e in zip(*samples[k.name])]
         out[k.name] = {
@@ -271,6 +293,7 @@ def profile(model, tok, steps: int, reps: int) -> dict:
             "steps": steps, "reps": reps, "untimed_first_steps": WARM, "compiled_capacity": _capacity(capacity), "quantized_matmuls": n_mm,
             "weight_mb": nbytes / 1e6, "qmatmul_gbps": nbytes / t_mm / 1e9, "probe_gbps": probe,
             "weights_at_probe_ms": 1e3 * nbytes / (probe * 1e9),
+            "contiguous_wrappers_ms": 1e3 * t_contig,
             "clock": "time.process_time, 1 thread (mixbits set_max_threads(1), OPENBLAS_NUM_THREADS=1)",
             "load_average": os.getloadavg()[0], "modes": out}
 
@@ -291,7 +314,8 @@ def report(res: dict) -> str:
     lines += [f"{label:40}" + "".join(f" {fmt.format(m[n][k]):>17}" for n in names) for label, k, fmt in rows]
     lines.append(f"quantized weights {res['weight_mb']:.1f} MB per token: the matmul graph reads them at "
                  f"{res['qmatmul_gbps']:.1f} GB/s; read-bandwidth probe (1 thread) {res['probe_gbps']:.1f} GB/s "
-                 f"-> {res['weights_at_probe_ms']:.1f} ms")
+                 f"-> {res['weights_at_probe_ms']:.1f} ms; the matmuls' contiguous() wrappers alone "
+                 f"{res['contiguous_wrappers_ms']:.1f} ms")
     for name in names:
         top = ", ".join(f"{k} {v}" for k, v in list(m[name]["nodes_by_op"].items())[:10])
         lines.append(f"{name} nodes: {top}")
@@ -301,7 +325,7 @@ def report(res: dict) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per round (default 32)")
-    ap.add_argument("--reps", type=int, default=4, help="interleaved rounds (default 4)")
+    ap.add_argument("--reps", type=int, default=6, help="interleaved rounds (default 6)")
     ap.add_argument("--out", default=str(RESULTS / "decode_profile.json"))
     a = ap.parse_args(argv)
     setup_cpu_one_thread()
