@@ -66,9 +66,7 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
       for (int64_t row = 0; row < rows; ++row) {
         float* x = sc.data() + row * e;
         const int64_t n = t0 + row % nt + off + 1;  // causal: keys 0 .. t+off
-        float m = x[0];
-        for (int64_t j = 1; j < n; ++j) m = std::max(m, x[j]);
-        inv[size_t(row)] = 1.0f / kern.exp_row(x, n, m);
+        inv[size_t(row)] = 1.0f / kern.exp_row(x, n, attn_row_max(x, n));
         std::fill(x + n, x + e, 0.0f);
       }
       kern.gemm(sc.data(), e, v + bh * S * D, D, o.data(), D, rows, D, e);

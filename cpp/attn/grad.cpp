@@ -171,15 +171,21 @@ void causal_attention_vjp_cpu(const AttnKernels& kern, const AttnShape& sh,
           float* x = sc.data() + t * e;
           float* ds = dp.data() + t * e;  // dP, then dS in place
           for (int64_t j = 0; j < n; ++j) x[j] *= scale;
-          float m = x[0];
-          for (int64_t j = 1; j < n; ++j) m = std::max(m, x[j]);
-          const float inv = 1.0f / kern.exp_row(x, n, m);
-          double dot = 0;  // rowsum(P o dP)
-          for (int64_t j = 0; j < n; ++j) {
+          const float inv = 1.0f / kern.exp_row(x, n, attn_row_max(x, n));
+          // rowsum(P o dP) in double, 4 independent partial sums (one
+          // running sum is a serial chain of 4-cycle adds).
+          double acc[4] = {0, 0, 0, 0};
+          int64_t j = 0;
+          for (; j + 4 <= n; j += 4)
+            for (int l = 0; l < 4; ++l) {
+              x[j + l] *= inv;
+              acc[l] += double(x[j + l]) * ds[j + l];
+            }
+          for (; j < n; ++j) {
             x[j] *= inv;
-            dot += double(x[j]) * ds[j];
+            acc[0] += double(x[j]) * ds[j];
           }
-          const float dotf = float(dot);
+          const float dotf = float((acc[0] + acc[1]) + (acc[2] + acc[3]));
           for (int64_t j = 0; j < n; ++j) ds[j] = x[j] * (ds[j] - dotf);
           std::fill(ds + n, ds + e, 0.0f);  // the dQ GEMM reads keys 0 .. e-1
           // Into the key-blocked buffers, zeros past the causal boundary to
