@@ -189,3 +189,29 @@ def test_step_rope_is_the_rope(traditional, dims, scale, dtype):
         assert got.dtype == want.dtype
         tol = 1e-5 if dtype == mx.float32 else 2e-3
         assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), rtol=tol, atol=tol).item(), offset
+
+
+def test_smollm2_compiled_generation_and_cli(capsys):
+    """On the real model (mixbits layers): the compiled greedy decode gives
+    the plain decode's tokens, and ``mixbits generate --compiled`` runs it."""
+    from mixbits.cli import main
+    from mixbits.decode import greedy_generate as compiled
+    from mixbits.models import Unavailable, greedy_generate as plain, smollm2
+    from mixbits.models.gguf import load_gguf
+
+    mx.set_default_device(mx.cpu)
+    try:
+        path = smollm2.fetch()
+    except Unavailable as e:
+        pytest.skip(f"SmolLM2 GGUF cannot be downloaded here: {e}")
+    model, tok, _ = load_gguf(path)
+    mixbits.patch(model)
+    prompt = "The capital of France is"
+    want = plain(model, tok, prompt, max_tokens=12, stop_at_eos=False)
+    got = compiled(model, tok, prompt, max_tokens=12, stop_at_eos=False)
+    assert got.ids == want.ids
+    assert main(["generate", "--model", "smollm2", "--prompt", prompt, "--max-tokens", "2", "--patch",
+                 "--compiled"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == prompt + " Paris."
+    assert "compiled decode" in out.err and "--compiled:" not in out.err  # no fallback
