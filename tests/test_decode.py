@@ -215,3 +215,17 @@ def test_smollm2_compiled_generation_and_cli(capsys):
     out = capsys.readouterr()
     assert out.out.strip() == prompt + " Paris."
     assert "compiled decode" in out.err and "--compiled:" not in out.err  # no fallback
+
+
+def test_a_decoder_reused_for_a_second_sequence_starts_afresh():
+    model, cfg = _patched("llama")
+    d = Decoder(model)
+    d.prefill(_ids(cfg, 9, 11))
+    for t in _ids(cfg, 4, 12):
+        d.step(t)
+    prompt, tokens = _ids(cfg, 6, 13), _ids(cfg, 5, 14)
+    plain = _plain_logits(model, prompt, tokens)
+    got = [d.prefill(prompt)[:, -1:]] + [d.step(t) for t in tokens]
+    for i, (p, c) in enumerate(zip(plain, got)):
+        assert mx.allclose(c, p, rtol=1e-4, atol=1e-4).item(), f"step {i}"
+    assert d.offset == len(prompt) + len(tokens)

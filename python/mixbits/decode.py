@@ -237,6 +237,7 @@ class Decoder:
         if x.ndim != 2 or x.shape[0] != 1 or x.shape[1] < 1:
             raise ValueError(f"ids must be one non-empty sequence (1, L), got shape {tuple(x.shape)}")
         self._cache = make_prompt_cache(self.model)
+        self._state = None  # a new sequence: drop the previous one's buffers
         logits = self.model(x, cache=self._cache)
         self.offset = x.shape[1]
         self._capacity = _capacity(max(capacity or self.offset + GROW, self.offset + 1))
