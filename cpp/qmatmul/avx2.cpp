@@ -803,14 +803,16 @@ void qmm_avx2_run(const float* x, int M, const QMatView& w, float* y) {
 // of W [nb rows x kc columns] is dequantized by dequant_tile (decode order
 // along the columns), transposed to [kc x nb] with each row one true column
 // of W, and the forward's micro-kernel runs over it with dy as the
-// activation block: its inner dimension is now the nb rows of W. Threads
-// split the K output columns (work items of kTKC columns inside one
-// segment), so every dx element has one writer and no reduction is needed.
+// activation block: its inner dimension is now the nb rows of W. On CPUs
+// with AVX-512F a broadcast kernel over the untransposed tile runs instead
+// (t_item_bcast, below: faster there). Threads split the K output columns
+// (work items of kTKC columns inside one segment), so every dx element has
+// one writer and no reduction is needed.
 
 namespace {
 
-// Measured here (1 thread, 4-bit g64, M=256/1024): 64 x 1024 ran at 85-92
-// GFLOP/s, 128 x 256 at 50-58 (32..256 x 256..2048 tried; chosen by
+// Measured here (1 thread, 4-bit g64, M=256/1024, with the 16-lane dot
+// micro-kernel): 64 x 1024 ran at 85-92 GFLOP/s, 128 x 256 at 50-58 (32..256 x 256..2048 tried; chosen by
 // measurement, not a cache model). Long rows amortize the micro-kernel's
 // horizontal sums; its few rows of dy stay in L1 across the tile's columns.
 // Group size 128 widens a tile to 128 columns.
@@ -886,6 +888,76 @@ void t_item(const float* dy, int64_t ldd, int M, const QMatView& w,
   }
 }
 
+// The 16-lane version (AVX-512F CPUs) skips the transpose: lanes run along
+// dx's columns instead, each dy element is broadcast against a row of the
+// tile (still in decode order), and accumulators live across the whole
+// tile with no horizontal sums, so a tile can be small enough for L1.
+// Measured here, 1 thread: 120-125 GFLOP/s on 1536x576 and 576x1536
+// (numpy's sgemm: ~105-120) against 90-95 for the transposed tiles with the
+// 16-lane dot micro-kernel; 128 rows per tile beat 64/192/256/512 except on
+// 49152x576 (256: ~88 against ~80). The same scheme with 8 lanes (6x2
+// registers, 8 loads per 12 FMAs) measured slower than the transposed
+// tiles (50-57 against 62-75 GFLOP/s), so AVX2-only CPUs keep those.
+constexpr int kBNB = 128;  // W rows per tile of the broadcast kernel
+
+// o[i][0..16*NV) += sum_p dy[i*ldd + p] * t[p*ldt + 0..16*NV) for MR rows.
+template <int MR, int NV>
+MIXBITS_AVX512 void bcast512(const float* dy, int64_t ldd, const float* t, int ldt,
+                             int nb, float* o, int ldo) {
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int p = 0; p < nb; ++p) {
+    __m512 wv[NV];
+    for (int j = 0; j < NV; ++j) wv[j] = _mm512_loadu_ps(t + int64_t(p) * ldt + 16 * j);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 b = _mm512_set1_ps(dy[i * ldd + p]);
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_fmadd_ps(b, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j)
+      _mm512_storeu_ps(o + i * ldo + 16 * j,
+                       _mm512_add_ps(_mm512_loadu_ps(o + i * ldo + 16 * j), acc[i][j]));
+}
+
+// 6 x 64 (24 accumulators, 4 tile loads and 6 broadcasts per 24 FMAs) and
+// 6 x 32 for an item of one 32-column group; fewer rows at the end of M.
+using BcastFn = void (*)(const float*, int64_t, const float*, int, int, float*, int);
+constexpr int kBMR = 6;
+template <int NV>
+constexpr BcastFn bcast_rows[kBMR + 1] = {nullptr,         bcast512<1, NV>, bcast512<2, NV>,
+                                          bcast512<3, NV>, bcast512<4, NV>, bcast512<5, NV>,
+                                          bcast512<6, NV>};
+
+// t_item with the broadcast kernel. dx of the item accumulates in decode
+// order in `acc` ([M x kc]) and is re-ordered once at the end.
+void t_item_bcast(const float* dy, int64_t ldd, int M, const QMatView& w,
+                  const std::vector<SegFns>& fns, const TItem& it, float* dx) {
+  const SegView& s = w.segs[it.seg];
+  const int N = w.N, K = w.K, kc = it.c1 - it.c0;
+  thread_local std::vector<float> tile, acc;
+  tile.resize(size_t(kBNB) * kTKCMax);
+  acc.assign(size_t(M) * kc, 0.0f);
+  for (int n0 = 0; n0 < N; n0 += kBNB) {
+    const int nb = std::min(kBNB, N - n0);
+    fns[it.seg].dequant(s, w.sdtype, n0, nb, it.c0, it.c1, tile.data(), kc);
+    for (int m = 0; m < M; m += kBMR) {
+      const int mr = std::min(kBMR, M - m);
+      const float* d = dy + int64_t(m) * ldd + n0;
+      float* o = acc.data() + int64_t(m) * kc;
+      int j = 0;
+      for (; j + 64 <= kc; j += 64) bcast_rows<4>[mr](d, ldd, tile.data() + j, kc, nb, o + j, kc);
+      if (j < kc) bcast_rows<2>[mr](d, ldd, tile.data() + j, kc, nb, o + j, kc);
+    }
+  }
+  // Decode position 8k+i of a unit holds column 4i+k.
+  float* out = dx + s.k0 + it.c0;
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < kc; ++c)
+      out[int64_t(m) * K + c] = acc[int64_t(m) * kc + (c & ~31) + 8 * (c & 3) + ((c & 31) >> 2)];
+}
+
 }  // namespace
 
 void qmm_t_avx2_run(const float* dy, int M, const QMatView& w, float* dx) {
@@ -910,8 +982,10 @@ void qmm_t_avx2_run(const float* dy, int M, const QMatView& w, float* dx) {
     for (int c0 = 0; c0 < s.k; c0 += width)
       items.push_back({int(si), c0, std::min(s.k, c0 + width)});
   }
+  const bool wide = use_avx512();  // read per call, as the forward does
   parallel_for(int64_t(items.size()), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) t_item(dy, ldd, M, w, fns, items[i], dx);
+    for (int64_t i = i0; i < i1; ++i)
+      (wide ? t_item_bcast : t_item)(dy, ldd, M, w, fns, items[i], dx);
   });
 }
 
