@@ -40,14 +40,20 @@ ACT_CASES = [(256, FF), (1024, FF)]
 OUT = Path(__file__).parent / "results" / "attn_grad.json"
 
 
-def cpu_time(fn, rounds):
-    fn()  # warm-up (allocations, lazy init)
-    ts = []
-    for _ in range(rounds):
-        t = time.process_time()
-        fn()
-        ts.append(time.process_time() - t)
-    return float(np.median(ts)), float(min(ts))
+def cpu_times(fns: dict, rounds: dict) -> dict:
+    """{name: (median, best)} CPU seconds per call. Rounds are interleaved
+    (one call of every impl per round, while it has rounds left) so that
+    load from other processes on the shared cores hits all impls alike."""
+    for fn in fns.values():
+        fn()  # warm-up (allocations, lazy init)
+    ts = {k: [] for k in fns}
+    for i in range(max(rounds.values())):
+        for k, fn in fns.items():
+            if i < rounds[k]:
+                t = time.process_time()
+                fn()
+                ts[k].append(time.process_time() - t)
+    return {k: (float(np.median(v)), float(min(v))) for k, v in ts.items()}
 
 
 def numpy_attention_fwd_bwd(q, k, v, do, scale):
@@ -99,11 +105,11 @@ def attention_rows():
         assert err < 1e-3, err
         # Causal work of forward (2 GEMMs) + backward (4), lower triangle only.
         flops = 6 * 2 * B * H * D * T * (T + 1) / 2
-        for impl, fn in (("mixbits", ours), ("mlx", mlx), ("numpy", numpy)):
-            rounds = 9 if impl != "mlx" else (3 if B * T * T <= 4 * 256 * 256 else 2)
-            med, best = cpu_time(fn, rounds)
+        rounds = {"mixbits": 9, "mlx": 3 if B * T * T <= 4 * 256 * 256 else 2, "numpy": 9}
+        times = cpu_times({"mixbits": ours, "mlx": mlx, "numpy": numpy}, rounds)
+        for impl, (med, best) in times.items():
             rows.append({"B": B, "T": T, "impl": impl, "median_s": med, "best_s": best,
-                         "rounds": rounds, "gflops": flops / med / 1e9})
+                         "rounds": rounds[impl], "gflops": flops / med / 1e9})
             print(f"attention {B}x{T:<5} {impl:<8} {1e3 * med:9.1f} ms  "
                   f"{flops / med / 1e9:6.1f} GFLOP/s", flush=True)
     return rows
@@ -128,8 +134,9 @@ def swiglu_rows():
             gs = g * s
             gs * u, dy * u * s * (np.float32(1) + g * (np.float32(1) - s)), dy * gs
 
-        for impl, fn in (("mixbits", ours), ("mlx", mlx), ("numpy", numpy)):
-            med, best = cpu_time(fn, 9)
+        times = cpu_times({"mixbits": ours, "mlx": mlx, "numpy": numpy},
+                          {"mixbits": 9, "mlx": 9, "numpy": 9})
+        for impl, (med, best) in times.items():
             rows.append({"M": M, "N": N, "impl": impl, "median_s": med, "best_s": best, "rounds": 9})
             print(f"swiglu    {M}x{N:<5} {impl:<8} {1e3 * med:9.2f} ms", flush=True)
     return rows
@@ -143,7 +150,7 @@ def main():
     attn = attention_rows()
     act = swiglu_rows()
     meta = {"threads": 1, "clock": "time.process_time (CPU time, MLX's stream thread included)",
-            "statistic": "median of rounds after one warm-up",
+            "statistic": "median of rounds after one warm-up; rounds interleaved across impls",
             "layout": {"H": H, "HK": HK, "D": D, "FF": FF},
             "flops": "6 causal GEMMs (fwd 2 + bwd 4): 12 B H D T(T+1)/2 for every impl",
             "mlx": mx.__version__, "numpy": np.__version__, "python": sys.version.split()[0],

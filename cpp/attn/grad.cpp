@@ -11,22 +11,19 @@
 // rows of P at hand it is taken from P and dP directly, so the backward
 // needs neither the forward's output nor its softmax statistics.
 //
-// Memory: P and dS are recomputed from q, k (the forward keeps nothing)
-// and stored whole, float32 (~[heads, T, S], key-blocked), instead of being
-// recomputed once more per key block as flash attention's backward does.
-// That costs the minimum of 5 GEMMs (recompute S, then dP, dQ, dK, dV) and
-// lets both passes run in parallel without atomics:
-//   pass 1, per (head, query head of the group, block of 32 queries):
-//     S and dP for the block's rows, then P and dS, dQ = scale dS K;
-//   pass 2, per (head, block of 64 keys): dV and dK of those keys, summed
-//     over the group's query heads and the rows that see the keys.
-// At SmolLM2's layout (9 query / 3 KV heads, T = S = 256) the two buffers
-// are 4.7 MB; MLX's own CPU vjp materializes several [H, T, S] arrays too.
-// Long contexts are cut into waves of KV heads so the buffers stay under
-// wave_bytes() (one KV head at a time at least).
+// Work split: P and dS are recomputed from q, k (the forward keeps
+// nothing), one block of 32 query positions at a time, with the r query
+// heads of a KV group stacked as rows (as the forward does), and are used
+// at once: 5 GEMMs per block (S, dP, dQ = scale dS K, dV += P^T dO,
+// dK += dS^T Q), nothing of size T x S stored, everything in L2. dK and dV
+// of one KV head are sums over all its query blocks, so each KV head's
+// query blocks are cut into kChunks fixed ranges (equal causal work) that
+// run in parallel into their own partial dK / dV, added up in chunk order
+// at the end: results do not depend on the thread count. An earlier
+// version stored P and dS whole ([H, T, S]) and ran dK / dV per key block;
+// at T = 1024 that moved 75 MB through memory per call and was slower.
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <stdexcept>
 
 #include "attn/attn.h"
@@ -40,18 +37,10 @@ namespace mixbits {
 
 namespace {
 
-constexpr int64_t kQueryBlock = 32;  // rows of one query head per pass-1 item
-constexpr int64_t kKeyBlock = 64;    // keys per pass-2 item (a 64 x D block of dK, dV)
-
-// Bytes of P + dS held at once: 256 MiB, or MIXBITS_ATTN_GRAD_WAVE_BYTES
-// (read per call; lets the tests run the wave loop on small shapes).
-int64_t wave_bytes() {
-  if (const char* e = std::getenv("MIXBITS_ATTN_GRAD_WAVE_BYTES")) {
-    const long long v = std::atoll(e);
-    if (v > 0) return int64_t(v);
-  }
-  return int64_t(256) << 20;
-}
+constexpr int64_t kQueryBlock = 32;  // query positions per block (x r heads)
+// Partial dK / dV per KV head: enough items for both cores at batch 1 with
+// 3 KV heads, and the partials stay ~4x the size of k and v.
+constexpr int64_t kChunks = 4;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -128,48 +117,57 @@ void causal_attention_vjp_cpu(const AttnKernels& kern, const AttnShape& sh,
   const std::vector<float> kt = transpose_heads(k, heads, S, D, ld);
   const std::vector<float> vt = transpose_heads(v, heads, S, D, ld);
   const int64_t nqb = (T + kQueryBlock - 1) / kQueryBlock;
-  const int64_t nkb = (S + kKeyBlock - 1) / kKeyBlock;
-  // P and dS are kept key-blocked, [head, query head, key block, T, 64]:
-  // pass 2 reads a 64-key column strip of every row as a dense k x 64
-  // panel (a row-major [T, S] strip would be 64 floats every S floats, a
-  // 4 KiB stride at S = 1024 that thrashes the L1 sets).
-  const int64_t head_floats = r * nkb * T * kKeyBlock;  // one KV head's P (or dS)
-  const int64_t wave =
-      head_floats == 0
-          ? heads
-          : std::clamp<int64_t>(wave_bytes() / (2 * 4 * head_floats), 1, heads);
-  // From MLX's allocator, whose buffer cache hands the same pages back on
-  // the next call: fresh 10-100 MB vectors page-faulted (and zeroed) on every
-  // call, ~25% of the time at T = 1024. No initialization needed: pass 1
-  // writes every entry pass 2 reads.
-  const size_t buf_bytes = size_t(std::max<int64_t>(wave * head_floats, 1)) * 4;
-  auto p_buf = mx::allocator::malloc(buf_bytes);
-  auto ds_buf = mx::allocator::malloc(buf_bytes);
-  float* const P = static_cast<float*>(p_buf.buffer().raw_ptr());
-  float* const dS = static_cast<float*>(ds_buf.buffer().raw_ptr());
-  // Row t of query head (i, g) in key block kb of a key-blocked buffer.
-  auto blk = [&](float* base, int64_t i, int64_t g, int64_t kb, int64_t t) {
-    return base + (((i * r + g) * nkb + kb) * T + t) * kKeyBlock;
-  };
+  // Chunk c of every head covers query blocks [lo[c], lo[c + 1]), cut where
+  // the causal work (rows x keys seen) reaches c / kChunks of the total.
+  std::vector<int64_t> lo(kChunks + 1, nqb);
+  lo[0] = 0;
+  {
+    auto work = [&](int64_t qb) {
+      const int64_t t0 = qb * kQueryBlock, nt = std::min(kQueryBlock, T - t0);
+      return double(nt) * double(t0 + nt + off);
+    };
+    double total = 0, acc = 0;
+    for (int64_t qb = 0; qb < nqb; ++qb) total += work(qb);
+    int64_t c = 1;
+    for (int64_t qb = 0; qb < nqb && c < kChunks; ++qb) {
+      acc += work(qb);
+      while (c < kChunks && acc * kChunks >= total * double(c)) lo[size_t(c++)] = qb + 1;
+    }
+  }
+  // Partial dK, dV [heads, kChunks, S, D] from MLX's allocator (its buffer
+  // cache hands the same pages back on the next call).
+  const size_t part_floats = size_t(heads * kChunks * S * D);
+  auto pk_buf = mx::allocator::malloc(part_floats * 4);
+  auto pv_buf = mx::allocator::malloc(part_floats * 4);
+  float* const pk = static_cast<float*>(pk_buf.buffer().raw_ptr());
+  float* const pv = static_cast<float*>(pv_buf.buffer().raw_ptr());
+  const int64_t R = r * kQueryBlock;  // rows of a block, all heads of the group
 
-  for (int64_t h0 = 0; h0 < heads; h0 += wave) {
-    const int64_t nh = std::min(wave, heads - h0);
-    // Pass 1: P, dS and dQ, per (head of the wave, query head, query block).
-    parallel_for(nh * r * nqb, 1, [&](int64_t w0, int64_t w1) {
-      std::vector<float> sc(size_t(kQueryBlock * S)), dp(sc.size());
-      for (int64_t w = w0; w < w1; ++w) {
-        const int64_t i = w / (r * nqb), g = (w / nqb) % r, qb = w % nqb;
-        const int64_t bh = h0 + i, b = bh / Hk, hk = bh % Hk;
-        const int64_t h = hk * r + g;
+  parallel_for(heads * kChunks, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> qa(size_t(R * D)), da(qa.size()), dqa(qa.size());
+    std::vector<float> sc(size_t(R * ld)), dp(sc.size());
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t bh = w / kChunks, c = w % kChunks, b = bh / Hk, hk = bh % Hk;
+      float* pdk = pk + (bh * kChunks + c) * S * D;
+      float* pdv = pv + (bh * kChunks + c) * S * D;
+      std::fill(pdk, pdk + S * D, 0.0f);
+      std::fill(pdv, pdv + S * D, 0.0f);
+      for (int64_t qb = lo[size_t(c)]; qb < lo[size_t(c + 1)]; ++qb) {
         const int64_t t0 = qb * kQueryBlock, nt = std::min(kQueryBlock, T - t0);
+        const int64_t rows = r * nt;
         const int64_t e = t0 + nt + off;  // keys any row of this block sees
-        const int64_t qoff = ((b * H + h) * T + t0) * D;
-        kern.gemm(q + qoff, D, kt.data() + bh * D * ld, ld, sc.data(), e, nt, e, D);
-        kern.gemm(dout + qoff, D, vt.data() + bh * D * ld, ld, dp.data(), e, nt, e, D);
-        for (int64_t t = 0; t < nt; ++t) {
-          const int64_t n = t0 + t + off + 1;  // causal: keys 0 .. t + off
-          float* x = sc.data() + t * e;
-          float* ds = dp.data() + t * e;  // dP, then dS in place
+        // Row g * nt + t: query head hk * r + g, position t0 + t.
+        for (int64_t g = 0; g < r; ++g) {
+          const int64_t src = ((b * H + hk * r + g) * T + t0) * D;
+          std::copy(q + src, q + src + nt * D, qa.data() + g * nt * D);
+          std::copy(dout + src, dout + src + nt * D, da.data() + g * nt * D);
+        }
+        kern.gemm(qa.data(), D, kt.data() + bh * D * ld, ld, sc.data(), ld, rows, e, D);
+        kern.gemm(da.data(), D, vt.data() + bh * D * ld, ld, dp.data(), ld, rows, e, D);
+        for (int64_t row = 0; row < rows; ++row) {
+          const int64_t n = t0 + row % nt + off + 1;  // causal: keys 0 .. t + off
+          float* x = sc.data() + row * ld;
+          float* ds = dp.data() + row * ld;  // dP, then dS in place
           for (int64_t j = 0; j < n; ++j) x[j] *= scale;
           const float inv = 1.0f / kern.exp_row(x, n, attn_row_max(x, n));
           // rowsum(P o dP) in double, 4 independent partial sums (one
@@ -186,49 +184,39 @@ void causal_attention_vjp_cpu(const AttnKernels& kern, const AttnShape& sh,
             acc[0] += double(x[j]) * ds[j];
           }
           const float dotf = float((acc[0] + acc[1]) + (acc[2] + acc[3]));
-          for (int64_t j = 0; j < n; ++j) ds[j] = x[j] * (ds[j] - dotf);
-          std::fill(ds + n, ds + e, 0.0f);  // the dQ GEMM reads keys 0 .. e-1
-          // Into the key-blocked buffers, zeros past the causal boundary to
-          // the end of the block holding key n-1 (pass 2 reads whole blocks
-          // of every row that sees any key of them, and no block past it).
-          for (int64_t kb = 0, c0 = 0; c0 < n; ++kb, c0 += kKeyBlock) {
-            const int64_t c = std::min(kKeyBlock, n - c0);
-            float* pd = blk(P, i, g, kb, t0 + t);
-            float* dd = blk(dS, i, g, kb, t0 + t);
-            std::copy(x + c0, x + c0 + c, pd);
-            std::copy(ds + c0, ds + c0 + c, dd);
-            std::fill(pd + c, pd + kKeyBlock, 0.0f);
-            std::fill(dd + c, dd + kKeyBlock, 0.0f);
-          }
+          for (j = 0; j < n; ++j) ds[j] = x[j] * (ds[j] - dotf);
+          // The GEMMs below read keys 0 .. e-1 of every row.
+          std::fill(x + n, x + e, 0.0f);
+          std::fill(ds + n, ds + e, 0.0f);
         }
-        float* dqr = dq + qoff;
-        kern.gemm(dp.data(), e, k + bh * S * D, D, dqr, D, nt, D, e);
-        for (int64_t j = 0; j < nt * D; ++j) dqr[j] *= scale;
-      }
-    });
-    // Pass 2: dV and dK per (head of the wave, key block): the rows of every
-    // query head of the group that see any key of the block, in order.
-    parallel_for(nh * nkb, 1, [&](int64_t w0, int64_t w1) {
-      for (int64_t w = w0; w < w1; ++w) {
-        const int64_t i = w / nkb, kb = w % nkb;
-        const int64_t bh = h0 + i, b = bh / Hk, hk = bh % Hk;
-        const int64_t s0 = kb * kKeyBlock, m = std::min(kKeyBlock, S - s0);
-        const int64_t tmin = std::max<int64_t>(0, s0 - off);  // first row seeing s0
-        float* dvb = dv + (bh * S + s0) * D;
-        float* dkb = dk + (bh * S + s0) * D;
-        std::fill(dvb, dvb + m * D, 0.0f);
-        std::fill(dkb, dkb + m * D, 0.0f);
+        kern.gemm(dp.data(), ld, k + bh * S * D, D, dqa.data(), D, rows, D, e);
         for (int64_t g = 0; g < r; ++g) {
-          const int64_t qoff = ((b * H + hk * r + g) * T + tmin) * D;
-          kern.gemm_tn_acc(blk(P, i, g, kb, tmin), kKeyBlock, dout + qoff,
-                           D, dvb, D, m, D, T - tmin);
-          kern.gemm_tn_acc(blk(dS, i, g, kb, tmin), kKeyBlock, q + qoff,
-                           D, dkb, D, m, D, T - tmin);
+          float* dst = dq + ((b * H + hk * r + g) * T + t0) * D;
+          const float* src = dqa.data() + g * nt * D;
+          for (int64_t i = 0; i < nt * D; ++i) dst[i] = src[i] * scale;
         }
-        for (int64_t j = 0; j < m * D; ++j) dkb[j] *= scale;
+        kern.gemm_tn_acc(sc.data(), ld, da.data(), D, pdv, D, e, D, rows);
+        kern.gemm_tn_acc(dp.data(), ld, qa.data(), D, pdk, D, e, D, rows);
       }
-    });
-  }
+    }
+  });
+  // dK = scale * sum of the partials, dV = their sum, in chunk order.
+  parallel_for(heads * S, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t bh = i / S, s = i % S;
+      float* odk = dk + i * D;
+      float* odv = dv + i * D;
+      for (int64_t d = 0; d < D; ++d) {
+        float sk = 0, sv = 0;
+        for (int64_t c = 0; c < kChunks; ++c) {
+          sk += pk[((bh * kChunks + c) * S + s) * D + d];
+          sv += pv[((bh * kChunks + c) * S + s) * D + d];
+        }
+        odk[d] = sk * scale;
+        odv[d] = sv;
+      }
+    }
+  });
 }
 
 std::vector<mx::array> CausalAttention::vjp(
