@@ -229,3 +229,18 @@ def test_a_decoder_reused_for_a_second_sequence_starts_afresh():
     for i, (p, c) in enumerate(zip(plain, got)):
         assert mx.allclose(c, p, rtol=1e-4, atol=1e-4).item(), f"step {i}"
     assert d.offset == len(prompt) + len(tokens)
+
+
+def test_a_ring_smaller_than_its_window_grows_then_wraps(monkeypatch):
+    # Window 40, capacity=1: the rings start at 32 slots (the rounded
+    # prompt + 1), grow to the window at offset 32, wrap past 40.
+    cfgs = dict(tiny_models.CONFIGS)
+    cfgs["gemma3_text"] = dict(cfgs["gemma3_text"], sliding_window=40)
+    monkeypatch.setattr(tiny_models, "CONFIGS", cfgs)
+    model, cfg = _patched("gemma3_text")
+    prompt, tokens = _ids(cfg, 20, 15), _ids(cfg, 30, 16)
+    plain = _plain_logits(model, prompt, tokens)
+    compiled, _ = _compiled_logits(model, prompt, tokens, capacity=1)
+    for i, (p, c) in enumerate(zip(plain, compiled)):
+        err = mx.abs(c - p).max().item()
+        assert err <= 1e-4 * (1 + mx.abs(p).max().item()), f"step {i}: max |diff| {err}"

@@ -178,18 +178,25 @@ def _window(cache) -> int | None:
     raise Unsupported(f"{type(cache).__name__} is not compiled (KVCache and RotatingKVCache are)")
 
 
+def _ring_size(window: int, capacity: int) -> int:
+    """A ring holds min(window, capacity) slots: a sequence that ends
+    inside the window never wraps, and MLX's masked attention costs per
+    slot (gemma3's 512-token window for a 100-token generation)."""
+    return min(window, capacity)
+
+
 def _buffers(cache, capacity: int):
     """(keys, values, window) of one filled mlx-lm cache as step buffers."""
     w = _window(cache)
     if w is None:
         keys, values = cache.keys_and_values()
         return _pad(keys, capacity), _pad(values, capacity), None
-    off = cache.offset
+    off, size = cache.offset, _ring_size(w, capacity)
     # Temporal order (mlx-lm's own helper), the last min(offset, w)
     # tokens, then token t moved to ring slot t % w.
     keys, values = (cache._temporal_order(a)[..., -min(off, w):, :] for a in (cache.keys, cache.values))
-    if off < w:
-        return _pad(keys, w), _pad(values, w), w
+    if off < size:  # not wrapped (capacity > offset, so off >= size means size == w)
+        return _pad(keys, size), _pad(values, size), w
     shift = (off - w) % w
     return mx.roll(keys, shift, axis=2), mx.roll(values, shift, axis=2), w
 
@@ -221,7 +228,7 @@ class Decoder:
         self.model = model
         self.verify, self.tol, self.fast_rope = verify, tol, fast_rope
         self._cache = None  # mlx-lm caches until the first step
-        self._state = None  # (keys, values, windows) step buffers after it
+        self._state = None  # (keys, values) step buffers after it
         self.offset = 0
         self._fn = mx.compile(self._traced)
 
@@ -246,7 +253,10 @@ class Decoder:
         return logits
 
     def _traced(self, tokens, offset, keys, values):
-        caches = [_StepCache(k, v, offset, w) for k, v, w in zip(keys, values, self._windows)]
+        # A ring smaller than its window has not wrapped yet: slot = offset
+        # modulo its size is the offset itself until it grows.
+        caches = [_StepCache(k, v, offset, k.shape[2] if w else None)
+                  for k, v, w in zip(keys, values, self._windows)]
         # The stand-ins live only while tracing: the replayed step keeps
         # their ops, the model keeps its own modules.
         swapped = _swap_ropes(self.model, {}) if self.fast_rope else []
@@ -274,9 +284,9 @@ class Decoder:
             self._cache = None
         if self.offset >= self._capacity:
             self._capacity += GROW  # new shapes: MLX traces the step again
-            grow = [a if w else _pad(a, self._capacity) for a, w in zip(self._state[0], self._windows)]
-            self._state = (grow, [a if w else _pad(a, self._capacity)
-                                  for a, w in zip(self._state[1], self._windows)])
+            # Full buffers and unwrapped rings (offset == their size < window) grow.
+            sizes = [_ring_size(w, self._capacity) if w else self._capacity for w in self._windows]
+            self._state = tuple([_pad(a, n) for a, n in zip(arrays, sizes)] for arrays in self._state)
         keys, values = self._state
         self._state = None  # drop our references so slice_update may reuse the buffers
         try:
