@@ -114,11 +114,13 @@ def test_attention_vjp_matches_mlx_and_float64(backend, case):
 
 @pytest.mark.parametrize("backend", ATTN)
 @pytest.mark.parametrize("shape", [(1, 4, 2, 5, 40, 16), (2, 6, 3, 64, 100, 64),
-                                   (1, 2, 1, 1, 70, 128), (1, 3, 1, 33, 97, 24)],
+                                   (1, 2, 1, 1, 70, 128), (1, 3, 1, 33, 97, 24),
+                                   (2, 8, 8, 40, 60, 16)],  # 16 KV heads: one chunk each
                          ids=lambda s: "x".join(map(str, s)))
 def test_attention_vjp_with_longer_keys(backend, shape):
     """S > T (queries are the last T positions, as over a KV cache); D = 24
-    exercises the kernels' column tails."""
+    exercises the kernels' column tails; 16 KV heads take dK / dV in one
+    chunk per head (fewer heads: 2-4 chunks added up)."""
     B, H, Hk, T, S, D = shape
     q, k, v, dout = qkv(7, B, H, Hk, T, S, D)
     got = ours_vjp(q, k, v, dout, 0.2, backend)

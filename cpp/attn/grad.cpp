@@ -17,11 +17,12 @@
 // at once: 5 GEMMs per block (S, dP, dQ = scale dS K, dV += P^T dO,
 // dK += dS^T Q), nothing of size T x S stored, everything in L2. dK and dV
 // of one KV head are sums over all its query blocks, so each KV head's
-// query blocks are cut into kChunks fixed ranges (equal causal work) that
-// run in parallel into their own partial dK / dV, added up in chunk order
-// at the end: results do not depend on the thread count. An earlier
-// version stored P and dS whole ([H, T, S]) and ran dK / dV per key block;
-// at T = 1024 that moved 75 MB through memory per call and was slower.
+// query blocks are cut into C fixed ranges of equal causal work (C from the
+// head count alone, chunk_count()) that run in parallel into their own
+// partial dK / dV, added up in chunk order at the end: results do not
+// depend on the thread count. An earlier version stored P and dS whole
+// ([H, T, S]) and ran dK / dV per key block; at T = 1024 that moved 75 MB
+// through memory per call and its backward was 1.8x slower.
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -38,9 +39,15 @@ namespace mixbits {
 namespace {
 
 constexpr int64_t kQueryBlock = 32;  // query positions per block (x r heads)
-// Partial dK / dV per KV head: enough items for both cores at batch 1 with
-// 3 KV heads, and the partials stay ~4x the size of k and v.
-constexpr int64_t kChunks = 4;
+
+// Chunks per KV head: (heads x chunks) items >= 16 where up to 4 chunks
+// give that (both cores busy at batch 1 with 3 KV heads, room for 16), one
+// chunk (no partials beyond dK, dV themselves) once there are 16 heads. A
+// function of the shape alone, so results do not depend on the thread
+// count; the partials are at most 4x the size of k and v.
+int64_t chunk_count(int64_t heads) {
+  return std::clamp<int64_t>((16 + heads - 1) / heads, 1, 4);
+}
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -118,8 +125,9 @@ void causal_attention_vjp_cpu(const AttnKernels& kern, const AttnShape& sh,
   const std::vector<float> vt = transpose_heads(v, heads, S, D, ld);
   const int64_t nqb = (T + kQueryBlock - 1) / kQueryBlock;
   // Chunk c of every head covers query blocks [lo[c], lo[c + 1]), cut where
-  // the causal work (rows x keys seen) reaches c / kChunks of the total.
-  std::vector<int64_t> lo(kChunks + 1, nqb);
+  // the causal work (rows x keys seen) reaches c / C of the total.
+  const int64_t C = chunk_count(heads);
+  std::vector<int64_t> lo(size_t(C + 1), nqb);
   lo[0] = 0;
   {
     auto work = [&](int64_t qb) {
@@ -129,27 +137,27 @@ void causal_attention_vjp_cpu(const AttnKernels& kern, const AttnShape& sh,
     double total = 0, acc = 0;
     for (int64_t qb = 0; qb < nqb; ++qb) total += work(qb);
     int64_t c = 1;
-    for (int64_t qb = 0; qb < nqb && c < kChunks; ++qb) {
+    for (int64_t qb = 0; qb < nqb && c < C; ++qb) {
       acc += work(qb);
-      while (c < kChunks && acc * kChunks >= total * double(c)) lo[size_t(c++)] = qb + 1;
+      while (c < C && acc * double(C) >= total * double(c)) lo[size_t(c++)] = qb + 1;
     }
   }
-  // Partial dK, dV [heads, kChunks, S, D] from MLX's allocator (its buffer
+  // Partial dK, dV [heads, C, S, D] from MLX's allocator (its buffer
   // cache hands the same pages back on the next call).
-  const size_t part_floats = size_t(heads * kChunks * S * D);
+  const size_t part_floats = size_t(heads * C * S * D);
   auto pk_buf = mx::allocator::malloc(part_floats * 4);
   auto pv_buf = mx::allocator::malloc(part_floats * 4);
   float* const pk = static_cast<float*>(pk_buf.buffer().raw_ptr());
   float* const pv = static_cast<float*>(pv_buf.buffer().raw_ptr());
   const int64_t R = r * kQueryBlock;  // rows of a block, all heads of the group
 
-  parallel_for(heads * kChunks, 1, [&](int64_t w0, int64_t w1) {
+  parallel_for(heads * C, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> qa(size_t(R * D)), da(qa.size()), dqa(qa.size());
     std::vector<float> sc(size_t(R * ld)), dp(sc.size());
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t bh = w / kChunks, c = w % kChunks, b = bh / Hk, hk = bh % Hk;
-      float* pdk = pk + (bh * kChunks + c) * S * D;
-      float* pdv = pv + (bh * kChunks + c) * S * D;
+      const int64_t bh = w / C, c = w % C, b = bh / Hk, hk = bh % Hk;
+      float* pdk = pk + (bh * C + c) * S * D;
+      float* pdv = pv + (bh * C + c) * S * D;
       std::fill(pdk, pdk + S * D, 0.0f);
       std::fill(pdv, pdv + S * D, 0.0f);
       for (int64_t qb = lo[size_t(c)]; qb < lo[size_t(c + 1)]; ++qb) {
@@ -208,9 +216,9 @@ void causal_attention_vjp_cpu(const AttnKernels& kern, const AttnShape& sh,
       float* odv = dv + i * D;
       for (int64_t d = 0; d < D; ++d) {
         float sk = 0, sv = 0;
-        for (int64_t c = 0; c < kChunks; ++c) {
-          sk += pk[((bh * kChunks + c) * S + s) * D + d];
-          sv += pv[((bh * kChunks + c) * S + s) * D + d];
+        for (int64_t c = 0; c < C; ++c) {
+          sk += pk[((bh * C + c) * S + s) * D + d];
+          sv += pv[((bh * C + c) * S + s) * D + d];
         }
         odk[d] = sk * scale;
         odv[d] = sv;

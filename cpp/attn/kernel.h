@@ -85,8 +85,8 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
 
 // The vjp of causal_attention_cpu: dq [B, H, T, D], dk and dv [B, Hk, S, D]
 // from contiguous float32 q, k, v and the output cotangent dout [B, H, T, D]
-// (grad.cpp says how the work is split). Each output element is written by
-// one work item in a fixed order, so results do not depend on the thread
+// (grad.cpp says how the work is split). The split and the order of every
+// sum depend on the shapes only, so results do not depend on the thread
 // count.
 void causal_attention_vjp_cpu(const AttnKernels& kern, const AttnShape& sh,
                               const float* q, const float* k, const float* v,
