@@ -2,7 +2,9 @@
 the transposed kernel through the packed weights (what mx.vjp now runs on a
 CPU stream) against the path it replaced (mx.dequantize + mx.matmul, MLX's
 reference-BLAS CPU matmul on Linux) and numpy float32 dy @ W (OpenBLAS
-sgemm on a W dequantized beforehand, so numpy pays no decode).
+sgemm on a W dequantized beforehand, so numpy pays no decode). On an
+AVX-512 CPU the "avx2-only" column forces the 8-lane kernel
+(MIXBITS_QMM_ISA=avx2, read per call), what an AVX2-only CPU runs.
 
 SmolLM2-135M shapes N x K = 1536x576, 576x1536, 576x576, 192x576,
 49152x576 at M = 256 and 1024; 4-bit g64, 8-bit g64, and a mixed tensor
@@ -72,7 +74,7 @@ def time_call(fn, min_time: float, max_reps: int = 50) -> dict:
     return {"median_s": statistics.median(ts), "min_s": min(ts), "reps": len(ts)}
 
 
-def case(n, k, kind, m, rng, min_time):
+def case(n, k, kind, m, rng, min_time, wide):
     segs, use_perm = segments(kind, k)
     w = mx.array(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k))
     perm = rng.permutation(k).astype(np.int32) if use_perm else None
@@ -84,6 +86,13 @@ def case(n, k, kind, m, rng, min_time):
     def new():  # only dx is evaluated: the forward is not in its graph
         _, (dx,) = mx.vjp(lambda v: mixbits.qmatmul(v, qt), [x], [dy])
         mx.eval(dx)
+
+    def avx2_only():
+        os.environ["MIXBITS_QMM_ISA"] = "avx2"
+        try:
+            new()
+        finally:
+            del os.environ["MIXBITS_QMM_ISA"]
 
     def old():  # what MixedQMatmul's vjp built before: dequantize, matmul, scatter
         W = mx.concatenate([mx.dequantize(s.wq, s.scales, s.biases, group_size=s.group_size,
@@ -99,8 +108,10 @@ def case(n, k, kind, m, rng, min_time):
     def numpy():
         dyn @ W
 
-    t = {"mixbits": time_call(new, min_time), "mlx_old": time_call(old, min_time, 3),
-         "numpy": time_call(numpy, min_time)}
+    t = {"mixbits": time_call(new, min_time)}
+    if wide:
+        t["mixbits_avx2_only"] = time_call(avx2_only, min_time)
+    t.update({"mlx_old": time_call(old, min_time, 3), "numpy": time_call(numpy, min_time)})
     ms = {k_: v["median_s"] * 1e3 for k_, v in t.items()}
     flop = 2.0 * m * n * k
     return {"n": n, "k": k, "kind": kind, "m": m, "times": t, "ms": ms,
@@ -117,9 +128,10 @@ def main(argv=None):
     mx.set_default_device(mx.cpu)
     _ext.set_max_threads(1)
     flags = cpu_flags()
+    wide = "avx512f" in flags and "MIXBITS_QMM_ISA" not in os.environ
     print(f"CPU flags: {' '.join(flags)}; OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}")
     print("one thread, CPU time (median); dx = dy @ W, GFLOP/s = 2*M*N*K / time")
-    hdr = (f"{'N x K':>11} {'kind':>16} {'M':>5} {'mixbits ms':>10} {'old ms':>9} {'numpy ms':>9} "
+    hdr = (f"{'N x K':>11} {'kind':>16} {'M':>5} {'mixbits ms':>10} {'avx2-only':>9} {'old ms':>9} {'numpy ms':>9} "
            f"{'old/new':>7} {'np/new':>6} {'GFLOP/s':>7}")
     print(hdr + "\n" + "-" * len(hdr))
     rng = np.random.default_rng(0)
@@ -127,13 +139,15 @@ def main(argv=None):
     for n, k in ([(576, 1536)] if a.quick else SHAPES):
         for kind in KINDS:
             for m in ([256] if a.quick else MS):
-                r = case(n, k, kind, m, rng, a.min_time)
+                r = case(n, k, kind, m, rng, a.min_time, wide)
                 rows.append(r)
                 ms = r["ms"]
-                print(f"{f'{n}x{k}':>11} {kind:>16} {m:>5} {ms['mixbits']:>10.2f} {ms['mlx_old']:>9.1f} "
+                a2 = f"{ms['mixbits_avx2_only']:.2f}" if wide else "-"
+                print(f"{f'{n}x{k}':>11} {kind:>16} {m:>5} {ms['mixbits']:>10.2f} {a2:>9} {ms['mlx_old']:>9.1f} "
                       f"{ms['numpy']:>9.2f} {r['old_over_new']:>7.1f} {r['numpy_over_new']:>6.2f} "
                       f"{r['gflops']['mixbits']:>7.1f}", flush=True)
     out = {"cpu_flags": flags, "clock": "process_time, median", "threads": 1,
+           "kernel": "16-lane broadcast (AVX-512F)" if wide else "8-lane transposed tiles (AVX2)",
            "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
            "load_average": os.getloadavg(), "mlx": mx.__version__, "rows": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
