@@ -96,7 +96,7 @@ def test_taps_equal_direct_weight_gradients(arch):
 
 def test_taps_on_a_mixbits_model_with_routed_kernels():
     """Quantized mixbits layers (differentiated through their own vjp) and
-    patched attention/SwiGLU (suspended while differentiating)."""
+    patched attention/SwiGLU (differentiated through their own vjps)."""
     model, _ = tiny_models.build("llama_tied")
     ad = ModelAdapter(model)
     mixbits.quantize_model(model, {s.path: 4 for s in ad.sites})

@@ -14,7 +14,6 @@ goes to the original function.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import importlib
 
@@ -24,28 +23,11 @@ import mlx.nn as nn
 from . import _ext
 from ._backends import on_cpu
 
-__all__ = ["patch_functions", "suspended", "unpatch_functions"]
+__all__ = ["patch_functions", "unpatch_functions"]
 
 _SAVED = "_mixbits_originals"
 _ACTIVE = contextvars.ContextVar("mixbits_routed", default=False)
-_SUSPENDED = contextvars.ContextVar("mixbits_unrouted", default=False)
 _SUBCLASSES: dict[type, type] = {}
-
-
-@contextlib.contextmanager
-def suspended():
-    """Inside this block every call goes to the original functions, routed
-    model or not: the routed kernels have no derivatives, so a forward that
-    MLX differentiates must run MLX's own attention and SwiGLU."""
-    token = _SUSPENDED.set(True)
-    try:
-        yield
-    finally:
-        _SUSPENDED.reset(token)
-
-
-def _routing() -> bool:
-    return _ACTIVE.get() and not _SUSPENDED.get()
 
 
 def _f32(*arrays) -> bool:
@@ -54,7 +36,7 @@ def _f32(*arrays) -> bool:
 
 def _sdpa_router(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if (_routing() and isinstance(mask, str) and mask == "causal" and sinks is None
+        if (_ACTIVE.get() and isinstance(mask, str) and mask == "causal" and sinks is None
                 and not hasattr(cache, "bits") and _f32(queries, keys, values) and on_cpu()):
             return _ext.causal_attention(queries, keys, values, float(scale), 0)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
@@ -64,7 +46,7 @@ def _sdpa_router(original):
 
 def _swiglu_router(original):
     def swiglu(gate, x):
-        if _routing() and _f32(gate, x) and gate.shape == x.shape and on_cpu():
+        if _ACTIVE.get() and _f32(gate, x) and gate.shape == x.shape and on_cpu():
             return _ext.swiglu(gate, x, 0)
         return original(gate, x)
 

@@ -81,8 +81,8 @@ def fisher_diagonal(model, tokens, sites, *, samples: int = 1, seed: int = 0, ba
     of dy^2 per output (float64 [N])} for the linears (see
     :func:`estimate`).
 
-    The model runs as it is (its own quantized / mixbits layers; routed
-    kernels suspended while differentiating, as they have no derivatives). Per batch of
+    The model runs as it is (its own quantized / mixbits layers and routed
+    attention/SwiGLU kernels, all with derivatives). Per batch of
     sequences: one recording forward (the reference distribution P and
     every tapped module's input x), then per sample one backward pass for
     the output gradients dy of all tapped modules at once; the weight
@@ -92,7 +92,6 @@ def fisher_diagonal(model, tokens, sites, *, samples: int = 1, seed: int = 0, ba
     """
     from tqdm import tqdm
 
-    from .. import routing
     from ..adapter import ModelAdapter
     from .taps import Taps, split_key
 
@@ -125,9 +124,6 @@ def fisher_diagonal(model, tokens, sites, *, samples: int = 1, seed: int = 0, ba
                 x = mx.array(toks[b0 : b0 + batch])
                 n_seq = int(x.shape[0])
                 taps.capture()
-                # The recording pass is not differentiated: it keeps the
-                # routed kernels (3x faster here than MLX's CPU ops); its
-                # inputs equal the differentiated pass's to float rounding.
                 ref = model(x).astype(mx.float32)
                 mx.eval(ref, list(taps.inputs.values()))
                 inputs = {k: np.array(v if mx.issubdtype(v.dtype, mx.integer) else v.astype(mx.float32))
