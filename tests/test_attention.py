@@ -182,15 +182,19 @@ def test_routing_is_per_model_and_keeps_logits(monkeypatch):
         assert calls == {"attn": 2, "swiglu": 2}
         assert mx.array_equal(again, before).item()
         assert mx.allclose(got, before, atol=1e-4).item()
-        # Decode steps with a KV cache: the one-token step has no causal mask
-        # and goes to MLX; the prompt goes to the kernel with S == T.
+        # Decode with a KV cache: the prompt goes to the kernel with S == T,
+        # each one-token step (no mask) to the kernel with S > T = 1.
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(routed)
         routed(tokens[:1, :10], cache=cache)
-        step = routed(tokens[:1, 10:11], cache=cache)
-        full = plain(tokens[:1, :11])
-        assert mx.allclose(step[0, -1], full[0, -1], atol=1e-4).item()
+        for t in range(10, 14):
+            n = calls["attn"]
+            step = routed(tokens[:1, t : t + 1], cache=cache)
+            mx.eval(step)
+            assert calls["attn"] == n + 2
+            full = plain(tokens[:1, : t + 1])
+            assert mx.allclose(step[0, -1], full[0, -1], atol=1e-4).item()
     finally:
         unpatch_functions(routed)
     n = dict(calls)

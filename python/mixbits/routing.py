@@ -7,9 +7,9 @@ routers, and gives the patched model and its decoder layers a subclass
 whose ``__call__`` marks "this model is routed" for the duration of the
 call. A router takes the call only inside such a mark and only in the
 cases the kernels cover (float32 on the CPU; for attention, the causal mask
-without a quantized cache or sinks); everything else (other models of the
-same architecture, decode steps with array masks, half precision, GPU)
-goes to the original function.
+or a one-query decode step without a mask, no quantized cache or sinks);
+everything else (other models of the same architecture, array masks, half
+precision, GPU) goes to the original function.
 """
 
 from __future__ import annotations
@@ -36,7 +36,11 @@ def _f32(*arrays) -> bool:
 
 def _sdpa_router(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if (_ACTIVE.get() and isinstance(mask, str) and mask == "causal" and sinks is None
+        # One query without a mask (a decode step) sees every key, which is
+        # what the causal kernel does for the last query row.
+        causal = (isinstance(mask, str) and mask == "causal") or (
+            mask is None and queries.shape[-2] == 1)
+        if (_ACTIVE.get() and causal and sinks is None
                 and not hasattr(cache, "bits") and _f32(queries, keys, values) and on_cpu()):
             return _ext.causal_attention(queries, keys, values, float(scale), 0)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
