@@ -18,8 +18,9 @@ from reference import assert_matmul_close, dequantize_f64, to_f64
 
 BACKENDS = mixbits.ops.available_backends()
 M_VALUES = [1, 3, 17, 130, 300]
-# The AVX2 kernel's tiles are 1024 W rows (16-row padded) x 64-128 columns:
-# N below and above one tile, none a multiple of 16.
+# W-row tiles: 128 (AVX-512 broadcast kernel) or 1024 padded to 16 (AVX2
+# transposed tiles), 64-128 columns: N below and above one tile of either,
+# none a multiple of 16.
 N_VALUES = [1, 37, 1100]
 
 
