@@ -44,11 +44,11 @@ mx::array mixed_qmatmul_t(const mx::array& dy,
     fail("dy has " + std::to_string(dy.shape(-1)) + " columns but W has N=" +
          std::to_string(N) + " rows");
   select_qmm_t(backend);  // throws now, not inside the graph, if unavailable
-  // The kernels read dense row-major buffers.
   const int K = total_k(segs);
   if (perm && (perm->ndim() != 1 || perm->shape(0) != K ||
                (perm->dtype() != mx::int32 && perm->dtype() != mx::uint32)))
     fail("perm must be int32 or uint32 of shape (" + std::to_string(K) + ",)");
+  // The kernels read dense row-major buffers.
   std::vector<mx::array> inputs{mx::contiguous(dy, false, stream)};
   if (perm) inputs.push_back(mx::contiguous(*perm, false, stream));
   for (const auto& a : packed) inputs.push_back(mx::contiguous(a, false, stream));
