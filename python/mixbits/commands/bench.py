@@ -9,6 +9,9 @@ roofline. The table shows time, GB/s of weight bytes, % of the probe,
 speedup over MLX and GFLOP/s against numpy; a JSON file keeps it all.
 
 bench/bench_qmatmul.py runs the same cases under pytest-benchmark.
+
+``--vs-ggml PATH`` adds ggml (llama.cpp's kernels) in the same run, through
+the harness bench/ggml/build.sh builds (see bench_ggml.py); optional.
 """
 
 from __future__ import annotations
@@ -50,6 +53,11 @@ def add_arguments(p) -> None:
                    help="wall: elapsed time; cpu: CPU time of this process (with "
                         "--threads 1 and OPENBLAS_NUM_THREADS=1, per-core work that other "
                         "processes on a shared machine do not inflate)")
+    p.add_argument("--vs-ggml", metavar="HARNESS",
+                   help="also time ggml through this harness (build/ggml/ggml_mm from "
+                        "bench/ggml/build.sh): q2_K/q3_K/q4_K/q4_0/q8_0 next to mixbits "
+                        "2/3/4/8-bit; default shapes 4096x4096,11008x4096,4096x11008, "
+                        "M 1,2,4,8,16,128")
     p.add_argument("--json", default="qmatmul_bench.json",
                    help="where to save the results (default ./qmatmul_bench.json)")
 
@@ -261,11 +269,13 @@ def machine_info() -> dict:
                              if k in os.environ}}
 
 
-def save_json(path: str, probe: dict, rows: list[Row], notes: list[str]) -> None:
+def save_json(path: str, probe: dict, rows: list[Row], notes: list[str],
+              extra: dict | None = None) -> None:
     data = {"machine": machine_info(), "probe_gbps": probe, "notes": notes,
             "m8_over_m1": m8_over_m1(rows),
             "rows": [{"case": asdict(r.case), "bpw": r.bpw, "weight_bytes": r.weight_bytes,
-                      "times": r.times, **r.derived(probe["dram"])} for r in rows]}
+                      "times": r.times, **r.derived(probe["dram"])} for r in rows],
+            **(extra or {})}
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
@@ -291,6 +301,16 @@ def run(args) -> int:
     shapes = _parse_list(args.shapes, lambda v: tuple(int(t) for t in v.lower().split("x")))
     ms = _parse_list(args.m, int)
     kinds = _parse_list(args.kinds, str)
+    harness = getattr(args, "vs_ggml", None)
+    if harness is not None:
+        from . import bench_ggml
+
+        harness = bench_ggml.check_harness(harness)  # before anything is timed
+        ggml_info = bench_ggml.harness_info(harness)
+        print(bench_ggml.cpu_flags_line(ggml_info))
+        shapes = shapes or (None if args.full else bench_ggml.SHAPES)
+        ms = ms or (None if args.full else bench_ggml.MS)
+        kinds = kinds or bench_ggml.KINDS
     for kd in kinds or []:
         if kd != "mixed" and kd.removesuffix("bit") not in ("2", "3", "4", "5", "6", "8"):
             raise SystemExit(f"--kinds: unknown kind {kd!r}")
@@ -356,6 +376,20 @@ def run(args) -> int:
         print("note:", n)
     notes.append("weights of every shape here fit in this CPU's last-level cache, so a "
                  "repeated call can read them faster than the 1 GiB DRAM probe (>100%).")
-    save_json(args.json, probe, rows, notes)
+    extra = None
+    if harness is not None:
+        threads = args.threads or os.cpu_count() or 1
+        parsed = bench_ggml.run_harness(harness, list(dict.fromkeys((c.n, c.k) for c in todo)),
+                                        sorted({c.m for c in todo}), threads, args.min_time)
+        recs = bench_ggml.comparison(rows, bench_ggml.best_times(parsed, args.clock))
+        print()
+        print(bench_ggml.cpu_flags_line(parsed["info"]))
+        print(bench_ggml.format_comparison(recs))
+        notes.append("ggml: the faster of its plain and CPU_REPACK weight layouts per case "
+                     f"({'median CPU time' if args.clock == 'cpu' else 'best wall time'}); "
+                     f"{threads} thread(s); activation quantization inside the op is timed")
+        extra = {"ggml": {"info": parsed["info"], "command": parsed["command"],
+                          "results": parsed["rows"], "comparison": recs}}
+    save_json(args.json, probe, rows, notes, extra)
     print(f"saved {args.json}")
     return 0

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Build ggml's CPU library (the copy llama.cpp ships inside the
+# llama-cpp-python sdist) and our timing harness bench/ggml/ggml_mm.c into
+# build/ggml/ (ignored by git). Optional: only `mixbits bench --vs-ggml` uses it.
+#
+#   bench/ggml/build.sh            # -> build/ggml/ggml_mm
+#   JOBS=2 LLAMA_CPP_PYTHON_VERSION=0.3.36 bench/ggml/build.sh
+#
+# What it fetches: llama_cpp_python-$VERSION.tar.gz from the package index
+# (pip download, source distribution only, no dependencies). Nothing of ggml
+# is copied into the repository; nothing is downloaded at Python import time.
+set -euo pipefail
+
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+JOBS="${JOBS:-1}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+OUT="${GGML_BUILD_DIR:-$ROOT/build/ggml}"
+CC="${CC:-cc}"
+PY="${PYTHON:-python3}"
+
+mkdir -p "$OUT/dl"
+SDIST="$OUT/dl/llama_cpp_python-$VERSION.tar.gz"
+if [ ! -f "$SDIST" ]; then
+  echo "fetching llama-cpp-python==$VERSION (sdist, no deps) from the package index into $OUT/dl"
+  # --no-binary for this package only: build requirements (cmake,
+  # scikit-build-core) may come as wheels; pip only reads the metadata.
+  "$PY" -m pip download "llama-cpp-python==$VERSION" --no-binary llama-cpp-python \
+      --no-deps -d "$OUT/dl"
+fi
+[ -f "$SDIST" ] || { echo "error: $SDIST not found after pip download" >&2; exit 1; }
+echo "using $SDIST (sha256 $(sha256sum "$SDIST" | cut -d' ' -f1))"
+
+SRC="$OUT/src"
+if [ ! -f "$SRC/ggml/CMakeLists.txt" ]; then
+  rm -rf "$SRC" && mkdir -p "$SRC"
+  echo "extracting vendor/llama.cpp/ggml"
+  tar xzf "$SDIST" -C "$SRC" --strip-components=3 \
+      "llama_cpp_python-$VERSION/vendor/llama.cpp/ggml"
+fi
+
+# The sdist leaves out ggml's pkg-config template, which a standalone
+# configure wants; we install nothing, so an empty one does.
+[ -f "$SRC/ggml/ggml.pc.in" ] || : > "$SRC/ggml/ggml.pc.in"
+
+# ggml alone: CPU backend only, static, tuned for this CPU (GGML_NATIVE ->
+# -march=native: AVX2/AVX-512 where present), with llamafile's sgemm as
+# llama.cpp builds it (its default there, not in standalone ggml); no GPU,
+# BLAS, OpenMP (the harness uses ggml's own threadpool), tests.
+# (GIT_CEILING_DIRECTORIES: ggml's configure asks git for "its" commit and
+# would otherwise find this repository's.)
+GIT_CEILING_DIRECTORIES="$SRC" cmake -S "$SRC/ggml" -B "$OUT/cmake" -DCMAKE_BUILD_TYPE=Release \
+  -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DGGML_BACKEND_DL=OFF \
+  -DGGML_CPU=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF \
+  -DGGML_OPENMP=OFF -DGGML_LLAMAFILE=ON -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF \
+  -DCMAKE_POSITION_INDEPENDENT_CODE=ON >"$OUT/cmake.log" 2>&1 \
+  || { tail -30 "$OUT/cmake.log"; exit 1; }
+nice -n 10 cmake --build "$OUT/cmake" --target ggml ggml-cpu ggml-base -j "$JOBS"
+
+LIBS=$(find "$OUT/cmake" -name 'libggml*.a' | sort)
+nice -n 10 "$CC" -O2 -std=c11 -DGGML_MM_SOURCE="\"llama-cpp-python==$VERSION\"" \
+  -o "$OUT/ggml_mm" "$ROOT/bench/ggml/ggml_mm.c" \
+  -I "$SRC/ggml/include" -Wl,--start-group $LIBS -Wl,--end-group -lstdc++ -lm -lpthread
+echo "built $OUT/ggml_mm"
+"$OUT/ggml_mm" --info

@@ -1,0 +1,116 @@
+"""`mixbits bench --vs-ggml`: needs no ggml. A bad harness path is one clear
+error before anything is timed; the harness's JSON (a sample shipped here,
+as bench/ggml/ggml_mm prints it) parses into the comparison table."""
+
+import json
+import os
+
+import pytest
+
+from mixbits.cli import main
+from mixbits.commands import bench, bench_ggml
+
+# Shortened output of build/ggml/ggml_mm --types q4_K,q4_0,q2_K --shapes
+# 4096x4096 --m 1,8 (ggml from llama-cpp-python 0.3.36, one thread).
+SAMPLE = """{"ggml_version": "0.25.3", "ggml_source": "llama-cpp-python==0.3.36", "cpu": {"avx": 1, "avx2": 1,
+"fma": 1, "f16c": 1, "bmi2": 1, "avx_vnni": 0, "avx512": 1, "avx512_vbmi": 1,
+"avx512_vnni": 1, "avx512_bf16": 0, "amx_int8": 0, "neon": 0, "dotprod": 0, "llamafile": 1},
+"threads": 1, "min_time_s": 0.3, "repack_buffer": "CPU_REPACK", "results": [
+{"type": "q4_K", "layout": "plain", "n": 4096, "k": 4096, "m": 1, "bpw": 4.5000,
+ "weight_bytes": 9437184, "reps": 120, "cpu_median_s": 0.0021, "cpu_min_s": 0.0020,
+ "wall_median_s": 0.0022, "wall_min_s": 0.0020, "rel_err_vs_dequant": 0.0041, "quantize_s": 0.5},
+{"type": "q4_K", "layout": "repack", "n": 4096, "k": 4096, "m": 1, "bpw": 4.5000,
+ "weight_bytes": 9437184, "reps": 150, "cpu_median_s": 0.0018, "cpu_min_s": 0.0017,
+ "wall_median_s": 0.0019, "wall_min_s": 0.0017, "rel_err_vs_dequant": 0.0041, "quantize_s": 0.5},
+{"type": "q4_K", "layout": "plain", "n": 4096, "k": 4096, "m": 8, "bpw": 4.5000,
+ "weight_bytes": 9437184, "reps": 40, "cpu_median_s": 0.0090, "cpu_min_s": 0.0088,
+ "wall_median_s": 0.0091, "wall_min_s": 0.0089, "rel_err_vs_dequant": 0.0041, "quantize_s": 0.5},
+{"type": "q4_0", "layout": "plain", "n": 4096, "k": 4096, "m": 1, "bpw": 4.5000,
+ "weight_bytes": 9437184, "reps": 130, "cpu_median_s": 0.0016, "cpu_min_s": 0.0015,
+ "wall_median_s": 0.0017, "wall_min_s": 0.0015, "rel_err_vs_dequant": 0.006, "quantize_s": 0.1},
+{"type": "q2_K", "layout": "repack", "n": 4096, "k": 4096, "m": 1, "unsupported": true}
+]}
+"""
+
+
+def _fail(capsys, path):
+    rc = main(["bench", "--vs-ggml", str(path), "--shapes", "64x64", "--m", "1"])
+    err = capsys.readouterr()
+    assert rc == 2
+    assert "--vs-ggml" in err.err and "bench/ggml/build.sh" in err.err
+    assert len(err.err.strip().splitlines()) == 1
+    return err
+
+
+@pytest.fixture
+def no_timing(monkeypatch):
+    """Anything that would time or probe fails the test."""
+    def boom(*a, **k):
+        raise AssertionError("timed before the harness was checked")
+
+    monkeypatch.setattr(bench, "probe_gbps", boom)
+    monkeypatch.setattr(bench, "time_call", boom)
+
+
+def test_missing_harness(tmp_path, capsys, no_timing):
+    err = _fail(capsys, tmp_path / "nope" / "ggml_mm")
+    assert "does not exist" in err.err
+
+
+def test_not_executable(tmp_path, capsys, no_timing):
+    p = tmp_path / "ggml_mm"
+    p.write_text("not a program\n")
+    os.chmod(p, 0o644)
+    if os.access(p, os.X_OK):  # root ignores mode bits for some checks
+        pytest.skip("running as a user who may execute anything")
+    assert "not executable" in _fail(capsys, p).err
+
+
+def test_directory(tmp_path, capsys, no_timing):
+    assert "not a file" in _fail(capsys, tmp_path).err
+
+
+def test_not_the_harness(tmp_path, capsys, no_timing):
+    p = tmp_path / "ggml_mm"
+    p.write_text("#!/bin/sh\necho hello\n")
+    os.chmod(p, 0o755)
+    assert "not the ggml_mm harness" in _fail(capsys, p).err
+
+
+def test_parse_sample():
+    parsed = bench_ggml.parse_output(SAMPLE)
+    assert parsed["info"]["ggml_version"] == "0.25.3"
+    assert parsed["info"]["cpu"]["avx2"] == 1
+    assert len(parsed["rows"]) == 4  # the unsupported layout is dropped
+    best = bench_ggml.best_times(parsed, "cpu")
+    t, layout, _ = best[("q4_K", 4096, 4096, 1)]
+    assert layout == "repack" and t == pytest.approx(0.0018)
+    assert best[("q4_K", 4096, 4096, 8)][1] == "plain"
+    assert ("q2_K", 4096, 4096, 1) not in best
+    line = bench_ggml.cpu_flags_line(parsed["info"])
+    assert "avx512" in line and "CPU_REPACK" in line and "avx_vnni" not in line
+    info_only = {k: v for k, v in parsed["info"].items() if k != "repack_buffer"}
+    assert "repack" not in bench_ggml.cpu_flags_line(info_only)  # `--info` does not know it
+
+
+def test_comparison_table():
+    best = bench_ggml.best_times(bench_ggml.parse_output(SAMPLE), "wall")
+    rows = []
+    for m, t in ((1, 0.0012), (8, 0.0030)):
+        r = bench.Row(bench.Case(4096, 4096, m, "4bit"), 4.5, 9437184)
+        r.times["mixbits"] = {"best_s": t}
+        rows.append(r)
+    recs = bench_ggml.comparison(rows, best)
+    assert [r["m"] for r in recs] == [1, 8]
+    assert recs[0]["ratio_ggml_over_mixbits"]["q4_K/4bit"] == pytest.approx(0.0017 / 0.0012)
+    assert recs[0]["ratio_ggml_over_mixbits"]["q4_0/4bit"] == pytest.approx(0.0015 / 0.0012)
+    assert "q4_0/4bit" not in recs[1]["ratio_ggml_over_mixbits"]
+    table = bench_ggml.format_comparison(recs)
+    assert "1.42" in table and "1.700R" in table
+    json.dumps(recs)
+
+
+@pytest.mark.parametrize("text", ["", "[]", '{"results": [{"type": "q4_0"}]}'])
+def test_parse_bad_output(text):
+    with pytest.raises(bench_ggml.HarnessError):
+        bench_ggml.parse_output(text)
