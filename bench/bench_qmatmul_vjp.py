@@ -4,7 +4,7 @@ CPU stream) against the path it replaced (mx.dequantize + mx.matmul, MLX's
 reference-BLAS CPU matmul on Linux) and numpy float32 dy @ W (OpenBLAS
 sgemm on a W dequantized beforehand, so numpy pays no decode). On an
 AVX-512 CPU the "avx2-only" column forces the 8-lane kernel
-(MIXBITS_QMM_ISA=avx2, read per call), what an AVX2-only CPU runs.
+(backend="avx2"), what an AVX2-only CPU runs.
 
 SmolLM2-135M shapes N x K = 1536x576, 576x1536, 576x576, 192x576,
 49152x576 at M = 256 and 1024; 4-bit g64, 8-bit g64, and a mixed tensor
@@ -83,16 +83,12 @@ def case(n, k, kind, m, rng, min_time, wide):
     dy = mx.array(rng.standard_normal((m, n), dtype=np.float32))
     mx.eval(x, dy, *qt.arrays())
 
-    def new():  # only dx is evaluated: the forward is not in its graph
-        _, (dx,) = mx.vjp(lambda v: mixbits.qmatmul(v, qt), [x], [dy])
+    def new(backend=None):  # only dx is evaluated: the forward is not in its graph
+        _, (dx,) = mx.vjp(lambda v: mixbits.qmatmul(v, qt, backend=backend), [x], [dy])
         mx.eval(dx)
 
     def avx2_only():
-        os.environ["MIXBITS_QMM_ISA"] = "avx2"
-        try:
-            new()
-        finally:
-            del os.environ["MIXBITS_QMM_ISA"]
+        new("avx2")
 
     def old():  # what MixedQMatmul's vjp built before: dequantize, matmul, scatter
         W = mx.concatenate([mx.dequantize(s.wq, s.scales, s.biases, group_size=s.group_size,
@@ -128,7 +124,7 @@ def main(argv=None):
     mx.set_default_device(mx.cpu)
     _ext.set_max_threads(1)
     flags = cpu_flags()
-    wide = "avx512f" in flags and "MIXBITS_QMM_ISA" not in os.environ
+    wide = "avx512" in mixbits.ops.available_backends()
     print(f"CPU flags: {' '.join(flags)}; OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}")
     print("one thread, CPU time (median); dx = dy @ W, GFLOP/s = 2*M*N*K / time")
     hdr = (f"{'N x K':>11} {'kind':>16} {'M':>5} {'mixbits ms':>10} {'avx2-only':>9} {'old ms':>9} {'numpy ms':>9} "

@@ -11,6 +11,7 @@
 #include "act/act.h"
 #include "attn/attn.h"
 #include "bench/probe.h"
+#include "common/backend.h"
 #include "gather/gather.h"
 #include "common/parallel.h"
 #include "kl/kl.h"
@@ -22,6 +23,11 @@ namespace mx = mlx::core;
 
 NB_MODULE(_ext, m) {
   m.doc() = "mixbits C++ kernels as MLX primitives";
+
+  // backend= arguments below are common/backend.h's enum values; Python maps
+  // names to them with this list (python/mixbits/_backends.py).
+  m.def("backend_names", &mixbits::backend_names,
+        "Backend names indexed by the enum value the ops' backend= takes.");
 
   m.def(
       "qmatmul",
@@ -75,7 +81,7 @@ NB_MODULE(_ext, m) {
   m.def(
       "swiglu",
       [](const mx::array& gate, const mx::array& up, int backend) {
-        return mixbits::swiglu(gate, up, mixbits::ActBackend(backend));
+        return mixbits::swiglu(gate, up, mixbits::Backend(backend));
       },
       "gate"_a, "up"_a, "backend"_a = 0,
       "silu(gate) * up, float32, CPU.");
@@ -87,14 +93,14 @@ NB_MODULE(_ext, m) {
         for (auto b : mixbits::available_act_backends()) out.push_back(int(b));
         return out;
       },
-      "Activation backends usable on this CPU (1=ref, 2=avx2).");
+      "Activation backends usable on this CPU (backend_names() indices).");
 
   m.def(
       "causal_attention",
       [](const mx::array& q, const mx::array& k, const mx::array& v,
          float scale, int backend) {
         return mixbits::causal_attention(q, k, v, scale,
-                                         mixbits::AttnBackend(backend));
+                                         mixbits::Backend(backend));
       },
       "q"_a, "k"_a, "v"_a, "scale"_a, "backend"_a = 0,
       "softmax(scale q k^T, causal) v for q [B,H,T,D], k/v [B,Hk,S,D], "
@@ -107,7 +113,7 @@ NB_MODULE(_ext, m) {
         for (auto b : mixbits::available_attn_backends()) out.push_back(int(b));
         return out;
       },
-      "Attention backends usable on this CPU (1=ref, 2=avx2).");
+      "Attention backends usable on this CPU (backend_names() indices).");
 
   m.def(
       "qmm_backends",
@@ -116,7 +122,7 @@ NB_MODULE(_ext, m) {
         for (auto b : mixbits::available_qmm_backends()) out.push_back(int(b));
         return out;
       },
-      "Backends usable on this CPU (1=ref, 2=avx2, 3=neon).");
+      "Quantized-matmul backends usable on this CPU (backend_names() indices).");
 
   m.def(
       "kl_divergence",
@@ -124,7 +130,7 @@ NB_MODULE(_ext, m) {
          const std::optional<mx::array>& row_param, int mode, int backend) {
         return mixbits::kl_divergence(ref, logits, row_param,
                                       mixbits::KLMode(mode),
-                                      mixbits::KLBackend(backend));
+                                      mixbits::Backend(backend));
       },
       "ref"_a, "logits"_a, "row_param"_a.none(), "mode"_a = 0, "backend"_a = 0,
       "Per-row KL(P_ref || Q) over the last axis: [kl, status, argmax_q, "
@@ -136,7 +142,7 @@ NB_MODULE(_ext, m) {
         for (auto b : mixbits::available_kl_backends()) out.push_back(int(b));
         return out;
       },
-      "KL backends usable on this CPU (1=ref, 2=avx2, 3=neon).");
+      "KL backends usable on this CPU (backend_names() indices).");
   m.def(
       "kl_vector_exp",
       [](nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> x,
@@ -144,14 +150,14 @@ NB_MODULE(_ext, m) {
          int backend) {
         if (x.shape(0) != y.shape(0))
           throw std::invalid_argument("kl_vector_exp: x and y differ in length");
-        mixbits::kl_vector_exp(mixbits::KLBackend(backend), x.data(), y.data(),
+        mixbits::kl_vector_exp(mixbits::Backend(backend), x.data(), y.data(),
                                int64_t(x.shape(0)));
       },
       "x"_a, "y"_a, "backend"_a = 0, "y[:] = exp(x) with the KL kernel's exp.");
   m.def(
       "kl_exp_seconds",
       [](int64_t n, int backend) {
-        return mixbits::kl_exp_seconds(mixbits::KLBackend(backend), n);
+        return mixbits::kl_exp_seconds(mixbits::Backend(backend), n);
       },
       "n_exps"_a, "backend"_a = 0,
       "Seconds for all threads to evaluate n_exps cache-resident exps.");

@@ -16,6 +16,8 @@ from mixbits import _ext, ops
 from mixbits.layout import BITS, GROUP_SIZES
 from reference import assert_matmul_close, qmatmul_f64
 
+# "avx2" runs the 8-lane kernels even on an AVX-512 CPU, "avx512" the
+# 16-lane ones: both are checked wherever the CPU has them.
 SIMD = [b for b in ops.available_backends() if b not in ("auto", "ref")]
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 # 1: batch-1; 2..8: decode once for all rows; 9: 8+1 rows; 17, 130: the
@@ -23,18 +25,6 @@ DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 MS = [1, 2, 3, 5, 8, 9, 17, 130]
 
 pytestmark = pytest.mark.skipif(not SIMD, reason="no SIMD backend on this CPU")
-
-
-@pytest.fixture(autouse=True, params=["widest", "avx2"])
-def isa(request, monkeypatch):
-    """Run every test twice: with the widest kernels this CPU has (16-lane
-    AVX-512F ones where available) and with the 8-lane AVX2 kernels forced
-    (MIXBITS_QMM_ISA is read on every call)."""
-    if request.param == "avx2":
-        monkeypatch.setenv("MIXBITS_QMM_ISA", "avx2")
-    else:
-        monkeypatch.delenv("MIXBITS_QMM_ISA", raising=False)
-    return request.param
 
 
 def rand(rng, shape, dtype=mx.float32):
@@ -124,8 +114,8 @@ def test_large_values_and_ternary(backend):
 
 @pytest.mark.parametrize("backend", SIMD)
 def test_gemm_micro_kernels(backend):
-    # The large-M path: a 6x4 AVX-512 or 4x3 AVX2 micro-kernel (see the isa
-    # fixture) over 1024-column tiles; M and N leave tails in every block.
+    # The large-M path: a 6x4 micro-kernel ("avx512") or a 4x3 one ("avx2")
+    # over 1024-column tiles; M and N leave tails in every block.
     rng = np.random.default_rng(11)
     k = 1024 + 192  # more than one 1024-column tile
     qt = mixbits.quantize(rand(rng, (103, k)), [(5, 32, 1024), (8, 64, 192)],
@@ -188,7 +178,7 @@ def test_concurrent_callers(backend):
 
 
 def test_forcing_an_unavailable_backend_is_a_clear_error():
-    missing = [b for b in ("avx2", "neon") if b not in ops.available_backends()]
+    missing = [b for b in ("avx2", "avx512", "neon") if b not in ops.available_backends()]
     qt = mixbits.quantize(mx.ones((4, 64)), [(4, 64, 64)])
     for b in missing:
         with pytest.raises(ValueError, match="backend"):

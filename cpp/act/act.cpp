@@ -5,7 +5,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "common/cpu.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
 #include "mlx/allocator.h"
@@ -13,39 +12,19 @@
 
 namespace mixbits {
 
-namespace {
-
-bool available(ActBackend b) {
-  switch (b) {
-    case ActBackend::Ref: return true;
-    case ActBackend::Avx2: return cpu_has_avx2();
-    default: return false;
-  }
+std::vector<Backend> available_act_backends() {
+  return available_backends(kActBackends);
 }
 
-}  // namespace
-
-std::vector<ActBackend> available_act_backends() {
-  std::vector<ActBackend> out;
-  for (auto b : {ActBackend::Ref, ActBackend::Avx2})
-    if (available(b)) out.push_back(b);
-  return out;
-}
-
-SwigluFn select_swiglu(ActBackend requested) {
-  ActBackend b = requested;
-  if (b == ActBackend::Auto)
-    b = available(ActBackend::Avx2) ? ActBackend::Avx2 : ActBackend::Ref;
-  if (!available(b))
-    throw std::invalid_argument("swiglu: backend " + std::to_string(int(b)) +
-                                " is not available on this CPU");
+SwigluFn select_swiglu(Backend requested) {
+  [[maybe_unused]] const Backend b = resolve_backend("swiglu", requested, kActBackends);
 #if defined(MIXBITS_HAVE_AVX2)
-  if (b == ActBackend::Avx2) return swiglu_avx2;
+  if (b == Backend::Avx2) return swiglu_avx2;
 #endif
   return swiglu_ref;
 }
 
-SwigluVjpFn select_swiglu_vjp(ActBackend requested) {
+SwigluVjpFn select_swiglu_vjp(Backend requested) {
   // Same availability rules (and errors) as the forward.
   [[maybe_unused]] const SwigluFn fwd = select_swiglu(requested);
 #if defined(MIXBITS_HAVE_AVX2)
@@ -55,7 +34,7 @@ SwigluVjpFn select_swiglu_vjp(ActBackend requested) {
 }
 
 mx::array swiglu(const mx::array& gate, const mx::array& up,
-                 ActBackend backend, mx::StreamOrDevice s) {
+                 Backend backend, mx::StreamOrDevice s) {
   if (gate.dtype() != mx::float32 || up.dtype() != mx::float32)
     throw std::invalid_argument("swiglu: gate and up must be float32");
   if (gate.shape() != up.shape())

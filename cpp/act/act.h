@@ -12,7 +12,7 @@ namespace mx = mlx::core;
 
 class Swiglu : public mx::Primitive {
  public:
-  Swiglu(mx::Stream s, ActBackend backend) : mx::Primitive(s), backend_(backend) {}
+  Swiglu(mx::Stream s, Backend backend) : mx::Primitive(s), backend_(backend) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
@@ -38,7 +38,7 @@ class Swiglu : public mx::Primitive {
   }
 
  private:
-  ActBackend backend_;
+  Backend backend_;
 };
 
 // The vjp of Swiglu on the CPU: inputs gate, up, dy (contiguous float32 of
@@ -46,7 +46,7 @@ class Swiglu : public mx::Primitive {
 // those of the same formulas written with MLX ops, differentiated by MLX.
 class SwigluVjp : public mx::Primitive {
  public:
-  SwigluVjp(mx::Stream s, ActBackend backend) : mx::Primitive(s), backend_(backend) {}
+  SwigluVjp(mx::Stream s, Backend backend) : mx::Primitive(s), backend_(backend) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
@@ -68,12 +68,12 @@ class SwigluVjp : public mx::Primitive {
   }
 
  private:
-  ActBackend backend_;
+  Backend backend_;
 };
 
 // silu(gate) * up for float32 arrays of one shape.
 mx::array swiglu(const mx::array& gate, const mx::array& up,
-                 ActBackend backend = ActBackend::Auto,
+                 Backend backend = Backend::Auto,
                  mx::StreamOrDevice s = {});
 
 }  // namespace mixbits

@@ -6,9 +6,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/backend.h"
 namespace mixbits {
 
-enum class ActBackend : int { Auto = 0, Ref = 1, Avx2 = 2 };
+constexpr BackendSet kActBackends = backend_set({Backend::Ref, Backend::Avx2});
 
 // y[i] = silu(g[i]) * u[i] for i in [0, n).
 using SwigluFn = void (*)(const float* g, const float* u, float* y, int64_t n);
@@ -27,8 +28,8 @@ void swiglu_vjp_avx2(const float* g, const float* u, const float* dy, float* dg,
                      float* du, int64_t n);
 #endif
 
-SwigluFn select_swiglu(ActBackend requested);
-SwigluVjpFn select_swiglu_vjp(ActBackend requested);
-std::vector<ActBackend> available_act_backends();
+SwigluFn select_swiglu(Backend requested);
+SwigluVjpFn select_swiglu_vjp(Backend requested);
+std::vector<Backend> available_act_backends();
 
 }  // namespace mixbits

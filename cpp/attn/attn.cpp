@@ -84,7 +84,7 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
 
 mx::array causal_attention(const mx::array& q, const mx::array& k,
                            const mx::array& v, float scale,
-                           AttnBackend backend, mx::StreamOrDevice s) {
+                           Backend backend, mx::StreamOrDevice s) {
   for (auto [a, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) {
     if (a->ndim() != 4)
       fail(std::string(name) + " must be 4-D [batch, heads, length, head_dim], got shape " +

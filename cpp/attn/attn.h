@@ -14,7 +14,7 @@ namespace mx = mlx::core;
 
 class CausalAttention : public mx::Primitive {
  public:
-  CausalAttention(mx::Stream s, float scale, AttnBackend backend)
+  CausalAttention(mx::Stream s, float scale, Backend backend)
       : mx::Primitive(s), scale_(scale), backend_(backend) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs,
@@ -42,7 +42,7 @@ class CausalAttention : public mx::Primitive {
 
  private:
   float scale_;
-  AttnBackend backend_;
+  Backend backend_;
 };
 
 // The backward of CausalAttention on the CPU. Inputs q, k, v (contiguous, as
@@ -51,7 +51,7 @@ class CausalAttention : public mx::Primitive {
 // vjp / jvp of MLX's causal sdpa vjp, differentiated by MLX.
 class CausalAttentionVJP : public mx::Primitive {
  public:
-  CausalAttentionVJP(mx::Stream s, float scale, AttnBackend backend)
+  CausalAttentionVJP(mx::Stream s, float scale, Backend backend)
       : mx::Primitive(s), scale_(scale), backend_(backend) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs,
@@ -73,7 +73,7 @@ class CausalAttentionVJP : public mx::Primitive {
 
  private:
   float scale_;
-  AttnBackend backend_;
+  Backend backend_;
 };
 
 // q [B, H, T, D], k and v [B, Hk, S, D] float32 with H % Hk == 0 and
@@ -81,7 +81,7 @@ class CausalAttentionVJP : public mx::Primitive {
 // argument) before building the graph node.
 mx::array causal_attention(const mx::array& q, const mx::array& k,
                            const mx::array& v, float scale,
-                           AttnBackend backend = AttnBackend::Auto,
+                           Backend backend = Backend::Auto,
                            mx::StreamOrDevice s = {});
 
 }  // namespace mixbits

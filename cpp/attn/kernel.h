@@ -13,9 +13,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/backend.h"
 namespace mixbits {
 
-enum class AttnBackend : int { Auto = 0, Ref = 1, Avx2 = 2, Neon = 3 };
+constexpr BackendSet kAttnBackends = backend_set({Backend::Ref, Backend::Avx2});
 
 // C[m x n] = A[m x k] . B[k x n]; row-major, leading dimensions in floats.
 using AttnGemmFn = void (*)(const float* a, int64_t lda, const float* b,
@@ -69,8 +70,8 @@ inline float attn_row_max(const float* x, int64_t n) {
 
 // The kernels for `requested` on this CPU; throws if it is forced but
 // unavailable. Auto picks the fastest available.
-AttnKernels select_attn(AttnBackend requested);
-std::vector<AttnBackend> available_attn_backends();
+AttnKernels select_attn(Backend requested);
+std::vector<Backend> available_attn_backends();
 
 // Shapes of one call: q [B, H, T, D], k and v [B, Hk, S, D], S >= T; query
 // t sees keys 0 .. t + (S - T) (the queries are the last T positions).

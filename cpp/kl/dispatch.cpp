@@ -14,28 +14,8 @@ namespace mixbits {
 
 namespace {
 
-bool available(KLBackend b) {
-  switch (b) {
-    case KLBackend::Ref: return true;
-    case KLBackend::Avx2: return cpu_has_avx2();
-#if defined(MIXBITS_HAVE_NEON)
-    case KLBackend::Neon: return true;
-#endif
-    default: return false;
-  }
-}
-
-KLBackend resolve(KLBackend requested) {
-  if (requested == KLBackend::Auto) {
-    if (available(KLBackend::Avx2)) return KLBackend::Avx2;
-    if (available(KLBackend::Neon)) return KLBackend::Neon;
-    return KLBackend::Ref;
-  }
-  if (!available(requested))
-    throw std::invalid_argument("kl_divergence: backend " +
-                                std::to_string(int(requested)) +
-                                " is not available on this CPU");
-  return requested;
+Backend resolve(Backend requested) {
+  return resolve_backend("kl_divergence", requested, kKLBackends);
 }
 
 // Scalar exp sum, the reference backend's share of the throughput probe.
@@ -48,40 +28,37 @@ double exp_sum_ref(const float* x, int64_t n, int64_t reps) {
 
 }  // namespace
 
-std::vector<KLBackend> available_kl_backends() {
-  std::vector<KLBackend> out;
-  for (auto b : {KLBackend::Ref, KLBackend::Avx2, KLBackend::Neon})
-    if (available(b)) out.push_back(b);
-  return out;
+std::vector<Backend> available_kl_backends() {
+  return available_backends(kKLBackends);
 }
 
-KLChunkFn select_kl(KLBackend requested) {
+KLChunkFn select_kl(Backend requested) {
   switch (resolve(requested)) {
 #if defined(MIXBITS_HAVE_AVX2)
-    case KLBackend::Avx2: return kl_chunk_avx2;
+    case Backend::Avx2: return kl_chunk_avx2;
 #endif
 #if defined(MIXBITS_HAVE_NEON)
-    case KLBackend::Neon: return kl_chunk_neon;
+    case Backend::Neon: return kl_chunk_neon;
 #endif
     default: return kl_chunk_ref;
   }
 }
 
-void kl_vector_exp(KLBackend backend, const float* x, float* y, int64_t n) {
+void kl_vector_exp(Backend backend, const float* x, float* y, int64_t n) {
   switch (resolve(backend)) {
 #if defined(MIXBITS_HAVE_AVX2)
-    case KLBackend::Avx2: return kl_exp_avx2(x, y, n);
+    case Backend::Avx2: return kl_exp_avx2(x, y, n);
 #endif
 #if defined(MIXBITS_HAVE_NEON)
-    case KLBackend::Neon: return kl_exp_neon(x, y, n);
+    case Backend::Neon: return kl_exp_neon(x, y, n);
 #endif
     default:
       for (int64_t i = 0; i < n; ++i) y[i] = float(std::exp(double(x[i])));
   }
 }
 
-double kl_exp_seconds(KLBackend backend, int64_t n_exps) {
-  const KLBackend b = resolve(backend);
+double kl_exp_seconds(Backend backend, int64_t n_exps) {
+  const Backend b = resolve(backend);
   // 1024 arguments spread over [-20, 0]: L1-resident, so only the exp
   // arithmetic is timed. Each thread evaluates its share n_exps/threads.
   constexpr int64_t kN = 1024;
@@ -95,10 +72,10 @@ double kl_exp_seconds(KLBackend backend, int64_t n_exps) {
     for (int64_t t = t0_; t < t1_; ++t) {
       switch (b) {
 #if defined(MIXBITS_HAVE_AVX2)
-        case KLBackend::Avx2: sink[t] = kl_exp_sum_avx2(x, kN, reps); break;
+        case Backend::Avx2: sink[t] = kl_exp_sum_avx2(x, kN, reps); break;
 #endif
 #if defined(MIXBITS_HAVE_NEON)
-        case KLBackend::Neon: sink[t] = kl_exp_sum_neon(x, kN, reps); break;
+        case Backend::Neon: sink[t] = kl_exp_sum_neon(x, kN, reps); break;
 #endif
         default: sink[t] = exp_sum_ref(x, kN, reps);
       }

@@ -23,6 +23,7 @@
 
 #include "common/half.h"
 
+#include "common/backend.h"
 namespace mixbits {
 
 enum class KLMode : int {
@@ -31,7 +32,7 @@ enum class KLMode : int {
   Probs = 2,       // a = reference weights w >= 0; negH given per row
 };
 
-enum class KLBackend : int { Auto = 0, Ref = 1, Avx2 = 2, Neon = 3 };
+constexpr BackendSet kKLBackends = backend_set({Backend::Ref, Backend::Avx2, Backend::Neon});
 
 // Status bits reported per row; any bit set makes that row's KL NaN.
 enum KLStatus : uint32_t {
@@ -164,13 +165,13 @@ double kl_exp_sum_neon(const float* x, int64_t n, int64_t reps);
 
 // The chunk function for `requested` on this CPU; throws if it is forced but
 // unavailable. Auto picks the fastest available.
-KLChunkFn select_kl(KLBackend requested);
-std::vector<KLBackend> available_kl_backends();
+KLChunkFn select_kl(Backend requested);
+std::vector<Backend> available_kl_backends();
 
 // The backend's vectorized exp (for accuracy tests): y = e^x elementwise.
-void kl_vector_exp(KLBackend backend, const float* x, float* y, int64_t n);
+void kl_vector_exp(Backend backend, const float* x, float* y, int64_t n);
 // Seconds for all worker threads to evaluate `n_exps` exps in total with the
 // backend's vectorized exp on cache-resident data (the exp-throughput bound).
-double kl_exp_seconds(KLBackend backend, int64_t n_exps);
+double kl_exp_seconds(Backend backend, int64_t n_exps);
 
 }  // namespace mixbits

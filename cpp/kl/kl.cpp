@@ -35,7 +35,7 @@ constexpr int64_t kMinSplit = 16384;
 std::vector<mx::array> kl_divergence(const mx::array& ref,
                                      const mx::array& logits,
                                      const std::optional<mx::array>& row_param,
-                                     KLMode mode, KLBackend backend,
+                                     KLMode mode, Backend backend,
                                      mx::StreamOrDevice s) {
   if (ref.ndim() < 1) fail("ref_logits must have at least one dimension");
   if (logits.ndim() < 1) fail("logits must have at least one dimension");
@@ -67,7 +67,7 @@ std::vector<mx::array> kl_divergence(const mx::array& ref,
   if (stream.device == mx::Device::gpu) {
     // The GPU has one kernel; a CPU backend name would be ignored there, so
     // it is refused, as is what the Metal kernel cannot index.
-    if (backend != KLBackend::Auto)
+    if (backend != Backend::Auto)
       fail("backend= chooses a CPU kernel; on the GPU leave it unset");
     const std::string why = metal_host::kl_gpu_refusal(logits.size() / V, V);
     if (!why.empty()) fail(why);

@@ -24,7 +24,7 @@ namespace mx = mlx::core;
 //   5 lse_ref float32     log-sum-exp of the reference (not in Probs mode)
 class KLDivergence : public mx::Primitive {
  public:
-  KLDivergence(mx::Stream s, KLMode mode, KLBackend backend)
+  KLDivergence(mx::Stream s, KLMode mode, Backend backend)
       : mx::Primitive(s), mode_(mode), backend_(backend) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs,
@@ -39,7 +39,7 @@ class KLDivergence : public mx::Primitive {
 
  private:
   KLMode mode_;
-  KLBackend backend_;
+  Backend backend_;
 };
 
 // Validates (throws std::invalid_argument naming the argument) and builds
@@ -48,7 +48,7 @@ std::vector<mx::array> kl_divergence(const mx::array& ref,
                                      const mx::array& logits,
                                      const std::optional<mx::array>& row_param,
                                      KLMode mode,
-                                     KLBackend backend = KLBackend::Auto,
+                                     Backend backend = Backend::Auto,
                                      mx::StreamOrDevice s = {});
 
 }  // namespace mixbits

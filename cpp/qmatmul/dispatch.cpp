@@ -1,10 +1,7 @@
-// Picks the CPU backend for the quantized matmul from what this CPU can run.
-// A wheel built with the AVX2 file still runs on an older x86 CPU: the
-// AVX2 code is reached only after the run-time feature check.
-#include <stdexcept>
-#include <string>
-
-#include "common/cpu.h"
+// Picks the CPU kernels of the quantized matmul from the backend and what
+// this CPU can run (common/backend.h). A wheel built with the AVX2 files
+// still runs on an older x86 CPU: their code is reached only through a
+// backend that cpu_backends() lists.
 #include "common/parallel.h"
 #include "qmatmul/kernel.h"
 
@@ -17,51 +14,15 @@ void qmm_ref_run(const float* x, int M, const QMatView& w, float* y) {
 }
 
 std::vector<Backend> available_qmm_backends() {
-  std::vector<Backend> out{Backend::Ref};
-#if defined(MIXBITS_HAVE_AVX2)
-  if (cpu_has_avx2()) out.push_back(Backend::Avx2);
-#endif
-#if defined(MIXBITS_HAVE_NEON)
-  out.push_back(Backend::Neon);
-#endif
-  return out;
+  return available_backends(kQmmBackends);
 }
 
 namespace {
 
-// The concrete backend `requested` names on this CPU (Auto: the fastest
-// available). Both directions go through this one choice, so a forced
-// backend means the same kernels forward and backward.
+// Both directions resolve through here, so a forced backend means the same
+// kernels forward and backward.
 Backend resolve(Backend requested) {
-  switch (requested) {
-    case Backend::Auto:
-#if defined(MIXBITS_HAVE_AVX2)
-      if (cpu_has_avx2()) return Backend::Avx2;
-#endif
-#if defined(MIXBITS_HAVE_NEON)
-      return Backend::Neon;
-#endif
-      return Backend::Ref;
-    case Backend::Ref:
-      return Backend::Ref;
-#if defined(MIXBITS_HAVE_AVX2)
-    case Backend::Avx2:
-      if (cpu_has_avx2()) return Backend::Avx2;
-      break;
-#endif
-#if defined(MIXBITS_HAVE_NEON)
-    case Backend::Neon:
-      return Backend::Neon;
-#endif
-    default:
-      break;
-  }
-  static const char* names[] = {"auto", "ref", "avx2", "neon"};
-  int i = int(requested);
-  throw std::invalid_argument(
-      std::string("qmatmul: backend ") +
-      (i >= 0 && i < 4 ? names[i] : std::to_string(i).c_str()) +
-      " is not available on this CPU");
+  return resolve_backend("qmatmul", requested, kQmmBackends);
 }
 
 }  // namespace
@@ -70,6 +31,7 @@ QmmRun select_qmm(Backend requested) {
   switch (resolve(requested)) {
 #if defined(MIXBITS_HAVE_AVX2)
     case Backend::Avx2: return qmm_avx2_run;
+    case Backend::Avx512: return qmm_avx512_run;
 #endif
 #if defined(MIXBITS_HAVE_NEON)
     case Backend::Neon: return qmm_neon_run;
@@ -82,6 +44,7 @@ QmmTRun select_qmm_t(Backend requested) {
   switch (resolve(requested)) {
 #if defined(MIXBITS_HAVE_AVX2)
     case Backend::Avx2: return qmm_t_avx2_run;
+    case Backend::Avx512: return qmm_t_avx512_run;
 #endif
     // No NEON transposed kernel yet: a forced "neon" runs the scalar
     // reference (see prefer_qmm_t for what Auto does on arm64).
@@ -90,7 +53,8 @@ QmmTRun select_qmm_t(Backend requested) {
 }
 
 bool prefer_qmm_t(Backend requested) {
-  return requested != Backend::Auto || resolve(requested) == Backend::Avx2;
+  const Backend b = resolve(requested);
+  return requested != Backend::Auto || b == Backend::Avx2 || b == Backend::Avx512;
 }
 
 void qmm_t_ref_run(const float* dy, int M, const QMatView& w, float* dx) {

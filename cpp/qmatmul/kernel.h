@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/backend.h"
 #include "common/half.h"
 
 namespace mixbits {
@@ -35,8 +36,6 @@ struct QMatView {
 using QmmFn = void (*)(const float* x, int M, const QMatView& w, float* y,
                        int n0, int n1);
 
-enum class Backend : int { Auto = 0, Ref = 1, Avx2 = 2, Neon = 3 };
-
 void qmm_ref(const float* x, int M, const QMatView& w, float* y, int n0,
              int n1);
 
@@ -48,7 +47,10 @@ using QmmRun = void (*)(const float* x, int M, const QMatView& w, float* y);
 
 void qmm_ref_run(const float* x, int M, const QMatView& w, float* y);
 #if defined(MIXBITS_HAVE_AVX2)
+// Rows of the x86 kernel table (avx2_table.h): 8-lane, and 16-lane for
+// CPUs with AVX-512F.
 void qmm_avx2_run(const float* x, int M, const QMatView& w, float* y);
+void qmm_avx512_run(const float* x, int M, const QMatView& w, float* y);
 #endif
 #if defined(MIXBITS_HAVE_NEON)
 void qmm_neon_run(const float* x, int M, const QMatView& w, float* y);
@@ -67,20 +69,26 @@ void qmm_t_ref(const float* dy, int M, const QMatView& w, float* dx, int k0,
 void qmm_t_ref_run(const float* dy, int M, const QMatView& w, float* dx);
 #if defined(MIXBITS_HAVE_AVX2)
 void qmm_t_avx2_run(const float* dy, int M, const QMatView& w, float* dx);
+void qmm_t_avx512_run(const float* dy, int M, const QMatView& w, float* dx);
 #endif
 
-// The backend used for `requested` on this CPU; throws if it is forced but
-// unavailable. Auto picks the fastest available. One choice serves both
-// directions: select_qmm_t(b) is the transposed kernel of the backend
-// select_qmm(b) runs.
+// The backends with float-contract kernels (a forced "neon" runs the
+// scalar transposed product: no NEON one yet).
+constexpr BackendSet kQmmBackends =
+    backend_set({Backend::Ref, Backend::Avx2, Backend::Avx512, Backend::Neon});
+
+// The kernel for `requested` on this CPU (resolve_backend: throws
+// std::invalid_argument if it is forced but unavailable; Auto picks the
+// fastest). One choice serves both directions: select_qmm_t(b) is the
+// transposed kernel of the backend select_qmm(b) runs.
 QmmRun select_qmm(Backend requested);
 QmmTRun select_qmm_t(Backend requested);
 // Whether the CPU gradient wrt x takes the transposed kernel for
 // `requested` rather than MLX's dequantize + matmul: yes where it is SIMD
-// (AVX2) or the caller forced a backend. Auto on arm64 keeps MLX's matmul
+// (AVX2, AVX-512) or the caller forced a backend. Auto on arm64 keeps MLX's matmul
 // (Accelerate's sgemm on macOS) until a NEON transposed kernel exists.
 bool prefer_qmm_t(Backend requested);
-// Names of backends usable on this machine, for tests and benchmarks.
+// Backends usable on this machine, for tests and benchmarks.
 std::vector<Backend> available_qmm_backends();
 
 // Extract code j (0-based) of a row bitstream: the LSB-first layout MLX uses.

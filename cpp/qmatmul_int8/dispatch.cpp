@@ -3,8 +3,6 @@
 // the byte order of the x86 decoders, then the outputs split over threads;
 // each segment's kernel comes from the ISA's table, chosen once.
 #include <algorithm>
-#include <stdexcept>
-#include <string>
 
 #include "common/cpu.h"
 #include "common/parallel.h"
@@ -73,25 +71,17 @@ void qmm_int8_best_run(const float* x, int M, const QMatView& w, float* y) {
 #endif
 
 QmmRun select_qmm_int8(Backend requested) {
-  switch (requested) {
-    case Backend::Auto:
+  // Avx512 (also what Auto picks on an AVX-512 CPU) runs the widest integer
+  // dot the CPU has: VNNI where present, else the AVX2 table.
+  constexpr BackendSet kInt8Backends =
+      backend_set({Backend::Ref, Backend::Avx2, Backend::Avx512});
+  switch (resolve_backend("qmatmul activations='int8'", requested, kInt8Backends)) {
 #if defined(MIXBITS_HAVE_AVX2)
-      if (cpu_isa().avx2) return qmm_int8_best_run;
+    case Backend::Avx2: return qmm_int8_avx2_run;
+    case Backend::Avx512: return qmm_int8_best_run;
 #endif
-      return qmm_int8_ref_run;  // NEON integer dots: not written yet
-    case Backend::Ref:
-      return qmm_int8_ref_run;
-#if defined(MIXBITS_HAVE_AVX2)
-    case Backend::Avx2:
-      if (cpu_isa().avx2) return qmm_int8_avx2_run;
-      break;
-#endif
-    default:
-      break;
+    default: return qmm_int8_ref_run;  // NEON integer dots: not written yet
   }
-  throw std::invalid_argument(
-      "qmatmul: activations='int8' has no kernel for backend " +
-      std::to_string(int(requested)) + " on this CPU (use 'auto' or 'ref')");
 }
 
 }  // namespace mixbits

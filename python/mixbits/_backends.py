@@ -1,12 +1,14 @@
-"""Backend names for the CPU kernels and the checks every op runs on a
-``backend=`` argument before calling mixbits._ext. Every cpp/*/kernel.h
-backend enum uses this numbering."""
+"""Backend names for the CPU kernels: the one place a ``backend=`` name
+becomes the enum value mixbits._ext takes (cpp/common/backend.h, which also
+owns the names and the availability check with its one error message)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-BACKENDS = {"auto": 0, "ref": 1, "avx2": 2, "neon": 3}
+from . import _ext
+
+BACKENDS = {name: i for i, name in enumerate(_ext.backend_names())}
 _NAMES = {v: k for k, v in BACKENDS.items()}
 
 
@@ -15,15 +17,14 @@ def names(ids) -> list[str]:
     return [_NAMES[b] for b in ids]
 
 
-def backend_id(backend: str | None, available: list[str]) -> int:
-    """The enum value for ``backend`` (None = auto), refusing unknown names
-    and backends this CPU cannot run (``available``: their names)."""
+def backend_id(backend: str | None) -> int:
+    """The enum value for ``backend`` (None = auto), refusing unknown names.
+    Whether the op has that backend on this CPU is checked by the op itself
+    (ValueError "<op>: backend '<name>' is not available on this CPU ...")."""
     if backend is None:
         return 0
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
-    if backend != "auto" and backend not in available:
-        raise ValueError(f"backend {backend!r} is not available on this CPU")
     return BACKENDS[backend]
 
 

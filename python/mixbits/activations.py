@@ -23,6 +23,6 @@ def swiglu(gate: mx.array, up: mx.array, backend: str | None = None) -> mx.array
             raise TypeError(f"{name} must be float32, got {a.dtype}")
     if gate.shape != up.shape:
         raise ValueError(f"gate shape {gate.shape} differs from up shape {up.shape}")
-    bid = backend_id(backend, act_backends())
+    bid = backend_id(backend)
     require_cpu("swiglu")
     return _ext.swiglu(gate, up, bid)

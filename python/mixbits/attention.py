@@ -52,6 +52,6 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-    bid = backend_id(backend, attn_backends())
+    bid = backend_id(backend)
     require_cpu("causal_attention")
     return _ext.causal_attention(q, k, v, scale, bid)

@@ -53,7 +53,7 @@ def kl_backends() -> list[str]:
 
 
 def _backend_id(backend: str | None) -> int:
-    return backend_id(backend, kl_backends())
+    return backend_id(backend)
 
 
 def _as_array(x, name: str) -> mx.array:

@@ -16,7 +16,7 @@ def available_backends() -> list[str]:
 
 
 def _backend_id(backend: str | None) -> int:
-    return backend_id(backend, available_backends())
+    return backend_id(backend)
 
 
 def _check_x(x, K: int, name: str = "x") -> None:

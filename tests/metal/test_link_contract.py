@@ -62,7 +62,7 @@ def flags_for(src: Path) -> tuple[list[str], list[str]]:
     """(defines, extra flags) as CMakeLists.txt compiles the file."""
     if src.name == "metal.cpp":
         return ["_METAL_", "MIXBITS_HAS_METALLIB=1"], []
-    if src.name == "avx2.cpp":
+    if src.name == "avx2.cpp" or src.name.startswith("avx2_"):
         return ["MIXBITS_HAVE_AVX2=1"], ["-mavx2", "-mfma", "-mf16c"]
     return (["MIXBITS_HAVE_AVX2=1"] if X86 else []), []
 

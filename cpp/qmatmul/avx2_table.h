@@ -1,0 +1,83 @@
+// The x86 kernels of the float quantized matmul as a table: one row per
+// ISA (8-lane AVX2, 16-lane AVX-512F), columns per (bits, group size), as
+// qmatmul_int8's I8Table. A call picks its row once (the backend chose the
+// entry point) and each segment's kernels once from the row; the drivers
+// (avx2.cpp forward, avx2_t.cpp transposed) have no ISA branches.
+//
+// Files: avx2_decode.h (bit layout and shared helpers), avx2_gemv.cpp and
+// avx2_gemv512.cpp (small M: decode once, FMA against every x row),
+// avx2_gemm.cpp (large M: dequantized tiles + register-blocked micro-
+// kernels), avx2_t.cpp (the transposed product), avx2.cpp (the rows and
+// the forward driver). All are compiled with -mavx2 -mfma -mf16c; the
+// 16-lane functions carry a target attribute and are reached only through
+// the AVX-512 row, which dispatch.cpp selects only where CPUID has avx512f.
+#pragma once
+#include <cstdint>
+
+#include "common/half.h"
+#include "qmatmul/kernel.h"
+
+namespace mixbits {
+
+constexpr int kKC = 1024;  // largest column block dequant_tile takes (GEMM tiles)
+
+// Small M: segment rows [n0, n1) against mb <= QmmTable::max_mb rows of x,
+// prepared per segment by the driver (xq: decode order times 2^-code_exp,
+// xs: per-group sums; row stride ldx / ngroups); adds into y (stride ldy).
+using GemvFn = void (*)(const SegView& s, DType sdt, const float* xq, const float* xs,
+                        int ldx, int mb, int n0, int n1, float* y, int ldy);
+// Rows [n, n+nr) x columns [c0, c1) (group aligned, c1 - c0 <= kKC) of one
+// segment, dequantized (s*q + b) into dst (row stride ld) in decode order.
+using DequantFn = void (*)(const SegView& s, DType sdt, int n, int nr, int c0, int c1,
+                           float* dst, int ld);
+// y[i, j] += sum_p x[i, p] * w[j, p] for an mr x nr block (p < kc).
+using MicroFn = void (*)(const float* x, int ldx, const float* w, int ldw, int kc,
+                         float* y, int ldy);
+
+// Columns of a row: [bits][0: g32, 1: g64, 2: g128], null where no bits.
+using GemvCols = GemvFn[9][3];
+using DequantCols = DequantFn[9][3];
+constexpr int gs_col(int group_size) { return group_size == 32 ? 0 : group_size == 64 ? 1 : 2; }
+
+struct QmmTable;
+// One work item of the transposed product: dx columns [s.k0 + c0, s.k0 +
+// c1) of segment `seg` for all M rows (see avx2_t.cpp).
+struct TItem {
+  int seg, c0, c1;  // segment-local columns, group aligned, c1 - c0 <= kTKCMax
+};
+using TItemFn = void (*)(const float* dy, int64_t ldd, int M, const QMatView& w,
+                         const QmmTable& t, const TItem& it, float* dx);
+
+struct QmmTable {
+  const char* name;
+  // M <= small_m takes the small-M kernels, larger M the dequantized tiles
+  // (measured crossovers here: 16-24 rows with the 8-lane kernels, 32-48
+  // with the 16-lane ones).
+  int small_m;
+  int max_mb;  // x rows per pass of the small-M kernels
+  const GemvCols* gemv;
+  const DequantCols* dequant;  // the same (8-lane) decoder in both rows
+  int mr, nr;                  // largest micro-kernel block
+  const MicroFn* const* micro; // micro[mr][nr], 1 <= mr, nr
+  TItemFn t_item;
+};
+
+// Kernel columns, defined in the kernel files.
+extern const GemvCols kGemvAvx2;     // avx2_gemv.cpp
+extern const GemvCols kGemvAvx512;   // avx2_gemv512.cpp
+extern const DequantCols kDequantAvx2;            // avx2_gemm.cpp
+extern const MicroFn* const kMicroAvx2[5];        // avx2_gemm.cpp, 4 x 3
+extern const MicroFn* const kMicroAvx512[7];      // avx2_gemm.cpp, 6 x 4
+void t_item_avx2(const float* dy, int64_t ldd, int M, const QMatView& w,
+                 const QmmTable& t, const TItem& it, float* dx);     // avx2_t.cpp
+void t_item_avx512(const float* dy, int64_t ldd, int M, const QMatView& w,
+                   const QmmTable& t, const TItem& it, float* dx);   // avx2_t.cpp
+
+// The two rows (avx2.cpp).
+extern const QmmTable kQmmAvx2;
+extern const QmmTable kQmmAvx512;
+
+// The transposed product through a row (avx2_t.cpp).
+void qmm_t_run_table(const QmmTable& t, const float* dy, int M, const QMatView& w, float* dx);
+
+}  // namespace mixbits
