@@ -1,10 +1,11 @@
 // Swiglu: checks, backend choice, and the CPU evaluation (contiguous
-// element ranges in parallel).
+// element ranges in parallel; strided inputs are copied first).
 #include "act/act.h"
 
 #include <stdexcept>
 #include <string>
 
+#include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
 #include "mlx/allocator.h"
@@ -42,10 +43,10 @@ mx::array swiglu(const mx::array& gate, const mx::array& up,
                                 " differs from up shape " + shape_str(up));
   select_swiglu(backend);  // throws now if unavailable
   auto stream = mx::to_stream(s);
+  // No contiguous node: gate and up are usually lazy (a matmul's output),
+  // so their layout is known only in eval_cpu, which copies a strided one.
   return mx::array(gate.shape(), mx::float32,
-                   std::make_shared<Swiglu>(stream, backend),
-                   {mx::contiguous(gate, false, stream),
-                    mx::contiguous(up, false, stream)});
+                   std::make_shared<Swiglu>(stream, backend), {gate, up});
 }
 
 bool Swiglu::is_equivalent(const mx::Primitive& other) const {
@@ -61,8 +62,9 @@ void Swiglu::eval_cpu(const std::vector<mx::array>& inputs,
   enc.set_output_array(out);
   enc.dispatch([inputs, o = mx::array::unsafe_weak_copy(out),
                 fn = select_swiglu(backend_)]() mutable {
-    const float* g = inputs[0].data<float>();
-    const float* u = inputs[1].data<float>();
+    std::vector<char> gbuf, ubuf;
+    const float* g = static_cast<const float*>(row_major(inputs[0], gbuf));
+    const float* u = static_cast<const float*>(row_major(inputs[1], ubuf));
     float* y = o.data<float>();
     // 32 Ki elements per task: enough to hide the hand-off, small enough
     // that both cores get work on a single token's MLP.

@@ -8,6 +8,7 @@
 
 #include "act/act.h"
 #include "common/parallel.h"
+#include "common/inputs.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/transforms.h"
@@ -48,9 +49,8 @@ std::vector<mx::array> full_tangents(const std::vector<mx::array>& primals,
   return t;
 }
 
-mx::array f32_contiguous(const mx::array& a, mx::Stream s) {
-  return mx::contiguous(mx::astype(a, mx::float32, s), false, s);
-}
+// The kernels' dtype; SwigluVjp and Swiglu copy a strided input themselves.
+mx::array f32(const mx::array& a, mx::Stream s) { return mx::astype(a, mx::float32, s); }
 
 }  // namespace
 
@@ -66,7 +66,7 @@ std::vector<mx::array> Swiglu::vjp(const std::vector<mx::array>& primals,
   auto all = mx::array::make_arrays(
       {g.shape(), g.shape()}, {mx::float32, mx::float32},
       std::make_shared<SwigluVjp>(s, backend_),
-      {g, primals[1], f32_contiguous(cotangents[0], s)});
+      {g, primals[1], f32(cotangents[0], s)});
   return pick(all, argnums);
 }
 
@@ -85,11 +85,11 @@ std::vector<mx::array> Swiglu::jvp(const std::vector<mx::array>& primals,
       add(cpu ? mx::array::make_arrays(
                     {g.shape(), g.shape()}, {mx::float32, mx::float32},
                     std::make_shared<SwigluVjp>(s, backend_),
-                    {g, u, f32_contiguous(tangents[j], s)})[0]
+                    {g, u, f32(tangents[j], s)})[0]
               : mlx_swiglu_vjp({g, u, tangents[j]}, s)[0]);
     } else {
       // silu(g) tu: the forward itself with tu for up.
-      add(cpu ? swiglu(g, f32_contiguous(tangents[j], s), backend_, s)
+      add(cpu ? swiglu(g, f32(tangents[j], s), backend_, s)
               : mlx_swiglu_vjp({g, u, tangents[j]}, s)[1]);
     }
   }
@@ -111,9 +111,11 @@ void SwigluVjp::eval_cpu(const std::vector<mx::array>& inputs,
     outs.push_back(mx::array::unsafe_weak_copy(o));
   }
   enc.dispatch([inputs, outs, fn = select_swiglu_vjp(backend_)]() mutable {
-    const float* g = inputs[0].data<float>();
-    const float* u = inputs[1].data<float>();
-    const float* dy = inputs[2].data<float>();
+    // g and u are Swiglu's inputs as its caller passed them (maybe strided).
+    std::vector<char> gbuf, ubuf, dybuf;
+    const float* g = static_cast<const float*>(row_major(inputs[0], gbuf));
+    const float* u = static_cast<const float*>(row_major(inputs[1], ubuf));
+    const float* dy = static_cast<const float*>(row_major(inputs[2], dybuf));
     float* dg = outs[0].data<float>();
     float* du = outs[1].data<float>();
     // Grain as the forward's.

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
 #include "mlx/allocator.h"
@@ -108,9 +109,9 @@ mx::array causal_attention(const mx::array& q, const mx::array& k,
   auto stream = mx::to_stream(s);
   return mx::array(q.shape(), mx::float32,
                    std::make_shared<CausalAttention>(stream, scale, backend),
-                   {mx::contiguous(q, false, stream),
-                    mx::contiguous(k, false, stream),
-                    mx::contiguous(v, false, stream)});
+                   {dense_input(q, stream),
+                    dense_input(k, stream),
+                    dense_input(v, stream)});
 }
 
 std::vector<mx::Shape> CausalAttention::output_shapes(

@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
 #include "mlx/allocator.h"
@@ -149,11 +150,11 @@ mx::array mixed_gather_qmm(const mx::array& x,
   select_qmm(backend);  // throws now, not inside the graph, if unavailable
 
   // The CPU evaluation reads every input as a dense row-major buffer.
-  std::vector<mx::array> inputs{mx::contiguous(x, false, stream)};
-  if (perm) inputs.push_back(mx::contiguous(*perm, false, stream));
-  for (const auto& a : packed) inputs.push_back(mx::contiguous(a, false, stream));
-  inputs.push_back(mx::contiguous(li, false, stream));
-  inputs.push_back(mx::contiguous(ri, false, stream));
+  std::vector<mx::array> inputs{dense_input(x, stream)};
+  if (perm) inputs.push_back(dense_input(*perm, stream));
+  for (const auto& a : packed) inputs.push_back(dense_input(a, stream));
+  inputs.push_back(dense_input(li, stream));
+  inputs.push_back(dense_input(ri, stream));
   mx::Shape out_shape = li.shape();
   out_shape.push_back(x.shape(-2));
   out_shape.push_back(N);

@@ -8,6 +8,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
 #include "kl_host.h"
@@ -74,9 +75,9 @@ std::vector<mx::array> kl_divergence(const mx::array& ref,
   } else {
     select_kl(backend);  // throws now, not inside the graph, if unavailable
   }
-  std::vector<mx::array> inputs{mx::contiguous(ref, false, stream),
-                                mx::contiguous(logits, false, stream)};
-  if (row_param) inputs.push_back(mx::contiguous(*row_param, false, stream));
+  std::vector<mx::array> inputs{dense_input(ref, stream),
+                                dense_input(logits, stream)};
+  if (row_param) inputs.push_back(dense_input(*row_param, stream));
   mx::Shape lead = lead_shape(logits);
   return mx::array::make_arrays(
       {lead, lead, lead, lead, lead, lead},

@@ -10,6 +10,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
 #include "qmatmul_host.h"
@@ -109,14 +110,16 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
     if (act == Activations::Int8) select_qmm_int8(backend);
   }
 
-  // The Metal kernels index x as a dense [M, K] matrix; the copy happens
+  // The Metal kernels index every input as a dense matrix; a copy happens
   // here, in the graph (eval_gpu may only use MLX_API symbols, and the GPU
-  // copy helpers are not). The CPU path reads strided x itself.
-  std::vector<mx::array> inputs{stream.device == mx::Device::gpu
-                                    ? mx::contiguous(x, false, stream)
-                                    : x};
-  if (perm) inputs.push_back(mx::contiguous(*perm, false, stream));
-  for (const auto& a : packed) inputs.push_back(mx::contiguous(a, false, stream));
+  // copy helpers are not), for inputs not known to be dense already. The
+  // CPU path takes every input as it is and reads strided ones itself
+  // (eval_cpu), so it adds no graph node per input.
+  const bool gpu = stream.device == mx::Device::gpu;
+  auto input = [&](const mx::array& a) { return gpu ? dense_input(a, stream) : a; };
+  std::vector<mx::array> inputs{input(x)};
+  if (perm) inputs.push_back(input(*perm));
+  for (const auto& a : packed) inputs.push_back(input(a));
   mx::Shape out_shape = x.shape();
   out_shape.back() = N;
   return mx::array(
@@ -153,15 +156,18 @@ void MixedQMatmul::eval_cpu(const std::vector<mx::array>& inputs,
                                                 : QmmRun(nullptr)]() mutable {
     const mx::array& x = inputs[0];
     const int first = has_perm ? 2 : 1;
+    // perm and the weights in row-major order (their own buffers unless a
+    // caller passed a strided view; x is read through its strides below).
+    std::vector<std::vector<char>> copies(inputs.size());
+    auto dense = [&](size_t i) { return row_major(inputs[i], copies[i]); };
     QMatView w;
     w.N = inputs[first].shape(0);
     w.sdtype = to_dtype(inputs[first + 1].dtype());
     int k0 = 0;
     for (size_t i = 0; i < segs.size(); ++i) {
-      const auto& wq = inputs[first + 3 * i];
+      const size_t j = first + 3 * i;
       w.segs.push_back({segs[i].bits, segs[i].group_size, k0, segs[i].k,
-                        wq.data<uint32_t>(), inputs[first + 3 * i + 1].data<void>(),
-                        inputs[first + 3 * i + 2].data<void>()});
+                        static_cast<const uint32_t*>(dense(j)), dense(j + 1), dense(j + 2)});
       k0 += segs[i].k;
     }
     w.K = k0;
@@ -171,7 +177,7 @@ void MixedQMatmul::eval_cpu(const std::vector<mx::array>& inputs,
 
     // x may be strided (a view or a transpose): read it element by element
     // into a dense float32 buffer, gathered through the permutation.
-    const int32_t* perm = has_perm ? inputs[1].data<int32_t>() : nullptr;
+    const int32_t* perm = has_perm ? static_cast<const int32_t*>(dense(1)) : nullptr;
     std::vector<float> xf(size_t(M) * K);
     const DType xt = to_dtype(x.dtype());
     const int nd = x.ndim();

@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
 #include "mlx/allocator.h"
@@ -49,9 +50,9 @@ mx::array mixed_qmatmul_t(const mx::array& dy,
                (perm->dtype() != mx::int32 && perm->dtype() != mx::uint32)))
     fail("perm must be int32 or uint32 of shape (" + std::to_string(K) + ",)");
   // The kernels read dense row-major buffers.
-  std::vector<mx::array> inputs{mx::contiguous(dy, false, stream)};
-  if (perm) inputs.push_back(mx::contiguous(*perm, false, stream));
-  for (const auto& a : packed) inputs.push_back(mx::contiguous(a, false, stream));
+  std::vector<mx::array> inputs{dense_input(dy, stream)};
+  if (perm) inputs.push_back(dense_input(*perm, stream));
+  for (const auto& a : packed) inputs.push_back(dense_input(a, stream));
   mx::Shape out_shape = dy.shape();
   out_shape.back() = K;
   return mx::array(out_shape, dy.dtype(),
