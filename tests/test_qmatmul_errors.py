@@ -115,3 +115,11 @@ def test_extension_checks_too(qt):
         _ext.qmatmul(mx.zeros((1, 128)), mx.arange(5).astype(mx.int32), arrs, qt.specs)
     with pytest.raises(ValueError, match="wq shape"):
         _ext.qmatmul(mx.zeros((1, 128)), None, [arrs[0][:, :3]] + arrs[1:], qt.specs)
+
+
+def test_backend_names_match_the_extension():
+    """Python's name -> enum table is the C++ enum (cpp/common/backend.h)."""
+    from mixbits import _ext
+    from mixbits._backends import BACKENDS
+    assert list(BACKENDS) == _ext.backend_names()
+    assert list(BACKENDS.values()) == list(range(len(BACKENDS)))

@@ -1,14 +1,16 @@
 """Backend names for the CPU kernels: the one place a ``backend=`` name
-becomes the enum value mixbits._ext takes (cpp/common/backend.h, which also
-owns the names and the availability check with its one error message)."""
+becomes the enum value mixbits._ext takes. The enum, its names for error
+messages and the availability check with its one message live in
+cpp/common/backend.h; tests/test_qmatmul_errors.py checks that this table
+equals ``_ext.backend_names()``. (A literal rather than read from the
+extension at import, so that an installed extension one build behind
+still imports.)"""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from . import _ext
-
-BACKENDS = {name: i for i, name in enumerate(_ext.backend_names())}
+BACKENDS = {"auto": 0, "ref": 1, "avx2": 2, "neon": 3, "avx512": 4}
 _NAMES = {v: k for k, v in BACKENDS.items()}
 
 
