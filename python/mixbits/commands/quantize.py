@@ -60,12 +60,12 @@ def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = 
             plan.setdefault(path, parse_candidate(f"{spec['bits']}b_g{spec['group_size']}"))
     rp = None
     if any(c.calibrated for c in plan.values()):
-        from mixbits.measure.replay import Replayer
+        from mixbits.measure.replay import Replayer, token_chunks
 
         if tokens is None:
             raise ValueError("the allocation has calibrated candidates (+gptq/+search/+act): give the "
                              "calibration tokens they were measured with (--tokens or --text)")
-        rp = Replayer(model, [mx.array(tokens[i : i + 4]) for i in range(0, len(tokens), 4)], adapter)
+        rp = Replayer(model, token_chunks(tokens, 4), adapter)
     # Hessians come from the unquantized model: all layers are built before any is swapped in.
     built = {p: build_layer(adapter.get(p), c, scale_dtype,
                             rp.input_hessian(adapter.site(p)) if c.calibrated else None)

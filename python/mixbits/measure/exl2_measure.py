@@ -25,7 +25,7 @@ from ..adapter import ModelAdapter, get_module, set_module
 from ..formats.exl2 import Measurement, Option, ProjectionQuant
 from .candidates import Candidate, build_layer, parse_candidate, supports
 from ..formats.errors import load_json
-from .replay import Replayer
+from .replay import Replayer, token_chunks
 
 
 def _projection_quant(c: Candidate) -> ProjectionQuant:
@@ -56,8 +56,7 @@ def measure_modules(model, tokens, candidates, out, *, chunk: int = 4, resume: b
     keys = list(groups)
     todo = [k for k in keys if k not in done]
     tokens = np.asarray(tokens)
-    chunks = [mx.array(tokens[i : i + chunk]) for i in range(0, len(tokens), chunk)]
-    rp = Replayer(model, chunks, adapter) if todo else None
+    rp = Replayer(model, token_chunks(tokens, chunk), adapter) if todo else None
     if rp is not None and not rp.replayable:
         raise ValueError(f"cannot write an ExLlamaV2 measurement: {rp.reason}")
     bar = tqdm(total=len(keys) * len(cands), initial=(len(keys) - len(todo)) * len(cands),

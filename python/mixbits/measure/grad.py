@@ -215,7 +215,7 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
     correlations (see :func:`estimate`)."""
     from ..adapter import ModelAdapter, dense_weight
     from .candidates import build_layer
-    from .replay import Replayer
+    from .replay import Replayer, token_chunks
     from .sweep import storage_bits
 
     t0 = time.perf_counter()
@@ -226,8 +226,7 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
     ad = ModelAdapter(model)
     rp = None
     if any(c.calibrated for cs in site_cands.values() for c in cs):
-        toks = np.asarray(tokens)
-        rp = Replayer(model, [mx.array(toks[i : i + 4]) for i in range(0, len(toks), 4)], ad)
+        rp = Replayer(model, token_chunks(tokens, 4), ad)
     out = []
     for s in sites:
         t1 = time.perf_counter()

@@ -37,12 +37,11 @@ class JointEvaluator:
     def hessian(self, path: str):
         """(X^T X, tokens) of a tensor's input on this evaluator's tokens
         (calibrated candidates), from a replay of the unquantized model."""
-        from .replay import Replayer
+        from .replay import Replayer, token_chunks
 
         if getattr(self, "_replayer", None) is None:
-            chunks = [mx.array(self.tokens[i : i + self.chunk])
-                      for i in range(0, len(self.tokens), self.chunk)]
-            self._replayer = Replayer(self.model, chunks, self.adapter)
+            self._replayer = Replayer(self.model, token_chunks(self.tokens, self.chunk),
+                                      self.adapter)
         return self._replayer.input_hessian(self.sites[path])
 
     def layer(self, path: str, cand_name: str):

@@ -152,6 +152,13 @@ def _tile(out, g: int):
     return mx.concatenate([out] * g, axis=0)
 
 
+def token_chunks(tokens, chunk: int) -> list[mx.array]:
+    """Sequences [n_seq, seq_len] in batches of ``chunk`` rows: the unit
+    a Replayer records and every pass over calibration tokens runs."""
+    tokens = np.asarray(tokens)
+    return [mx.array(tokens[i : i + chunk]) for i in range(0, len(tokens), chunk)]
+
+
 class Replayer:
     """Reference logits of ``model`` on calibration chunks, and logits with
     one tensor replaced by each of several candidate modules."""

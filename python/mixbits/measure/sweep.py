@@ -29,7 +29,7 @@ from ..adapter import ModelAdapter, Site
 from ..atomic import write_json_atomic
 from .candidates import Candidate, build_layer, parse_candidate, supports
 from ..formats.errors import load_json
-from .replay import Replayer
+from .replay import Replayer, token_chunks
 
 TABLE_FORMAT = "mixbits.sensitivity"
 TABLE_VERSION = 1
@@ -88,10 +88,6 @@ class SiteResult:
         }
 
 
-def _chunks(tokens: np.ndarray, chunk: int) -> list[mx.array]:
-    return [mx.array(tokens[i : i + chunk]) for i in range(0, len(tokens), chunk)]
-
-
 def measure_site(rp: Replayer, site: Site, cands: list[Candidate], cfg: SweepConfig) -> SiteResult:
     """KL of every candidate for one tensor; candidates share the suffix
     forward, ``cfg.max_batch`` sequences at a time."""
@@ -142,7 +138,7 @@ def measure_site_naive(model, tokens: np.ndarray, site: Site, cand: Candidate,
     ad.set(site.path, build_layer(original, cand, cfg.scale_dtype))
     try:
         parts = []
-        for ci, toks in enumerate(_chunks(tokens, chunk)):
+        for ci, toks in enumerate(token_chunks(tokens, chunk)):
             logits = model(toks)
             parts.append(np.array(kl_per_token(ref_logits[ci], logits), dtype=np.float64).ravel())
         return float(np.concatenate(parts).mean())
@@ -216,7 +212,7 @@ def sweep(model, tokens, out: str | Path, candidates=None, *, resume: bool = Fal
         done = {e["path"]: e for e in prev.get("entries", [])}
     todo = [s for s in mine if s.path not in done]
     chunk = max(1, min(len(tokens), max_batch))
-    rp = Replayer(model, _chunks(tokens, chunk), adapter) if todo else None
+    rp = Replayer(model, token_chunks(tokens, chunk), adapter) if todo else None
 
     def table(complete: bool) -> dict:
         entries = [done[s.path] for s in all_sites if s.path in done]
