@@ -25,12 +25,12 @@ and between layers), so it ranks better than it predicts: ``two-stage``
 
 from __future__ import annotations
 
-import math
 import time
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
+
+from .taps import Taps, split_key
 
 
 def _float_stack(m, w):
@@ -93,7 +93,6 @@ def fisher_diagonal(model, tokens, sites, *, samples: int = 1, seed: int = 0, ba
     from tqdm import tqdm
 
     from ..adapter import ModelAdapter
-    from .taps import Taps, split_key
 
     ad = ModelAdapter(model)
     tapped = {s.path: ad.get(s.path) for s in sites if s.form != "stack"}
@@ -126,15 +125,20 @@ def fisher_diagonal(model, tokens, sites, *, samples: int = 1, seed: int = 0, ba
                 taps.capture()
                 ref = model(x).astype(mx.float32)
                 mx.eval(ref, list(taps.inputs.values()))
-                inputs = {k: np.array(v if mx.issubdtype(v.dtype, mx.integer) else v.astype(mx.float32))
-                          for k, v in taps.inputs.items()}
+                # Modules fed the same array (q/k/v, gate/up) share one copy.
+                copies, inputs = {}, {}
+                for k, v in taps.inputs.items():
+                    if id(v) not in copies:
+                        copies[id(v)] = np.array(
+                            v if mx.issubdtype(v.dtype, mx.integer) else v.astype(mx.float32))
+                    inputs[k] = copies[id(v)]
                 for _ in range(samples):
                     key, sub = mx.random.split(key)
                     y = mx.random.categorical(ref, key=sub)  # y_t ~ P(.|x_<t)
                     deltas = {k: mx.zeros(shape, dtype) for k, (shape, dtype) in taps.shapes.items()}
                     _, (gd, gw) = grad_fn(deltas, weights0, x, y)
                     mx.eval(gd, gw)
-                    _accumulate(fisher, inputs, gd, forms, n_seq, split_key, out_energy)
+                    _accumulate(fisher, inputs, gd, forms, n_seq, out_energy)
                     for p, g in gw.items():
                         g = np.array(g.astype(mx.float32))
                         fisher[p] += g * g
@@ -148,7 +152,7 @@ def fisher_diagonal(model, tokens, sites, *, samples: int = 1, seed: int = 0, ba
     return fisher, toks.size * samples
 
 
-def _accumulate(fisher, inputs, grads, forms, n_seq, split_key, out_energy) -> None:
+def _accumulate(fisher, inputs, grads, forms, n_seq, out_energy) -> None:
     """fisher[path] += (weight gradient of one sample)^2 for every tapped
     path. A sample is one sequence when every recorded call of the module
     keeps the batch as its leading axis, else the whole batch (still

@@ -62,6 +62,7 @@ class Taps:
         self.shapes: dict[str, tuple] = {}  # key -> (output shape, dtype)
         self._deltas: dict = {}
         self._count: dict = {}
+        self._seen: dict = {}  # id(x) -> (x, its recorded copy); x kept so the id stays its own
 
     def __enter__(self):
         if _ACTIVE:
@@ -81,7 +82,7 @@ class Taps:
     def capture(self):
         """Start a recording forward (clears earlier records)."""
         self._mode, self._count = "capture", {}
-        self.inputs, self.shapes = {}, {}
+        self.inputs, self.shapes, self._seen = {}, {}, {}
 
     def perturb(self, deltas: dict):
         """Start a forward whose tapped outputs get ``deltas`` added."""
@@ -95,7 +96,11 @@ class Taps:
         self._count[(path, tag)] = n + 1
         key = f"{path}|{tag}|{n}"
         if self._mode == "capture":
-            self.inputs[key] = mx.stop_gradient(x)
+            # One recorded array per input array: modules fed the same x
+            # (q/k/v projections) share it.
+            if id(x) not in self._seen:
+                self._seen[id(x)] = (x, mx.stop_gradient(x))
+            self.inputs[key] = self._seen[id(x)][1]
             self.shapes[key] = (tuple(y.shape), y.dtype)
             return y
         d = self._deltas.get(key)
