@@ -108,8 +108,7 @@ dq_sens = json.loads(sens_path.read_text()) if sens_path.exists() else {}
 for lo, hi in DQ_PAIRS:
     if f"{lo}/{hi}" in dq_sens:
         continue
-    lb, lg = int(lo[0]), int(lo.split("_g")[1])
-    hb, hg = int(hi[0]), int(hi.split("_g")[1])
+    (lb, lg), (hb, hg) = ((c.bits, c.group_size) for c in map(parse_candidate, (lo, hi)))
     # mlx-lm's own procedure differentiates a float copy through MLX's CPU
     # matmul (~200 s per sequence per pair here): N_DQ sequences.
     dq_sens[f"{lo}/{hi}"] = sensitivities(model, cal[:N_DQ], (lb, lg), (hb, hg))
@@ -129,7 +128,7 @@ t = time.perf_counter()
 for lo, hi in RECIPES:
     rule = mixed_rule(table, lo, hi, adapter)
     bpw = entry_bpw(table, rule)
-    row = {"target_bpw": round(bpw, 4), "baseline": f"mlx-lm mixed_{lo[0]}_{hi[0]}",
+    row = {"target_bpw": round(bpw, 4), "baseline": f"mlx-lm mixed_{parse_candidate(lo).bits}_{parse_candidate(hi).bits}",
            "baseline_heldout_kl": held_kl(rule), **ours(bpw, refine_evals=0)}
     rec["rows"].append(row)
     dump()
