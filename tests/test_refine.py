@@ -139,3 +139,24 @@ def test_refine_starts_from_the_power_that_fits_the_measured_objective(setup):
     final = {a["path"]: a["kind"] for a in out["assignment"]}
     assert ev.joint_kl(final)[0] == pytest.approx(jr["joint_kl_after"])
     assert jr["evaluations"] == ev.calls - 1 <= 3
+
+
+def test_held_out_evaluator_fits_calibrated_candidates_on_calibration_tokens(setup):
+    """A held-out evaluator built with ``calibration=`` takes X^T X from the
+    calibration tokens (a +gptq layer fitted on the tokens that score it
+    would flatter it); without it, from its own tokens."""
+    model, toks, _ = setup
+    cal = JointEvaluator(model, toks, chunk=2)
+    held_toks = tiny_tokens(n=2, seed=7)
+    held = JointEvaluator(model, held_toks, chunk=2, calibration=cal)
+    alone = JointEvaluator(model, held_toks, chunk=2)
+    path = next(p for p in cal.sites if p.endswith("mlp.down_proj"))
+    h_cal, n_cal = cal.hessian(path)
+    h_held, n_held = held.hessian(path)
+    h_alone, n_alone = alone.hessian(path)
+    assert n_held == n_cal == toks.size and n_alone == held_toks.size
+    np.testing.assert_array_equal(np.asarray(h_held), np.asarray(h_cal))
+    assert not np.allclose(np.asarray(h_alone), np.asarray(h_cal))
+    layer = held.layer(path, "3b_g64+gptq")
+    assert cal.layer(path, "3b_g64+gptq") is layer  # one cache, one fit
+    assert alone.layer(path, "3b_g64+gptq") is not layer

@@ -49,7 +49,9 @@ def run(args) -> int:
                              f"{args.holdout_seq} leaves none for calibration")
     tokens, held = tokens[:n_cal], tokens[n_cal:]
     ev = JointEvaluator(model, tokens, chunk=4)
-    hold = JointEvaluator(model, held, chunk=4) if len(held) else None
+    # Calibrated candidates on held-out tokens are fitted on the calibration
+    # tokens (ev), never on the tokens that score them.
+    hold = JointEvaluator(model, held, chunk=4, calibration=ev) if len(held) else None
     def save(bpw, alloc):
         if args.save_allocations:
             from pathlib import Path

@@ -17,7 +17,10 @@ class JointEvaluator:
     """Holds the reference logits and a cache of quantized candidate layers,
     so trying many assignments re-quantizes each (tensor, candidate) once."""
 
-    def __init__(self, model, tokens, chunk: int = 4, scale_dtype=mx.float16):
+    def __init__(self, model, tokens, chunk: int = 4, scale_dtype=mx.float16, calibration=None):
+        """``calibration``: another evaluator whose tokens calibrated
+        candidates (``+gptq``...) are fitted on, and whose layer cache this
+        one shares -- so scoring on held-out tokens never fits on them."""
         self.model = model
         self.adapter = ModelAdapter(model)
         self.sites = {s.path: s for s in self.adapter.sites}
@@ -25,7 +28,8 @@ class JointEvaluator:
         self.chunk = max(1, chunk)
         self.scale_dtype = scale_dtype
         self.originals = {p: self.adapter.get(p) for p in self.sites}
-        self._layers: dict[tuple[str, str], object] = {}
+        self._calibration = calibration
+        self._layers: dict[tuple[str, str], object] = {} if calibration is None else calibration._layers
         self.ref_logits = [self._logits(i) for i in range(0, len(self.tokens), self.chunk)]
         self.evaluations = 0
 
@@ -35,10 +39,12 @@ class JointEvaluator:
         return out
 
     def hessian(self, path: str):
-        """(X^T X, tokens) of a tensor's input on this evaluator's tokens
-        (calibrated candidates), from a replay of the unquantized model."""
+        """(X^T X, tokens) of a tensor's input on the calibration tokens
+        (this evaluator's own unless ``calibration`` was given), from a replay of the unquantized model."""
         from .replay import Replayer, token_chunks
 
+        if self._calibration is not None:
+            return self._calibration.hessian(path)
         if getattr(self, "_replayer", None) is None:
             self._replayer = Replayer(self.model, token_chunks(self.tokens, self.chunk),
                                       self.adapter)
