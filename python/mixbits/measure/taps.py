@@ -63,6 +63,8 @@ class Taps:
         self._deltas: dict = {}
         self._count: dict = {}
         self._seen: dict = {}  # id(x) -> (x, its recorded copy); x kept so the id stays its own
+        self.sources: dict[str, str | None] = {}  # key -> the tapped call whose output is its input
+        self._made: dict = {}  # id(y) -> (y, key); y kept so the id stays its own
 
     def __enter__(self):
         if _ACTIVE:
@@ -83,6 +85,7 @@ class Taps:
         """Start a recording forward (clears earlier records)."""
         self._mode, self._count = "capture", {}
         self.inputs, self.shapes, self._seen = {}, {}, {}
+        self.sources, self._made = {}, {}
 
     def perturb(self, deltas: dict):
         """Start a forward whose tapped outputs get ``deltas`` added."""
@@ -102,6 +105,11 @@ class Taps:
                 self._seen[id(x)] = (x, mx.stop_gradient(x))
             self.inputs[key] = self._seen[id(x)][1]
             self.shapes[key] = (tuple(y.shape), y.dtype)
+            # The same array object passed on: e.g. a norm's output fed
+            # straight to q/k/v (what a function-preserving rescale needs).
+            src = self._made.get(id(x))
+            self.sources[key] = src[1] if src is not None else None
+            self._made[id(y)] = (y, key)
             return y
         d = self._deltas.get(key)
         if d is None:
