@@ -109,7 +109,7 @@ def check_int(name: str, v, allowed=None) -> int:
     return int(v)
 
 
-def _as_segment_spec(spec, i: int) -> tuple[object, int, int]:
+def segment_spec(spec, i: int) -> tuple[object, int, int]:
     try:
         bits, group_size, k = spec
     except (TypeError, ValueError):
@@ -129,7 +129,7 @@ def _as_segment_spec(spec, i: int) -> tuple[object, int, int]:
     return bits, int(group_size), int(k)
 
 
-def _check_perm(perm, K: int) -> mx.array:
+def check_perm(perm, K: int) -> mx.array:
     p = np.asarray(perm)
     if p.ndim != 1 or p.shape[0] != K:
         raise ValueError(f"perm must have shape ({K},), got {p.shape}")
@@ -152,7 +152,7 @@ class QuantizedTensor:
         for i, s in enumerate(segments):
             if not isinstance(s, Segment):
                 raise TypeError(f"segments[{i}] must be a mixbits.layout.Segment")
-            _as_segment_spec(s.spec, i)
+            segment_spec(s.spec, i)
             if not isinstance(s.wq, mx.array):
                 raise TypeError(f"segments[{i}].wq must be an mlx.core.array, got {type(s.wq).__name__}")
             # Array dtypes and shapes are values (ValueError, as in MLX).
@@ -183,7 +183,7 @@ class QuantizedTensor:
         self.segments = segments
         self.shape = (n, sum(s.k for s in segments))  # of one matrix
         self.batch_shape = batch
-        self.perm = None if perm is None else _check_perm(perm, self.shape[1])
+        self.perm = None if perm is None else check_perm(perm, self.shape[1])
 
     @property
     def specs(self) -> list[tuple[int, int, int]]:
@@ -257,7 +257,7 @@ def quantize(w, segments, perm=None, dtype=None) -> QuantizedTensor:
         raise ValueError(f"w must be 2-D [N, K], got shape {w.shape}")
     if w.dtype not in FLOAT_DTYPES:
         raise ValueError(f"w must be float32/float16/bfloat16, got {w.dtype}")
-    specs = [_as_segment_spec(s, i) for i, s in enumerate(segments)]
+    specs = [segment_spec(s, i) for i, s in enumerate(segments)]
     n, k_total = w.shape
     if sum(k for _, _, k in specs) != k_total:
         raise ValueError(
@@ -265,7 +265,7 @@ def quantize(w, segments, perm=None, dtype=None) -> QuantizedTensor:
         )
     dtype = dtype or w.dtype
     if perm is not None:
-        perm = _check_perm(perm, k_total)
+        perm = check_perm(perm, k_total)
         w = w[:, perm]
     out, k0 = [], 0
     for bits, gs, k in specs:

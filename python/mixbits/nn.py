@@ -27,7 +27,7 @@ from typing import Iterable, Mapping
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layout import BITS, GROUP_SIZES, TERNARY, QuantizedTensor, Segment, _as_segment_spec, _check_perm
+from .layout import BITS, GROUP_SIZES, TERNARY, QuantizedTensor, Segment, segment_spec, check_perm
 from .layout import quantize as _quantize
 from .ops import gather_qmatmul, qmatmul
 
@@ -74,7 +74,7 @@ def _normalize_specs(segments, K: int | None = None, name: str = "segments"):
         raise ValueError(f"{name} must be a list of (bits, group_size, k_columns), got {segments!r}")
     specs, kinds = [], []
     for i, s in enumerate(segments):
-        bits, gs, k = _as_segment_spec(s, i)
+        bits, gs, k = segment_spec(s, i)
         kinds.append("ternary" if bits == TERNARY else "affine")
         specs.append((2 if bits == TERNARY else int(bits), gs, k))
     if not specs:
@@ -134,9 +134,9 @@ class _MixedWeight(nn.Module):
 
     @activations.setter
     def activations(self, value: str) -> None:
-        from .ops import _activations_id
+        from .ops import activations_id
 
-        _activations_id(value)  # TypeError / ValueError as qmatmul's argument
+        activations_id(value)  # TypeError / ValueError as qmatmul's argument
         self._activations = value
 
     @classmethod
@@ -413,9 +413,9 @@ class MixedQuantizedSwitchLinear(_MixedWeight):
 
     @activations.setter
     def activations(self, value: str) -> None:
-        from .ops import _activations_id
+        from .ops import activations_id
 
-        _activations_id(value)
+        activations_id(value)
         if value != "float":
             # gather_qmatmul has one numeric contract; the int8 one exists
             # for 2-D weights only (mixbits.qmatmul).
@@ -628,9 +628,9 @@ def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
-    from .ops import _activations_id
+    from .ops import activations_id
 
-    _activations_id(activations)
+    activations_id(activations)
     _, stock_stacks = _mlx_lm_switch_kinds()
     planned = []
     for path, m in model.named_modules():
@@ -769,7 +769,7 @@ def quantize_model(model: nn.Module, assignment: Mapping, *, dtype=None) -> list
         segs = spec.resolve(w_shape[-1])
         try:
             _normalize_specs(segs, w_shape[-1])
-            perm = None if spec.perm is None else _check_perm(spec.perm, w_shape[-1])
+            perm = None if spec.perm is None else check_perm(spec.perm, w_shape[-1])
         except ValueError as e:
             raise ValueError(f"assignment[{path!r}]: {e} (weight shape {w_shape})") from None
         plan.append((path, m, segs, perm))

@@ -33,7 +33,7 @@ def _check_x(x, K: int, name: str = "x") -> None:
 ACTIVATIONS = {"float": 0, "int8": 1}
 
 
-def _activations_id(activations) -> int:
+def activations_id(activations) -> int:
     if not isinstance(activations, str):
         raise TypeError(f"activations must be a str, got {type(activations).__name__}")
     if activations not in ACTIVATIONS:
@@ -57,7 +57,7 @@ def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None,
     """
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
-    act = _activations_id(activations)
+    act = activations_id(activations)
     _check_x(x, qt.shape[1])
     if qt.batch_shape:
         if act:

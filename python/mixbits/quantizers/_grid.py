@@ -14,7 +14,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..layout import FLOAT_DTYPES, TERNARY, QuantizedTensor, Segment, _as_segment_spec, _check_perm, pack_codes
+from .. import layout
+from ..layout import FLOAT_DTYPES, TERNARY, QuantizedTensor, Segment, pack_codes, segment_spec
 
 F32 = np.float32
 
@@ -43,7 +44,7 @@ def as_weight(w, dtype):
 
 
 def check_segments(segments, k_total: int) -> list[tuple]:
-    specs = [_as_segment_spec(s, i) for i, s in enumerate(segments)]
+    specs = [segment_spec(s, i) for i, s in enumerate(segments)]
     if not specs:
         raise ValueError("segments must not be empty")
     if sum(k for _, _, k in specs) != k_total:
@@ -52,7 +53,7 @@ def check_segments(segments, k_total: int) -> list[tuple]:
 
 
 def check_perm(perm, k_total: int):
-    return None if perm is None else np.array(_check_perm(perm, k_total)).astype(np.int64)
+    return None if perm is None else np.array(layout.check_perm(perm, k_total)).astype(np.int64)
 
 
 def check_vector(name: str, v, k_total: int, nonneg=True) -> np.ndarray:

@@ -17,7 +17,7 @@ import scipy.linalg
 
 from ..layout import TERNARY
 from . import _grid as G
-from .search import _affine, _ternary
+from .search import search_affine, search_ternary
 
 
 def check_hessian(H, k_total: int) -> np.ndarray:
@@ -174,9 +174,9 @@ def gptq(w, segments, H, perm=None, act_order=True, damp=0.01, block=128, dtype=
                 hj = (hj / hj.max()).astype(G.F32)[None, None, :]
                 t3 = W1[:, g0 - b0 : g0 - b0 + gs].astype(G.F32)[:, None, :]
                 if bits == TERNARY:
-                    _, s, b = _ternary(t3, hj, dtype, 20, 2)
+                    _, s, b = search_ternary(t3, hj, dtype, 20, 2)
                 else:
-                    _, s, b = _affine(t3, hj, bits, dtype, 20, 2)
+                    _, s, b = search_affine(t3, hj, bits, dtype, 20, 2)
                 s, b = s[:, 0], b[:, 0]
             elif bits == TERNARY:
                 s = G.ternary_scale(grp)

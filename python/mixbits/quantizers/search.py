@@ -35,7 +35,7 @@ def _keep(best, err, *cand):
         best[i] = np.where(m, c, best[i])
 
 
-def _affine(t, h, bits, dtype, grid, refine):
+def search_affine(t, h, bits, dtype, grid, refine):
     """t [N, G, gs] float32 target, h [1, G, gs]; returns codes, scale, bias."""
     nb = 2**bits - 1
     td = G.to_dtype(t, dtype)  # RTN quantizes w as rounded to dtype
@@ -68,7 +68,7 @@ def _affine(t, h, bits, dtype, grid, refine):
     return best[1], best[2], best[3]
 
 
-def _ternary(t, h, dtype, grid, refine):
+def search_ternary(t, h, dtype, grid, refine):
     s0 = G.ternary_scale(t)
     codes = G.ternary_codes(t, s0[..., None])
     s_d = G.to_dtype(s0, dtype)
@@ -118,9 +118,9 @@ def search(w, segments, perm=None, dtype=None, h_diag=None, grid=20, refine=2):
         t = W[:, k0 : k0 + k].reshape(N, k // gs, gs)
         hg = h[k0 : k0 + k].reshape(1, k // gs, gs)
         if bits == TERNARY:
-            codes, s, b = _ternary(t, hg, dtype, grid, refine)
+            codes, s, b = search_ternary(t, hg, dtype, grid, refine)
         else:
-            codes, s, b = _affine(t, hg, bits, dtype, grid, refine)
+            codes, s, b = search_affine(t, hg, bits, dtype, grid, refine)
         segs.append(G.segment(bits, gs, codes.reshape(N, k), s, b, dtype))
         k0 += k
     return G.tensor(segs, perm)
