@@ -30,7 +30,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
 import mixbits
 from mixbits.adapter import ModelAdapter
@@ -41,8 +40,9 @@ from mixbits.measure.dynamic_quant import assignment as dq_assignment
 from mixbits.measure.dynamic_quant import sensitivities
 from mixbits.measure.joint import JointEvaluator
 from mixbits.measure.refine import allocate_table, refine
-from mixbits.measure.two_stage import proxy_sweep
 from mixbits.models import load
+
+import grad_table  # bench/grad_table.py
 
 n_cal = int(sys.argv[1]) if len(sys.argv) > 1 else 16
 n_held = int(sys.argv[2]) if len(sys.argv) > 2 else 8
@@ -67,17 +67,10 @@ rec = {"what": f"SmolLM2-135M, {len(cands)} candidates ({' '.join(cands)}), tabl
 
 
 def dump():
-    (out_dir / "result.json").write_text(json.dumps(rec, indent=1))
-    print(json.dumps(rec, indent=1), flush=True)
+    grad_table.dump(rec, out_dir)
 
 
-t = time.perf_counter()
-table_path = out_dir / "table.json"
-if table_path.exists():
-    table = json.loads(table_path.read_text())
-else:
-    table = proxy_sweep(model, cal, table_path, cands, method="grad", samples=1, progress=False)
-rec["seconds"]["table"] = table["meta"].get("proxy_seconds", round(time.perf_counter() - t, 1))
+table, rec["seconds"]["table"] = grad_table.grad_table(model, cal, cands, out_dir)
 dump()
 
 adapter = ModelAdapter(model)
