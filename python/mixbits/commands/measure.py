@@ -8,7 +8,7 @@ from pathlib import Path
 
 def add_arguments(p) -> None:
     from ..measure.calib import add_calibration_arguments
-    from ..measure.candidates import DEFAULT_CANDIDATES
+    from ..measure.candidates import AWQ_HELP, DEFAULT_CANDIDATES
 
     p.add_argument("--model", required=True,
                    help="'smollm2', 'gemma3', a .gguf file, or an mlx-lm model folder (any architecture "
@@ -51,6 +51,7 @@ def add_arguments(p) -> None:
                    help="grad/two-stage: sampled targets per sequence for the Fisher estimate")
     p.add_argument("--no-patch", action="store_true",
                    help="keep the model's own quantized layers instead of mixbits kernels")
+    p.add_argument("--awq", metavar="KIND", help=AWQ_HELP)
 
 
 def check_arguments(args) -> None:
@@ -59,6 +60,10 @@ def check_arguments(args) -> None:
     from ..measure.candidates import expand_candidates
 
     args.candidates = expand_candidates(args.candidates)
+    if args.awq:
+        from ..measure.candidates import awq_kind
+
+        awq_kind(args.awq)
     if not 0 < args.exact_fraction <= 1:
         raise ValueError(f"--exact-fraction must be in (0, 1], got {args.exact_fraction}")
     if args.fisher_samples < 1:
@@ -82,6 +87,10 @@ def run(args) -> int:
     check_arguments(args)
     g = group()
     model, tokens = load_model_and_tokens(args, patch=not args.no_patch)
+    if args.awq:
+        from ..measure.awq_scale import apply_awq
+
+        apply_awq(model, tokens, args.awq, progress=g is None or g.rank() == 0)
     t0 = time.perf_counter()
     if args.method != "exact":
         from ..measure.two_stage import proxy_sweep

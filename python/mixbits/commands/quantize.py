@@ -86,6 +86,9 @@ def add_arguments(p) -> None:
     p.add_argument("--tokens", metavar="FILE",
                    help="calibration token ids (.npy/.json [n_seq, seq_len]) for calibrated candidates "
                         "(+gptq, +search, +act): the layer inputs they quantize against; use the sweep's")
+    from mixbits.measure.candidates import AWQ_HELP
+
+    p.add_argument("--awq", metavar="KIND", help=AWQ_HELP + " (needs --tokens)")
 
 
 def run(args) -> int:
@@ -97,6 +100,13 @@ def run(args) -> int:
 
     # Everything checkable is checked before the model load; errors are
     # printed as one line by mixbits.cli.
+    if args.awq:
+        from mixbits.errors import UsageError
+        from mixbits.measure.candidates import awq_kind
+
+        awq_kind(args.awq)
+        if not args.tokens:
+            raise UsageError("--awq needs the calibration tokens (--tokens) the scales are searched on")
     try:
         alloc = Allocation.load(args.allocation)
     except (OSError, FormatError) as e:
@@ -111,6 +121,10 @@ def run(args) -> int:
         model, tokenizer, config = mixbits.load(args.model)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"--model: {e}") from None
+    if args.awq:
+        from mixbits.measure.awq_scale import apply_awq
+
+        apply_awq(model, tokens, args.awq)
     try:
         chosen = allocation_candidates(alloc, model, group_size=args.group_size,
                                        strip_prefix=args.strip_prefix)

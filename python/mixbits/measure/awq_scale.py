@@ -164,3 +164,15 @@ def scale_model(model, tokens, bits: int, group_size: int = 64, *, grid: int = 2
         warnings.warn("AWQ scaling changed nothing: no norm-fed linear group was scaled", RuntimeWarning,
                       stacklevel=2)
     return report
+
+
+def apply_awq(model, tokens, name: str, progress: bool = True) -> list[dict]:
+    """``--awq``: scale ``model`` in place and print what was scaled."""
+    from .candidates import awq_kind
+
+    cand = awq_kind(name)
+    report = scale_model(model, tokens, cand.bits, cand.group_size, progress=progress)
+    n = sum(r["scaled"] for r in report)
+    print(f"awq {name}: scaled {n} of {len(report)} norm-fed linear groups "
+          f"({sum(len(r['linears']) for r in report if r['scaled'])} linears)")
+    return report

@@ -91,6 +91,23 @@ class Candidate:
 QUANTIZERS = ("rtn", "act", "search", "gptq")
 
 
+AWQ_HELP = ("AWQ-style scaling first: scales searched at this uniform kind (e.g. 3b_g64) on the "
+            "calibration tokens are folded into the norms that feed linears (q/k/v, gate/up), so "
+            "the float model computes the same function and every candidate then quantizes the "
+            "rescaled weights; measure and quantize must get the same --awq and tokens. AWQ is a "
+            "model transform, not a per-tensor candidate (+awq): its scales are shared by the "
+            "linears reading one norm")
+
+
+def awq_kind(name: str) -> Candidate:
+    """The uniform candidate an ``--awq`` value names (ValueError otherwise)."""
+    cand = parse_candidate(name)
+    if cand.kind != "uniform" or cand.quantizer != "rtn":
+        raise ValueError(f"--awq {name!r}: give a uniform round-to-nearest kind such as 3b_g64 "
+                         "(the width and group size the scales are searched for)")
+    return cand
+
+
 def parse_candidate(name: str) -> Candidate:
     import dataclasses
 
