@@ -11,7 +11,15 @@ SmolLM2-135M shapes N x K = 1536x576, 576x1536, 576x576, 192x576,
 (6/4/3-bit g64 on 1/4, 1/2, 1/4 of the columns, with a permutation).
 Writes bench/results/qmatmul_vjp_1thread_cpu.json and prints the table.
 
-    OPENBLAS_NUM_THREADS=1 python bench/bench_qmatmul_vjp.py [--quick]
+--gather times the gathered product's gradient wrt x instead (MoE experts,
+mixbits.gather_qmatmul): E=8 experts of 1536x576 and 576x1536, 128 tokens
+routed top-2 (256 pairs of M=1 rows), the transposed kernel through the
+packed stack against the path it replaced (every expert dequantized, MLX's
+gather_mm, scatter-add back to x), old and new alternating per repeat (on
+a loaded machine both see the same load). Writes
+bench/results/gather_vjp_1thread_cpu.json.
+
+    OPENBLAS_NUM_THREADS=1 python bench/bench_qmatmul_vjp.py [--quick | --gather]
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import numpy as np
 
 import mixbits
 from mixbits import _ext
+from mixbits.layout import QuantizedTensor, Segment
 
 SHAPES = [(1536, 576), (576, 1536), (576, 576), (192, 576), (49152, 576)]
 MS = [256, 1024]
@@ -115,14 +124,85 @@ def case(n, k, kind, m, rng, min_time, wide):
             "old_over_new": ms["mlx_old"] / ms["mixbits"], "numpy_over_new": ms["numpy"] / ms["mixbits"]}
 
 
+GATHER_SHAPES = [(1536, 576), (576, 1536)]
+
+
+def gather_case(n, k, kind, rng, reps, experts=8, tokens=128, top_k=2):
+    segs, use_perm = segments(kind, k)
+    w = mx.array(rng.standard_normal((experts * n, k), dtype=np.float32) / np.sqrt(k))
+    qt = mixbits.quantize(w, segs, perm=rng.permutation(k).astype(np.int32) if use_perm else None)
+    qt = QuantizedTensor(
+        [Segment(s.bits, s.group_size, s.k, *(a.reshape(experts, n, -1) for a in (s.wq, s.scales, s.biases)))
+         for s in qt.segments], qt.perm)
+    x = mx.array(rng.standard_normal((tokens, 1, 1, k), dtype=np.float32))
+    rhs = mx.array(rng.integers(0, experts, (tokens, top_k)).astype(np.uint32))
+    dy = mx.array(rng.standard_normal((tokens, top_k, 1, n), dtype=np.float32))
+    lhs = mx.broadcast_to(mx.arange(tokens)[:, None], rhs.shape).reshape(-1)
+    mx.eval(x, rhs, dy, lhs, *qt.arrays())
+
+    def new():  # what mx.vjp of gather_qmatmul runs on a CPU stream now
+        _, (dx,) = mx.vjp(lambda v: mixbits.gather_qmatmul(v, qt, rhs_indices=rhs), [x], [dy])
+        mx.eval(dx)
+        return dx
+
+    def old():  # what MixedGatherQMM's vjp built before, in the same MLX ops
+        W = mx.concatenate([mx.dequantize(s.wq, s.scales, s.biases, group_size=s.group_size,
+                                          bits=s.bits) for s in qt.segments], axis=-1)
+        g = mx.gather_mm(dy, W.astype(mx.float32), None, rhs)
+        if qt.perm is not None:
+            g = mx.zeros_like(g).at[..., qt.perm].add(g)
+        dx = mx.zeros((tokens, 1, k)).at[lhs].add(g.reshape(-1, 1, k))
+        dx = dx.reshape(x.shape)
+        mx.eval(dx)
+        return dx
+
+    a, b = np.array(new()), np.array(old())  # warm-up, and the same dx
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max(), "old and new dx differ"
+    t = {"old": [], "new": []}
+    for _ in range(reps):
+        for name, fn in (("old", old), ("new", new)):
+            t0 = time.process_time()
+            fn()
+            t[name].append(time.process_time() - t0)
+    ms = {k_: statistics.median(v) * 1e3 for k_, v in t.items()}
+    return {"experts": experts, "n": n, "k": k, "kind": kind, "pairs": tokens * top_k, "m": 1,
+            "reps": reps, "ms": ms, "min_ms": {k_: min(v) * 1e3 for k_, v in t.items()},
+            "old_over_new": ms["old"] / ms["new"]}
+
+
+def gather_main(out: str, reps: int):
+    print("gather_qmatmul vjp wrt x: one thread, CPU time (median of alternating repeats)")
+    hdr = f"{'E x N x K':>13} {'kind':>16} {'pairs':>5} {'old ms':>9} {'new ms':>8} {'old/new':>7}"
+    print(hdr + "\n" + "-" * len(hdr))
+    rng = np.random.default_rng(0)
+    rows = []
+    for n, k in GATHER_SHAPES:
+        for kind in ("4b_g64", "mixed_6-4-3_g64"):
+            r = gather_case(n, k, kind, rng, reps)
+            rows.append(r)
+            print(f"{f'8x{n}x{k}':>13} {kind:>16} {r['pairs']:>5} {r['ms']['old']:>9.1f} "
+                  f"{r['ms']['new']:>8.2f} {r['old_over_new']:>7.1f}", flush=True)
+    res = {"cpu_flags": cpu_flags(), "clock": "process_time, median, old/new alternating", "threads": 1,
+           "load_average": os.getloadavg(), "mlx": mx.__version__, "rows": rows}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(res, indent=1))
+    print(f"wrote {out}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="576x1536 and M=256 only")
     ap.add_argument("--min-time", type=float, default=0.5)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "qmatmul_vjp_1thread_cpu.json"))
+    ap.add_argument("--gather", action="store_true", help="the gathered (MoE) product's gradient instead")
+    ap.add_argument("--reps", type=int, default=7, help="--gather: alternating repeats")
+    ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     mx.set_default_device(mx.cpu)
     _ext.set_max_threads(1)
+    results = Path(__file__).parent / "results"
+    if a.gather:
+        return gather_main(a.out or str(results / "gather_vjp_1thread_cpu.json"), a.reps)
+    a.out = a.out or str(results / "qmatmul_vjp_1thread_cpu.json")
     flags = cpu_flags()
     wide = "avx512" in mixbits.ops.available_backends()
     print(f"CPU flags: {' '.join(flags)}; OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}")

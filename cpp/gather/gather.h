@@ -26,9 +26,11 @@ class MixedGatherQMM : public mx::UnaryPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
 
-  // As MixedQMatmul's: wrt x and every segment's scales/biases, through
-  // MLX ops (gather_mm, segmented_mm, dequantize); no gradient wrt the
-  // packed weights, the permutation or the indices.
+  // As MixedQMatmul's: wrt x through the transposed kernel on the CPU
+  // (MixedGatherQMMT, transposed.h) where MixedQMatmul's takes it, else
+  // dequantize + gather_mm; wrt every segment's scales/biases through MLX
+  // ops (segmented_mm, dequantize); no gradient wrt the packed weights,
+  // the permutation or the indices.
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
                              const std::vector<mx::array>& cotangents,
                              const std::vector<int>& argnums,

@@ -140,8 +140,8 @@ def gather_qmatmul(
     with x ``(..., M, K)``; indices index the flattened batch dims and
     broadcast together; each defaults to every batch of its operand. Output
     ``broadcast(lhs, rhs).shape + (M, N)`` in x's dtype. An index out of
-    range gives NaN rows (MLX cannot check it when building the graph
-    either). ``sorted_indices`` is accepted for MLX compatibility; the CPU
+    range gives NaN rows, and a NaN gradient wrt x (MLX cannot check it
+    when building the graph either). ``sorted_indices`` is accepted for MLX compatibility; the CPU
     kernel groups rows by expert whether or not they are sorted."""
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
