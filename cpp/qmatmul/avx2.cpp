@@ -9,6 +9,7 @@
 //  - larger M (prefill): tiles of W are dequantized into an L2-resident
 //    float buffer and the row's micro-kernel runs over them (avx2_gemm.cpp).
 #include <algorithm>
+#include <cstdlib>
 #include <vector>
 
 #include "common/parallel.h"
@@ -19,22 +20,42 @@ namespace mixbits {
 
 extern const QmmTable kQmmAvx2 = {
     "avx2", /*small_m=*/16, /*max_mb=*/8, &kGemvAvx2, &kDequantAvx2,
-    /*mr=*/4, /*nr=*/3, kMicroAvx2, t_item_avx2};
+    /*mr=*/4, /*nr=*/3, kMicroAvx2, &kGemmAvx2, t_item_avx2};
 // The 16-lane small-M kernel is measured fastest in passes of at most 4
 // rows (4 W rows x 4 x-rows of accumulators); more rows per pass run out of
 // registers, and re-decoding W per pass is cheaper than spilling.
 extern const QmmTable kQmmAvx512 = {
     "avx512", /*small_m=*/40, /*max_mb=*/4, &kGemvAvx512, &kDequantAvx2,
-    /*mr=*/6, /*nr=*/4, kMicroAvx512, t_item_avx512};
+    /*mr=*/6, /*nr=*/4, kMicroAvx512, &kGemmAvx512, t_item_avx512};
 
 namespace {
 
 constexpr int kNB = 48;  // GEMM: W rows per dequantized tile (kKC columns)
+// Forward GEMM: W rows per packed tile (kPKC columns), a multiple of every
+// row's panel width; the tile stays in L2 while all of x streams past it.
+constexpr int kPNB = 240;
+
+// A float buffer with 64-byte aligned data (whole cache lines, aligned
+// vector loads of the packed panels).
+struct AlignedBuf {
+  std::vector<float> v;
+  float* get(size_t n) {
+    v.resize(n + 16);
+    const uintptr_t a = reinterpret_cast<uintptr_t>(v.data());
+    return v.data() + ((64 - a % 64) % 64) / sizeof(float);
+  }
+};
 
 // Everything one call prepares once and every worker reads.
 struct Prepared {
   int M = 0, K = 0;
   std::vector<float> xd;  // [M, K] decode order (GEMM path)
+  // Forward GEMM: x packed per kc block of each segment (avx2_panel.cpp):
+  // the block at column kg (width kc) starts at xp + Mp*kg and holds Mp/mr
+  // micro-panels of kc*mr floats; Mp = M rounded up to mr, rows past M zero.
+  int Mp = 0;
+  AlignedBuf xpb;
+  float* xp = nullptr;
   // Small-M path, per segment: x in decode order times 2^-code_exp
   // ([M, k]) and per-group sums of x ([M, groups]).
   std::vector<std::vector<float>> xq, xs;
@@ -110,6 +131,59 @@ void gemm_slice(const QmmTable& t, const Prepared& pr, const QMatView& w,
   }
 }
 
+// x rows of micro-panels [b0, b1) into pr.xp, for every kc block.
+void pack_x(const GemmRow& g, const float* x, const QMatView& w, Prepared& pr, int b0,
+            int b1) {
+  const int K = pr.K, mr = g.mr;
+  std::vector<float> row(kPKC);
+  for (const SegView& s : w.segs)
+    for (int c0 = 0; c0 < s.k; c0 += kPKC) {
+      const int kc = std::min(kPKC, s.k - c0), kg = s.k0 + c0;
+      for (int b = b0; b < b1; ++b) {
+        float* panel = pr.xp + int64_t(pr.Mp) * kg + int64_t(b) * mr * kc;
+        for (int i = 0; i < mr; ++i) {
+          const int m = b * mr + i;
+          if (m < pr.M)
+            to_decode_order(x + int64_t(m) * K + kg, kc, row.data());
+          else
+            std::fill(row.begin(), row.end(), 0.0f);
+          for (int p = 0; p < kc; ++p) panel[p * mr + i] = row[p];
+        }
+      }
+    }
+}
+
+// Outputs [n0, n1) for all M rows: per kc block of each segment, tiles of
+// kPNB W rows are packed, then every x micro-panel (L1) runs against every
+// W panel of the tile (L2).
+void panel_slice(const QmmTable& t, const Prepared& pr, const QMatView& w,
+                 const std::vector<SegKernels>& ks, float* y, int n0, int n1) {
+  const GemmRow& g = *t.gemm;
+  const int N = w.N, M = pr.M;
+  thread_local AlignedBuf tileb;
+  float* tile = tileb.get(size_t(kPNB) * kPKC);
+  for (int m = 0; m < M; ++m)
+    std::fill(y + int64_t(m) * N + n0, y + int64_t(m) * N + n1, 0.0f);
+  for (size_t si = 0; si < w.segs.size(); ++si) {
+    const SegView& s = w.segs[si];
+    for (int c0 = 0; c0 < s.k; c0 += kPKC) {
+      const int c1 = std::min(s.k, c0 + kPKC), kc = c1 - c0;
+      const float* xb = pr.xp + int64_t(pr.Mp) * (s.k0 + c0);
+      for (int nt = n0; nt < n1; nt += kPNB) {
+        const int nb = std::min(kPNB, n1 - nt);
+        g.pack(s, w.sdtype, ks[si].dequant, nt, nb, c0, c1, tile, g.pw);
+        for (int m = 0; m < M; m += g.mr) {
+          const float* xpanel = xb + int64_t(m) * kc;
+          const int mr = std::min(g.mr, M - m);
+          for (int q = 0; q < nb; q += g.pw)
+            g.micro(xpanel, tile + int64_t(q) * kc, kc, y + int64_t(m) * N + nt + q, N, mr,
+                    std::min(g.pw, nb - q));
+        }
+      }
+    }
+  }
+}
+
 void run_table(const QmmTable& t, const float* x, int M, const QMatView& w, float* y) {
   Prepared pr;
   pr.M = M;
@@ -139,6 +213,18 @@ void run_table(const QmmTable& t, const float* x, int M, const QMatView& w, floa
     }
     parallel_for(w.N, 16, [&](int64_t n0, int64_t n1) {
       small_slice(t, pr, w, ks, y, int(n0), int(n1));
+    });
+  } else if (!std::getenv("MIXBITS_OLD_GEMM")) {
+    const GemmRow& g = *t.gemm;
+    pr.Mp = (M + g.mr - 1) / g.mr * g.mr;
+    pr.xp = pr.xpb.get(size_t(pr.Mp) * K);
+    parallel_for(pr.Mp / g.mr, 4, [&](int64_t b0, int64_t b1) {
+      pack_x(g, x, w, pr, int(b0), int(b1));
+    });
+    // Slices of whole panels, so a thread boundary never splits one.
+    const int np = (w.N + g.pw - 1) / g.pw;
+    parallel_for(np, 2, [&](int64_t p0, int64_t p1) {
+      panel_slice(t, pr, w, ks, y, int(p0) * g.pw, std::min<int>(w.N, int(p1) * g.pw));
     });
   } else {
     pr.xd.resize(size_t(M) * K);

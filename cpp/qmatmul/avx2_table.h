@@ -20,6 +20,7 @@
 namespace mixbits {
 
 constexpr int kKC = 1024;  // largest column block dequant_tile takes (GEMM tiles)
+constexpr int kPKC = 384;  // forward GEMM: columns per packed block (avx2_panel.cpp)
 
 // Small M: segment rows [n0, n1) against mb <= QmmTable::max_mb rows of x,
 // prepared per segment by the driver (xq: decode order times 2^-code_exp,
@@ -33,6 +34,23 @@ using DequantFn = void (*)(const SegView& s, DType sdt, int n, int nr, int c0, i
 // y[i, j] += sum_p x[i, p] * w[j, p] for an mr x nr block (p < kc).
 using MicroFn = void (*)(const float* x, int ldx, const float* w, int ldw, int kc,
                          float* y, int ldy);
+
+// Forward GEMM (avx2_panel.cpp). Packs rows [n, n+nr) x columns [c0, c1)
+// (c1 - c0 <= kPKC) of a segment, dequantized with dq, into panels of pw
+// W rows, [c1-c0][pw] floats each, rows past nr zero; dst 64-byte aligned.
+using PackWFn = void (*)(const SegView& s, DType sdt, DequantFn dq, int n, int nr, int c0,
+                         int c1, float* dst, int pw);
+// y[i, j] += sum_p xp[p*mr_max + i] * wp[p*pw + j] for i < mr, j < nc: an
+// x micro-panel (rows past M zero) against one W panel.
+using PanelFn = void (*)(const float* xp, const float* wp, int kc, float* y, int ldy,
+                         int mr, int nc);
+struct GemmRow {
+  int lanes;  // floats per register
+  int mr;     // x rows per micro-panel
+  int pw;     // W rows per panel (a multiple of lanes)
+  PackWFn pack;
+  PanelFn micro;
+};
 
 // Columns of a row: [bits][0: g32, 1: g64, 2: g128], null where no bits.
 using GemvCols = GemvFn[9][3];
@@ -58,7 +76,8 @@ struct QmmTable {
   const GemvCols* gemv;
   const DequantCols* dequant;  // the same (8-lane) decoder in both rows
   int mr, nr;                  // largest micro-kernel block
-  const MicroFn* const* micro; // micro[mr][nr], 1 <= mr, nr
+  const MicroFn* const* micro; // micro[mr][nr], 1 <= mr, nr (transposed product)
+  const GemmRow* gemm;         // forward, M > small_m
   TItemFn t_item;
 };
 
@@ -68,6 +87,7 @@ extern const GemvCols kGemvAvx512;   // avx2_gemv512.cpp
 extern const DequantCols kDequantAvx2;            // avx2_gemm.cpp
 extern const MicroFn* const kMicroAvx2[5];        // avx2_gemm.cpp, 4 x 3
 extern const MicroFn* const kMicroAvx512[7];      // avx2_gemm.cpp, 6 x 4
+extern const GemmRow kGemmAvx2, kGemmAvx512;   // avx2_panel.cpp
 void t_item_avx2(const float* dy, int64_t ldd, int M, const QMatView& w,
                  const QmmTable& t, const TItem& it, float* dx);     // avx2_t.cpp
 void t_item_avx512(const float* dy, int64_t ldd, int M, const QMatView& w,
