@@ -6,8 +6,9 @@
 // Regimes, chosen by M against the row's small_m:
 //  - small M (batch-1 and decoding): every weight is decoded once and
 //    FMA'd against max_mb rows of x per pass (avx2_gemv*.cpp);
-//  - larger M (prefill): tiles of W are dequantized into an L2-resident
-//    float buffer and the row's micro-kernel runs over them (avx2_gemm.cpp).
+//  - larger M (prefill): tiles of W are dequantized into L2-resident
+//    packed panels and the row's outer-product micro-kernel runs over them
+//    against x packed once per call (avx2_panel.cpp).
 #include <algorithm>
 #include <cstdlib>
 #include <vector>
@@ -32,8 +33,10 @@ namespace {
 
 constexpr int kNB = 48;  // GEMM: W rows per dequantized tile (kKC columns)
 // Forward GEMM: W rows per packed tile (kPKC columns), a multiple of every
-// row's panel width; the tile stays in L2 while all of x streams past it.
-constexpr int kPNB = 240;
+// row's panel width; the tile (384 KB) stays in L2 while all of x streams
+// past it. 96..480 rows x 256..768 columns tried; differences were within
+// this shared machine's noise except kc = 256 (slower).
+constexpr int kPNB = 192;
 
 // A float buffer with 64-byte aligned data (whole cache lines, aligned
 // vector loads of the packed panels).

@@ -1,7 +1,7 @@
-// Large M (prefill): tiles of W are dequantized (s*q + b) into an
-// L2-resident float buffer and a register-blocked micro-kernel (4x3 with 8
-// lanes, 6x4 with 16) runs over them, so decode cost is amortized over all
-// M rows. The transposed product (avx2_t.cpp) reuses both pieces.
+// Row-major dequantized tiles of W (s*q + b) and register-blocked dot-
+// product micro-kernels (4x3 with 8 lanes, 6x4 with 16): the transposed
+// product (avx2_t.cpp) runs on both; the forward GEMM (avx2_panel.cpp)
+// packs its panels from dequant_tile.
 #include "qmatmul/avx2_decode.h"
 #include "qmatmul/avx2_table.h"
 

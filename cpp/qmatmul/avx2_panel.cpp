@@ -7,7 +7,7 @@
 // avx2_gemm.cpp (lanes along K): no horizontal sums at the end of every kc
 // block (they cost 10-15% at kc = 256-512), and the store of a block of y
 // is a plain vector add. The price is a transpose when W is packed, paid
-// once per weight and amortized over all M rows (M >= 40 here).
+// once per weight and amortized over all M rows (M > small_m: 16 or 40).
 //
 // Layouts (p: column within the kc block, in decode order, see
 // avx2_decode.h; x is packed in the same order, so the sum is unchanged):
@@ -193,4 +193,5 @@ void panel256(const float* xp, const float* wp, int kc, float* y, int ldy, int m
 extern const GemmRow kGemmAvx2 = {/*lanes=*/8, /*mr=*/4, /*pw=*/24, pack_w8, panel256<4, 3>};
 extern const GemmRow kGemmAvx512 = {/*lanes=*/16, /*mr=*/8, /*pw=*/48, pack_w16,
                                     panel512<8, 3>};
+
 }  // namespace mixbits

@@ -6,9 +6,10 @@
 //
 // Files: avx2_decode.h (bit layout and shared helpers), avx2_gemv.cpp and
 // avx2_gemv512.cpp (small M: decode once, FMA against every x row),
-// avx2_gemm.cpp (large M: dequantized tiles + register-blocked micro-
-// kernels), avx2_t.cpp (the transposed product), avx2.cpp (the rows and
-// the forward driver). All are compiled with -mavx2 -mfma -mf16c; the
+// avx2_panel.cpp (large M forward: packed dequantized W panels + outer-
+// product micro-kernels), avx2_gemm.cpp (the row-major dequantized tiles
+// and dot-product micro-kernels of the transposed product, avx2_t.cpp),
+// avx2.cpp (the rows and the forward driver). All are compiled with -mavx2 -mfma -mf16c; the
 // 16-lane functions carry a target attribute and are reached only through
 // the AVX-512 row, which dispatch.cpp selects only where CPUID has avx512f.
 #pragma once
@@ -20,7 +21,9 @@
 namespace mixbits {
 
 constexpr int kKC = 1024;  // largest column block dequant_tile takes (GEMM tiles)
-constexpr int kPKC = 384;  // forward GEMM: columns per packed block (avx2_panel.cpp)
+// Forward GEMM: columns per packed block (avx2_panel.cpp). 512 keeps an
+// 8-row x micro-panel at 16 KB (L1); 256 and 384 measured slower here.
+constexpr int kPKC = 512;
 
 // Small M: segment rows [n0, n1) against mb <= QmmTable::max_mb rows of x,
 // prepared per segment by the driver (xq: decode order times 2^-code_exp,
