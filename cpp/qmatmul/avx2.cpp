@@ -10,7 +10,6 @@
 //    packed panels and the row's outer-product micro-kernel runs over them
 //    against x packed once per call (avx2_panel.cpp).
 #include <algorithm>
-#include <cstdlib>
 #include <vector>
 
 #include "common/parallel.h"
@@ -21,7 +20,7 @@ namespace mixbits {
 
 extern const QmmTable kQmmAvx2 = {
     "avx2", /*small_m=*/16, /*max_mb=*/8, &kGemvAvx2, &kDequantAvx2,
-    /*mr=*/4, /*nr=*/3, kMicroAvx2, &kGemmAvx2, t_item_avx2};
+    /*mr=*/4, /*nr=*/3, kMicroAvx2, nullptr, t_item_avx2};
 // The 16-lane small-M kernel is measured fastest in passes of at most 4
 // rows (4 W rows x 4 x-rows of accumulators); more rows per pass run out of
 // registers, and re-decoding W per pass is cheaper than spilling.
@@ -104,8 +103,10 @@ void small_slice(const QmmTable& t, const Prepared& pr, const QMatView& w,
   }
 }
 
-// Rows of x run all at once over each tile: blocks of 96 rows (x in L2)
-// were measured slower here than one pass over all rows.
+// The AVX2 row's large-M path (the AVX-512 row has panel_slice): row-major
+// dequantized tiles and dot-product micro-kernels. Rows of x run all at
+// once over each tile: blocks of 96 rows (x in L2) were measured slower
+// here than one pass over all rows.
 void gemm_slice(const QmmTable& t, const Prepared& pr, const QMatView& w,
                 const std::vector<SegKernels>& ks, float* y, int n0, int n1) {
   const int N = w.N, M = pr.M, K = pr.K;
@@ -217,7 +218,7 @@ void run_table(const QmmTable& t, const float* x, int M, const QMatView& w, floa
     parallel_for(w.N, 16, [&](int64_t n0, int64_t n1) {
       small_slice(t, pr, w, ks, y, int(n0), int(n1));
     });
-  } else if (!std::getenv("MIXBITS_OLD_GEMM")) {
+  } else if (t.gemm) {
     const GemmRow& g = *t.gemm;
     pr.Mp = (M + g.mr - 1) / g.mr * g.mr;
     pr.xp = pr.xpb.get(size_t(pr.Mp) * K);

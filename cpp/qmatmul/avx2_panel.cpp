@@ -7,7 +7,11 @@
 // avx2_gemm.cpp (lanes along K): no horizontal sums at the end of every kc
 // block (they cost 10-15% at kc = 256-512), and the store of a block of y
 // is a plain vector add. The price is a transpose when W is packed, paid
-// once per weight and amortized over all M rows (M > small_m: 16 or 40).
+// once per weight and amortized over all M rows (M > 40).
+//
+// Only the AVX-512 row has one: with 16 ymm registers an 8-lane version
+// (4x3 accumulators) measured no faster than the dot-product tiles, which
+// the AVX2 row keeps (avx2.cpp, gemm_slice).
 //
 // Layouts (p: column within the kc block, in decode order, see
 // avx2_decode.h; x is packed in the same order, so the sum is unchanged):
@@ -26,27 +30,6 @@ namespace mixbits {
 namespace {
 
 // ------------------------------------------------------------ packing W
-
-// 8x8 transpose of rows r[i] (8 consecutive p each) into out[p] (8 rows).
-inline void transpose8(__m256 r[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    u[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-  // u[k] holds rows 0..3 (low half: column k, high half: column 4+k),
-  // u[4+k] rows 4..7.
-  for (int k = 0; k < 4; ++k) {
-    r[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
-    r[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
-  }
-}
 
 // 16x16 transpose, the same idea with 128-bit lane shuffles at the end.
 MIXBITS_AVX512 inline void transpose16(__m512 r[16]) {
@@ -86,25 +69,8 @@ inline void dequant_rows(const SegView& s, DType sdt, DequantFn dq, int n, int n
 }
 
 // Rows [n, n+nr) x columns [c0, c1) of a segment into panels of pw rows
-// (dst: ceil(nr/pw) panels of kc*pw floats, 64-byte aligned). L rows at a time are
-// dequantized row-major into an L1 scratch, then transposed L x L.
-void pack_w8(const SegView& s, DType sdt, DequantFn dq, int n, int nr, int c0, int c1,
-             float* dst, int pw) {
-  const int kc = c1 - c0;
-  alignas(64) float scr[8 * kPKC];
-  const int nrp = (nr + pw - 1) / pw * pw;  // the last panel is zero-filled
-  for (int r0 = 0; r0 < nrp; r0 += 8) {
-    dequant_rows<8>(s, sdt, dq, n, nr, r0, c0, c1, scr);
-    float* panel = dst + int64_t(r0 / pw) * kc * pw + r0 % pw;
-    for (int p = 0; p < kc; p += 8) {
-      __m256 v[8];
-      for (int i = 0; i < 8; ++i) v[i] = _mm256_load_ps(scr + i * kPKC + p);
-      transpose8(v);
-      for (int i = 0; i < 8; ++i) _mm256_store_ps(panel + (p + i) * pw, v[i]);
-    }
-  }
-}
-
+// (dst: ceil(nr/pw) panels of kc*pw floats, 64-byte aligned): 16 rows at a
+// time are dequantized row-major into an L1 scratch, then transposed.
 MIXBITS_AVX512 void pack_w16(const SegView& s, DType sdt, DequantFn dq, int n, int nr,
                              int c0, int c1, float* dst, int pw) {
   const int kc = c1 - c0;
@@ -156,41 +122,8 @@ MIXBITS_AVX512 void panel512(const float* xp, const float* wp, int kc, float* y,
   }
 }
 
-// The 8-lane kernel for the AVX2 row: 16 ymm registers allow MR*NR = 12
-// accumulators (4 x 3: 4 broadcasts and 3 loads per 12 FMAs).
-template <int MR, int NR>
-void panel256(const float* xp, const float* wp, int kc, float* y, int ldy, int mr,
-              int nc) {
-  __m256 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-#pragma GCC unroll 2
-  for (int p = 0; p < kc; ++p) {
-    __m256 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = _mm256_load_ps(wp + j * 8);
-    for (int i = 0; i < MR; ++i) {
-      const __m256 xb = _mm256_broadcast_ss(xp + i);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xb, wv[j], acc[i][j]);
-    }
-    wp += NR * 8;
-    xp += MR;
-  }
-  for (int i = 0; i < MR && i < mr; ++i) {
-    float* yp = y + int64_t(i) * ldy;
-    if (nc == NR * 8) {
-      for (int j = 0; j < NR; ++j)
-        _mm256_storeu_ps(yp + j * 8, _mm256_add_ps(_mm256_loadu_ps(yp + j * 8), acc[i][j]));
-    } else {  // the last panel of a tile: through a buffer, no masked stores
-      alignas(32) float buf[NR * 8];
-      for (int j = 0; j < NR; ++j) _mm256_store_ps(buf + j * 8, acc[i][j]);
-      for (int j = 0; j < nc; ++j) yp[j] += buf[j];
-    }
-  }
-}
-
 }  // namespace
 
-extern const GemmRow kGemmAvx2 = {/*lanes=*/8, /*mr=*/4, /*pw=*/24, pack_w8, panel256<4, 3>};
 extern const GemmRow kGemmAvx512 = {/*lanes=*/16, /*mr=*/8, /*pw=*/48, pack_w16,
                                     panel512<8, 3>};
 

@@ -80,7 +80,7 @@ struct QmmTable {
   const DequantCols* dequant;  // the same (8-lane) decoder in both rows
   int mr, nr;                  // largest micro-kernel block
   const MicroFn* const* micro; // micro[mr][nr], 1 <= mr, nr (transposed product)
-  const GemmRow* gemm;         // forward, M > small_m
+  const GemmRow* gemm;         // forward, M > small_m; null: gemm_slice (avx2.cpp)
   TItemFn t_item;
 };
 
@@ -90,7 +90,7 @@ extern const GemvCols kGemvAvx512;   // avx2_gemv512.cpp
 extern const DequantCols kDequantAvx2;            // avx2_gemm.cpp
 extern const MicroFn* const kMicroAvx2[5];        // avx2_gemm.cpp, 4 x 3
 extern const MicroFn* const kMicroAvx512[7];      // avx2_gemm.cpp, 6 x 4
-extern const GemmRow kGemmAvx2, kGemmAvx512;   // avx2_panel.cpp
+extern const GemmRow kGemmAvx512;   // avx2_panel.cpp
 void t_item_avx2(const float* dy, int64_t ldd, int M, const QMatView& w,
                  const QmmTable& t, const TItem& it, float* dx);     // avx2_t.cpp
 void t_item_avx512(const float* dy, int64_t ldd, int M, const QMatView& w,
