@@ -13,13 +13,14 @@ Quantizers (rows):
   gptq        ``3b_g64+gptq``: GPTQ, natural column order, group params by search
   gptq_act    ``mixbits.quantizers.gptq(act_order=True, params="search")`` on one
               segment (the act order is the stored perm)
-  awq         ``mixbits.quantizers.awq`` per linear, its 1/s applied to the
-              layer input by a wrapper (measurement only: each linear keeps its
-              own scales, none shared across q/k/v or gate/up; o_proj could not
-              be folded at all under GQA). mean|x| is replaced by the RMS
-              sqrt(diag(H)/n) and the alpha search's sample by H's top 256
-              eigen-directions (no raw activations are kept)
+  awq         ``mixbits.measure.awq_scale.scale_model`` (AWQ scales searched at the row's
+              bits on the calibration tokens, folded into the norms feeding q/k/v
+              and gate/up: the float model computes the same function), then RTN
+  awq_search  the same scaling, then ``+search``
+  awq_gptq    the same scaling, then ``+gptq`` (X^T X carried over: D H D)
   mlxlm_gptq  mlx-lm's ``gptq_quantize`` (its own loop, scales, packing)
+  mlxlm_awq   mlx-lm's ``awq_quantize`` with its llama config (scales into the norms
+              and up_proj, clip search, its fallback), on all calibration tokens
 The reference is the GGUF as loaded: its block linears are Q4_1 (group 32),
 dequantized to float32 they are the "unquantized" weights every quantizer
 starts from; the embedding / tied head stay as loaded (Q8_0).
@@ -37,6 +38,7 @@ import numpy as np
 import mixbits
 from mixbits.adapter import dense_weight
 from mixbits.layout import QuantizedTensor, Segment
+from mixbits.measure.awq_scale import scale_model
 from mixbits.measure.calib import load_texts, token_sequences
 from mixbits.measure.candidates import build_layer, parse_candidate
 from mixbits.measure.joint import JointEvaluator
@@ -47,11 +49,10 @@ from mixbits.nn import MixedQuantizedLinear
 from mixbits import quantizers as Q
 
 N_HELD = 8
-AWQ_RANK = 256  # rows of the AWQ search's X_sample (21 alphas x [rank, K] @ [K, N] per tensor)
 GS = 64
 args = sys.argv[1:]
 n_cal = int(args.pop(0)) if args and args[0].isdigit() else 8
-KINDS = ["rtn", "search", "gptq", "mlxlm_gptq", "gptq_act", "awq"]
+KINDS = ["rtn", "search", "gptq", "mlxlm_gptq", "gptq_act", "awq", "awq_search", "awq_gptq", "mlxlm_awq"]
 rows = args or [f"{b}:{k}" for b in (3, 4, 2) for k in KINDS]
 OUT = Path(__file__).parent / "results" / "smollm2" / "quantizers.json"
 
@@ -93,6 +94,9 @@ def ref_ppl():
     return math.exp(nll / n)
 
 
+norm_mods = {p: m for p, m in model.named_modules() if "norm" in type(m).__name__.lower()
+             and isinstance(m.get("weight"), mx.array)}
+norms_as_loaded = {p: (m.weight, m.get("bias")) for p, m in norm_mods.items()}
 rec = json.loads(OUT.read_text()) if OUT.exists() else {}
 rec.update({
     "what": "SmolLM2-135M-Instruct GGUF as loaded = reference (its block linears are Q4_1, group 32: "
@@ -134,43 +138,34 @@ def _flat(tree):
     return [(k, v) for k, v in tree_flatten(tree) if k.split(".")[-1] != "inv"]
 
 
-class InvScaled(nn.Module):
-    """AWQ measurement wrapper: y = layer(x * inv). In a deployment inv is
-    folded into the previous norm / up_proj rows; here each linear keeps its
-    own inv (no sharing across q/k/v or gate/up), not counted in bpw."""
-
-    def __init__(self, inner, inv):
-        super().__init__()
-        self.inner = inner
-        self.inv = inv
-
-    def __call__(self, x, *a, **k):
-        return self.inner(x * self.inv.astype(x.dtype), *a, **k)
-
-
 def build_ours(bits, kind):
-    cand = parse_candidate(f"{bits}b_g{GS}" + {"rtn": "", "search": "+search", "gptq": "+gptq"}.get(kind, ""))
+    cand = parse_candidate(f"{bits}b_g{GS}" + {"rtn": "", "search": "+search", "gptq": "+gptq",
+                                               "awq": "", "awq_search": "+search",
+                                               "awq_gptq": "+gptq"}.get(kind, ""))
     H = hessians() if kind != "rtn" else None
     t = time.perf_counter()
+    inv = {}
+    if kind.startswith("awq"):  # scales folded into the norms; linears become float W diag(s)
+        for r in scale_model(model, cal, bits, GS, progress=False):
+            for p in r["linears"] if r["scaled"] else []:
+                inv[p] = r["inv_scales"].astype(np.float64)
     out = {}
     for s in sites:
-        m = orig[s.path]
-        if kind in ("rtn", "search", "gptq"):
-            layer = build_layer(m, cand, mx.float16, H[s.path] if cand.calibrated else None)
-        else:
+        m = ad.get(s.path)
+        if kind != "gptq_act":
+            h = None
+            if cand.calibrated:
+                h, n = H[s.path]
+                if s.path in inv:  # the layer now reads x * inv
+                    h = h * inv[s.path][:, None] * inv[s.path][None, :]
+                h = (h, n)
+            layer = build_layer(m, cand, mx.float16, h)
+        else:  # gptq_act
             w = dense_weight(m)
             h, n = H[s.path]
-            segs = [(bits, GS, s.k)]
-            if kind == "gptq_act":
-                qt = Q.gptq(w, segs, h, act_order=True, dtype=mx.float16, n_tokens=n, params="search")
-                layer = MixedQuantizedLinear.from_tensor(qt, m.get("bias"))
-            else:  # awq: mean|x| ~ RMS from diag(H); X_sample: H's top AWQ_RANK eigen-directions
-                xm = np.sqrt(np.diag(h) / n)  # (X^T X = H restricted to them; H can be singular)
-                ev_, V = np.linalg.eigh(h)
-                top = np.argsort(ev_)[::-1][:AWQ_RANK]
-                xs = (V[:, top] * np.sqrt(np.clip(ev_[top], 0, None))).T.astype(np.float32)
-                qt, inv = Q.awq(w, segs, xm, X_sample=xs, dtype=mx.float16)
-                layer = InvScaled(MixedQuantizedLinear.from_tensor(qt, m.get("bias")), inv)
+            qt = Q.gptq(w, [(bits, GS, s.k)], h, act_order=True, dtype=mx.float16, n_tokens=n,
+                        params="search")
+            layer = MixedQuantizedLinear.from_tensor(qt, m.get("bias"))
         mx.eval(layer.parameters())
         out[s.path] = layer
     return out, time.perf_counter() - t
@@ -240,6 +235,88 @@ def build_mlxlm_gptq(bits):
     return out, sec
 
 
+class _NumpyEinsum:
+    """``mx`` for mlx_lm.quant.awq with einsum through numpy (its clip search
+    is a batched matmul; MLX's Linux CPU matmul is reference BLAS)."""
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+    @staticmethod
+    def einsum(spec, a, b):
+        a32, b32 = (np.array(v.astype(mx.float32)) for v in (a, b))
+        if spec == "bdg,odg->bod":
+            out = np.matmul(a32.transpose(1, 0, 2), b32.transpose(1, 2, 0)).transpose(1, 2, 0)
+        else:
+            out = np.einsum(spec, a32, b32, optimize=True)
+        return mx.array(out).astype(a.dtype if a.dtype == b.dtype else mx.float32)
+
+
+def build_mlxlm_awq(bits):
+    """mlx-lm's awq_quantize on the model with fp16 nn.Linear copies of the
+    block linears, its llama AWQ config. Substitutions (same arithmetic,
+    faster engine): float nn.Linear and its clip einsum run through numpy
+    float32 matmul, nn.QuantizedLinear through mixbits.quantized_matmul
+    (equal to mx.quantized_matmul to float tolerance); the embedding is kept
+    as loaded (awq_quantize would re-quantize it to 4 bits)."""
+    import mlx_lm.quant.awq as ma
+    from mixbits import quantized_matmul
+
+    for p in paths:
+        m = orig[p]
+        lin = nn.Linear(1, 1, bias=m.get("bias") is not None)
+        lin.weight = dense_weight(m).astype(mx.float16)
+        if m.get("bias") is not None:
+            lin.bias = m["bias"]
+        ad.set(p, lin)
+
+    def linear_np(self, x):
+        y = np.array(x.astype(mx.float32)) @ np.array(self.weight.astype(mx.float32)).T
+        if "bias" in self:
+            y = y + np.array(self.bias.astype(mx.float32))
+        return mx.array(y).astype(x.dtype)
+
+    def qlinear(self, x):
+        y = quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
+        return y + self.bias if "bias" in self else y
+
+    emb = type(model.model.embed_tokens)
+    saved = (nn.Linear.__call__, nn.QuantizedLinear.__call__, ma.mx, emb.__dict__.get("to_quantized"))
+    nn.Linear.__call__, nn.QuantizedLinear.__call__, ma.mx = linear_np, qlinear, _NumpyEinsum()
+    emb.to_quantized = lambda self, **kw: self
+    try:
+        t = time.perf_counter()
+        ma.awq_quantize(model, mx.array(cal), ma.AWQ_MODEL_CONFIGS["llama"], group_size=GS, bits=bits)
+        sec = time.perf_counter() - t
+    finally:
+        nn.Linear.__call__, nn.QuantizedLinear.__call__, ma.mx = saved[:3]
+        if saved[3] is None:
+            del emb.to_quantized
+        else:
+            emb.to_quantized = saved[3]
+    out = {}
+    for p in paths:
+        q = ad.get(p)
+        assert isinstance(q, nn.QuantizedLinear) and q.bits == bits, type(q)
+        # Scales and biases stored fp16, as mlx-lm stores them for an fp16
+        # model (here they follow the float32 activations' dtype).
+        seg = Segment(bits, GS, q.scales.shape[-1] * GS, q.weight, q.scales.astype(mx.float16),
+                      q.biases.astype(mx.float16), "affine")
+        out[p] = MixedQuantizedLinear.from_tensor(QuantizedTensor([seg]), q.get("bias"))
+        mx.eval(out[p].parameters())
+    return out, sec
+
+
+def restore():
+    """The model as loaded: block linears and norms (AWQ rows fold into them)."""
+    for p in paths:
+        ad.set(p, orig[p])
+    for p, (w, b) in norms_as_loaded.items():
+        norm_mods[p].weight = w
+        if b is not None:
+            norm_mods[p].bias = b
+
+
 def save():
     """Write the record, keeping rows another run (e.g. one started in
     parallel on other rows) saved in the meantime."""
@@ -256,10 +333,12 @@ for row in rows:
     bits = int(b)
     t = time.perf_counter()
     try:
-        layers, sec = build_mlxlm_gptq(bits) if kind == "mlxlm_gptq" else build_ours(bits, kind)
+        build = {"mlxlm_gptq": build_mlxlm_gptq, "mlxlm_awq": build_mlxlm_awq}.get(kind)
+        layers, sec = build(bits) if build else build_ours(bits, kind)
     except Exception as e:  # recorded, the other rows still run
         import traceback
         traceback.print_exc()
+        restore()
         rec.setdefault("_mine", []).append(f"{bits}b {kind}")
         rec["rows"][f"{bits}b {kind}"] = {"bits": bits, "quantizer": kind,
                                           "error": f"{type(e).__name__}: {e}"[:500],
@@ -271,8 +350,7 @@ for row in rows:
     try:
         kl, se, ppl = evaluate()
     finally:
-        for p in paths:
-            ad.set(p, orig[p])
+        restore()
     rec.setdefault("_mine", []).append(f"{bits}b {kind}")
     rec["rows"][f"{bits}b {kind}"] = {
         "bits": bits, "quantizer": kind, "heldout_kl": round(kl, 5), "kl_se": round(se, 5),
