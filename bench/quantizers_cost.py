@@ -7,7 +7,7 @@ the calibration tokens. Also records each quantizer's output error
 ||X W^T - X What^T|| / RTN's on those tokens, as a sanity check.
 
 Run:
-  python bench/quantizers_cost.py > bench/results/quantizers_cost.json
+  OPENBLAS_NUM_THREADS=1 python bench/quantizers_cost.py > bench/results/quantizers_cost.json
 """
 import argparse
 import json
@@ -36,12 +36,14 @@ def segments(name, k):
 
 
 def timed(fn):
+    """Best CPU time of the process (run with OPENBLAS_NUM_THREADS=1: one
+    core's work, which other jobs on a shared machine do not inflate)."""
     best, out = float("inf"), None
     for _ in range(args.repeat):
-        t = time.perf_counter()
+        t = time.process_time()
         out = fn()
         mx.eval(*(out[0] if isinstance(out, tuple) else out).arrays())
-        best = min(best, time.perf_counter() - t)
+        best = min(best, time.process_time() - t)
     return best, out
 
 
@@ -85,9 +87,10 @@ for shape in args.shapes.split(","):
         rows.append({"shape": [n, k], "candidate": cand, "quantizers": res})
 
 print(json.dumps({
-    "command": "python bench/quantizers_cost.py " + " ".join(sys.argv[1:]),
+    "command": "OPENBLAS_NUM_THREADS=" + os.environ.get("OPENBLAS_NUM_THREADS", "(unset)")
+               + " python bench/quantizers_cost.py " + " ".join(sys.argv[1:]),
     "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), numpy {np.__version__}, mlx {mx.__version__}",
-    "notes": "best of --repeat runs, fp16 scales; H = X^T X built outside the timing; "
+    "notes": "best of --repeat runs, CPU seconds of the process (OPENBLAS_NUM_THREADS=1), fp16 scales; H = X^T X built outside the timing; "
              "awq searches 21 alphas on --awq-tokens tokens; error measured on those tokens",
     "tokens": args.tokens, "awq_tokens": args.awq_tokens,
     "results": rows,
