@@ -15,7 +15,8 @@ Writes bench/results/qmatmul_vjp_1thread_cpu.json and prints the table.
 mixbits.gather_qmatmul): E=8 experts of 1536x576 and 576x1536, 128 tokens
 routed top-2 (256 pairs of M=1 rows), the transposed kernel through the
 packed stack against the path it replaced (every expert dequantized, MLX's
-gather_mm, scatter-add back to x), old and new alternating per repeat (on
+gather_mm, scatter-add back to x) and numpy/OpenBLAS (experts dequantized
+once outside the timing, one sgemm per expert), alternating per repeat (on
 a loaded machine both see the same load). Writes
 bench/results/gather_vjp_1thread_cpu.json.
 
@@ -156,23 +157,41 @@ def gather_case(n, k, kind, rng, reps, experts=8, tokens=128, top_k=2):
         mx.eval(dx)
         return dx
 
+    # numpy/OpenBLAS: the experts dequantized once outside the timing (a
+    # float copy of every expert, E*N*K*4 bytes), each expert's routed rows
+    # one sgemm, then the scatter-add into x's rows.
+    Wn = np.array(mx.concatenate([mx.dequantize(s.wq, s.scales, s.biases, group_size=s.group_size,
+                                                bits=s.bits) for s in qt.segments], axis=-1).astype(mx.float32))
+    dyn, rn, ln = np.array(dy).reshape(-1, n), np.array(rhs).reshape(-1), np.array(lhs)
+    inv = None if qt.perm is None else np.argsort(np.array(qt.perm))
+
+    def numpy_():
+        dx = np.zeros((tokens, k), np.float32)
+        for e in range(experts):
+            rows = np.nonzero(rn == e)[0]
+            g = dyn[rows] @ Wn[e]
+            np.add.at(dx, ln[rows], g if inv is None else g[:, inv])
+        return dx.reshape(x.shape)
+
     a, b = np.array(new()), np.array(old())  # warm-up, and the same dx
     assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max(), "old and new dx differ"
-    t = {"old": [], "new": []}
+    assert np.abs(numpy_() - b).max() <= 1e-4 * np.abs(b).max(), "numpy and MLX dx differ"
+    t = {"old": [], "new": [], "numpy": []}
     for _ in range(reps):
-        for name, fn in (("old", old), ("new", new)):
+        for name, fn in (("old", old), ("new", new), ("numpy", numpy_)):
             t0 = time.process_time()
             fn()
             t[name].append(time.process_time() - t0)
     ms = {k_: statistics.median(v) * 1e3 for k_, v in t.items()}
     return {"experts": experts, "n": n, "k": k, "kind": kind, "pairs": tokens * top_k, "m": 1,
             "reps": reps, "ms": ms, "min_ms": {k_: min(v) * 1e3 for k_, v in t.items()},
-            "old_over_new": ms["old"] / ms["new"]}
+            "old_over_new": ms["old"] / ms["new"], "numpy_over_new": ms["numpy"] / ms["new"]}
 
 
 def gather_main(out: str, reps: int):
     print("gather_qmatmul vjp wrt x: one thread, CPU time (median of alternating repeats)")
-    hdr = f"{'E x N x K':>13} {'kind':>16} {'pairs':>5} {'old ms':>9} {'new ms':>8} {'old/new':>7}"
+    hdr = (f"{'E x N x K':>13} {'kind':>16} {'pairs':>5} {'old ms':>9} {'new ms':>8} {'numpy ms':>8} "
+           f"{'old/new':>7} {'numpy/new':>9}")
     print(hdr + "\n" + "-" * len(hdr))
     rng = np.random.default_rng(0)
     rows = []
@@ -181,8 +200,9 @@ def gather_main(out: str, reps: int):
             r = gather_case(n, k, kind, rng, reps)
             rows.append(r)
             print(f"{f'8x{n}x{k}':>13} {kind:>16} {r['pairs']:>5} {r['ms']['old']:>9.1f} "
-                  f"{r['ms']['new']:>8.2f} {r['old_over_new']:>7.1f}", flush=True)
-    res = {"cpu_flags": cpu_flags(), "clock": "process_time, median, old/new alternating", "threads": 1,
+                  f"{r['ms']['new']:>8.2f} {r['ms']['numpy']:>8.2f} {r['old_over_new']:>7.1f} "
+                  f"{r['numpy_over_new']:>9.2f}", flush=True)
+    res = {"cpu_flags": cpu_flags(), "clock": "process_time, median, old/new/numpy alternating", "threads": 1,
            "load_average": os.getloadavg(), "mlx": mx.__version__, "rows": rows}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(res, indent=1))
