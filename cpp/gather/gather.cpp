@@ -15,6 +15,7 @@
 #include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
+#include "gather/experts.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
@@ -24,12 +25,6 @@ namespace {
 
 [[noreturn]] void fail(const std::string& msg) {
   throw std::invalid_argument("[gather_qmm] " + msg);
-}
-
-int64_t prod(const mx::Shape& s, size_t from, size_t to) {
-  int64_t p = 1;
-  for (size_t i = from; i < to; ++i) p *= s[i];
-  return p;
 }
 
 mx::Shape batch_of(const mx::array& a) {
@@ -218,8 +213,6 @@ void MixedGatherQMM::eval_cpu(const std::vector<mx::array>& inputs,
     const uint32_t* ridx = ri.data<uint32_t>();
     const int32_t* perm = has_perm ? inputs[1].data<int32_t>() : nullptr;
     const DType xt = to_dtype(x.dtype()), ot = to_dtype(out.dtype());
-    const DType st = to_dtype(inputs[first + 1].dtype());
-    const size_t ssz = inputs[first + 1].itemsize();
     void* o = out.data<void>();
 
     // An index or permutation entry out of range poisons its output rows
@@ -227,21 +220,14 @@ void MixedGatherQMM::eval_cpu(const std::vector<mx::array>& inputs,
     bool perm_ok = true;
     if (perm)
       for (int k = 0; k < K; ++k) perm_ok &= perm[k] >= 0 && perm[k] < K;
-    // Output matrices per expert (a counting sort over rhs).
-    std::vector<int64_t> start(Bw + 1, 0), order;
-    order.reserve(P);
+    auto good = [&](int64_t p) { return perm_ok && lidx[p] < Bx && ridx[p] < Bw; };
     std::vector<int64_t> bad;
-    for (int64_t p = 0; p < P; ++p) {
-      if (!perm_ok || lidx[p] >= Bx || ridx[p] >= Bw) bad.push_back(p);
-      else ++start[ridx[p] + 1];
-    }
-    std::partial_sum(start.begin(), start.end(), start.begin());
-    order.resize(start[Bw]);
-    {
-      std::vector<int64_t> fill(start.begin(), start.end() - 1);
-      for (int64_t p = 0; p < P; ++p)
-        if (perm_ok && lidx[p] < Bx && ridx[p] < Bw) order[fill[ridx[p]]++] = p;
-    }
+    for (int64_t p = 0; p < P; ++p)
+      if (!good(p)) bad.push_back(p);
+    // Output matrices per expert.
+    const ByExpert g = sort_by_expert(ridx, P, Bw, good);
+    const auto& start = g.start;
+    const auto& order = g.order;
     const float nan = std::numeric_limits<float>::quiet_NaN();
     for (int64_t p : bad)
       for (int64_t i = 0; i < int64_t(M) * N; ++i)
@@ -257,23 +243,7 @@ void MixedGatherQMM::eval_cpu(const std::vector<mx::array>& inputs,
         calls.push_back({e, c0, std::min(per_call, start[e + 1] - c0)});
     std::vector<float> xf, yf;
     for (const auto& [e, c0, cnt] : calls) {
-      QMatView w;
-      w.N = N;
-      w.K = K;
-      w.sdtype = st;
-      int k0 = 0;
-      for (size_t i = 0; i < segs.size(); ++i) {
-        const SegSpec& sg = segs[i];
-        const int64_t words = int64_t(sg.k) * sg.bits / 32;
-        const int64_t groups = sg.k / sg.group_size;
-        const char* sc = inputs[first + 3 * i + 1].data<char>();
-        const char* bi = inputs[first + 3 * i + 2].data<char>();
-        w.segs.push_back({sg.bits, sg.group_size, k0, sg.k,
-                          inputs[first + 3 * i].data<uint32_t>() + e * N * words,
-                          sc + e * N * groups * int64_t(ssz),
-                          bi + e * N * groups * int64_t(ssz)});
-        k0 += sg.k;
-      }
+      const QMatView w = expert_view(inputs, first, segs, e, N, K);
       // This expert's rows: x[lhs[p]] for each of its p, gathered through
       // the permutation into one dense float32 block.
       const int64_t rows = cnt * M;

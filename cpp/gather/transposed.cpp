@@ -14,6 +14,7 @@
 #include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
+#include "gather/experts.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
@@ -65,8 +66,7 @@ void MixedGatherQMMT::eval_cpu(const std::vector<mx::array>& inputs,
     const int64_t M = out.shape(-2), K = out.shape(-1), N = wq0.shape(-2);
     if (out.size() == 0) return;
     const int64_t Bx = int64_t(out.size()) / (M * K);
-    int64_t Bw = 1;
-    for (int i = 0; i < int(wq0.ndim()) - 2; ++i) Bw *= wq0.shape(i);
+    const int64_t Bw = prod(wq0.shape(), 0, wq0.ndim() - 2);
     const int64_t P = li.size();
     const uint32_t* lidx = li.data<uint32_t>();
     const uint32_t* ridx = ri.data<uint32_t>();
@@ -113,37 +113,17 @@ void MixedGatherQMMT::eval_cpu(const std::vector<mx::array>& inputs,
       }
     }
 
-    // Pairs per expert, in index order (a counting sort over rhs).
-    std::vector<int64_t> start(Bw + 1, 0), order(P);
-    for (int64_t p = 0; p < P; ++p) ++start[ridx[p] + 1];
-    std::partial_sum(start.begin(), start.end(), start.begin());
-    {
-      std::vector<int64_t> fill(start.begin(), start.end() - 1);
-      for (int64_t p = 0; p < P; ++p) order[fill[ridx[p]]++] = p;
-    }
+    // Pairs per expert, in index order.
+    const ByExpert g = sort_by_expert(ridx, P, Bw, [](int64_t) { return true; });
+    const auto& start = g.start;
+    const auto& order = g.order;
 
     // Rows per kernel call: all of an expert's rows up to a cap on the
     // float32 staging buffers (rows x (N + K) floats).
     const int64_t per_call = std::max<int64_t>(1, 2048 / M);
-    const size_t ssz = inputs[first + 1].itemsize();
     std::vector<float> dyf, zf;
     for (int64_t e = 0; e < Bw; ++e) {
-      QMatView w;
-      w.N = int(N);
-      w.K = int(K);
-      w.sdtype = to_dtype(inputs[first + 1].dtype());
-      int k0 = 0;
-      for (size_t i = 0; i < segs.size(); ++i) {
-        const SegSpec& sg = segs[i];
-        const int64_t words = int64_t(sg.k) * sg.bits / 32;
-        const int64_t groups = sg.k / sg.group_size;
-        w.segs.push_back(
-            {sg.bits, sg.group_size, k0, sg.k,
-             inputs[first + 3 * i].data<uint32_t>() + e * N * words,
-             inputs[first + 3 * i + 1].data<char>() + e * N * groups * int64_t(ssz),
-             inputs[first + 3 * i + 2].data<char>() + e * N * groups * int64_t(ssz)});
-        k0 += sg.k;
-      }
+      const QMatView w = expert_view(inputs, first, segs, e, int(N), int(K));
       for (int64_t c0 = start[e]; c0 < start[e + 1]; c0 += per_call) {
         const int64_t cnt = std::min(per_call, start[e + 1] - c0);
         const int64_t* ps = order.data() + c0;
