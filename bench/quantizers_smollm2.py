@@ -38,7 +38,7 @@ import numpy as np
 import mixbits
 from mixbits.adapter import dense_weight
 from mixbits.layout import QuantizedTensor, Segment
-from mixbits.measure.awq_scale import scale_model
+from mixbits.measure.awq_scale import is_norm, scale_model
 from mixbits.measure.calib import load_texts, token_sequences
 from mixbits.measure.candidates import build_layer, parse_candidate
 from mixbits.measure.joint import JointEvaluator
@@ -94,8 +94,7 @@ def ref_ppl():
     return math.exp(nll / n)
 
 
-norm_mods = {p: m for p, m in model.named_modules() if "norm" in type(m).__name__.lower()
-             and isinstance(m.get("weight"), mx.array)}
+norm_mods = {p: m for p, m in model.named_modules() if is_norm(m)}
 norms_as_loaded = {p: (m.weight, m.get("bias")) for p, m in norm_mods.items()}
 rec = json.loads(OUT.read_text()) if OUT.exists() else {}
 rec.update({

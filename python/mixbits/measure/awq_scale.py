@@ -42,7 +42,8 @@ from .taps import Taps, split_key
 PROBE_KL = 1e-4  # mean KL (nats/token) a fold may move the probe's logits
 
 
-def _is_norm(m) -> bool:
+def is_norm(m) -> bool:
+    """A norm-like module with a 1-D weight: what a fold can rescale."""
     w = m.get("weight") if isinstance(m, nn.Module) else None
     return isinstance(w, mx.array) and w.ndim == 1 and "norm" in type(m).__name__.lower()
 
@@ -82,7 +83,7 @@ def scale_model(model, tokens, bits: int, group_size: int = 64, *, grid: int = 2
         raise ValueError(f"tokens must be a non-empty [n_seq, seq_len] array, got shape {tokens.shape}")
     adapter = ModelAdapter(model)
     lin = {s.path: s for s in adapter.sites if s.form == "linear" and s.block is not None}
-    norms = {p: m for p, m in model.named_modules() if _is_norm(m)}
+    norms = {p: m for p, m in model.named_modules() if is_norm(m)}
     chunks = token_chunks(tokens, chunk)
     stride = max(1, math.ceil(tokens.size / sample_rows))
 
