@@ -45,7 +45,7 @@ NB_MODULE(_ext, m) {
       "activations"_a = 0,
       "y = x @ W.T for a mixed-segment quantized W. segments: (bits, "
       "group_size, k) per segment; packed: wq, scales, biases per segment; "
-      "activations: 0 float, 1 int8 (x quantized per group, M <= 16).");
+      "activations: 0 float, 1 int8, 2 int16 (x quantized per group, M <= 16).");
 
   m.def(
       "gather_qmatmul",

@@ -26,6 +26,15 @@ namespace {
   throw std::invalid_argument("qmatmul: " + msg);
 }
 
+// The integer contract's kernel for the backend; null for float activations.
+QmmRun select_qmm_int(Activations act, Backend backend) {
+  switch (act) {
+    case Activations::Int8: return select_qmm_int8(backend);
+    case Activations::Int16: return select_qmm_int16(backend);
+    default: return nullptr;
+  }
+}
+
 }  // namespace
 
 mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm,
@@ -33,6 +42,8 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
                         const std::vector<SegSpec>& segs, Backend backend,
                         mx::StreamOrDevice s, Activations act) {
   if (segs.empty()) fail("at least one segment is required");
+  if (act != Activations::Float && act != Activations::Int8 && act != Activations::Int16)
+    fail("activations must be 0 (float), 1 (int8) or 2 (int16), got " + std::to_string(int(act)));
   if (packed.size() != 3 * segs.size())
     fail("expected 3 arrays (wq, scales, biases) per segment, got " +
          std::to_string(packed.size()) + " for " +
@@ -101,13 +112,14 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
     if (backend != Backend::Auto)
       fail("backend= chooses a CPU kernel; on the GPU leave it unset");
     if (act != Activations::Float)
-      fail("activations='int8' is a CPU contract; the GPU kernels take float x");
+      fail(std::string("activations='") + (act == Activations::Int8 ? "int8" : "int16") +
+           "' is a CPU contract; the GPU kernels take float x");
     const std::string why = metal_host::qmm_gpu_refusal(
         int64_t(x.size()) / int64_t(K), N, K);
     if (!why.empty()) fail(why);
   } else {
     select_qmm(backend);  // throws now, not inside the graph, if unavailable
-    if (act == Activations::Int8) select_qmm_int8(backend);
+    select_qmm_int(act, backend);
   }
 
   // The Metal kernels index every input as a dense matrix; a copy happens
@@ -152,8 +164,7 @@ void MixedQMatmul::eval_cpu(const std::vector<mx::array>& inputs,
   enc.dispatch([inputs, out = mx::array::unsafe_weak_copy(out),
                 segs = segs_, has_perm = has_perm_,
                 fn = select_qmm(backend_),
-                fn8 = act_ == Activations::Int8 ? select_qmm_int8(backend_)
-                                                : QmmRun(nullptr)]() mutable {
+                fn8 = select_qmm_int(act_, backend_)]() mutable {
     const mx::array& x = inputs[0];
     const int first = has_perm ? 2 : 1;
     // perm and the weights in row-major order (their own buffers unless a
@@ -237,9 +248,9 @@ void MixedQMatmul::eval_cpu(const std::vector<mx::array>& inputs,
     // Such rows are rare, so the whole call then takes the unfused scalar
     // reference, which has MLX's IEEE semantics. The scan is O(M*K), noise
     // next to the O(M*N*K) product.
-    // The int8 contract is defined for finite x only (amax of a group with
+    // The integer contracts are defined for finite x only (amax of a group with
     // an inf or NaN means nothing): such calls take the float path, so
-    // activations='int8' has exactly the float path's IEEE behaviour.
+    // activations='int8'/'int16' have exactly the float path's IEEE behaviour.
     std::atomic<bool> has_inf{false}, has_nan{false};
     parallel_for(M * K, 1 << 16, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i)

@@ -17,10 +17,10 @@ struct SegSpec {
   bool operator==(const SegSpec&) const = default;
 };
 
-// The CPU matmul's two numeric contracts (DESIGN.md): float activations
-// (float tolerance vs dequantize + matmul) or x quantized to int8 per group
-// with integer dots (cpp/qmatmul_int8/kernel.h; M <= kInt8MaxM only).
-enum class Activations : int { Float = 0, Int8 = 1 };
+// The CPU matmul's numeric contracts (DESIGN.md): float activations
+// (float tolerance vs dequantize + matmul) or x quantized to int8 or int16
+// per group with integer dots (cpp/qmatmul_int8/kernel.h; M <= kInt8MaxM).
+enum class Activations : int { Float = 0, Int8 = 1, Int16 = 2 };
 
 // Inputs: x, [perm], then (wq, scales, biases) per segment.
 class MixedQMatmul : public mx::UnaryPrimitive {

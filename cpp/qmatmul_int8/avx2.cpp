@@ -1,4 +1,4 @@
-// AVX2 int8-activation kernels: maddubs (u8 codes x s8 activations, pairs
+// AVX2 integer-activation kernels. int8: maddubs (u8 codes x s8 activations, pairs
 // into int16) then madd with ones into int32. Pair sums stay below 2^15 up
 // to 6 bits (2 * 63 * 127); 8-bit codes (up to 255) would saturate, so they
 // are widened to int16 and multiplied with madd directly.
@@ -9,7 +9,7 @@
 namespace mixbits {
 namespace {
 
-struct DotAvx2 {
+struct DotAvx2 : Int8Lanes256 {
   static constexpr int kMaxMB = 4;  // 16 registers: R*MB <= 4
   template <int MB>
   static constexpr int rows_per_pass() { return MB == 1 ? 4 : MB == 2 ? 2 : 1; }
@@ -28,10 +28,43 @@ struct DotAvx2 {
   }
 };
 
+// int16 activations: the 32 byte codes widened to two vectors of 16-bit
+// codes, madd with 16-bit activations (pairs of 255 * 32767 fit int32; a
+// group of 128 sums to at most 2^30).
+struct DotAvx2I16 {
+  using Code = int16_t;
+  struct XV { __m256i lo, hi; };
+  using Acc = __m256i;
+  using F = __m256;
+  static constexpr int kMaxMB = 4;
+  template <int MB>
+  static constexpr int rows_per_pass() { return MB == 1 ? 4 : MB == 2 ? 2 : 1; }
+  static XV load_x(const Code* p) {
+    return {_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)(p + 16))};
+  }
+  static Acc zero() { return _mm256_setzero_si256(); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F fma(Acc a, float s, F acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(s), acc);
+  }
+  static float fsum(F v) { return hsum(v); }
+  template <int B>
+  static Acc dot(Acc acc, __m256i w, const XV& x) {
+    const __m256i lo = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(w)), x.lo);
+    const __m256i hi = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1)), x.hi);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(lo, hi));
+  }
+};
+
 }  // namespace
 
 const I8Table& int8_table_avx2() {
   static const I8Table t = make_table<DotAvx2>("avx2");
+  return t;
+}
+
+const I8Table& int16_table_avx2() {
+  static const I8Table t = make_table<DotAvx2I16>("avx2");
   return t;
 }
 

@@ -1,4 +1,4 @@
-// Runs the int8-activation contract: x quantized once per call (ref.cpp's
+// Runs the integer-activation contracts: x quantized once per call (ref.cpp's
 // int8_quantize, the one definition of the quantization), re-ordered into
 // the byte order of the x86 decoders, then the outputs split over threads;
 // each segment's kernel comes from the ISA's table, chosen once.
@@ -15,15 +15,16 @@ namespace {
 
 int gs_index(int gs) { return gs == 32 ? 0 : gs == 64 ? 1 : 2; }
 
+template <class T>
 void run_table(const I8Table& t, const float* x, int M, const QMatView& w, float* y) {
-  Int8Acts a;
-  int8_quantize(x, M, w, a);
-  // The decoders' byte order, per unit of 32 columns (a copy of M*K bytes).
+  IntActs<T> a;
+  int_quantize(x, M, w, a);
+  // The decoders' byte order, per unit of 32 columns (a copy of M*K codes).
   for (size_t si = 0; si < w.segs.size(); ++si) {
     const int B = w.segs[si].bits;
     if (x86_int8_col(B, 1) == 1 && x86_int8_col(B, 31) == 31) continue;
-    std::vector<int8_t>& v = a.x8[si];
-    int8_t tmp[32];
+    std::vector<T>& v = a.xq[si];
+    T tmp[32];
     for (size_t u = 0; u < v.size(); u += 32) {
       for (int p = 0; p < 32; ++p) tmp[p] = v[u + x86_int8_col(B, p)];
       std::copy(tmp, tmp + 32, v.begin() + u);
@@ -49,7 +50,7 @@ void run_table(const I8Table& t, const float* x, int M, const QMatView& w, float
         std::fill(y + int64_t(m0 + m) * N + n0, y + int64_t(m0 + m) * N + n1, 0.0f);
       for (size_t si = 0; si < segs.size(); ++si) {
         const I8Seg& s = segs[si];
-        const I8X xv{a.x8[si].data() + int64_t(m0) * s.k, s.k,
+        const I8X xv{a.xq[si].data() + int64_t(m0) * s.k, s.k,
                      a.d[si].data() + int64_t(m0) * s.ngroups,
                      a.xs[si].data() + int64_t(m0) * s.ngroups, s.ngroups};
         fns[si](s, xv, mb, int(n0), int(n1), y + int64_t(m0) * N, N, scratch.data());
@@ -61,26 +62,45 @@ void run_table(const I8Table& t, const float* x, int M, const QMatView& w, float
 }  // namespace
 
 void qmm_int8_avx2_run(const float* x, int M, const QMatView& w, float* y) {
-  run_table(int8_table_avx2(), x, M, w, y);
+  run_table<int8_t>(int8_table_avx2(), x, M, w, y);
+}
+void qmm_int16_avx2_run(const float* x, int M, const QMatView& w, float* y) {
+  run_table<int16_t>(int16_table_avx2(), x, M, w, y);
 }
 
 void qmm_int8_best_run(const float* x, int M, const QMatView& w, float* y) {
   static const I8Table& t = cpu_isa().avx512vnni ? int8_table_vnni() : int8_table_avx2();
-  run_table(t, x, M, w, y);
+  run_table<int8_t>(t, x, M, w, y);
+}
+void qmm_int16_best_run(const float* x, int M, const QMatView& w, float* y) {
+  static const I8Table& t = cpu_isa().avx512vnni ? int16_table_vnni() : int16_table_avx2();
+  run_table<int16_t>(t, x, M, w, y);
 }
 #endif
 
+namespace {
+// Avx512 (also what Auto picks on an AVX-512 CPU) runs the widest integer
+// dot the CPU has: VNNI where present, else the AVX2 table.
+constexpr BackendSet kIntBackends = backend_set({Backend::Ref, Backend::Avx2, Backend::Avx512});
+}  // namespace
+
 QmmRun select_qmm_int8(Backend requested) {
-  // Avx512 (also what Auto picks on an AVX-512 CPU) runs the widest integer
-  // dot the CPU has: VNNI where present, else the AVX2 table.
-  constexpr BackendSet kInt8Backends =
-      backend_set({Backend::Ref, Backend::Avx2, Backend::Avx512});
-  switch (resolve_backend("qmatmul activations='int8'", requested, kInt8Backends)) {
+  switch (resolve_backend("qmatmul activations='int8'", requested, kIntBackends)) {
 #if defined(MIXBITS_HAVE_AVX2)
     case Backend::Avx2: return qmm_int8_avx2_run;
     case Backend::Avx512: return qmm_int8_best_run;
 #endif
     default: return qmm_int8_ref_run;  // NEON integer dots: not written yet
+  }
+}
+
+QmmRun select_qmm_int16(Backend requested) {
+  switch (resolve_backend("qmatmul activations='int16'", requested, kIntBackends)) {
+#if defined(MIXBITS_HAVE_AVX2)
+    case Backend::Avx2: return qmm_int16_avx2_run;
+    case Backend::Avx512: return qmm_int16_best_run;
+#endif
+    default: return qmm_int16_ref_run;
   }
 }
 

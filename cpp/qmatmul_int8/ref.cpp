@@ -1,4 +1,4 @@
-// Scalar reference of the int8-activation contract (kernel.h): the
+// Scalar reference of the integer-activation contracts (kernel.h): the
 // quantization every backend uses, and the product evaluated exactly
 // (integer sums, float64 for the rest). The oracle the SIMD kernels are
 // tested against, and the fallback on CPUs without them.
@@ -10,41 +10,43 @@
 
 namespace mixbits {
 
-void int8_quantize(const float* x, int M, const QMatView& w, Int8Acts& a) {
+template <class T>
+void int_quantize(const float* x, int M, const QMatView& w, IntActs<T>& a) {
+  constexpr float Q = kIntQMax<T>;
   const size_t ns = w.segs.size();
-  a.x8.resize(ns);
+  a.xq.resize(ns);
   a.d.resize(ns);
   a.xs.resize(ns);
   a.ix.resize(ns);
   for (size_t si = 0; si < ns; ++si) {
     const SegView& s = w.segs[si];
     const int G = s.group_size, ng = s.k / G;
-    a.x8[si].resize(size_t(M) * s.k);
+    a.xq[si].resize(size_t(M) * s.k);
     a.d[si].resize(size_t(M) * ng);
     a.xs[si].resize(size_t(M) * ng);
     a.ix[si].resize(size_t(M) * ng);
     for (int m = 0; m < M; ++m) {
       const float* xr = x + int64_t(m) * w.K + s.k0;
-      int8_t* q = a.x8[si].data() + int64_t(m) * s.k;
+      T* q = a.xq[si].data() + int64_t(m) * s.k;
       for (int g = 0; g < ng; ++g) {
         float amax = 0.0f;
         for (int i = 0; i < G; ++i) amax = std::fmax(amax, std::fabs(xr[g * G + i]));
         const int64_t gi = int64_t(m) * ng + g;
-        if (!(amax >= kInt8MinAmax)) {  // zero (or negligible) group
+        if (!(amax >= kIntMinAmax<T>)) {  // zero (or negligible) group
           for (int i = 0; i < G; ++i) q[g * G + i] = 0;
           a.d[si][gi] = 0.0f;
           a.ix[si][gi] = 0;
           a.xs[si][gi] = 0.0f;
           continue;
         }
-        const float d = amax / 127.0f, id = 127.0f / amax;
+        const float d = amax / Q, id = Q / amax;
         int32_t sum = 0;
         for (int i = 0; i < G; ++i) {
           // The float32 product then round-half-even: what cvtps_epi32 does
-          // under the default rounding mode. |x * id| <= 127 * (1 + 2^-23)^2.
+          // under the default rounding mode. |x * id| <= Q * (1 + 2^-23)^2.
           float v = std::nearbyint(xr[g * G + i] * id);
-          v = std::fmin(127.0f, std::fmax(-127.0f, v));
-          q[g * G + i] = int8_t(v);
+          v = std::fmin(Q, std::fmax(-Q, v));
+          q[g * G + i] = T(v);
           sum += int32_t(v);
         }
         a.d[si][gi] = d;
@@ -55,8 +57,8 @@ void int8_quantize(const float* x, int M, const QMatView& w, Int8Acts& a) {
   }
 }
 
-void qmm_int8_ref(const Int8Acts& a, int M, const QMatView& w, float* y,
-                  int n0, int n1) {
+template <class T>
+void qmm_int_ref(const IntActs<T>& a, int M, const QMatView& w, float* y, int n0, int n1) {
   for (int n = n0; n < n1; ++n) {
     for (int m = 0; m < M; ++m) {
       double acc = 0.0;
@@ -64,11 +66,11 @@ void qmm_int8_ref(const Int8Acts& a, int M, const QMatView& w, float* y,
         const SegView& s = w.segs[si];
         const int G = s.group_size, ng = s.k / G;
         const uint32_t* row = s.wq + int64_t(n) * s.words_per_row();
-        const int8_t* q8 = a.x8[si].data() + int64_t(m) * s.k;
+        const T* xq = a.xq[si].data() + int64_t(m) * s.k;
         for (int g = 0; g < ng; ++g) {
           int64_t iq = 0;
           for (int i = 0; i < G; ++i)
-            iq += int64_t(unpack_code(row, int64_t(g) * G + i, s.bits)) * q8[g * G + i];
+            iq += int64_t(unpack_code(row, int64_t(g) * G + i, s.bits)) * xq[g * G + i];
           const int64_t gi = int64_t(m) * ng + g;
           const double sc = load_as_f32(s.scales, int64_t(n) * ng + g, w.sdtype);
           const double bi = load_as_f32(s.biases, int64_t(n) * ng + g, w.sdtype);
@@ -80,12 +82,25 @@ void qmm_int8_ref(const Int8Acts& a, int M, const QMatView& w, float* y,
   }
 }
 
-void qmm_int8_ref_run(const float* x, int M, const QMatView& w, float* y) {
-  Int8Acts a;
-  int8_quantize(x, M, w, a);
+template void int_quantize(const float*, int, const QMatView&, IntActs<int8_t>&);
+template void int_quantize(const float*, int, const QMatView&, IntActs<int16_t>&);
+
+namespace {
+template <class T>
+void ref_run(const float* x, int M, const QMatView& w, float* y) {
+  IntActs<T> a;
+  int_quantize(x, M, w, a);
   parallel_for(w.N, 16, [&](int64_t n0, int64_t n1) {
-    qmm_int8_ref(a, M, w, y, int(n0), int(n1));
+    qmm_int_ref(a, M, w, y, int(n0), int(n1));
   });
+}
+}  // namespace
+
+void qmm_int8_ref_run(const float* x, int M, const QMatView& w, float* y) {
+  ref_run<int8_t>(x, M, w, y);
+}
+void qmm_int16_ref_run(const float* x, int M, const QMatView& w, float* y) {
+  ref_run<int16_t>(x, M, w, y);
 }
 
 }  // namespace mixbits

@@ -17,9 +17,9 @@ struct I8Seg {
   int k, ngroups;
 };
 
-// MB activation rows of one segment, in the kernel's byte order.
+// MB activation rows of one segment, in the kernel's code order.
 struct I8X {
-  const int8_t* x8;  // row m at x8 + m * ldx
+  const void* xq;    // int8_t or int16_t codes (the table's); row m at xq + m * ldx
   int ldx;
   const float* d;    // row m at d + m * ldg (per group)
   const float* xs;   // d * ix, same layout
@@ -41,10 +41,13 @@ struct I8Table {
 #if defined(MIXBITS_HAVE_AVX2)
 const I8Table& int8_table_avx2();
 const I8Table& int8_table_vnni();     // AVX512-VNNI + VL; call only if present
+const I8Table& int16_table_avx2();
+const I8Table& int16_table_vnni();    // AVX512-VNNI + VL (512-bit); likewise
 #endif
 
 // Byte position p (0..31) of a 32-code unit holds column x86_int8_col(B, p)
-// of the unit: the order the x86 decoders produce the codes in.
+// of the unit: the order the x86 decoders produce the codes in (the int16
+// kernels widen those bytes in place, so their activations use it too).
 constexpr int x86_int8_col(int B, int p) {
   if (B == 2) return 4 * (p & 7) + (p >> 3);   // byte j, bit pair k -> 8k + j
   if (B == 4) return p < 16 ? 2 * p : 2 * (p - 16) + 1;  // low nibbles, then high

@@ -1,9 +1,10 @@
-// x86 kernels of the int8-activation contract, written once over an integer
-// dot policy `D` and included by avx2.cpp (maddubs + madd) and vnni.cpp
-// (vpdpbusd). Weight codes are decoded 32 at a time (a unit; every group
-// size is a multiple of 32) into 32 unsigned bytes, in the order
-// x86_int8_col gives; the activations were put in the same order once per
-// call, so a unit is one integer dot of 32 byte pairs into 8 int32 lanes.
+// x86 kernels of the integer-activation contracts, written once over a dot
+// policy `D` and included by avx2.cpp (maddubs + madd; madd on 16-bit
+// codes) and vnni.cpp (vpdpbusd; vpdpwssd). Weight codes are decoded 32 at
+// a time (a unit; every group size is a multiple of 32) into 32 unsigned
+// bytes, in the order x86_int8_col gives; the activations were put in the
+// same order once per call, so a unit is one integer dot of 32 code pairs
+// (int8: bytes into 8 int32 lanes; int16: widened to 16-bit pairs).
 // Per group: one int->float convert and one FMA with s_g*d_g per (W row,
 // x row); the bias term is sum_g b_g * (d_g * ix_g), a float dot per row.
 //
@@ -125,12 +126,34 @@ inline float dot(const float* a, const float* b, int n) {
   return s;
 }
 
+// ------------------------------------------------------------ dot policies
+
+// What the 256-bit int8 policies share: byte codes, 8 int32 lanes per
+// unit, 8 float lanes across groups. A policy D adds kMaxMB,
+// rows_per_pass<MB>() and dot<B>(acc, decoded codes, activations).
+struct Int8Lanes256 {
+  using Code = int8_t;
+  using XV = __m256i;
+  using Acc = __m256i;
+  using F = __m256;
+  static XV load_x(const Code* p) { return _mm256_loadu_si256((const __m256i*)p); }
+  static Acc zero() { return _mm256_setzero_si256(); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  // acc + float(a) * s: a group's integer dot into the float sum.
+  static F fma(Acc a, float s, F acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(s), acc);
+  }
+  static float fsum(F v) { return hsum(v); }
+};
+
 // ------------------------------------------------------------ rows
 
-// Rows [n0, n1) (a multiple of R) against MB activation rows. R*MB int32
+// Rows [n0, n1) (a multiple of R) against MB activation rows. R*MB integer
 // accumulators per group and as many float ones across groups.
 template <int B, int G, int MB, int R, class D>
 void rows(const I8Seg& s, const I8X& x, int n0, int n1, float* y, int ldy, float* scratch) {
+  using Code = typename D::Code;
+  const Code* xq = static_cast<const Code*>(x.xq);
   const int ng = s.ngroups;
   float* sc = scratch;
   float* bi = scratch + R * ng;
@@ -139,19 +162,18 @@ void rows(const I8Seg& s, const I8X& x, int n0, int n1, float* y, int ldy, float
     for (int r = 0; r < R; ++r) rowp[r] = s.wq + int64_t(n + r) * s.row_bytes;
     to_f32(s.scales, int64_t(n) * ng, R * ng, s.sdt, sc);  // R rows are contiguous
     to_f32(s.biases, int64_t(n) * ng, R * ng, s.sdt, bi);
-    __m256 accf[R][MB];
+    typename D::F accf[R][MB];
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MB; ++m) accf[r][m] = _mm256_setzero_ps();
+      for (int m = 0; m < MB; ++m) accf[r][m] = D::fzero();
     for (int g = 0; g < ng; ++g) {
-      __m256i acci[R][MB];
+      typename D::Acc acci[R][MB];
       for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MB; ++m) acci[r][m] = _mm256_setzero_si256();
+        for (int m = 0; m < MB; ++m) acci[r][m] = D::zero();
 #pragma GCC unroll 4
       for (int u = 0; u < G / 32; ++u) {
         const int c = g * G + u * 32;
-        __m256i xv[MB];
-        for (int m = 0; m < MB; ++m)
-          xv[m] = _mm256_loadu_si256((const __m256i*)(x.x8 + int64_t(m) * x.ldx + c));
+        typename D::XV xv[MB];
+        for (int m = 0; m < MB; ++m) xv[m] = D::load_x(xq + int64_t(m) * x.ldx + c);
         for (int r = 0; r < R; ++r) {
           const __m256i wv = decode<B>(rowp[r] + c * B / 8);
           for (int m = 0; m < MB; ++m) acci[r][m] = D::template dot<B>(acci[r][m], wv, xv[m]);
@@ -159,15 +181,13 @@ void rows(const I8Seg& s, const I8X& x, int n0, int n1, float* y, int ldy, float
       }
       for (int m = 0; m < MB; ++m) {
         const float dm = x.d[int64_t(m) * x.ldg + g];
-        for (int r = 0; r < R; ++r)
-          accf[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[r][m]),
-                                       _mm256_set1_ps(sc[r * ng + g] * dm), accf[r][m]);
+        for (int r = 0; r < R; ++r) accf[r][m] = D::fma(acci[r][m], sc[r * ng + g] * dm, accf[r][m]);
       }
     }
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m)
         y[int64_t(m) * ldy + n + r] +=
-            hsum(accf[r][m]) + dot(bi + r * ng, x.xs + int64_t(m) * x.ldg, ng);
+            D::fsum(accf[r][m]) + dot(bi + r * ng, x.xs + int64_t(m) * x.ldg, ng);
   }
 }
 

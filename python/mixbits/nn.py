@@ -124,7 +124,7 @@ class _MixedWeight(nn.Module):
 
     # The CPU matmul's numeric contract for this layer's products (a plain
     # attribute, not a parameter: saving and loading are unchanged).
-    # "int8" quantizes x per group for calls of at most 16 rows; see
+    # "int8"/"int16" quantize x per group for calls of at most 16 rows; see
     # mixbits.qmatmul. MixedQuantizedSwitchLinear accepts "float" only.
     _activations = "float"
 
@@ -417,7 +417,7 @@ class MixedQuantizedSwitchLinear(_MixedWeight):
 
         activations_id(value)
         if value != "float":
-            # gather_qmatmul has one numeric contract; the int8 one exists
+            # gather_qmatmul has one numeric contract; the integer ones exist
             # for 2-D weights only (mixbits.qmatmul).
             raise ValueError(f"MixedQuantizedSwitchLinear runs the float contract only, got activations={value!r}")
 
@@ -622,9 +622,9 @@ def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
     mode.
 
     ``activations`` sets every mixbits linear layer's (and tied head's)
-    numeric contract, replaced or already mixbits: ``"float"`` (default) or
-    ``"int8"`` (see :func:`mixbits.qmatmul`). Expert stacks keep the float
-    contract: the gather kernel has no int8 path.
+    numeric contract, replaced or already mixbits: ``"float"`` (default),
+    ``"int8"`` or ``"int16"`` (see :func:`mixbits.qmatmul`). Expert stacks
+    keep the float contract: the gather kernel has no integer path.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")

@@ -30,7 +30,8 @@ def _check_x(x, K: int, name: str = "x") -> None:
         raise ValueError(f"{name} has last dimension {x.shape[-1:]} but the weight has K={K}")
 
 
-ACTIVATIONS = {"float": 0, "int8": 1}
+# The CPU matmul's numeric contracts by name (the C++ Activations enum).
+ACTIVATIONS = {"float": 0, "int8": 1, "int16": 2}
 
 
 def activations_id(activations) -> int:
@@ -48,12 +49,14 @@ def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None,
     With a permutation this is ``x[..., perm] @ qt.dequantize().T``. The
     output has x's dtype; accumulation is float32.
 
-    ``activations="int8"`` (CPU, 2-D weights) opts into the second numeric
-    contract where x has at most 16 rows: x is quantized per weight group to
-    int8 (scale max|x|/127) and multiplied with integer dots; the result is
-    the exact product of the dequantized weights with the quantized x, so
-    ``|error| <= sum_g (max|x_g|/254) * sum_{i in g} |w_i|`` (bench/INT8.md).
-    Calls with more rows, or with an inf/NaN in x, run the float path.
+    ``activations="int8"`` or ``"int16"`` (CPU, 2-D weights) opt into an
+    integer contract where x has at most 16 rows: x is quantized per weight
+    group to Q = 127 or 32767 levels (scale max|x|/Q) and multiplied with
+    integer dots; the result is the exact product of the dequantized weights
+    with the quantized x, so ``|error| <= sum_g (max|x_g|/(2Q)) * sum_{i in g}
+    |w_i|`` (bench/INT8.md: int8 is the faster, int16 the one whose error a
+    model's output does not notice). Calls with more rows, or with an
+    inf/NaN in x, run the float path.
     """
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
@@ -61,7 +64,7 @@ def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None,
     _check_x(x, qt.shape[1])
     if qt.batch_shape:
         if act:
-            raise ValueError("activations='int8' is for 2-D weights; batched weights take 'float'")
+            raise ValueError(f"activations={activations!r} is for 2-D weights; batched weights take 'float'")
         # A stack of matrices: batch dims broadcast as in mx.quantized_matmul.
         return _ext.batched_qmatmul(x, qt.perm, qt.arrays(), qt.specs, _backend_id(backend))
     return _ext.qmatmul(x, qt.perm, qt.arrays(), qt.specs, _backend_id(backend), act)
