@@ -31,23 +31,15 @@ struct DotAvx2 : Int8Lanes256 {
 // int16 activations: the 32 byte codes widened to two vectors of 16-bit
 // codes, madd with 16-bit activations (pairs of 255 * 32767 fit int32; a
 // group of 128 sums to at most 2^30).
-struct DotAvx2I16 {
+struct DotAvx2I16 : Lanes256 {
   using Code = int16_t;
   struct XV { __m256i lo, hi; };
-  using Acc = __m256i;
-  using F = __m256;
   static constexpr int kMaxMB = 4;
   template <int MB>
   static constexpr int rows_per_pass() { return MB == 1 ? 4 : MB == 2 ? 2 : 1; }
   static XV load_x(const Code* p) {
     return {_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)(p + 16))};
   }
-  static Acc zero() { return _mm256_setzero_si256(); }
-  static F fzero() { return _mm256_setzero_ps(); }
-  static F fma(Acc a, float s, F acc) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(s), acc);
-  }
-  static float fsum(F v) { return hsum(v); }
   template <int B>
   static Acc dot(Acc acc, __m256i w, const XV& x) {
     const __m256i lo = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(w)), x.lo);

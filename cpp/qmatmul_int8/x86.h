@@ -128,15 +128,12 @@ inline float dot(const float* a, const float* b, int n) {
 
 // ------------------------------------------------------------ dot policies
 
-// What the 256-bit int8 policies share: byte codes, 8 int32 lanes per
-// unit, 8 float lanes across groups. A policy D adds kMaxMB,
+// What the 256-bit policies share: 8 int32 lanes per unit, 8 float lanes
+// across groups. A policy D adds Code, XV, load_x, kMaxMB,
 // rows_per_pass<MB>() and dot<B>(acc, decoded codes, activations).
-struct Int8Lanes256 {
-  using Code = int8_t;
-  using XV = __m256i;
+struct Lanes256 {
   using Acc = __m256i;
   using F = __m256;
-  static XV load_x(const Code* p) { return _mm256_loadu_si256((const __m256i*)p); }
   static Acc zero() { return _mm256_setzero_si256(); }
   static F fzero() { return _mm256_setzero_ps(); }
   // acc + float(a) * s: a group's integer dot into the float sum.
@@ -144,6 +141,13 @@ struct Int8Lanes256 {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(s), acc);
   }
   static float fsum(F v) { return hsum(v); }
+};
+
+// Byte activation codes, 32 per unit.
+struct Int8Lanes256 : Lanes256 {
+  using Code = int8_t;
+  using XV = __m256i;
+  static XV load_x(const Code* p) { return _mm256_loadu_si256((const __m256i*)p); }
 };
 
 // ------------------------------------------------------------ rows

@@ -46,6 +46,9 @@ def add_arguments(p) -> None:
     p.add_argument("--min-time", type=float, default=0.3,
                    help="seconds of repetitions per measurement (default 0.3)")
     p.add_argument("--no-baselines", action="store_true", help="time mixbits only")
+    p.add_argument("--activations", choices=["float", "int8", "int16"], default="float",
+                   help="mixbits' numeric contract (mixbits.qmatmul's activations=; the integer "
+                        "ones apply to M <= 16, as ggml quantizes its activations)")
     p.add_argument("--threads", type=int, default=0,
                    help="cap mixbits' worker threads (default: all cores); for numpy set "
                         "OPENBLAS_NUM_THREADS to match")
@@ -134,7 +137,7 @@ def make_x(case: Case, seed: int = 1):
     return x
 
 
-def runners(wt: Weights, x):
+def runners(wt: Weights, x, activations: str = "float"):
     """name -> zero-argument callable doing one full evaluation."""
     import mlx.core as mx
     import numpy as np
@@ -144,7 +147,7 @@ def runners(wt: Weights, x):
     qt = wt.qt
 
     def run_mixbits():
-        mx.eval(mixbits.qmatmul(x, qt))
+        mx.eval(mixbits.qmatmul(x, qt, activations=activations))
 
     def run_mlx():
         xs = x if qt.perm is None else mx.take(x, qt.perm, axis=-1)
@@ -327,6 +330,9 @@ def run(args) -> int:
         notes.append(f"mixbits capped at {args.threads} thread(s); OPENBLAS_NUM_THREADS="
                      f"{os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}; the probe uses "
                      "the same cap")
+    if args.activations != "float":
+        notes.append(f"mixbits ran activations={args.activations!r} (x quantized per group; "
+                     "M <= 16 only, larger M takes the float path)")
     if any(k in os.environ for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")):
         notes.append("OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE set: numpy may be slowed; "
                      "run as `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE mixbits bench`")
@@ -346,7 +352,7 @@ def run(args) -> int:
             gc.collect()
             by_weight[key] = Weights(c.n, c.k, c.kind)
         wt = by_weight[key]
-        fns = runners(wt, make_x(c))
+        fns = runners(wt, make_x(c), args.activations)
         row = Row(c, wt.bpw, wt.nbytes)
         row.times["mixbits"] = time_call(fns["mixbits"], args.min_time)
         if not args.no_baselines:
