@@ -29,3 +29,25 @@ def test_demo_runs_on_small_shapes(k, capsys):
 def test_demo_rejects_bad_k():
     with pytest.raises(SystemExit, match="multiple of 128"):
         main(["demo", "--k", "100"])
+
+
+def test_bench_times_the_chosen_contract(tmp_path, capsys, monkeypatch):
+    # `mixbits bench --activations int16` must time the int16 path: the JSON
+    # records it, and every call reaches qmatmul with that contract.
+    import json
+
+    import mixbits
+
+    seen = []
+    real = mixbits.qmatmul
+
+    def spy(x, qt, **kw):
+        seen.append(kw.get("activations", "float"))
+        return real(x, qt, **kw)
+
+    monkeypatch.setattr(mixbits, "qmatmul", spy)
+    out = tmp_path / "b.json"
+    assert main(["bench", "--shapes", "64x128", "--m", "1", "--kinds", "4bit", "--no-baselines",
+                 "--min-time", "0.01", "--activations", "int16", "--json", str(out)]) == 0
+    assert seen and set(seen) == {"int16"}
+    assert any("int16" in n for n in json.loads(out.read_text())["notes"])
