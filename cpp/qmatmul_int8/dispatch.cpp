@@ -41,9 +41,12 @@ void run_table(const I8Table& t, const float* x, int M, const QMatView& w, float
     max_ng = std::max(max_ng, ng);
   }
   const int N = w.N;
-  parallel_for(N, 16, [&](int64_t n0, int64_t n1) {
+  // Ranges of whole 8-row blocks (x86.h rows8): the kernel a row takes, and
+  // so its rounding, depends on N only, not on how the rows are split.
+  parallel_for((N + 7) / 8, 2, [&](int64_t b0, int64_t b1) {
+    const int64_t n0 = b0 * 8, n1 = std::min<int64_t>(N, b1 * 8);
     thread_local std::vector<float> scratch;
-    scratch.resize(size_t(8) * max_ng);
+    scratch.resize(size_t(32) * max_ng);
     for (int m0 = 0; m0 < M; m0 += t.max_mb) {
       const int mb = std::min(t.max_mb, M - m0);
       for (int m = 0; m < mb; ++m)

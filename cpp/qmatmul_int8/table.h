@@ -27,12 +27,19 @@ struct I8X {
 };
 
 // y[m * ldy + n] += segment contribution for m < mb, n in [n0, n1).
-// scratch: at least 8 * ngroups floats.
+// scratch: at least 32 * ngroups floats.
 using I8Fn = void (*)(const I8Seg&, const I8X&, int mb, int n0, int n1,
                       float* y, int ldy, float* scratch);
 
 // One ISA's kernels, one per (bits, group size): a row per ISA, looked up
 // once per segment per call.
+// x rows from which the int8 VNNI kernels put W rows in vector lanes
+// (x86.h rows8); fewer rows keep lanes along columns. Measured here (one
+// thread, 4096x4096 ... 11008x4096, 2/4-bit): rows8 is 1.1-1.6x faster at
+// 8 rows, 1.0-1.45x at 4, and up to 1.8x slower at 2 (the transpose of
+// 8 decoded units is then paid for too few dot products).
+constexpr int kRows8MinMB = 4;
+
 struct I8Table {
   const char* name;
   int max_mb;       // activation rows per pass

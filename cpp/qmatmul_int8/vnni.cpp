@@ -20,6 +20,7 @@
 namespace mixbits {
 namespace {
 struct DotVnni512 : Int8Lanes256 {
+  static constexpr bool kRowLanes = true;  // vpdpbusd: lane j = bytes 4j..4j+3
   static constexpr int kMaxMB = 8;  // 32 registers: 2*R*MB + MB <= 24
   template <int MB>
   static constexpr int rows_per_pass() { return MB <= 2 ? 4 : MB <= 4 ? 2 : 1; }
@@ -32,6 +33,7 @@ struct DotVnni512 : Int8Lanes256 {
 // vpdpwssd (pairs of 16-bit products into 16 int32 lanes): one instruction
 // per unit and x row, as the int8 policy's 256-bit vpdpbusd.
 struct DotVnni512I16 {
+  static constexpr bool kRowLanes = false;  // 16 lanes of 16-bit pairs
   using Code = int16_t;
   using XV = __m512i;
   using Acc = __m512i;

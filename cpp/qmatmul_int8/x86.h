@@ -116,6 +116,24 @@ inline void to_f32(const void* src, int64_t off, int n, DType t, float* dst) {
   }
 }
 
+// 8x8 transpose of 32-bit elements: t[q] lane r = v[r] lane q.
+inline void transpose8_epi32(const __m256i v[8], __m256i t[8]) {
+  __m256i a[8], b[8];
+  for (int i = 0; i < 4; ++i) {  // pairs of rows: lanes (q, q+1 | q+4, q+5) interleaved
+    a[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    a[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i)  // quads of rows: one column per 128-bit half
+    for (int h = 0; h < 2; ++h) {
+      b[4 * i + 2 * h] = _mm256_unpacklo_epi64(a[4 * i + h], a[4 * i + 2 + h]);
+      b[4 * i + 2 * h + 1] = _mm256_unpackhi_epi64(a[4 * i + h], a[4 * i + 2 + h]);
+    }
+  for (int q = 0; q < 4; ++q) {  // b[q]: rows 0-3, b[4 + q]: rows 4-7 of columns q | q + 4
+    t[q] = _mm256_permute2x128_si256(b[q], b[4 + q], 0x20);
+    t[q + 4] = _mm256_permute2x128_si256(b[q], b[4 + q], 0x31);
+  }
+}
+
 inline float dot(const float* a, const float* b, int n) {
   __m256 acc = _mm256_setzero_ps();
   int i = 0;
@@ -132,6 +150,9 @@ inline float dot(const float* a, const float* b, int n) {
 // across groups. A policy D adds Code, XV, load_x, kMaxMB,
 // rows_per_pass<MB>() and dot<B>(acc, decoded codes, activations).
 struct Lanes256 {
+  // Whether dot's int32 lane j sums exactly code bytes 4j..4j+3 times
+  // activation bytes 4j..4j+3 (true for vpdpbusd), which rows8 needs.
+  static constexpr bool kRowLanes = false;
   using Acc = __m256i;
   using F = __m256;
   static Acc zero() { return _mm256_setzero_si256(); }
@@ -195,8 +216,76 @@ void rows(const I8Seg& s, const I8X& x, int n0, int n1, float* y, int ldy, float
   }
 }
 
+// Rows [n0, n1) (a multiple of 8) against MB activation rows, with vector
+// lanes along W rows instead of columns: the 8 rows' decoded units are
+// transposed so that lane r of vector q holds row r's codes 4q..4q+3, and
+// each x quad is broadcast to all lanes. The per-group epilogue (convert,
+// scale, bias) then runs once per 8 rows instead of once per row, and no
+// horizontal sums remain: at MB >= 2 that epilogue is what limits rows().
+// Only for policies whose dot keeps 4-byte lanes (D::kRowLanes).
+template <int B, int G, int MB, class D>
+void rows8(const I8Seg& s, const I8X& x, int n0, int n1, float* y, int ldy, float* scratch) {
+  constexpr int A = MB <= 4 ? 2 : 1;  // accumulator sets: hide vpdpbusd latency at small MB
+  const int8_t* xq = static_cast<const int8_t*>(x.xq);
+  const int ng = s.ngroups;
+  float* sc = scratch;             // [8][ng] as stored
+  float* bi = scratch + 8 * ng;
+  float* sct = scratch + 16 * ng;  // [ng][8]: one vector per group
+  float* bit = scratch + 24 * ng;
+  for (int n = n0; n < n1; n += 8) {
+    const uint8_t* rowp[8];
+    for (int r = 0; r < 8; ++r) rowp[r] = s.wq + int64_t(n + r) * s.row_bytes;
+    to_f32(s.scales, int64_t(n) * ng, 8 * ng, s.sdt, sc);
+    to_f32(s.biases, int64_t(n) * ng, 8 * ng, s.sdt, bi);
+    for (int g = 0; g < ng; ++g)
+      for (int r = 0; r < 8; ++r) {
+        sct[g * 8 + r] = sc[r * ng + g];
+        bit[g * 8 + r] = bi[r * ng + g];
+      }
+    __m256 accf[MB];
+    for (int m = 0; m < MB; ++m) accf[m] = _mm256_setzero_ps();
+    for (int g = 0; g < ng; ++g) {
+      __m256i acci[A][MB];
+      for (int a = 0; a < A; ++a)
+        for (int m = 0; m < MB; ++m) acci[a][m] = _mm256_setzero_si256();
+      for (int u = 0; u < G / 32; ++u) {
+        const int c = g * G + u * 32;
+        __m256i w[8], t[8];
+        for (int r = 0; r < 8; ++r) w[r] = decode<B>(rowp[r] + c * B / 8);
+        transpose8_epi32(w, t);
+        for (int q = 0; q < 8; ++q)
+          for (int m = 0; m < MB; ++m) {
+            int32_t quad;
+            std::memcpy(&quad, xq + int64_t(m) * x.ldx + c + 4 * q, 4);
+            acci[q % A][m] = D::template dot<B>(acci[q % A][m], t[q], _mm256_set1_epi32(quad));
+          }
+      }
+      const __m256 s8 = _mm256_loadu_ps(sct + g * 8), b8 = _mm256_loadu_ps(bit + g * 8);
+      for (int m = 0; m < MB; ++m) {
+        __m256i iq = acci[0][m];
+        if constexpr (A > 1) iq = _mm256_add_epi32(iq, acci[1][m]);
+        const __m256 sd = _mm256_mul_ps(s8, _mm256_set1_ps(x.d[int64_t(m) * x.ldg + g]));
+        accf[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iq), sd, accf[m]);
+        accf[m] = _mm256_fmadd_ps(b8, _mm256_set1_ps(x.xs[int64_t(m) * x.ldg + g]), accf[m]);
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      float* yp = y + int64_t(m) * ldy + n;
+      _mm256_storeu_ps(yp, _mm256_add_ps(_mm256_loadu_ps(yp), accf[m]));
+    }
+  }
+}
+
 template <int B, int G, int MB, class D>
 void rows_mb(const I8Seg& s, const I8X& x, int n0, int n1, float* y, int ldy, float* scratch) {
+  if constexpr (D::kRowLanes && MB >= kRows8MinMB) {
+    // The caller hands out row ranges aligned to 8 (dispatch.cpp), so which
+    // rows take the tail kernel depends on N only, never on the threads.
+    const int n8 = n0 + (n1 - n0) / 8 * 8;
+    rows8<B, G, MB, D>(s, x, n0, n8, y, ldy, scratch);
+    if (n8 < n1) rows<B, G, MB, 1, D>(s, x, n8, n1, y, ldy, scratch);
+    return;
+  }
   constexpr int R = D::template rows_per_pass<MB>();
   const int nfull = n0 + (n1 - n0) / R * R;
   rows<B, G, MB, R, D>(s, x, n0, nfull, y, ldy, scratch);
