@@ -35,7 +35,7 @@ inline float mb_load_x(const device typename IO::storage* xrow,
 // Every kernel is instantiated per activation dtype x scale dtype x bits x
 // group size, under the name
 //   mixbits_<kind>_<activation dtype>_<scale dtype>_b<bits>_g<group size>
-// (qmm_kernel_name in qmatmul_host.h builds the same string). `inst` is a
+// (ladder_kernel_name in qmatmul_host.h builds the same string). `inst` is a
 // macro (name, io, sc, bits, gs) that instantiates one kernel.
 #define MB_QMM_LADDER_GROUPS(inst, kind, tn, io, sn, sc, bits)                   \
   inst("mixbits_" kind "_" tn "_" sn "_b" #bits "_g32", io, sc, bits, 32)       \

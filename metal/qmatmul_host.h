@@ -48,12 +48,17 @@ inline ActType scale_act_type(int scale_type) {
                                       : ActType::BF16;
 }
 
-// mixbits_{qmv,qmm}_<x dtype>_<scale dtype>_b<bits>_g<gs>, as instantiated by
+// mixbits_<kind>_<x dtype>_<scale dtype>_b<bits>_g<gs>, as instantiated by
 // MB_QMM_LADDER (qmatmul_common.h).
-inline std::string qmm_kernel_name(bool tiled, ActType t, int scale_type, int bits, int gs) {
-  return std::string(tiled ? "mixbits_qmm_" : "mixbits_qmv_") + act_type_name(t) + "_" +
+inline std::string ladder_kernel_name(const char* kind, ActType t, int scale_type, int bits,
+                                      int gs) {
+  return std::string("mixbits_") + kind + "_" + act_type_name(t) + "_" +
          act_type_name(scale_act_type(scale_type)) + "_b" + std::to_string(bits) + "_g" +
          std::to_string(gs);
+}
+
+inline std::string qmm_kernel_name(bool tiled, ActType t, int scale_type, int bits, int gs) {
+  return ladder_kernel_name(tiled ? "qmm" : "qmv", t, scale_type, bits, gs);
 }
 
 inline bool qmm_uses_tiled(int M, QmmPath path) {

@@ -26,7 +26,8 @@ METAL_DIR = ROOT / "metal"
 EMU_DIR = ROOT / "tests" / "metal"
 BUILD_ROOT = ROOT / "build" / "metal-emu"
 
-UNITS = ["simt.cpp", "harness.cpp", "emu_qmv.cpp", "emu_qmm.cpp", "emu_kl.cpp", "emu_selftest.cpp"]
+UNITS = ["simt.cpp", "harness.cpp", "emu_qmv.cpp", "emu_qmm.cpp", "emu_gather.cpp", "emu_kl.cpp",
+         "emu_selftest.cpp"]
 FLAGS = [
     "-std=c++20", "-O2", "-fPIC", "-pthread", "-Wall", "-Wextra",
     "-Wno-unknown-pragmas", "-Wno-register", "-Wno-unused-parameter",
@@ -124,11 +125,13 @@ def lib() -> ctypes.CDLL:
         P, I, U64, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_size_t
         L.mbemu_qmm.argtypes = [I, I, I, P, P, P, I, P, Z, P, Z, P, P, P, P, P, P, I, P, Z,
                                 I, I, U64, ctypes.c_char_p, I]
+        L.mbemu_gather_qmv.argtypes = [I, I, I, I, I, I, P, P, P, I, P, Z, P, Z, P, P, P, P,
+                                       P, P, I, P, Z, P, Z, P, Z, I, U64, ctypes.c_char_p, I]
         L.mbemu_kl.argtypes = [I, I, I, I, I, I, P, P, I, U64, ctypes.c_char_p, I]
         L.mbemu_selftest.argtypes = [ctypes.c_char_p, I, I, P, P, I, I, U64,
                                      ctypes.c_char_p, I]
         L.mbemu_kernel_count.argtypes = []
-        for f in (L.mbemu_qmm, L.mbemu_kl, L.mbemu_selftest, L.mbemu_kernel_count):
+        for f in (L.mbemu_qmm, L.mbemu_gather_qmv, L.mbemu_kl, L.mbemu_selftest, L.mbemu_kernel_count):
             f.restype = I
         _LIB = L
     return _LIB
@@ -201,6 +204,50 @@ def qmatmul(x: np.ndarray, act: str, segments, N: int, perm=None, scale_type: st
                          ORDERS[order], seed, err, len(err))
     _check(rc, err)
     return out
+
+
+def gather_qmv(inputs, segments, act: str, scale_type: str, has_perm: bool,
+               order: str = "shuffle", seed: int = 1) -> np.ndarray:
+    """Run the Metal gathered GEMV on the emulator with MixedGatherQMM's own
+    inputs, in the node's order: x [Bx..., M, K], [perm [K]], (wq, scales,
+    biases) per segment stacked [Bw..., N, .], lhs, rhs (uint32, one shape),
+    as storage arrays (bfloat16 as uint16 bits). segments: (bits,
+    group_size, k) per segment. The shapes are read off the arrays as
+    eval_gpu reads them; the harness refuses a buffer of another size than
+    the launch binds. Returns lhs.shape + (M, N) storage."""
+    inputs = [np.ascontiguousarray(a) for a in inputs]
+    first = 2 if has_perm else 1
+    x, lhs, rhs = inputs[0], inputs[-2], inputs[-1]
+    perm = inputs[1].view(np.int32) if has_perm else None  # uint32: same bits
+    packed = inputs[first:-2]
+    assert len(packed) == 3 * len(segments)
+    for name, a in (("lhs", lhs), ("rhs", rhs)):
+        if a.dtype != np.uint32:
+            raise TypeError(f"{name} must be uint32, as the primitive holds it, got {a.dtype}")
+    if lhs.shape != rhs.shape:
+        raise ValueError("lhs and rhs must have one shape (the builder broadcasts them)")
+    M, K = x.shape[-2:]
+    N = packed[0].shape[-2]
+    Bx = int(np.prod(x.shape[:-2], dtype=np.int64))
+    Bw = int(np.prod(packed[0].shape[:-2], dtype=np.int64))
+    P = lhs.size
+    n = len(segments)
+    bits, gs, ks = (np.array([s[j] for s in segments], dtype=np.int32) for j in range(3))
+    ptrs = [(ctypes.c_void_p * n)() for _ in range(3)]
+    sizes = [(ctypes.c_size_t * n)() for _ in range(3)]
+    for i in range(n):
+        for j in range(3):
+            a = packed[3 * i + j]
+            ptrs[j][i], sizes[j][i] = a.ctypes.data, a.nbytes
+    out = np.zeros((P, M, N), dtype=storage_dtype(act))
+    err = ctypes.create_string_buffer(2048)
+    rc = lib().mbemu_gather_qmv(
+        P, M, N, Bx, Bw, n, _ptr(bits), _ptr(gs), _ptr(ks), ACT_TYPES[act], _ptr(x), x.nbytes,
+        _ptr(perm), 0 if perm is None else perm.nbytes, ptrs[0], sizes[0], ptrs[1], sizes[1],
+        ptrs[2], sizes[2], ACT_TYPES[scale_type], _ptr(lhs), lhs.nbytes, _ptr(rhs), rhs.nbytes,
+        _ptr(out), out.nbytes, ORDERS[order], seed, err, len(err))
+    _check(rc, err)
+    return out.reshape(lhs.shape + (M, N))
 
 
 KL_MODES = {"logits": 0, "fixed_shift": 1, "probs": 2}

@@ -112,9 +112,10 @@ def test_unknown_kernel_name_fails():
 
 def test_every_instantiation_registered():
     # qmatmul: 3 activation types x 3 scale types x 6 widths x 3 group
-    # sizes x 2 kernels; kl: 3 x 3 (reference, logits) types; selftest: 17
-    # kernels. Duplicate host names would collapse into one entry.
-    assert E.kernel_count() == 3 * 3 * 6 * 3 * 2 + 3 * 3 + 17
+    # sizes x 3 kernels (qmv, qmm, gather_qmv); kl: 3 x 3 (reference,
+    # logits) types; selftest: 17 kernels. Duplicate host names would
+    # collapse into one entry.
+    assert E.kernel_count() == 3 * 3 * 6 * 3 * 3 + 3 * 3 + 17
 
 
 METAL_SOURCES = sorted(E.METAL_DIR.glob("*.metal")) + sorted(E.EMU_DIR.glob("*.metal"))
@@ -144,6 +145,7 @@ def enum_values(text: str, enum: str) -> list[int]:
 @pytest.mark.parametrize("metal,params,enum,n", [
     ("qmatmul_gemv.metal", "qmatmul_params.h", "MbQmmBuffer", 8),
     ("qmatmul_tiled.metal", "qmatmul_params.h", "MbQmmBuffer", 8),
+    ("gather_qmv.metal", "gather_params.h", "MbGatherBuffer", 10),
     ("kl.metal", "kl_params.h", "MbKlBuffer", 10),
 ])
 def test_buffer_indices_follow_declaration_order(metal, params, enum, n):

@@ -1,0 +1,98 @@
+// Host side of the Metal gathered quantized matmul, in plain C++: which
+// kernel runs for which segment, with which parameters, grid and buffers.
+// Used by cpp/gather/metal.cpp on macOS and by the emulator harness on
+// Linux, so the launch logic the Mac runs is the one the tests exercise.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "gather_params.h"
+#include "kernel_args.h"
+#include "qmatmul_host.h"
+
+namespace mixbits::metal_host {
+
+static_assert(sizeof(MbGatherParams) == sizeof(MbQmmParams) + 2 * sizeof(int),
+              "MbGatherParams is plain ints, laid out alike in Metal and C++");
+
+struct GatherLaunch : Launch {
+  MbGatherParams params;
+  int segment;
+};
+
+// Why the gathered kernel cannot run a problem ("" if it can): its
+// parameters and grid are 32-bit. mixed_gather_qmm asks before building
+// the node and composes MLX ops instead when this says no.
+inline std::string gather_gpu_refusal(int64_t pairs, int64_t x_batches, int64_t w_batches) {
+  const int64_t lim = 0x7fffffff;
+  if (pairs > lim) return "more than 2^31-1 output matrices";
+  if (x_batches > lim || w_batches > lim) return "more than 2^31-1 matrices in x or W";
+  return "";
+}
+
+// One launch per segment, in order. x: x_batches dense [M, K] matrices;
+// each segment's arrays: w_batches matrices of N rows; `pairs` entries of
+// lhs and rhs (uint32). Arguments are assumed validated (cpp/gather/gather.cpp).
+inline std::vector<GatherLaunch> plan_gather_qmv(int pairs, int M, int N, int x_batches,
+                                                 int w_batches,
+                                                 const std::vector<QmmSegment>& segs,
+                                                 ActType xt, int scale_type, bool has_perm) {
+  if (pairs <= 0 || M <= 0 || N <= 0 || x_batches <= 0 || w_batches <= 0 || segs.empty())
+    throw std::invalid_argument("plan_gather_qmv: empty problem");
+  if (scale_type != MB_SCALE_F32 && scale_type != MB_SCALE_F16 && scale_type != MB_SCALE_BF16)
+    throw std::invalid_argument("plan_gather_qmv: unknown scale dtype");
+  int K = 0;
+  for (const auto& s : segs) K += s.k;
+  const bool acc = qmm_needs_acc(segs.size());
+  const size_t outs = size_t(pairs) * size_t(M) * size_t(N);
+  const Elem se = elem_of(scale_act_type(scale_type));
+  std::vector<GatherLaunch> plan;
+  int k0 = 0;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const QmmSegment& s = segs[i];
+    GatherLaunch l;
+    l.kernel = ladder_kernel_name("gather_qmv", xt, scale_type, s.bits, s.group_size);
+    MbQmmParams& q = l.params.q;
+    q.M = M;
+    q.N = N;
+    q.K = K;
+    q.k0 = k0;
+    q.kseg = s.k;
+    q.has_perm = has_perm ? 1 : 0;
+    q.accumulate = i > 0 ? 1 : 0;
+    q.write_out = i + 1 == segs.size() ? 1 : 0;
+    l.params.x_batches = x_batches;
+    l.params.w_batches = w_batches;
+    l.grid[0] = uint32_t(M);
+    l.grid[1] = uint32_t((N + MB_QMV_ROWS_PER_GROUP - 1) / MB_QMV_ROWS_PER_GROUP);
+    l.grid[2] = uint32_t(pairs);
+    l.group[0] = MB_QMV_THREADS;
+    l.group[1] = l.group[2] = 1;
+    l.threadgroup_bytes = 0;
+    l.segment = int(i);
+    const size_t mats = size_t(w_batches) * size_t(N);
+    const size_t groups = mats * size_t(s.k / s.group_size);
+    // Unused slots get `out` (freshly allocated: offset 0, aligned).
+    l.buffers = {
+        {"x", MB_GATHER_X, Dir::In, elem_of(xt), size_t(x_batches) * size_t(M) * size_t(K), -1},
+        {"perm", MB_GATHER_PERM, Dir::In, Elem::I32, has_perm ? size_t(K) : 0,
+         has_perm ? -1 : MB_GATHER_OUT},
+        {"wq", MB_GATHER_WQ, Dir::In, Elem::U32, mats * size_t(s.k) * s.bits / 32, -1},
+        {"scales", MB_GATHER_SCALES, Dir::In, se, groups, -1},
+        {"biases", MB_GATHER_BIASES, Dir::In, se, groups, -1},
+        {"lhs", MB_GATHER_LHS, Dir::In, Elem::U32, size_t(pairs), -1},
+        {"rhs", MB_GATHER_RHS, Dir::In, Elem::U32, size_t(pairs), -1},
+        {"acc", MB_GATHER_ACC, Dir::Out, Elem::F32, acc ? outs : 0, acc ? -1 : MB_GATHER_OUT},
+        {"out", MB_GATHER_OUT, Dir::Out, elem_of(xt), outs, -1},
+    };
+    l.params_index = MB_GATHER_PARAMS;
+    plan.push_back(l);
+    k0 += s.k;
+  }
+  return plan;
+}
+
+}  // namespace mixbits::metal_host
