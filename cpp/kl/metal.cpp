@@ -13,14 +13,12 @@
 #error "cpp/kl/metal.cpp needs the mixbits metallib (MIXBITS_HAS_METALLIB)"
 #endif
 
-#include <dlfcn.h>
-
-#include <filesystem>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "common/metal_bind.h"
+#include "common/metal_lib.h"
 #include "kl/kl.h"
 #include "kl_host.h"
 #include "kl_params.h"
@@ -32,23 +30,6 @@ namespace mixbits {
 namespace {
 
 namespace host = metal_host;
-
-// mixbits.metallib is installed next to this shared library.
-const std::string& kl_library_dir() {
-  static const std::string dir = [] {
-    Dl_info info;
-    if (!dladdr(reinterpret_cast<void*>(&kl_library_dir), &info))
-      throw std::runtime_error("mixbits: cannot locate the extension library");
-    return std::filesystem::path(info.dli_fname).parent_path().string();
-  }();
-  return dir;
-}
-
-host::ActType kl_act_type(mx::Dtype t) {
-  if (t == mx::float16) return host::ActType::F16;
-  if (t == mx::bfloat16) return host::ActType::BF16;
-  return host::ActType::F32;
-}
 
 int kl_mode(KLMode m) {
   switch (m) {
@@ -71,9 +52,9 @@ void KLDivergence::eval_gpu(const std::vector<mx::array>& inputs,
   const int64_t rows = V ? in[1].size() / V : 0;
   if (rows == 0) return;  // (the builder refuses rows > INT32_MAX)
 
-  const host::ActType ta = kl_act_type(in[0].dtype());
-  const host::ActType tb = kl_act_type(in[1].dtype());
-  auto* lib = d.get_library("mixbits", kl_library_dir());
+  const host::ActType ta = metal_act_type(in[0].dtype());
+  const host::ActType tb = metal_act_type(in[1].dtype());
+  auto* lib = mixbits_metal_library(d);
   auto* kernel = d.get_kernel(host::kl_kernel_name(ta, tb), lib);
   // Any multiple of 32 threads works: take what this pipeline allows.
   const int threads = host::kl_threads_for(kernel->maxTotalThreadsPerThreadgroup());

@@ -16,15 +16,13 @@
 #error "cpp/qmatmul/metal.cpp needs the mixbits metallib (MIXBITS_HAS_METALLIB)"
 #endif
 
-#include <dlfcn.h>
-
-#include <filesystem>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "common/metal_bind.h"
+#include "common/metal_lib.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/metal/device.h"
 #include "qmatmul/qmatmul.h"
@@ -33,34 +31,7 @@
 
 namespace mixbits {
 
-namespace {
-
 namespace host = metal_host;
-
-// mixbits.metallib is installed next to this shared library.
-const std::string& library_dir() {
-  static const std::string dir = [] {
-    Dl_info info;
-    if (!dladdr(reinterpret_cast<void*>(&library_dir), &info))
-      throw std::runtime_error("mixbits: cannot locate the extension library");
-    return std::filesystem::path(info.dli_fname).parent_path().string();
-  }();
-  return dir;
-}
-
-host::ActType act_type(mx::Dtype t) {
-  if (t == mx::float16) return host::ActType::F16;
-  if (t == mx::bfloat16) return host::ActType::BF16;
-  return host::ActType::F32;
-}
-
-int scale_type(mx::Dtype t) {
-  if (t == mx::float16) return MB_SCALE_F16;
-  if (t == mx::bfloat16) return MB_SCALE_BF16;
-  return MB_SCALE_F32;
-}
-
-}  // namespace
 
 void MixedQMatmul::eval_gpu(const std::vector<mx::array>& inputs,
                             mx::array& out) {
@@ -81,8 +52,8 @@ void MixedQMatmul::eval_gpu(const std::vector<mx::array>& inputs,
   const int M = int(in[0].size() / size_t(K));
   if (M == 0 || N == 0) return;
 
-  const auto plan = host::plan_qmm(M, N, segs, act_type(out.dtype()),
-                                   scale_type(in[size_t(first) + 1].dtype()),
+  const auto plan = host::plan_qmm(M, N, segs, metal_act_type(out.dtype()),
+                                   metal_scale_type(in[size_t(first) + 1].dtype()),
                                    has_perm_);
 
   // Several segments pass a float32 partial sum from dispatch to dispatch.
@@ -93,7 +64,7 @@ void MixedQMatmul::eval_gpu(const std::vector<mx::array>& inputs,
     mx::metal::get_command_encoder(s).add_temporary(*acc);
   }
 
-  auto* lib = d.get_library("mixbits", library_dir());
+  auto* lib = mixbits_metal_library(d);
   auto& enc = mx::metal::get_command_encoder(s);
   for (const host::QmmLaunch& l : plan) {
     const size_t i = size_t(l.segment);
