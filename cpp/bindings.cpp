@@ -65,6 +65,25 @@ NB_MODULE(_ext, m) {
       "mixed-segment W with leading batch dims (mx.gather_qmm's meaning).");
 
   m.def(
+      "gather_qmatmul_node_inputs",
+      [](const mx::array& x, const std::optional<mx::array>& perm,
+         const std::vector<mx::array>& packed,
+         const std::vector<std::tuple<int, int, int>>& segs,
+         const std::optional<mx::array>& lhs,
+         const std::optional<mx::array>& rhs) {
+        std::vector<mixbits::SegSpec> specs;
+        for (auto [b, g, k] : segs) specs.push_back({b, g, k});
+        auto y = mixbits::mixed_gather_qmm(x, perm, packed, specs, lhs, rhs, false,
+                                           mixbits::Backend::Auto, mx::Device::cpu);
+        return std::make_tuple(std::string(y.primitive().name()), y.inputs());
+      },
+      "x"_a, "perm"_a.none(), "packed"_a, "segments"_a, "lhs_indices"_a.none(),
+      "rhs_indices"_a.none(),
+      "For the Metal emulator tests: the name of the primitive gather_qmatmul "
+      "builds and the arrays it gives it (unevaluated), built on the CPU; a "
+      "GPU stream with the Metal kernel builds the node from the same arrays.");
+
+  m.def(
       "batched_qmatmul",
       [](const mx::array& x, const std::optional<mx::array>& perm,
          const std::vector<mx::array>& packed,

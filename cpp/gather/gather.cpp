@@ -1,5 +1,5 @@
 // MixedGatherQMM: argument checks in MLX's words, graph construction, and
-// the CPU evaluation. The CPU path groups the output matrices by weight
+// the CPU evaluation (the Metal one is in metal.cpp). The CPU path groups the output matrices by weight
 // batch (expert) and runs the existing per-row qmatmul backends once per
 // expert on all of that expert's rows, so each expert's weights are decoded
 // once per call however many tokens chose it.
@@ -16,6 +16,7 @@
 #include "common/mlx_args.h"
 #include "common/parallel.h"
 #include "gather/experts.h"
+#include "gather_host.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
@@ -98,6 +99,24 @@ mx::array indices_or_default(const std::optional<mx::array>& idx,
   return mx::reshape(mx::arange(int(total), mx::uint32, s), batch, s);
 }
 
+// Whether MixedGatherQMM::eval_gpu (cpp/gather/metal.cpp) can run this
+// problem: this build has the Metal kernels (not so with an MLX built for
+// another GPU backend, whose eval_gpu would only throw), the counts fit its
+// 32-bit parameters, and x and W hold a matrix each (an empty batch binds
+// no buffer). Every dtype the builder admits has a kernel. Elsewhere
+// mixed_gather_qmm composes MLX ops.
+bool gpu_kernel_runs(const mx::array& x, const mx::array& wq0, const mx::array& li) {
+#ifdef _METAL_
+  const int64_t bx = prod(x.shape(), 0, x.ndim() - 2);
+  const int64_t bw = prod(wq0.shape(), 0, wq0.ndim() - 2);
+  return bx > 0 && bw > 0 &&
+         metal_host::gather_gpu_refusal(int64_t(li.size()), bx, bw).empty();
+#else
+  (void)x, (void)wq0, (void)li;
+  return false;
+#endif
+}
+
 }  // namespace
 
 mx::array mixed_gather_qmm(const mx::array& x,
@@ -132,19 +151,25 @@ mx::array mixed_gather_qmm(const mx::array& x,
   ri = bc[1];
 
   if (stream.device == mx::Device::gpu) {
-    // No Metal gather kernel yet: dense weights and MLX's gather_mm, which
-    // MLX also differentiates itself.
     if (backend != Backend::Auto)
       fail("backend= chooses a CPU kernel; on the GPU leave it unset");
-    // float32 as on the CPU path (MLX's CPU gather_mm has no other type).
-    auto W = mx::astype(grad::dequantize_all(packed, segs, stream), mx::float32, stream);
-    auto xp = mx::astype(grad::permute_cols(x, perm, stream), mx::float32, stream);
-    auto y = mx::gather_mm(xp, mx::swapaxes(W, -1, -2, stream), li, ri, sorted, stream);
-    return mx::astype(y, x.dtype(), stream);
+    if (!gpu_kernel_runs(x, packed[0], li)) {
+      // Dense weights and MLX's gather_mm, which MLX also differentiates
+      // itself; float32 as on the CPU path (MLX's CPU gather_mm has no other
+      // type).
+      auto W = mx::astype(grad::dequantize_all(packed, segs, stream), mx::float32, stream);
+      auto xp = mx::astype(grad::permute_cols(x, perm, stream), mx::float32, stream);
+      auto y = mx::gather_mm(xp, mx::swapaxes(W, -1, -2, stream), li, ri, sorted, stream);
+      return mx::astype(y, x.dtype(), stream);
+    }
+  } else {
+    select_qmm(backend);  // throws now, not inside the graph, if unavailable
   }
-  select_qmm(backend);  // throws now, not inside the graph, if unavailable
 
-  // The CPU evaluation reads every input as a dense row-major buffer.
+  // Both evaluations read every input as a dense row-major buffer (the
+  // Metal kernel cannot do otherwise, and eval_gpu may only use MLX_API
+  // symbols, which exclude MLX's GPU copy helpers), so the node holds the
+  // same arrays on either device.
   std::vector<mx::array> inputs{dense_input(x, stream)};
   if (perm) inputs.push_back(dense_input(*perm, stream));
   for (const auto& a : packed) inputs.push_back(dense_input(a, stream));
@@ -274,10 +299,12 @@ void MixedGatherQMM::eval_cpu(const std::vector<mx::array>& inputs,
   });
 }
 
+#ifndef _METAL_
 void MixedGatherQMM::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  // mixed_gather_qmm composes MLX ops on a GPU stream; reaching this means
-  // a node built for the CPU was scheduled on the GPU.
-  throw std::runtime_error("[gather_qmm] no GPU kernel for MixedGatherQMM");
+  // Without Metal mixed_gather_qmm composes MLX ops on a GPU stream;
+  // reaching this means a node built for the CPU was scheduled on the GPU.
+  throw std::runtime_error("[gather_qmm] this build of mixbits has no GPU kernels");
 }
+#endif
 
 }  // namespace mixbits

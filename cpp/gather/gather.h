@@ -53,8 +53,10 @@ class MixedGatherQMM : public mx::UnaryPrimitive {
 
 // Validates as MLX's gather_qmm does (std::invalid_argument -> ValueError)
 // and builds the node. Without indices each defaults to every batch of its
-// operand in order, as in MLX. On a GPU stream the product is composed from
-// MLX ops (dequantize + gather_mm): there is no Metal gather kernel yet.
+// operand in order, as in MLX. On a GPU stream the node runs the Metal
+// gathered GEMV (cpp/gather/metal.cpp); only where that kernel cannot run
+// (an MLX without Metal, counts past 32 bits, an empty batch) is the
+// product composed from MLX ops (dequantize + gather_mm).
 mx::array mixed_gather_qmm(const mx::array& x,
                            const std::optional<mx::array>& perm,
                            const std::vector<mx::array>& packed,

@@ -1,11 +1,11 @@
 // Derivatives of MixedGatherQMM and of its CPU gradient MixedGatherQMMT.
 // dx runs the transposed kernel through the packed weights (transposed.h)
 // wherever MixedQMatmul's gradient does (prefer_qmm_t); elsewhere (Auto on
-// arm64) a dense W and MLX's gather_mm, scattered back to x's batches. A
-// GPU stream never builds these nodes: the forward is MLX ops there. The scales/biases gradients come from
-// G[e] = Σ_{i: rhs[i]=e} dy[i]ᵀ·x[lhs[i]][perm], a segmented matmul over
-// the rows sorted by expert (never a [P, N, K] intermediate per output
-// matrix).
+// arm64, and on a GPU stream, where MixedGatherQMMT has no kernel) a dense W
+// and MLX's gather_mm, scattered back to x's batches. The scales/biases
+// gradients come from G[e] = Σ_{i: rhs[i]=e} dy[i]ᵀ·x[lhs[i]][perm], a
+// segmented matmul over the rows sorted by expert (never a [P, N, K]
+// intermediate per output matrix).
 #include <stdexcept>
 
 #include "gather/gather.h"

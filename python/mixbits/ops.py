@@ -145,7 +145,8 @@ def gather_qmatmul(
     ``broadcast(lhs, rhs).shape + (M, N)`` in x's dtype. An index out of
     range gives NaN rows, and a NaN gradient wrt x (MLX cannot check it
     when building the graph either). ``sorted_indices`` is accepted for MLX compatibility; the CPU
-    kernel groups rows by expert whether or not they are sorted."""
+    kernel groups rows by expert whether or not they are sorted, and the Metal kernel (a
+    gathered GEMV, one threadgroup row per output row) does not depend on the order."""
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
     if not isinstance(x, mx.array):

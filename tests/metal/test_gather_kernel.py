@@ -1,0 +1,246 @@
+"""The gathered quantized matmul's Metal kernel (metal/gather_qmv.metal),
+run unchanged on the SIMT emulator with MixedGatherQMM's own inputs.
+
+mixbits._ext.gather_qmatmul_node_inputs builds the node exactly as
+gather_qmatmul does (indices cast to uint32 and broadcast, every input
+dense) and returns the arrays the primitive is given; those arrays, byte
+for byte, go to the emulator, whose harness checks their sizes against the
+launch plan eval_gpu uses (metal/gather_host.h). The results are compared
+with float64 numpy, with mx.gather_qmm (one segment) and with the CPU
+primitive (NaN pattern of bad indices)."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import metal_emu as E
+import mixbits
+from mixbits import _ext
+from mixbits.layout import QuantizedTensor, Segment
+from test_metal_kernels import ACTS, BITS, GROUP_SIZES, MX_DTYPE, OUT_EPS, assert_close, to_storage
+
+ACT_OF = {v: k for k, v in MX_DTYPE.items()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def emulator():
+    if E.compiler() is None:
+        pytest.skip("no C++ compiler to build the Metal emulator")
+    E.lib()
+
+
+# ---------------------------------------------------------------- helpers
+
+def rand(rng, shape, dtype=mx.float32):
+    return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+def mlx_stack(rng, E_, n, k, bits, gs, dtype):
+    """One-segment expert stack quantized by mx.quantize (MLX's layout)."""
+    wq, s, b = mx.quantize(rand(rng, (E_, n, k), dtype), group_size=gs, bits=bits)
+    return QuantizedTensor([Segment(bits, gs, k, wq, s, b)])
+
+
+def mixed_stack(rng, E_, n, specs, dtype, perm=True):
+    """Expert stack (E, n, .) of one mixed layout, quantized by mixbits."""
+    k = sum(s[2] for s in specs)
+    qt = mixbits.quantize(rand(rng, (E_ * n, k)), specs,
+                          perm=rng.permutation(k) if perm else None, dtype=dtype)
+    segs = [Segment(s.bits, s.group_size, s.k,
+                    *(a.reshape(E_, n, -1) for a in (s.wq, s.scales, s.biases)))
+            for s in qt.segments]
+    return QuantizedTensor(segs, qt.perm)
+
+
+def node_inputs(x, qt, lhs, rhs):
+    """The arrays MixedGatherQMM is given, as numpy storage (bf16 as bits)."""
+    name, inputs = _ext.gather_qmatmul_node_inputs(x, qt.perm, qt.arrays(), qt.specs, lhs, rhs)
+    assert name == "MixedGatherQMM"
+    mx.eval(inputs)
+    return [to_storage(a) for a in inputs]
+
+
+def emulate(x, qt, lhs, rhs, order="shuffle", seed=1):
+    inputs = node_inputs(x, qt, lhs, rhs)
+    act = ACT_OF[x.dtype]
+    y = E.gather_qmv(inputs, qt.specs, act, ACT_OF[qt.dtype], qt.perm is not None,
+                     order=order, seed=seed)
+    assert y.dtype == E.storage_dtype(act)
+    return y
+
+
+def reference(x, qt, lhs, rhs):
+    """float64 out[i] = x[lhs[i]][perm] @ W[rhs[i]].T and sum |x||w|, from
+    mx.dequantize of every segment; indices defaulted and broadcast as MLX
+    does (numpy here, not the builder)."""
+    W = np.concatenate([np.array(mx.dequantize(s.wq, s.scales.astype(mx.float32),
+                                               s.biases.astype(mx.float32),
+                                               group_size=s.group_size, bits=s.bits),
+                                 dtype=np.float64) for s in qt.segments], axis=-1)
+    x64 = np.array(x.astype(mx.float32), dtype=np.float64)
+    if qt.perm is not None:
+        x64 = x64[..., np.array(qt.perm)]
+    xb, wb = x64.shape[:-2], W.shape[:-2]
+    li = np.arange(int(np.prod(xb))).reshape(xb) if lhs is None else np.array(lhs)
+    ri = np.arange(int(np.prod(wb))).reshape(wb) if rhs is None else np.array(rhs)
+    li, ri = np.broadcast_arrays(li, ri)
+    xs = x64.reshape(-1, *x64.shape[-2:])[li]
+    Ws = np.swapaxes(W.reshape(-1, *W.shape[-2:])[ri], -1, -2)
+    return xs @ Ws, np.abs(xs) @ np.abs(Ws)
+
+
+def check(x, qt, lhs, rhs, seed=1, order="shuffle"):
+    y = emulate(x, qt, lhs, rhs, order=order, seed=seed)
+    ref, mag = reference(x, qt, lhs, rhs)
+    assert_close(y, ACT_OF[x.dtype], ref, mag)
+    return y
+
+
+def u32(a):
+    return mx.array(np.asarray(a).astype(np.uint32))
+
+
+# ---------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("bits,gs", list(itertools.product(BITS, GROUP_SIZES)))
+@pytest.mark.parametrize("act", ACTS)
+def test_every_width_group_and_dtype_against_mx_gather_qmm(bits, gs, act):
+    rng = np.random.default_rng(bits * 1000 + gs + 7 * ACTS.index(act))
+    dt = MX_DTYPE[act]
+    E_ = 4
+    N = int(rng.choice([5, 13, 21]))      # partial 8-row blocks
+    k = gs * int(rng.integers(1, 4))
+    qt = mlx_stack(rng, E_, N, k, bits, gs, dt)
+    seg = qt.segments[0]
+    M = int(rng.integers(1, 4))
+    # Tokens x top-2 experts (unsorted, repeated) and both operands gathered.
+    for xb, lhs, rhs in [((5, 1), None, rng.integers(0, E_, (5, 2))),
+                         ((3,), rng.integers(0, 3, (6,)), rng.integers(0, E_, (6,)))]:
+        x = rand(rng, (*xb, M, k), dt)
+        li = None if lhs is None else u32(lhs)
+        ri = mx.array(rhs.astype(np.int32))  # int32 as callers pass; the builder casts
+        y = check(x, qt, li, ri, seed=int(rng.integers(1 << 30)))
+        want = mx.gather_qmm(x, seg.wq, seg.scales, seg.biases, li, ri, transpose=True,
+                             group_size=gs, bits=bits, stream=mx.cpu)
+        got = E.storage_to_f64(y, act)
+        w64 = np.array(want.astype(mx.float32), dtype=np.float64)
+        assert got.shape == w64.shape
+        # Both round to the dtype (MLX also its dequantized weights).
+        tol = {"float32": 2e-5, "float16": 1e-2, "bfloat16": 8e-2}[act]
+        assert np.abs(got - w64).max() <= tol * max(np.abs(w64).max(), 1e-6)
+
+
+@pytest.mark.parametrize("M", [1, 3, 9])
+@pytest.mark.parametrize("act", ACTS)
+def test_mixed_segments_with_perm_and_batch_dims(M, act):
+    rng = np.random.default_rng(100 + M + 10 * ACTS.index(act))
+    specs = [(8, 128, 128), (6, 64, 64), (5, 32, 96), (4, 64, 640), (3, 32, 32), (2, 128, 128)]
+    qt = mixed_stack(rng, 5, 11, specs, MX_DTYPE[act])
+    K = qt.shape[1]
+    x = rand(rng, (4, 2, M, K), MX_DTYPE[act])
+    # lhs indexes the 8 flattened x matrices, rhs the 5 experts; unsorted,
+    # repeated, with batch dims (2, 3) broadcast from (2, 1) and (3,).
+    lhs = u32(rng.integers(0, 8, (2, 1)))
+    rhs = u32(rng.permutation([4, 0, 4]))
+    y = check(x, qt, lhs, rhs, seed=M)
+    assert y.shape == (2, 3, M, 11)
+    # And the CPU primitive on the same node inputs agrees.
+    cpu = to_storage(mixbits.gather_qmatmul(x, qt, lhs, rhs))
+    np.testing.assert_allclose(E.storage_to_f64(y, act), E.storage_to_f64(cpu, act),
+                               rtol=4 * OUT_EPS[act], atol=1e-4 * float(np.abs(
+                                   E.storage_to_f64(cpu, act)).max()))
+
+
+@pytest.mark.parametrize("act,scale_act", [(a, s) for a in ACTS for s in ACTS if a != s])
+def test_scale_dtype_differs_from_x(act, scale_act):
+    rng = np.random.default_rng(5 + ACTS.index(act) + 3 * ACTS.index(scale_act))
+    qt = mixed_stack(rng, 3, 9, [(5, 64, 128), (3, 32, 96)], MX_DTYPE[scale_act])
+    x = rand(rng, (4, 1, 2, 224), MX_DTYPE[act])
+    check(x, qt, None, u32(rng.integers(0, 3, (4, 2))))
+
+
+def test_default_indices_broadcast_batches():
+    # No indices: every x matrix against every expert by broadcasting the
+    # batch shapes (2, 1) and (3,), as mx.quantized_matmul with batched w.
+    rng = np.random.default_rng(21)
+    qt = mixed_stack(rng, 3, 7, [(4, 32, 64), (6, 64, 64)], mx.float16, perm=False)
+    seg_shapes = [s.wq.shape for s in qt.segments]
+    x = rand(rng, (2, 1, 3, 128), mx.float16)
+    y = check(x, qt, None, None)
+    assert y.shape == (2, 3, 3, 7) and seg_shapes[0][0] == 3
+
+
+def test_many_pairs_of_few_experts_long_k():
+    # K over several 512-column GEMV blocks; 40 pairs on 2 experts.
+    rng = np.random.default_rng(22)
+    qt = mlx_stack(rng, 2, 9, 2048 + 64, 4, 64, mx.float32)
+    x = rand(rng, (40, 1, 1, 2048 + 64))
+    check(x, qt, None, u32(np.r_[np.zeros(30), np.ones(10)].reshape(40, 1)))
+
+
+@pytest.mark.parametrize("segments", [1, 3])
+def test_out_of_range_indices_give_nan_matrices_like_the_cpu(segments):
+    # Guard pages after every input: a read of x or W past its last matrix
+    # would fault. Index -1 arrives as 2^32 - 1 (the builder casts to uint32).
+    rng = np.random.default_rng(23)
+    specs = [(4, 32, 64)] if segments == 1 else [(4, 32, 64), (3, 32, 32), (8, 64, 64)]
+    qt = mixed_stack(rng, 3, 10, specs, mx.float32)
+    x = rand(rng, (4, 2, qt.shape[1]))
+    lhs = mx.array(np.array([0, 4, 2, 1, 3, 2], np.int32))
+    rhs = mx.array(np.array([0, 1, 3, -1, 2, 2], np.int32))
+    y = E.storage_to_f64(emulate(x, qt, lhs, rhs), "float32")
+    bad = np.array([False, True, True, True, False, False])
+    assert np.isnan(y[bad]).all()
+    assert np.isfinite(y[~bad]).all()
+    cpu = np.array(mixbits.gather_qmatmul(x, qt, lhs, rhs))
+    np.testing.assert_array_equal(np.isnan(cpu).all(axis=(1, 2)), bad)
+    ok = mx.array(~bad)  # the good pairs' reference, bad ones read matrix 0
+    ref, mag = reference(x, qt, mx.where(ok, lhs, 0), mx.where(ok, rhs, 0))
+    assert_close(y[~bad], "float32", ref[~bad], mag[~bad])
+
+
+def test_bad_permutation_entry_poisons_every_output_like_the_cpu():
+    # QuantizedTensor refuses such a perm; the builder takes it (checks its
+    # shape only), and both evaluations must then give NaN, not garbage.
+    class BadPerm:
+        def __init__(self, qt, perm):
+            self.perm, self.specs, self.dtype = perm, qt.specs, qt.dtype
+            self.arrays = qt.arrays
+
+    rng = np.random.default_rng(24)
+    qt = mixed_stack(rng, 2, 6, [(4, 32, 64), (2, 32, 32)], mx.float32)
+    perm = np.array(qt.perm)
+    perm[17] = 96
+    bad = BadPerm(qt, mx.array(perm))
+    x = rand(rng, (3, 1, 96))
+    lhs, rhs = u32([0, 2, 1]), u32([1, 0, 1])
+    assert np.isnan(E.storage_to_f64(emulate(x, bad, lhs, rhs), "float32")).all()
+    cpu = _ext.gather_qmatmul(x, bad.perm, qt.arrays(), qt.specs, lhs, rhs, False, 0)
+    assert np.isnan(np.array(cpu)).all()
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+def test_thread_orders(order):
+    rng = np.random.default_rng(25)
+    qt = mixed_stack(rng, 3, 13, [(3, 32, 96), (5, 64, 64)], mx.bfloat16)
+    check(rand(rng, (3, 2, 160), mx.bfloat16), qt, u32([2, 0, 2, 1]), u32([1, 1, 0, 2]),
+          order=order)
+
+
+def test_harness_refuses_buffers_the_primitive_would_not_pass():
+    # One expert's scales where the node holds the stack's: the launch
+    # (planned from x's and wq's shapes, as eval_gpu plans it) binds all
+    # three experts' groups, so the harness refuses instead of running the
+    # kernel on a re-layout.
+    rng = np.random.default_rng(26)
+    qt = mlx_stack(rng, 3, 8, 64, 4, 32, mx.float32)
+    x = rand(rng, (2, 1, 64))
+    inputs = node_inputs(x, qt, None, u32([[0], [2]]))
+    with pytest.raises(E.EmulatorError, match=r"scales \(buffer 3, float32\[48\]\)"):
+        E.gather_qmv(inputs[:2] + [inputs[2][:1].copy()] + inputs[3:], qt.specs, "float32",
+                     "float32", False)
+    with pytest.raises(TypeError, match="lhs must be uint32"):
+        E.gather_qmv(inputs[:-2] + [inputs[-2].astype(np.int32), inputs[-1]], qt.specs,
+                     "float32", "float32", False)
