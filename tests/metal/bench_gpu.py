@@ -1,7 +1,8 @@
 """Metal benchmarks (a Mac with Metal only): mixbits on mx.gpu against
 mx.quantized_matmul on the same weights (the GEMV at M = 1, 8; the tiled
-simdgroup-matrix kernel at M = 32 .. 512), and the fused KL against MLX's
-op composition. Prints one table; exit status 0 even when mixbits is
+simdgroup-matrix kernel at M = 32 .. 512), the gathered GEMV against
+mx.gather_qmm on an expert stack (top-8 of 128 experts, as Qwen3-30B-A3B's
+MoE layers), and the fused KL against MLX's op composition. Prints one table; exit status 0 even when mixbits is
 slower (check_on_mac.sh reports the ratios, it does not judge them).
 
     python tests/metal/bench_gpu.py [--quick]
@@ -48,6 +49,28 @@ def qmm_rows(quick):
                 yield f"qmm {N}x{K} b{bits} M={M} {kind}", ours, mlx
 
 
+def gather_rows(quick):
+    # 128 experts of 768 x 2048 (an MoE layer's up projection), top-8 per
+    # token, unsorted: decode (1 token) and small batches. mixbits runs one
+    # GEMV per (token, expert) pair whatever the count (no tiled gather
+    # kernel yet), so large batches are expected to favour MLX.
+    E, N, K, top = 128, 768, 2048, 8
+    for bits in ((4,) if quick else (4, 3)):
+        rng = np.random.default_rng(bits)
+        w = mx.array(rng.standard_normal((E, N, K)).astype(np.float32)).astype(mx.float16)
+        wq, s, b = mx.quantize(w, group_size=64, bits=bits)
+        for tokens in (1, 8, 64):
+            x = mx.array(rng.standard_normal((tokens, 1, 1, K)).astype(np.float16))
+            idx = mx.array(np.stack([rng.choice(E, top, replace=False)
+                                     for _ in range(tokens)]).astype(np.uint32))
+            mx.eval(x, idx, wq, s, b)
+            ours = best_ms(lambda: mixbits.gather_quantized_matmul(x, wq, s, b, None, idx, 64,
+                                                                   bits), 20)
+            mlx = best_ms(lambda: mx.gather_qmm(x, wq, s, b, None, idx, transpose=True,
+                                                group_size=64, bits=bits), 20)
+            yield f"gather {E}x{N}x{K} b{bits} tok={tokens} top{top}", ours, mlx
+
+
 def kl_rows(quick):
     for rows, V in ([(256, 151936), (64, 262144)] if not quick else [(64, 151936)]):
         rng = np.random.default_rng(0)
@@ -70,7 +93,7 @@ def main():
     quick = "--quick" in sys.argv
     mx.set_default_device(mx.gpu)
     print(f"{'case':38} {'mixbits ms':>11} {'mlx ms':>9} {'mlx/mixbits':>12}")
-    for name, ours, mlx in list(qmm_rows(quick)) + list(kl_rows(quick)):
+    for name, ours, mlx in list(qmm_rows(quick)) + list(gather_rows(quick)) + list(kl_rows(quick)):
         print(f"{name:38} {ours:11.3f} {mlx:9.3f} {mlx / ours:12.2f}")
     return 0
 

@@ -4,9 +4,10 @@
 # virtualenv, checks that the metallib is inside and loads, runs the whole
 # test suite (MLX's default device on a Mac is the GPU, so the ops run
 # their eval_gpu), the GPU-only tests (tests/metal/test_gpu_device.py:
-# GPU vs CPU primitive and mx.quantized_matmul, KL in every mode, bad input
-# refused before dispatch) and the Metal benchmarks against
-# mx.quantized_matmul, then prints one summary. Nothing is installed
+# GPU vs CPU primitive and mx.quantized_matmul / mx.gather_qmm, the gathered
+# kernel really in the graph, KL in every mode, bad input refused before
+# dispatch) and the Metal benchmarks against mx.quantized_matmul and
+# mx.gather_qmm, then prints one summary. Nothing is installed
 # outside the temporary directory. Needs: macOS 14+ on Apple silicon,
 # python3 (3.10+), Xcode command line tools with the Metal toolchain.
 #
@@ -45,6 +46,29 @@ with mx.stream(mx.gpu):
 ref = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=64, bits=4, stream=mx.cpu)
 assert mx.allclose(y, ref, rtol=1e-4, atol=1e-4).item()
 print('eval_gpu linked, metallib loaded, result matches mx.quantized_matmul')"
+# The gathered matmul on the GPU runs mixbits' Metal kernel (its node is
+# MixedGatherQMM, not MLX's GatherMM) and agrees with mx.gather_qmm,
+# an out-of-range expert index giving a NaN matrix.
+step gather-on-gpu "$PY" -c "
+import mlx.core as mx, mixbits, numpy as np, re, tempfile, os
+rng = np.random.default_rng(0)
+w = mx.array(rng.standard_normal((8, 96, 256)).astype(np.float32)).astype(mx.float16)
+wq, s, b = mx.quantize(w, 64, 3)
+x = mx.array(rng.standard_normal((5, 1, 1, 256)).astype(np.float16))
+idx = mx.array(rng.integers(0, 8, (5, 2)).astype(np.uint32))
+with mx.stream(mx.gpu):
+    y = mixbits.gather_quantized_matmul(x, wq, s, b, None, idx, 64, 3)
+dot = os.path.join(tempfile.mkdtemp(), 'g.dot'); mx.export_to_dot(dot, y)
+ops = set(re.findall(r'label =\"(\\w+)\"', open(dot).read()))
+assert 'MixedGatherQMM' in ops and 'GatherMM' not in ops, ops
+ref = mx.gather_qmm(x, wq, s, b, None, idx, transpose=True, group_size=64, bits=3, stream=mx.cpu)
+y, ref = np.array(y.astype(mx.float32)), np.array(ref.astype(mx.float32))
+assert np.abs(y - ref).max() <= 2e-2 * np.abs(ref).max(), np.abs(y - ref).max()
+bad = mx.array(np.array([[0, 8]], np.uint32))
+with mx.stream(mx.gpu):
+    z = np.array(mixbits.gather_quantized_matmul(x[:1], wq, s, b, None, bad, 64, 3))
+assert np.isfinite(z[0, 0]).all() and np.isnan(z[0, 1]).all()
+print('gather_qmm on the GPU: Metal kernel in the graph, matches mx.gather_qmm, bad index -> NaN')"
 # From the checkout: its python/ tree is not on sys.path, so the tests
 # import the installed wheel (checked by import-on-gpu above).
 step gpu-tests "$PY" -m pytest tests/metal/test_gpu_device.py -q -rs -p no:cacheprovider

@@ -13,6 +13,7 @@ import pytest
 
 import mixbits
 import mixbits.kl as mkl
+from mixbits.layout import QuantizedTensor, Segment
 
 if not (hasattr(mx, "metal") and mx.metal.is_available()):
     pytest.skip("needs an Apple GPU (Metal): run tests/metal/check_on_mac.sh on a Mac",
@@ -78,6 +79,95 @@ def test_mixed_segments_with_perm_gpu_matches_cpu(M):
     np.testing.assert_allclose(np.array(on(mx.gpu, mixbits.qmatmul, xt, qt)),
                                np.array(on(mx.cpu, mixbits.qmatmul, xt, qt)),
                                rtol=1e-4, atol=1e-3)
+
+
+def graph_ops(y, tmp_path):
+    """The primitive names in y's graph (mx.export_to_dot labels)."""
+    import re
+    path = tmp_path / "graph.dot"
+    mx.export_to_dot(str(path), y)
+    return set(re.findall(r'label ="(\w+)"', path.read_text()))
+
+
+@pytest.mark.parametrize("M", [1, 3, 12])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_gather_qmm_gpu_matches_mlx(M, bits, dtype):
+    # Tokens x top-2 of 8 experts, unsorted with repeats, as SwitchGLU calls it.
+    rng = np.random.default_rng(M * 10 + bits)
+    E, N, K, gs = 8, 300, 512, 64
+    w = mx.array(rng.standard_normal((E, N, K)).astype(np.float32)).astype(dtype)
+    wq, s, b = mx.quantize(w, group_size=gs, bits=bits)
+    x = mx.array(rng.standard_normal((16, 1, M, K)).astype(np.float32)).astype(dtype)
+    rhs = mx.array(rng.integers(0, E, (16, 2)).astype(np.uint32))
+    mx.eval(wq, s, b, x, rhs)
+    want = np.array(on(mx.cpu, mx.gather_qmm, x, wq, s, b, None, rhs, transpose=True,
+                       group_size=gs, bits=bits).astype(mx.float32))
+    got = np.array(on(mx.gpu, mixbits.gather_quantized_matmul, x, wq, s, b, None, rhs,
+                      group_size=gs, bits=bits).astype(mx.float32))
+    tol = {mx.float32: 2e-4, mx.float16: 2e-2, mx.bfloat16: 1e-1}[dtype]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_gather_gpu_runs_the_metal_kernel_and_matches_cpu(tmp_path):
+    # Mixed segments with a permutation, both operands gathered with batch
+    # dims, an index out of range (NaN matrix, as on the CPU), a strided x.
+    rng = np.random.default_rng(3)
+    E, n, K = 5, 70, 640
+    specs = [(8, 128, 128), (5, 32, 96), (4, 64, 320), (2, 32, 96)]
+    qt = mixbits.quantize(mx.array(rng.standard_normal((E * n, K)).astype(np.float32)), specs,
+                          perm=rng.permutation(K))
+    segs = [Segment(sg.bits, sg.group_size, sg.k,
+                    *(a.reshape(E, n, -1) for a in (sg.wq, sg.scales, sg.biases)))
+            for sg in qt.segments]
+    qt = QuantizedTensor(segs, qt.perm)
+    x = mx.array(rng.standard_normal((4, 2, K, 3)).astype(np.float32)).swapaxes(-1, -2)
+    lhs = mx.array(np.array([[0], [7], [3]], np.uint32))
+    rhs = mx.array(np.array([4, 0, 9, 2], np.uint32))  # 9: out of range
+    with mx.stream(mx.gpu):
+        y = mixbits.gather_qmatmul(x, qt, lhs, rhs)
+    ops = graph_ops(y, tmp_path)
+    assert "MixedGatherQMM" in ops and "GatherMM" not in ops, ops
+    mx.eval(y)
+    cpu = np.array(on(mx.cpu, mixbits.gather_qmatmul, x, qt, lhs, rhs))
+    gpu = np.array(y)
+    np.testing.assert_array_equal(np.isnan(gpu), np.isnan(cpu))
+    assert np.isnan(gpu[:, 2]).all() and np.isfinite(gpu[:, [0, 1, 3]]).all()
+    ok = np.isfinite(cpu)
+    np.testing.assert_allclose(gpu[ok], cpu[ok], rtol=1e-4, atol=1e-4 * np.abs(cpu[ok]).max())
+
+
+def test_gather_gpu_gradients_and_switch_linear():
+    # The primitive's vjp on a GPU stream (dense dx, segmented_mm for the
+    # scales) against the CPU's, and mlx-lm's QuantizedSwitchLinear drop-in.
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    from mixbits.nn import MixedQuantizedSwitchLinear
+
+    rng = np.random.default_rng(4)
+    wq, s, b = mx.quantize(mx.array(rng.standard_normal((4, 24, 128)).astype(np.float32)),
+                           group_size=32, bits=4)
+    x = mx.array(rng.standard_normal((6, 1, 1, 128)).astype(np.float32))
+    rhs = mx.array(rng.integers(0, 4, (6, 2)).astype(np.uint32))
+
+    def loss(x, s, b):
+        y = mixbits.gather_quantized_matmul(x, wq, s, b, None, rhs, group_size=32, bits=4)
+        return (y * y).sum()
+
+    g_cpu = on(mx.cpu, mx.grad(loss, argnums=(0, 1, 2)), x, s, b)
+    g_gpu = on(mx.gpu, mx.grad(loss, argnums=(0, 1, 2)), x, s, b)
+    for gc, gg in zip(g_cpu, g_gpu):
+        gc, gg = np.array(gc), np.array(gg)
+        np.testing.assert_allclose(gg, gc, rtol=1e-3, atol=1e-3 * np.abs(gc).max())
+
+    stock = SwitchLinear(128, 24, 4, bias=True).to_quantized(group_size=64, bits=4)
+    ours = MixedQuantizedSwitchLinear.from_quantized(stock)
+    order = mx.argsort(rhs.flatten())
+    xs, ids = x.reshape(-1, 1, 128)[order // 2], rhs.flatten()[order]
+    for args, kw in [((x, rhs), {}), ((xs, ids), {"sorted_indices": True})]:
+        want = np.array(on(mx.cpu, stock, *args, **kw))
+        got = np.array(on(mx.gpu, ours, *args, **kw))
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("form", ["direct", "logits", "probs32", "probs16"])
