@@ -1,7 +1,7 @@
 // C entry points (loaded with ctypes by the tests) that launch the Metal
 // kernels on the SIMT emulator exactly as the Mac host code does: the
-// launch plans come from metal/qmatmul_host.h, metal/gather_host.h and
-// metal/kl_host.h, the
+// launch plans come from metal/qmatmul_host.h and metal/kl_host.h (the
+// gathered matmul's, metal/gather_host.h, in harness_gather.cpp), the
 // kernels are looked up by their [[host_name]], and the buffers are
 // allocated, checked and bound from each launch's own description of them
 // (Launch::buffers, metal/kernel_args.h), the one cpp/*/metal.cpp binds MLX
@@ -15,237 +15,15 @@
 // aligned (as MLX allocates them, offset 0) and are followed by canary
 // bytes up to the guard page, checked after the launch. Outputs and
 // threadgroup memory start as NaN, so an element a kernel forgets to
-// write, or a threadgroup slot read before it is written, shows.
-#include <setjmp.h>
-#include <signal.h>
-#include <sys/mman.h>
-#include <unistd.h>
-
-#include <cmath>
-#include <cstdio>
-#include <cstdint>
-#include <cstring>
-#include <exception>
-#include <algorithm>
-#include <limits>
-#include <map>
-#include <memory>
-#include <string>
-#include <vector>
-
-#include "gather_host.h"
+// write, or a threadgroup slot read before it is written, shows. The
+// machinery for all of this is in harness_core.h.
 #include "kl_host.h"
 #include "qmatmul_host.h"
-#include "simt.h"
-// Last: defines the address-space macros.
-#include "metal_compat.h"
+#include "harness_core.h"
 
 namespace {
 
 using namespace mixbits::metal_host;
-
-class Guarded {
- public:
-  // `align` > 1: start aligned to it, the slack up to the guard page filled
-  // with a canary (see canary_intact).
-  explicit Guarded(size_t bytes, size_t align = 1) : bytes_(bytes) {
-    const size_t page = size_t(sysconf(_SC_PAGESIZE));
-    const size_t span = (bytes + align - 1) / align * align;
-    const size_t body = (span + page - 1) / page * page;
-    total_ = body + page;
-    void* p = mmap(nullptr, total_, PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw std::runtime_error("harness: mmap failed");
-    base_ = static_cast<char*>(p);
-    mprotect(base_ + body, page, PROT_NONE);
-    data_ = base_ + body - span;
-    slack_ = span - bytes;
-    std::memset(data_ + bytes, kCanary, slack_);
-  }
-  Guarded(size_t bytes, const void* src) : Guarded(bytes) {
-    if (bytes) std::memcpy(data_, src, bytes);
-  }
-  ~Guarded() { munmap(base_, total_); }
-  Guarded(const Guarded&) = delete;
-  Guarded& operator=(const Guarded&) = delete;
-  template <typename T>
-  T* as() { return reinterpret_cast<T*>(data_); }
-  void* data() { return data_; }
-  void fill_nan_f32() {
-    float* f = as<float>();
-    for (size_t i = 0; i < bytes_ / 4; ++i) f[i] = std::numeric_limits<float>::quiet_NaN();
-  }
-  void fill_bytes(unsigned char v) { std::memset(data_, v, bytes_); }
-  size_t bytes() const { return bytes_; }
-  bool canary_intact() const {
-    for (size_t i = 0; i < slack_; ++i)
-      if (static_cast<unsigned char>(data_[bytes_ + i]) != kCanary) return false;
-    return true;
-  }
-
- private:
-  static constexpr unsigned char kCanary = 0x5a;
-  char* base_ = nullptr;
-  char* data_ = nullptr;
-  size_t bytes_ = 0, total_ = 0, slack_ = 0;
-};
-
-// What the caller (Python) supplies for one buffer index: input data, or
-// where an output goes; `bytes` its size. Null for a slot it leaves empty.
-struct UserBuf {
-  const void* in = nullptr;
-  void* out = nullptr;
-  size_t bytes = 0;
-};
-
-// The buffers of a sequence of launches, built from their descriptions.
-// Buffers listed in `shared` (x, acc, out ... of a multi-dispatch matmul)
-// are allocated once and seen by every launch; the others per launch.
-class Buffers {
- public:
-  explicit Buffers(std::vector<int> shared) : shared_(std::move(shared)) {}
-
-  // Pointers by buffer index for launch `l`, given the caller's buffers
-  // for this launch by index.
-  std::vector<void*> bind(const Launch& l, const std::vector<UserBuf>& user) {
-    per_launch_.clear();
-    std::vector<void*> ptr(l.buffers.size(), nullptr);
-    for (const BufferArg& b : l.buffers) {
-      const UserBuf u = size_t(b.index) < user.size() ? user[size_t(b.index)] : UserBuf{};
-      if (!b.used()) {
-        if (u.in || u.out)
-          fail(l, b, "the caller supplies data for a slot this launch does not use");
-        continue;
-      }
-      const size_t want = b.count * elem_bytes(b.elem);
-      if (u.bytes != want || (b.dir == Dir::In ? !u.in : !u.out))
-        fail(l, b, "the caller supplies " + std::to_string(u.bytes) + " bytes, the launch binds " +
-                       std::to_string(want));
-      Guarded* g = nullptr;
-      if (is_shared(b.index) && shared_bufs_.count(b.index)) {
-        g = shared_bufs_[b.index].get();
-        if (g->bytes() != want) fail(l, b, "differs from an earlier launch's");
-      } else {
-        auto fresh = b.dir == Dir::In ? std::make_unique<Guarded>(want, u.in)
-                                      : std::make_unique<Guarded>(want, 16);
-        if (b.dir == Dir::Out) {
-          if (b.elem == Elem::F32) fresh->fill_nan_f32();
-          else fresh->fill_bytes(0xff);  // NaN in f16/bf16; -1 in ints
-          outputs_.push_back({fresh.get(), u.out});
-        }
-        g = fresh.get();
-        if (is_shared(b.index)) shared_bufs_[b.index] = std::move(fresh);
-        else if (b.dir == Dir::Out) owned_outputs_.push_back(std::move(fresh));
-        else per_launch_.push_back(std::move(fresh));
-      }
-      ptr[size_t(b.index)] = g->data();
-    }
-    for (const BufferArg& b : l.buffers) {
-      if (!b.used()) {
-        if (b.stand_in < 0 || !ptr[size_t(b.stand_in)])
-          fail(l, b, "unused slot without a bound stand-in");
-        ptr[size_t(b.index)] = ptr[size_t(b.stand_in)];
-      }
-      if (reinterpret_cast<uintptr_t>(ptr[size_t(b.index)]) % elem_bytes(b.elem) != 0)
-        fail(l, b, "bound at an address not aligned for its element type");
-    }
-    return ptr;
-  }
-
-  // After the last launch: every output back to the caller.
-  void finish() {
-    for (auto& [g, dst] : outputs_) {
-      if (!g->canary_intact())
-        throw std::runtime_error("harness: a kernel wrote past the end of an output");
-      std::memcpy(dst, g->data(), g->bytes());
-    }
-  }
-
- private:
-  bool is_shared(int i) const {
-    return std::find(shared_.begin(), shared_.end(), i) != shared_.end();
-  }
-  [[noreturn]] static void fail(const Launch& l, const BufferArg& b, const std::string& m) {
-    throw std::runtime_error("harness: " + l.kernel + ": " + describe(b) + ": " + m);
-  }
-  std::vector<int> shared_;
-  std::map<int, std::unique_ptr<Guarded>> shared_bufs_;
-  std::vector<std::unique_ptr<Guarded>> per_launch_;
-  std::vector<std::unique_ptr<Guarded>> owned_outputs_;
-  std::vector<std::pair<Guarded*, void*>> outputs_;
-};
-
-simt::Options options(int order, uint64_t seed) {
-  simt::Options o;
-  o.order = order == 0 ? simt::Order::Forward
-          : order == 1 ? simt::Order::Reverse
-                       : simt::Order::Shuffle;
-  o.seed = seed;
-  return o;
-}
-
-simt::Dim3 dim(const uint32_t v[3]) { return {v[0], v[1], v[2]}; }
-uint3 u3(const simt::Dim3& d) { return uint3(d.x, d.y, d.z); }
-
-int report(const char* msg, char* err, int errlen) {
-  if (err && errlen > 0) {
-    std::strncpy(err, msg, size_t(errlen) - 1);
-    err[errlen - 1] = 0;
-  }
-  return 1;
-}
-
-// A kernel that touches a guard page raises SIGSEGV; instead of taking the
-// test process down, the handler jumps back to the entry point, which
-// reports the fault as an error (the interrupted launch's memory leaks).
-thread_local sigjmp_buf* g_fault_jump = nullptr;
-thread_local void* g_fault_addr = nullptr;
-
-void on_fault(int sig, siginfo_t* si, void*) {
-  if (g_fault_jump) {
-    g_fault_addr = si->si_addr;
-    siglongjmp(*g_fault_jump, 1);
-  }
-  signal(sig, SIG_DFL);
-  raise(sig);
-}
-
-template <typename F>
-int guarded_call(F&& f, char* err, int errlen) {
-  static thread_local std::vector<char> altstack(1 << 16);
-  stack_t ss{}, old_ss{};
-  ss.ss_sp = altstack.data();
-  ss.ss_size = altstack.size();
-  sigaltstack(&ss, &old_ss);  // the fault may be a fiber stack overflow
-  struct sigaction sa{}, old_segv{}, old_bus{};
-  sa.sa_sigaction = on_fault;
-  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGSEGV, &sa, &old_segv);
-  sigaction(SIGBUS, &sa, &old_bus);
-  sigjmp_buf jb;
-  volatile int rc = 0;
-  if (sigsetjmp(jb, 1) == 0) {
-    g_fault_jump = &jb;
-    try {
-      f();
-    } catch (const std::exception& e) {
-      rc = report(e.what(), err, errlen);
-    }
-  } else {
-    simt::abandon_dispatch();
-    char msg[160];
-    std::snprintf(msg, sizeof msg,
-                  "kernel accessed memory out of bounds (fault at %p, a guard "
-                  "page after a buffer or a fiber stack)", g_fault_addr);
-    rc = report(msg, err, errlen);
-  }
-  g_fault_jump = nullptr;
-  sigaction(SIGSEGV, &old_segv, nullptr);
-  sigaction(SIGBUS, &old_bus, nullptr);
-  sigaltstack(&old_ss, nullptr);
-  return rc;
-}
 
 // ---- qmatmul ---------------------------------------------------------------
 
@@ -339,70 +117,6 @@ void run_qmm_typed(int xtype, int scale_type, int M, int N,
     run_qmm_x<uint16_t>(scale_type, M, N, segs, at, x, perm, w, s, b, out, path, o);
 }
 
-// ---- gathered qmatmul --------------------------------------------------------
-
-template <typename S, typename SC>
-using GatherFn = void(const S*, const int32_t*, const uint32_t*, const SC*, const SC*,
-                      const uint32_t*, const uint32_t*, float*, S*, MbGatherParams&, uint3,
-                      uint, uint);
-
-// The shapes of MixedGatherQMM's inputs, and the caller's buffers by index
-// (MB_GATHER_X .. MB_GATHER_OUT) with one wq/scales/biases per segment.
-struct GatherProblem {
-  int pairs, M, N, x_batches, w_batches;
-  std::vector<QmmSegment> segs;
-  ActType at;
-  int scale_type;
-  UserBuf x, perm, lhs, rhs, out;
-  std::vector<UserBuf> wq, scales, biases;
-};
-
-template <typename S, typename SC>
-void run_gather(const GatherProblem& g, const simt::Options& opt) {
-  const auto plan = plan_gather_qmv(g.pairs, g.M, g.N, g.x_batches, g.w_batches, g.segs, g.at,
-                                    g.scale_type, g.perm.in != nullptr);
-  std::vector<float> acc_sink(qmm_needs_acc(g.segs.size())
-                                  ? size_t(g.pairs) * size_t(g.M) * size_t(g.N) : 0);
-  Buffers bufs({MB_GATHER_X, MB_GATHER_PERM, MB_GATHER_LHS, MB_GATHER_RHS, MB_GATHER_ACC,
-                MB_GATHER_OUT});
-  for (const GatherLaunch& l : plan) {
-    const size_t i = size_t(l.segment);
-    std::vector<UserBuf> user(MB_GATHER_PARAMS);
-    user[MB_GATHER_X] = g.x;
-    user[MB_GATHER_PERM] = g.perm;
-    user[MB_GATHER_WQ] = g.wq[i];
-    user[MB_GATHER_SCALES] = g.scales[i];
-    user[MB_GATHER_BIASES] = g.biases[i];
-    user[MB_GATHER_LHS] = g.lhs;
-    user[MB_GATHER_RHS] = g.rhs;
-    if (!acc_sink.empty()) user[MB_GATHER_ACC] = {nullptr, acc_sink.data(), acc_sink.size() * 4};
-    user[MB_GATHER_OUT] = g.out;
-    const std::vector<void*> p = bufs.bind(l, user);
-    MbGatherParams params = l.params;
-    auto* fn = simt::find_kernel<GatherFn<S, SC>>(l.kernel);
-    simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
-        [&](const simt::ThreadIds& t) {
-          fn(static_cast<const S*>(p[MB_GATHER_X]), static_cast<const int32_t*>(p[MB_GATHER_PERM]),
-             static_cast<const uint32_t*>(p[MB_GATHER_WQ]),
-             static_cast<const SC*>(p[MB_GATHER_SCALES]),
-             static_cast<const SC*>(p[MB_GATHER_BIASES]),
-             static_cast<const uint32_t*>(p[MB_GATHER_LHS]),
-             static_cast<const uint32_t*>(p[MB_GATHER_RHS]),
-             static_cast<float*>(p[MB_GATHER_ACC]), static_cast<S*>(p[MB_GATHER_OUT]), params,
-             u3(t.threadgroup_position_in_grid), t.simdgroup_index_in_threadgroup,
-             t.thread_index_in_simdgroup);
-        }, opt);
-  }
-  bufs.finish();
-}
-
-template <typename S>
-void run_gather_x(const GatherProblem& g, const simt::Options& o) {
-  if (g.scale_type == MB_SCALE_F32) run_gather<S, float>(g, o);
-  else if (g.scale_type == MB_SCALE_F16) run_gather<S, half>(g, o);
-  else run_gather<S, uint16_t>(g, o);
-}
-
 // ---- KL ----------------------------------------------------------------------
 
 template <typename SA, typename SB>
@@ -482,38 +196,6 @@ int mbemu_qmm(int M, int N, int nseg, const int* bits, const int* group_size,
     const UserBuf ux{x, nullptr, x_bytes}, up{perm, nullptr, perm ? perm_bytes : 0};
     const UserBuf uo{nullptr, out, out_bytes};
     run_qmm_typed(xtype, scale_type, M, N, segs, at, ux, up, w, s, b, uo, p, o);
-  }, err, errlen);
-}
-
-// MixedGatherQMM's inputs as the primitive holds them: x [x_batches, M, K]
-// of xtype; perm int32 [K] or null; per segment the stacked wq, scales,
-// biases (w_batches matrices of N rows); lhs, rhs uint32 [pairs]; out
-// [pairs, M, N] of xtype. Sizes in bytes, checked against the launch's
-// buffer description.
-int mbemu_gather_qmv(int pairs, int M, int N, int x_batches, int w_batches, int nseg,
-                     const int* bits, const int* group_size, const int* k, int xtype,
-                     const void* x, size_t x_bytes, const int32_t* perm, size_t perm_bytes,
-                     const void* const* wq, const size_t* wq_bytes,
-                     const void* const* scales, const size_t* scales_bytes,
-                     const void* const* biases, const size_t* biases_bytes, int scale_type,
-                     const uint32_t* lhs, size_t lhs_bytes, const uint32_t* rhs,
-                     size_t rhs_bytes, void* out, size_t out_bytes, int order,
-                     uint64_t seed, char* err, int errlen) {
-  return guarded_call([&] {
-    GatherProblem g{pairs, M, N, x_batches, w_batches, {}, ActType(xtype), scale_type,
-                    {x, nullptr, x_bytes}, {perm, nullptr, perm ? perm_bytes : 0},
-                    {lhs, nullptr, lhs_bytes}, {rhs, nullptr, rhs_bytes},
-                    {nullptr, out, out_bytes}, {}, {}, {}};
-    for (int i = 0; i < nseg; ++i) {
-      g.segs.push_back({bits[i], group_size[i], k[i]});
-      g.wq.push_back({wq[i], nullptr, wq_bytes[i]});
-      g.scales.push_back({scales[i], nullptr, scales_bytes[i]});
-      g.biases.push_back({biases[i], nullptr, biases_bytes[i]});
-    }
-    const simt::Options o = options(order, seed);
-    if (xtype == 0) run_gather_x<float>(g, o);
-    else if (xtype == 1) run_gather_x<half>(g, o);
-    else run_gather_x<uint16_t>(g, o);
   }, err, errlen);
 }
 

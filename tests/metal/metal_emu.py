@@ -26,8 +26,8 @@ METAL_DIR = ROOT / "metal"
 EMU_DIR = ROOT / "tests" / "metal"
 BUILD_ROOT = ROOT / "build" / "metal-emu"
 
-UNITS = ["simt.cpp", "harness.cpp", "emu_qmv.cpp", "emu_qmm.cpp", "emu_gather.cpp", "emu_kl.cpp",
-         "emu_selftest.cpp"]
+UNITS = ["simt.cpp", "harness.cpp", "harness_gather.cpp", "emu_qmv.cpp", "emu_qmm.cpp",
+         "emu_gather.cpp", "emu_kl.cpp", "emu_selftest.cpp"]
 FLAGS = [
     "-std=c++20", "-O2", "-fPIC", "-pthread", "-Wall", "-Wextra",
     "-Wno-unknown-pragmas", "-Wno-register", "-Wno-unused-parameter",

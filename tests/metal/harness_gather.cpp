@@ -1,0 +1,110 @@
+// C entry point for the gathered quantized matmul (metal/gather_qmv.metal)
+// on the SIMT emulator, launched as cpp/gather/metal.cpp launches it: the
+// plan comes from metal/gather_host.h and the buffers are allocated, checked
+// and bound from its description (harness_core.h; rules in harness.cpp).
+#include "gather_host.h"
+#include "harness_core.h"
+
+namespace {
+
+using namespace mixbits::metal_host;
+
+template <typename S, typename SC>
+using GatherFn = void(const S*, const int32_t*, const uint32_t*, const SC*, const SC*,
+                      const uint32_t*, const uint32_t*, float*, S*, MbGatherParams&, uint3,
+                      uint, uint);
+
+// The shapes of MixedGatherQMM's inputs, and the caller's buffers by index
+// (MB_GATHER_X .. MB_GATHER_OUT) with one wq/scales/biases per segment.
+struct GatherProblem {
+  int pairs, M, N, x_batches, w_batches;
+  std::vector<QmmSegment> segs;
+  ActType at;
+  int scale_type;
+  UserBuf x, perm, lhs, rhs, out;
+  std::vector<UserBuf> wq, scales, biases;
+};
+
+template <typename S, typename SC>
+void run_gather(const GatherProblem& g, const simt::Options& opt) {
+  const auto plan = plan_gather_qmv(g.pairs, g.M, g.N, g.x_batches, g.w_batches, g.segs, g.at,
+                                    g.scale_type, g.perm.in != nullptr);
+  std::vector<float> acc_sink(qmm_needs_acc(g.segs.size())
+                                  ? size_t(g.pairs) * size_t(g.M) * size_t(g.N) : 0);
+  Buffers bufs({MB_GATHER_X, MB_GATHER_PERM, MB_GATHER_LHS, MB_GATHER_RHS, MB_GATHER_ACC,
+                MB_GATHER_OUT});
+  for (const GatherLaunch& l : plan) {
+    const size_t i = size_t(l.segment);
+    std::vector<UserBuf> user(MB_GATHER_PARAMS);
+    user[MB_GATHER_X] = g.x;
+    user[MB_GATHER_PERM] = g.perm;
+    user[MB_GATHER_WQ] = g.wq[i];
+    user[MB_GATHER_SCALES] = g.scales[i];
+    user[MB_GATHER_BIASES] = g.biases[i];
+    user[MB_GATHER_LHS] = g.lhs;
+    user[MB_GATHER_RHS] = g.rhs;
+    if (!acc_sink.empty()) user[MB_GATHER_ACC] = {nullptr, acc_sink.data(), acc_sink.size() * 4};
+    user[MB_GATHER_OUT] = g.out;
+    const std::vector<void*> p = bufs.bind(l, user);
+    MbGatherParams params = l.params;
+    auto* fn = simt::find_kernel<GatherFn<S, SC>>(l.kernel);
+    simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
+        [&](const simt::ThreadIds& t) {
+          fn(static_cast<const S*>(p[MB_GATHER_X]), static_cast<const int32_t*>(p[MB_GATHER_PERM]),
+             static_cast<const uint32_t*>(p[MB_GATHER_WQ]),
+             static_cast<const SC*>(p[MB_GATHER_SCALES]),
+             static_cast<const SC*>(p[MB_GATHER_BIASES]),
+             static_cast<const uint32_t*>(p[MB_GATHER_LHS]),
+             static_cast<const uint32_t*>(p[MB_GATHER_RHS]),
+             static_cast<float*>(p[MB_GATHER_ACC]), static_cast<S*>(p[MB_GATHER_OUT]), params,
+             u3(t.threadgroup_position_in_grid), t.simdgroup_index_in_threadgroup,
+             t.thread_index_in_simdgroup);
+        }, opt);
+  }
+  bufs.finish();
+}
+
+template <typename S>
+void run_gather_x(const GatherProblem& g, const simt::Options& o) {
+  if (g.scale_type == MB_SCALE_F32) run_gather<S, float>(g, o);
+  else if (g.scale_type == MB_SCALE_F16) run_gather<S, half>(g, o);
+  else run_gather<S, uint16_t>(g, o);
+}
+
+}  // namespace
+
+extern "C" {
+
+// MixedGatherQMM's inputs as the primitive holds them: x [x_batches, M, K]
+// of xtype; perm int32 [K] or null; per segment the stacked wq, scales,
+// biases (w_batches matrices of N rows); lhs, rhs uint32 [pairs]; out
+// [pairs, M, N] of xtype. Sizes in bytes, checked against the launch's
+// buffer description.
+int mbemu_gather_qmv(int pairs, int M, int N, int x_batches, int w_batches, int nseg,
+                     const int* bits, const int* group_size, const int* k, int xtype,
+                     const void* x, size_t x_bytes, const int32_t* perm, size_t perm_bytes,
+                     const void* const* wq, const size_t* wq_bytes,
+                     const void* const* scales, const size_t* scales_bytes,
+                     const void* const* biases, const size_t* biases_bytes, int scale_type,
+                     const uint32_t* lhs, size_t lhs_bytes, const uint32_t* rhs,
+                     size_t rhs_bytes, void* out, size_t out_bytes, int order,
+                     uint64_t seed, char* err, int errlen) {
+  return guarded_call([&] {
+    GatherProblem g{pairs, M, N, x_batches, w_batches, {}, ActType(xtype), scale_type,
+                    {x, nullptr, x_bytes}, {perm, nullptr, perm ? perm_bytes : 0},
+                    {lhs, nullptr, lhs_bytes}, {rhs, nullptr, rhs_bytes},
+                    {nullptr, out, out_bytes}, {}, {}, {}};
+    for (int i = 0; i < nseg; ++i) {
+      g.segs.push_back({bits[i], group_size[i], k[i]});
+      g.wq.push_back({wq[i], nullptr, wq_bytes[i]});
+      g.scales.push_back({scales[i], nullptr, scales_bytes[i]});
+      g.biases.push_back({biases[i], nullptr, biases_bytes[i]});
+    }
+    const simt::Options o = options(order, seed);
+    if (xtype == 0) run_gather_x<float>(g, o);
+    else if (xtype == 1) run_gather_x<half>(g, o);
+    else run_gather_x<uint16_t>(g, o);
+  }, err, errlen);
+}
+
+}  // extern "C"
