@@ -4,6 +4,7 @@
 
 #include "act/kernel.h"
 #include "mlx/ops.h"
+#include "common/primitive.h"
 #include "mlx/primitives.h"
 
 namespace mixbits {
@@ -14,24 +15,14 @@ class Swiglu : public mx::Primitive {
  public:
   Swiglu(mx::Stream s, Backend backend) : mx::Primitive(s), backend_(backend) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs,
-                std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs,
-                std::vector<mx::array>& outputs) override;
+  MIXBITS_EVAL_MULTI()
 
   // Derivatives wrt gate and up (act.cpp): on a CPU stream through the
   // SwigluVjp kernel below (vjp) or it and Swiglu (jvp); on another device
   // composed of MLX ops.
-  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& cotangents,
-                             const std::vector<int>& argnums,
-                             const std::vector<mx::array>& outputs) override;
-  std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& tangents,
-                             const std::vector<int>& argnums) override;
+  MIXBITS_GRADS()
 
-  const char* name() const override { return "Swiglu"; }
-  bool is_equivalent(const mx::Primitive& other) const override;
+  MIXBITS_NAME_AND_EQUIVALENT(Swiglu)
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
@@ -48,20 +39,10 @@ class SwigluVjp : public mx::Primitive {
  public:
   SwigluVjp(mx::Stream s, Backend backend) : mx::Primitive(s), backend_(backend) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs,
-                std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs,
-                std::vector<mx::array>& outputs) override;
-  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& cotangents,
-                             const std::vector<int>& argnums,
-                             const std::vector<mx::array>& outputs) override;
-  std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& tangents,
-                             const std::vector<int>& argnums) override;
+  MIXBITS_EVAL_MULTI()
+  MIXBITS_GRADS()
 
-  const char* name() const override { return "SwigluVjp"; }
-  bool is_equivalent(const mx::Primitive& other) const override;
+  MIXBITS_NAME_AND_EQUIVALENT(SwigluVjp)
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape(), inputs[0].shape()};

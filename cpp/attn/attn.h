@@ -6,6 +6,7 @@
 
 #include "attn/kernel.h"
 #include "mlx/ops.h"
+#include "common/primitive.h"
 #include "mlx/primitives.h"
 
 namespace mixbits {
@@ -17,28 +18,17 @@ class CausalAttention : public mx::Primitive {
   CausalAttention(mx::Stream s, float scale, Backend backend)
       : mx::Primitive(s), scale_(scale), backend_(backend) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs,
-                std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs,
-                std::vector<mx::array>& outputs) override;
+  MIXBITS_EVAL_MULTI()
 
   // Derivatives (grad.cpp). vjp wrt q, k, v: on a CPU stream the
   // CausalAttentionVJP kernel below (MLX's CPU matmul is a reference BLAS on
   // Linux, ~40x slower than these GEMMs); on another device MLX's own
   // causal sdpa differentiated by MLX. jvp: MLX's causal sdpa differentiated
   // by MLX on any device (correct, not fast; nothing here needs it fast).
-  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& cotangents,
-                             const std::vector<int>& argnums,
-                             const std::vector<mx::array>& outputs) override;
-  std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& tangents,
-                             const std::vector<int>& argnums) override;
+  MIXBITS_GRADS()
 
-  const char* name() const override { return "CausalAttention"; }
-  bool is_equivalent(const mx::Primitive& other) const override;
-  std::vector<mx::Shape> output_shapes(
-      const std::vector<mx::array>& inputs) override;
+  MIXBITS_NAME_AND_EQUIVALENT(CausalAttention)
+  MIXBITS_OUTPUT_SHAPES()
 
  private:
   float scale_;
@@ -54,22 +44,11 @@ class CausalAttentionVJP : public mx::Primitive {
   CausalAttentionVJP(mx::Stream s, float scale, Backend backend)
       : mx::Primitive(s), scale_(scale), backend_(backend) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs,
-                std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs,
-                std::vector<mx::array>& outputs) override;
-  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& cotangents,
-                             const std::vector<int>& argnums,
-                             const std::vector<mx::array>& outputs) override;
-  std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& tangents,
-                             const std::vector<int>& argnums) override;
+  MIXBITS_EVAL_MULTI()
+  MIXBITS_GRADS()
 
-  const char* name() const override { return "CausalAttentionVJP"; }
-  bool is_equivalent(const mx::Primitive& other) const override;
-  std::vector<mx::Shape> output_shapes(
-      const std::vector<mx::array>& inputs) override;
+  MIXBITS_NAME_AND_EQUIVALENT(CausalAttentionVJP)
+  MIXBITS_OUTPUT_SHAPES()
 
  private:
   float scale_;

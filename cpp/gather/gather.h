@@ -6,6 +6,7 @@
 #include <optional>
 #include <vector>
 
+#include "common/primitive.h"
 #include "qmatmul/qmatmul.h"
 
 namespace mixbits {
@@ -23,26 +24,17 @@ class MixedGatherQMM : public mx::UnaryPrimitive {
         backend_(backend),
         sorted_(sorted) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  MIXBITS_EVAL_UNARY()
 
   // As MixedQMatmul's: wrt x through the transposed kernel on the CPU
   // (MixedGatherQMMT, transposed.h) where MixedQMatmul's takes it, else
   // dequantize + gather_mm; wrt every segment's scales/biases through MLX
   // ops (segmented_mm, dequantize); no gradient wrt the packed weights,
   // the permutation or the indices.
-  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& cotangents,
-                             const std::vector<int>& argnums,
-                             const std::vector<mx::array>& outputs) override;
-  std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& tangents,
-                             const std::vector<int>& argnums) override;
+  MIXBITS_GRADS()
 
-  const char* name() const override { return "MixedGatherQMM"; }
-  bool is_equivalent(const mx::Primitive& other) const override;
-  std::vector<mx::Shape> output_shapes(
-      const std::vector<mx::array>& inputs) override;
+  MIXBITS_NAME_AND_EQUIVALENT(MixedGatherQMM)
+  MIXBITS_OUTPUT_SHAPES()
 
  private:
   std::vector<SegSpec> segs_;

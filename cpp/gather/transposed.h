@@ -8,6 +8,7 @@
 #include <optional>
 #include <vector>
 
+#include "common/primitive.h"
 #include "qmatmul/qmatmul.h"
 
 namespace mixbits {
@@ -25,23 +26,15 @@ class MixedGatherQMMT : public mx::UnaryPrimitive {
         backend_(backend),
         x_shape_(std::move(x_shape)) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  MIXBITS_EVAL_UNARY()
 
   // dx is bilinear in dy and W: wrt dy it is the forward gather (through
   // MixedGatherQMM), wrt scales/biases the same per-expert outer products
   // as the forward's, so gradients of gradients through the gather keep
   // working as they did when dx was built from MLX ops.
-  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& cotangents,
-                             const std::vector<int>& argnums,
-                             const std::vector<mx::array>& outputs) override;
-  std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& tangents,
-                             const std::vector<int>& argnums) override;
+  MIXBITS_GRADS()
 
-  const char* name() const override { return "MixedGatherQMMT"; }
-  bool is_equivalent(const mx::Primitive& other) const override;
+  MIXBITS_NAME_AND_EQUIVALENT(MixedGatherQMMT)
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>&) override {
     return {x_shape_};

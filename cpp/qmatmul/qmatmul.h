@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "mlx/ops.h"
+#include "common/primitive.h"
 #include "mlx/primitives.h"
 #include "qmatmul/kernel.h"
 
@@ -33,29 +34,20 @@ class MixedQMatmul : public mx::UnaryPrimitive {
         backend_(backend),
         act_(act) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  MIXBITS_EVAL_UNARY()
 
   // Gradients (grad.cpp) wrt x, and wrt every segment's scales and biases;
   // none wrt the packed codes or the permutation (as MLX's QuantizedMatmul).
   // Built from MLX ops on the same stream, except dy·W on a CPU stream, which
   // runs the transposed kernel (MixedQMatmulT, transposed.h).
-  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& cotangents,
-                             const std::vector<int>& argnums,
-                             const std::vector<mx::array>& outputs) override;
-  std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& tangents,
-                             const std::vector<int>& argnums) override;
+  MIXBITS_GRADS()
   // Batching over x only; a vmapped weight is refused.
   std::pair<std::vector<mx::array>, std::vector<int>> vmap(
       const std::vector<mx::array>& inputs,
       const std::vector<int>& axes) override;
 
-  const char* name() const override { return "MixedQMatmul"; }
-  bool is_equivalent(const mx::Primitive& other) const override;
-  std::vector<mx::Shape> output_shapes(
-      const std::vector<mx::array>& inputs) override;
+  MIXBITS_NAME_AND_EQUIVALENT(MixedQMatmul)
+  MIXBITS_OUTPUT_SHAPES()
 
  private:
   std::vector<SegSpec> segs_;

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/primitive.h"
 #include "qmatmul/qmatmul.h"
 
 namespace mixbits {
@@ -29,27 +30,18 @@ class MixedQMatmulT : public mx::UnaryPrimitive {
         has_perm_(has_perm),
         backend_(backend) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  MIXBITS_EVAL_UNARY()
 
   // dx is bilinear in dy and W: derivatives wrt dy (through the forward
   // kernel) and wrt scales and biases (grad:: helpers), so gradients of
   // gradients through qmatmul keep working on the CPU.
-  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& cotangents,
-                             const std::vector<int>& argnums,
-                             const std::vector<mx::array>& outputs) override;
-  std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& tangents,
-                             const std::vector<int>& argnums) override;
+  MIXBITS_GRADS()
   std::pair<std::vector<mx::array>, std::vector<int>> vmap(
       const std::vector<mx::array>& inputs,
       const std::vector<int>& axes) override;
 
-  const char* name() const override { return "MixedQMatmulT"; }
-  bool is_equivalent(const mx::Primitive& other) const override;
-  std::vector<mx::Shape> output_shapes(
-      const std::vector<mx::array>& inputs) override;
+  MIXBITS_NAME_AND_EQUIVALENT(MixedQMatmulT)
+  MIXBITS_OUTPUT_SHAPES()
 
  private:
   std::vector<SegSpec> segs_;
