@@ -16,6 +16,7 @@
 #include "common/parallel.h"
 #include "kl/kl.h"
 #include "qmatmul/qmatmul.h"
+#include "qmatmul/transposed.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -82,6 +83,23 @@ NB_MODULE(_ext, m) {
       "For the Metal emulator tests: the name of the primitive gather_qmatmul "
       "builds and the arrays it gives it (unevaluated), built on the CPU; a "
       "GPU stream with the Metal kernel builds the node from the same arrays.");
+
+  m.def(
+      "qmatmul_t_node",
+      [](const mx::array& dy, const std::optional<mx::array>& perm,
+         const std::vector<mx::array>& packed,
+         const std::vector<std::tuple<int, int, int>>& segs) {
+        std::vector<mixbits::SegSpec> specs;
+        for (auto [b, g, k] : segs) specs.push_back({b, g, k});
+        auto dx = mixbits::mixed_qmatmul_t(dy, perm, packed, specs,
+                                           mixbits::Backend::Auto, mx::Device::cpu);
+        return std::make_tuple(std::string(dx.primitive().name()), dx.inputs(), dx);
+      },
+      "dy"_a, "perm"_a.none(), "packed"_a, "segments"_a,
+      "For the Metal emulator tests: the transposed product dx = dy @ W, "
+      "un-permuted (MixedQMatmulT, the gradient wrt x), built on the CPU: "
+      "the primitive's name, the arrays it is given (unevaluated) and its "
+      "output; a GPU stream builds the node from the same arrays.");
 
   m.def(
       "batched_qmatmul",

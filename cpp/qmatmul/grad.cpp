@@ -3,7 +3,9 @@
 // a CPU stream: MLX's CPU matmul is a reference BLAS on Linux (~1.7 GFLOP/s
 // against ~68 for OpenBLAS here), so there it runs the backend's transposed
 // kernel through the packed weights (MixedQMatmulT, transposed.h). On a GPU
-// stream, MLX's matmul is fast: dequantize + matmul, as before.
+// stream the same node runs Metal kernels for few rows of dy (decode-sized
+// calls); for more, MLX's matmul is fast: dequantize + matmul.
+#include <algorithm>
 #include <stdexcept>
 
 #include "qmatmul/qmatmul.h"
@@ -144,9 +146,17 @@ std::vector<mx::array> MixedQMatmul::vjp(
   for (int arg : argnums) {
     const Arg a = classify(arg, has_perm_);
     if (a.kind == Arg::X) {
-      // dy·W, un-permuted. The device is the stream's, decided here, so a
-      // GPU graph never holds the CPU-only node.
-      auto dx = s.device == mx::Device::cpu && prefer_qmm_t(backend_)
+      // dy·W, un-permuted, through the packed weights where a kernel
+      // applies: on a CPU stream the backend's transposed kernel; on a GPU
+      // stream the Metal one for few rows of dy (qmatmul_t_gpu_runs: at
+      // most MB_QT_MAX_M = 8; above it MLX's GEMM on the dequantized W
+      // wins, as it re-decodes nothing per row). Decided here, from the
+      // stream, so a graph never holds a node its device cannot run.
+      const int64_t M = int64_t(dy.size()) / std::max(1, dy.shape(-1));
+      const bool use_t = s.device == mx::Device::cpu
+                             ? prefer_qmm_t(backend_)
+                             : qmatmul_t_gpu_runs(M, dy.shape(-1), x.shape(-1));
+      auto dx = use_t
                     ? mixed_qmatmul_t(dy, perm, packed, segs_, backend_, s)
                     : grad::unpermute_cols(
                           mx::matmul(dy,

@@ -8,6 +8,10 @@
 // Every argument was validated, and x, perm, wq, scales and biases made
 // contiguous, when the graph node was built (mixed_qmatmul): eval_gpu
 // needs no copy kernel of its own and rejects no user input.
+//
+// MixedQMatmulT::eval_gpu (the gradient wrt x, dx = dy · W un-permuted,
+// for few rows of dy): an optional perm check, one qmatmul_t.metal product
+// per segment, an optional unpermute; the plan from metal/qmatmul_t_host.h.
 #ifdef _METAL_
 
 #ifndef MIXBITS_HAS_METALLIB
@@ -26,8 +30,10 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/metal/device.h"
 #include "qmatmul/qmatmul.h"
+#include "qmatmul/transposed.h"
 #include "qmatmul_host.h"
 #include "qmatmul_params.h"
+#include "qmatmul_t_host.h"
 
 namespace mixbits {
 
@@ -87,6 +93,80 @@ void MixedQMatmul::eval_gpu(const std::vector<mx::array>& inputs,
     // that wrote it (MLX inserts the barrier).
     if (acc) arrays[MB_QMM_ACC] = &*acc;
     arrays[MB_QMM_OUT] = &out;
+
+    enc.set_compute_pipeline_state(kernel);
+    bind_buffers(enc, l, arrays);
+    enc.set_bytes(l.params, l.params_index);
+    if (l.threadgroup_bytes)
+      enc.set_threadgroup_memory_length(l.threadgroup_bytes, 0);
+    enc.dispatch_threadgroups(MTL::Size(l.grid[0], l.grid[1], l.grid[2]),
+                              MTL::Size(l.group[0], l.group[1], l.group[2]));
+  }
+}
+
+// The scratch buffers (inverse perm, its status, z in packed order) are
+// temporaries of the command buffer; as outputs of one dispatch and inputs
+// of the next they also order the dispatches (MLX inserts the barriers).
+// mixed_qmatmul_t builds this node only for problems qmv_t_gpu_applies.
+void MixedQMatmulT::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  namespace host = metal_host;
+  const mx::Stream& s = stream();
+  auto& d = mx::metal::device(s.device);
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+
+  std::vector<mx::array> in = inputs;  // shared handles, for binding
+  const size_t first = has_perm_ ? 2 : 1;
+  const int N = in[first].shape(0);
+  std::vector<host::QmmSegment> segs;
+  int K = 0;
+  for (const SegSpec& sg : segs_) {
+    segs.push_back({sg.bits, sg.group_size, sg.k});
+    K += sg.k;
+  }
+  const int M = int(out.size() / size_t(K));
+  if (M == 0) return;
+  const auto plan = host::plan_qmv_t(M, N, segs, metal_act_type(out.dtype()),
+                                     metal_scale_type(in[first + 1].dtype()), has_perm_);
+
+  auto& enc = mx::metal::get_command_encoder(s);
+  auto temp = [&](mx::Shape shape, mx::Dtype t) {
+    size_t n = 1;
+    for (int v : shape) n *= size_t(v);
+    mx::array a(mx::allocator::malloc(n * t.size()), std::move(shape), t);
+    enc.add_temporary(a);
+    return a;
+  };
+  std::optional<mx::array> inv, status, z;
+  if (has_perm_) {
+    inv = temp({K}, mx::int32);
+    status = temp({1}, mx::int32);
+    z = temp({M, K}, mx::float32);
+  }
+
+  auto* lib = mixbits_metal_library(d);
+  for (const host::QtLaunch& l : plan) {
+    auto* kernel = d.get_kernel(l.kernel, lib);
+    if (kernel->maxTotalThreadsPerThreadgroup() < l.threads_per_group())
+      throw std::runtime_error(
+          "qmatmul (transposed): this GPU allows " +
+          std::to_string(kernel->maxTotalThreadsPerThreadgroup()) +
+          " threads per threadgroup for " + l.kernel + ", which needs " +
+          std::to_string(l.threads_per_group()));
+    std::vector<mx::array*> arrays(MB_QT_PARAMS, nullptr);
+    arrays[MB_QT_DY] = &in[0];
+    if (has_perm_) {
+      arrays[MB_QT_PERM] = &in[1];
+      arrays[MB_QT_INV] = &*inv;
+      arrays[MB_QT_STATUS] = &*status;
+      arrays[MB_QT_Z] = &*z;
+    }
+    if (l.segment >= 0) {
+      const size_t i = first + 3 * size_t(l.segment);
+      arrays[MB_QT_WQ] = &in[i];
+      arrays[MB_QT_SCALES] = &in[i + 1];
+      arrays[MB_QT_BIASES] = &in[i + 2];
+    }
+    arrays[MB_QT_OUT] = &out;
 
     enc.set_compute_pipeline_state(kernel);
     bind_buffers(enc, l, arrays);

@@ -11,6 +11,9 @@
 #include "common/parallel.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#ifdef _METAL_
+#include "qmatmul_t_host.h"
+#endif
 
 namespace mixbits {
 
@@ -28,14 +31,21 @@ int total_k(const std::vector<SegSpec>& segs) {
 
 }  // namespace
 
+bool qmatmul_t_gpu_runs(int64_t M, int64_t N, int64_t K) {
+#ifdef _METAL_
+  return M > 0 && metal_host::qmv_t_gpu_applies(M, N, K);
+#else
+  (void)M, (void)N, (void)K;
+  return false;
+#endif
+}
+
 mx::array mixed_qmatmul_t(const mx::array& dy,
                           const std::optional<mx::array>& perm,
                           const std::vector<mx::array>& packed,
                           const std::vector<SegSpec>& segs, Backend backend,
                           mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
-  if (stream.device != mx::Device::cpu)
-    fail("runs on the CPU only; on the GPU the gradient is dequantize + matmul");
   if (segs.empty() || packed.size() != 3 * segs.size())
     fail("expected 3 arrays (wq, scales, biases) per segment");
   if (dy.ndim() < 1) fail("dy must have at least one dimension");
@@ -44,8 +54,17 @@ mx::array mixed_qmatmul_t(const mx::array& dy,
   if (dy.shape(-1) != N)
     fail("dy has " + std::to_string(dy.shape(-1)) + " columns but W has N=" +
          std::to_string(N) + " rows");
-  select_qmm_t(backend);  // throws now, not inside the graph, if unavailable
   const int K = total_k(segs);
+  if (stream.device == mx::Device::cpu) {
+    select_qmm_t(backend);  // throws now, not inside the graph, if unavailable
+  } else {
+    int64_t M = 1;
+    for (int i = 0; i + 1 < int(dy.ndim()); ++i) M *= dy.shape(i);
+    if (!qmatmul_t_gpu_runs(M, N, K))
+      fail("no GPU kernel for this problem (" + std::to_string(M) +
+           " rows; see qmatmul_t_gpu_runs); on the GPU the gradient is "
+           "dequantize + matmul there");
+  }
   if (perm && (perm->ndim() != 1 || perm->shape(0) != K ||
                (perm->dtype() != mx::int32 && perm->dtype() != mx::uint32)))
     fail("perm must be int32 or uint32 of shape (" + std::to_string(K) + ",)");
@@ -162,12 +181,13 @@ void MixedQMatmulT::eval_cpu(const std::vector<mx::array>& inputs,
   });
 }
 
+#ifndef _METAL_
+// The Metal kernels are in cpp/qmatmul/metal.cpp; mixed_qmatmul_t never
+// builds this node on a GPU stream without them (qmatmul_t_gpu_runs).
 void MixedQMatmulT::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error(
-      "[MixedQMatmulT] the transposed quantized product has no GPU kernel; "
-      "MixedQMatmul's gradient on a GPU stream uses dequantize + matmul and "
-      "never builds this node there.");
+  throw std::runtime_error("[MixedQMatmulT] this build of mixbits has no GPU kernels");
 }
+#endif
 
 namespace {
 

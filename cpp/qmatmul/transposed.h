@@ -3,8 +3,11 @@
 // gradient of MixedQMatmul wrt x. MLX's own CPU matmul is a
 // reference BLAS on Linux, so dequantize + matmul there is ~40x slower than
 // an sgemm; this runs the backend's transposed kernel instead
-// (kernel.h: select_qmm_t). CPU only: the GPU keeps dequantize + matmul.
+// (kernel.h: select_qmm_t). On a GPU stream, for few rows of dy, Metal
+// kernels do the same through the packed weights (qmatmul_t.metal,
+// cpp/qmatmul/metal.cpp); above that the gradient is dequantize + matmul.
 #pragma once
+#include <cstdint>
 #include <vector>
 
 #include "common/primitive.h"
@@ -46,9 +49,15 @@ class MixedQMatmulT : public mx::UnaryPrimitive {
   Backend backend_;
 };
 
-// dx = dy · W, un-permuted, on a CPU stream. The weights and perm are
-// those a MixedQMatmul node already validated; dy's shape and dtype are
-// checked here (std::invalid_argument).
+// Whether a GPU stream runs MixedQMatmulT for M rows of dy: this build has
+// the Metal kernels and M <= MB_QT_MAX_M (qmatmul_t_params.h), where
+// re-decoding W per row still beats dequantize + GEMM.
+bool qmatmul_t_gpu_runs(int64_t M, int64_t N, int64_t K);
+
+// dx = dy · W, un-permuted, on a CPU stream, or on a GPU stream where
+// qmatmul_t_gpu_runs says so. The weights and perm are those a
+// MixedQMatmul node already validated; dy's shape and dtype are checked
+// here (std::invalid_argument).
 mx::array mixed_qmatmul_t(const mx::array& dy,
                           const std::optional<mx::array>& perm,
                           const std::vector<mx::array>& packed,

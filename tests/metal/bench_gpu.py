@@ -2,7 +2,8 @@
 mx.quantized_matmul on the same weights (the GEMV at M = 1, 8; the tiled
 simdgroup-matrix kernel at M = 32 .. 512), the gathered GEMV against
 mx.gather_qmm on an expert stack (top-8 of 128 experts, as Qwen3-30B-A3B's
-MoE layers), and the fused KL against MLX's op composition. Prints one table; exit status 0 even when mixbits is
+MoE layers), the gradient wrt x (the transposed kernel, M <= 8) against
+MLX's own vjp of mx.quantized_matmul, and the fused KL against MLX's op composition. Prints one table; exit status 0 even when mixbits is
 slower (check_on_mac.sh reports the ratios, it does not judge them).
 
     python tests/metal/bench_gpu.py [--quick]
@@ -71,6 +72,29 @@ def gather_rows(quick):
             yield f"gather {E}x{N}x{K} b{bits} tok={tokens} top{top}", ours, mlx
 
 
+def grad_x_rows(quick):
+    # dx = dy · W only (the forward output is never evaluated): mixbits'
+    # transposed kernel against MLX's vjp (its qvm kernel). Where mixbits
+    # loses at M = 8, MB_QT_MAX_M (metal/qmatmul_t_params.h) is too high.
+    N, K, gs = 4096, 4096, 64
+    for bits in ((4,) if quick else (4, 3, 8)):
+        rng = np.random.default_rng(bits)
+        w = mx.array(rng.standard_normal((N, K)).astype(np.float32)).astype(mx.float16)
+        wq, s, b = mx.quantize(w, group_size=gs, bits=bits)
+        for M in (1, 4, 8):
+            x = mx.array(rng.standard_normal((M, K)).astype(np.float16))
+            dy = mx.array(rng.standard_normal((M, N)).astype(np.float16))
+            mx.eval(x, dy, wq, s, b)
+
+            def dx(f):
+                return lambda: mx.vjp(f, [x], [dy])[1][0]
+
+            ours = best_ms(dx(lambda x: mixbits.quantized_matmul(x, wq, s, b, gs, bits)), 20)
+            mlx = best_ms(dx(lambda x: mx.quantized_matmul(x, wq, s, b, transpose=True,
+                                                           group_size=gs, bits=bits)), 20)
+            yield f"dx {N}x{K} b{bits} M={M}", ours, mlx
+
+
 def kl_rows(quick):
     for rows, V in ([(256, 151936), (64, 262144)] if not quick else [(64, 151936)]):
         rng = np.random.default_rng(0)
@@ -93,7 +117,9 @@ def main():
     quick = "--quick" in sys.argv
     mx.set_default_device(mx.gpu)
     print(f"{'case':38} {'mixbits ms':>11} {'mlx ms':>9} {'mlx/mixbits':>12}")
-    for name, ours, mlx in list(qmm_rows(quick)) + list(gather_rows(quick)) + list(kl_rows(quick)):
+    rows = (list(qmm_rows(quick)) + list(gather_rows(quick)) + list(grad_x_rows(quick)) +
+            list(kl_rows(quick)))
+    for name, ours, mlx in rows:
         print(f"{name:38} {ours:11.3f} {mlx:9.3f} {mlx / ours:12.2f}")
     return 0
 

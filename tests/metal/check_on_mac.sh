@@ -5,7 +5,8 @@
 # test suite (MLX's default device on a Mac is the GPU, so the ops run
 # their eval_gpu), the GPU-only tests (tests/metal/test_gpu_device.py:
 # GPU vs CPU primitive and mx.quantized_matmul / mx.gather_qmm, the gathered
-# kernel really in the graph, KL in every mode, bad input refused before
+# kernel really in the graph, the gradient wrt x through the transposed
+# kernel (MixedQMatmulT) against the CPU's, KL in every mode, bad input refused before
 # dispatch) and the Metal benchmarks against mx.quantized_matmul and
 # mx.gather_qmm, then prints one summary. Nothing is installed
 # outside the temporary directory. Needs: macOS 14+ on Apple silicon,
@@ -69,6 +70,27 @@ with mx.stream(mx.gpu):
     z = np.array(mixbits.gather_quantized_matmul(x[:1], wq, s, b, None, bad, 64, 3))
 assert np.isfinite(z[0, 0]).all() and np.isnan(z[0, 1]).all()
 print('gather_qmm on the GPU: Metal kernel in the graph, matches mx.gather_qmm, bad index -> NaN')"
+# The gradient wrt x on the GPU: for few rows it runs mixbits' transposed
+# Metal kernel (MixedQMatmulT in the graph; dequantize + matmul above 8
+# rows) and agrees with the CPU gradient, a permutation undone.
+step grad-on-gpu "$PY" -c "
+import mlx.core as mx, mixbits, numpy as np, re, tempfile, os
+rng = np.random.default_rng(1)
+w = mx.array(rng.standard_normal((96, 384)).astype(np.float32))
+qt = mixbits.quantize(w, [(4, 64, 256), (3, 32, 128)], perm=rng.permutation(384))
+x = mx.array(rng.standard_normal((2, 384)).astype(np.float32))
+gy = mx.array(rng.standard_normal((2, 96)).astype(np.float32))
+dx = lambda x: mx.vjp(lambda x: mixbits.qmatmul(x, qt), [x], [gy])[1][0]
+with mx.stream(mx.gpu):
+    g = dx(x)
+    dot = os.path.join(tempfile.mkdtemp(), 't.dot'); mx.export_to_dot(dot, g)
+ops = set(re.findall(r'label =\"(\w+)\"', open(dot).read()))
+assert 'MixedQMatmulT' in ops, ops
+with mx.stream(mx.cpu):
+    c = dx(x)
+g, c = np.array(g), np.array(c)
+assert np.abs(g - c).max() <= 1e-4 * np.abs(c).max(), np.abs(g - c).max()
+print('dx on the GPU: MixedQMatmulT in the graph, matches the CPU gradient')"
 # From the checkout: its python/ tree is not on sys.path, so the tests
 # import the installed wheel (checked by import-on-gpu above).
 step gpu-tests "$PY" -m pytest tests/metal/test_gpu_device.py -q -rs -p no:cacheprovider

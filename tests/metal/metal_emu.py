@@ -26,7 +26,8 @@ METAL_DIR = ROOT / "metal"
 EMU_DIR = ROOT / "tests" / "metal"
 BUILD_ROOT = ROOT / "build" / "metal-emu"
 
-UNITS = ["simt.cpp", "harness.cpp", "harness_gather.cpp", "emu_qmv.cpp", "emu_qmm.cpp",
+UNITS = ["simt.cpp", "harness.cpp", "harness_gather.cpp", "harness_t.cpp", "emu_qmv.cpp",
+         "emu_qmv_t.cpp", "emu_qmm.cpp",
          "emu_gather.cpp", "emu_kl.cpp", "emu_selftest.cpp"]
 FLAGS = [
     "-std=c++20", "-O2", "-fPIC", "-pthread", "-Wall", "-Wextra",
@@ -127,11 +128,13 @@ def lib() -> ctypes.CDLL:
                                 I, I, U64, ctypes.c_char_p, I]
         L.mbemu_gather_qmv.argtypes = [I, I, I, I, I, I, P, P, P, I, P, Z, P, Z, P, P, P, P,
                                        P, P, I, P, Z, P, Z, P, Z, I, U64, ctypes.c_char_p, I]
+        L.mbemu_qmv_t.argtypes = [I, I, I, P, P, P, I, P, Z, P, Z, P, P, P, P, P, P, I, P, Z,
+                                  I, U64, ctypes.c_char_p, I]
         L.mbemu_kl.argtypes = [I, I, I, I, I, I, P, P, I, U64, ctypes.c_char_p, I]
         L.mbemu_selftest.argtypes = [ctypes.c_char_p, I, I, P, P, I, I, U64,
                                      ctypes.c_char_p, I]
         L.mbemu_kernel_count.argtypes = []
-        for f in (L.mbemu_qmm, L.mbemu_gather_qmv, L.mbemu_kl, L.mbemu_selftest, L.mbemu_kernel_count):
+        for f in (L.mbemu_qmm, L.mbemu_gather_qmv, L.mbemu_qmv_t, L.mbemu_kl, L.mbemu_selftest, L.mbemu_kernel_count):
             f.restype = I
         _LIB = L
     return _LIB
@@ -248,6 +251,43 @@ def gather_qmv(inputs, segments, act: str, scale_type: str, has_perm: bool,
         _ptr(out), out.nbytes, ORDERS[order], seed, err, len(err))
     _check(rc, err)
     return out.reshape(lhs.shape + (M, N))
+
+
+def qmv_t(inputs, segments, act: str, scale_type: str, has_perm: bool,
+          order: str = "shuffle", seed: int = 1) -> np.ndarray:
+    """Run the Metal transposed product dx = dy · W (un-permuted) on the
+    emulator with MixedQMatmulT's own inputs, in the node's order: dy
+    [..., N], [perm [K]], (wq, scales, biases) per segment, as storage
+    arrays (bfloat16 as uint16 bits). segments: (bits, group_size, k) per
+    segment. Shapes are read off the arrays as eval_gpu reads them; the
+    harness refuses a buffer of another size than the launch binds.
+    Returns dy.shape[:-1] + (K,) storage."""
+    inputs = [np.ascontiguousarray(a) for a in inputs]
+    first = 2 if has_perm else 1
+    dy = inputs[0]
+    perm = inputs[1].view(np.int32) if has_perm else None  # uint32: same bits
+    packed = inputs[first:]
+    assert len(packed) == 3 * len(segments)
+    N = packed[0].shape[0]
+    K = sum(int(s[2]) for s in segments)
+    M = dy.size // N if N else int(np.prod(dy.shape[:-1], dtype=np.int64))
+    n = len(segments)
+    bits, gs, ks = (np.array([s[j] for s in segments], dtype=np.int32) for j in range(3))
+    ptrs = [(ctypes.c_void_p * n)() for _ in range(3)]
+    sizes = [(ctypes.c_size_t * n)() for _ in range(3)]
+    for i in range(n):
+        for j in range(3):
+            a = packed[3 * i + j]
+            ptrs[j][i], sizes[j][i] = a.ctypes.data, a.nbytes
+    out = np.zeros((M, K), dtype=storage_dtype(act))
+    err = ctypes.create_string_buffer(2048)
+    rc = lib().mbemu_qmv_t(
+        M, N, n, _ptr(bits), _ptr(gs), _ptr(ks), ACT_TYPES[act], _ptr(dy), dy.nbytes,
+        _ptr(perm), 0 if perm is None else perm.nbytes, ptrs[0], sizes[0], ptrs[1], sizes[1],
+        ptrs[2], sizes[2], ACT_TYPES[scale_type], _ptr(out), out.nbytes, ORDERS[order], seed,
+        err, len(err))
+    _check(rc, err)
+    return out.reshape(dy.shape[:-1] + (K,))
 
 
 KL_MODES = {"logits": 0, "fixed_shift": 1, "probs": 2}

@@ -112,10 +112,11 @@ def test_unknown_kernel_name_fails():
 
 def test_every_instantiation_registered():
     # qmatmul: 3 activation types x 3 scale types x 6 widths x 3 group
-    # sizes x 3 kernels (qmv, qmm, gather_qmv); kl: 3 x 3 (reference,
-    # logits) types; selftest: 17 kernels. Duplicate host names would
-    # collapse into one entry.
-    assert E.kernel_count() == 3 * 3 * 6 * 3 * 3 + 3 * 3 + 17
+    # sizes x 4 kernels (qmv, qmm, gather_qmv, qmv_t); the transposed
+    # product's perm check (1) and unpermute (3 dtypes); kl: 3 x 3
+    # (reference, logits) types; selftest: 17 kernels. Duplicate host names
+    # would collapse into one entry.
+    assert E.kernel_count() == 3 * 3 * 6 * 3 * 4 + 1 + 3 + 3 * 3 + 17
 
 
 METAL_SOURCES = sorted(E.METAL_DIR.glob("*.metal")) + sorted(E.EMU_DIR.glob("*.metal"))
@@ -157,6 +158,26 @@ def test_buffer_indices_follow_declaration_order(metal, params, enum, n):
     for name, idx in kernels.items():
         assert idx == list(range(n)), (name, idx)
     assert enum_values((E.METAL_DIR / params).read_text(), enum) == list(range(n))
+
+
+def test_transposed_kernels_buffer_indices_follow_the_enum_by_name():
+    # qmatmul_t.metal's three kernels bind subsets of one buffer numbering
+    # (MbQmvTBuffer), so declaration order cannot be the rule there: each
+    # buffer parameter's index must be the enum value of its name (dy ->
+    # MB_QT_DY, p -> MB_QT_PARAMS), which is what the host plan and the
+    # harness bind by.
+    text = (E.METAL_DIR / "qmatmul_t.metal").read_text()
+    params = (E.METAL_DIR / "qmatmul_t_params.h").read_text()
+    body = re.search(r"enum\s+MbQmvTBuffer\s*\{(.*?)\};", params, flags=re.S).group(1)
+    enum = {k: int(v) for k, v in re.findall(r"(MB_QT_\w+)\s*=\s*(\d+)", body)}
+    kernels = re.findall(r"\[\[kernel\]\]\s+void\s+(\w+)\s*\((.*?)\)\s*\{", text, flags=re.S)
+    assert len(kernels) == 3
+    for name, args in kernels:
+        bound = re.findall(r"(\w+)\s*\[\[buffer\((\d+)\)\]\]", args)
+        assert bound, name
+        for arg, idx in bound:
+            key = "MB_QT_" + ("PARAMS" if arg == "p" else arg.upper())
+            assert enum.get(key) == int(idx), (name, arg, idx, key)
 
 
 # Metal: the thread position / size attributes declared as vectors must all

@@ -170,6 +170,68 @@ def test_gather_gpu_gradients_and_switch_linear():
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("M", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_qmatmul_gpu_gradient_wrt_x_matches_cpu(M, dtype, tmp_path):
+    # dx through MixedQuantizedLinear: on the GPU the Metal transposed
+    # kernel (MixedQMatmulT) up to 8 rows, dequantize + matmul above; on the
+    # CPU the backend's transposed kernel. Mixed segments, a permutation,
+    # 3 column blocks and N = 70 (no multiple of the kernel's 8 row slices).
+    import mlx.nn as nn
+
+    from mixbits.nn import MixedQuantizedLinear
+
+    rng = np.random.default_rng(M)
+    K, N = 640, 70
+    lin = nn.Linear(K, N)
+    lin.weight = mx.array(rng.standard_normal((N, K)).astype(np.float32))
+    lin.set_dtype(dtype)
+    layer = MixedQuantizedLinear.from_linear(
+        lin, [(8, 128, 128), (5, 32, 96), (4, 64, 320), (2, 32, 96)],
+        perm=rng.permutation(K))
+    x = mx.array(rng.standard_normal((2, M, K)).astype(np.float32)).astype(dtype)
+    gy = mx.array(rng.standard_normal((2, M, N)).astype(np.float32)).astype(dtype)
+
+    def dx(x):
+        return mx.vjp(layer, [x], [gy])[1][0]
+
+    cpu = on(mx.cpu, dx, x)
+    gpu = on(mx.gpu, dx, x)
+    assert gpu.dtype == dtype
+    cpu, gpu = np.array(cpu.astype(mx.float32)), np.array(gpu.astype(mx.float32))
+    tol = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 5e-2}[dtype]
+    np.testing.assert_allclose(gpu, cpu, rtol=tol, atol=tol * np.abs(cpu).max())
+    with mx.stream(mx.gpu):
+        ops = graph_ops(dx(x), tmp_path)
+    assert ("MixedQMatmulT" in ops) == (2 * M <= 8), ops
+
+
+def test_qmatmul_gpu_gradient_with_a_repeated_perm_entry_matches_cpu():
+    # A perm the Python layer never makes (the builder checks its shape
+    # only): repeated columns sum and a missing one gets 0, on the GPU
+    # (perm check + the scan in the unpermute kernel) as on the CPU.
+    from mixbits import _ext
+
+    rng = np.random.default_rng(7)
+    K, N = 192, 33
+    qt = mixbits.quantize(mx.array(rng.standard_normal((N, K)).astype(np.float32)),
+                          [(4, 32, 64), (6, 64, 128)], perm=rng.permutation(K))
+    perm = np.array(qt.perm)
+    perm[100] = perm[5]
+    bad = mx.array(perm)
+    x = mx.array(rng.standard_normal((3, K)).astype(np.float32))
+    gy = mx.array(rng.standard_normal((3, N)).astype(np.float32))
+
+    def dx(x):
+        f = lambda x: _ext.qmatmul(x, bad, qt.arrays(), qt.specs, 0, 0)
+        return mx.vjp(f, [x], [gy])[1][0]
+
+    cpu, gpu = np.array(on(mx.cpu, dx, x)), np.array(on(mx.gpu, dx, x))
+    np.testing.assert_allclose(gpu, cpu, rtol=1e-4, atol=1e-4 * np.abs(cpu).max())
+    lost = sorted(set(range(K)) - set(perm.tolist()))
+    assert len(lost) == 1 and (gpu[:, lost] == 0).all()
+
+
 @pytest.mark.parametrize("form", ["direct", "logits", "probs32", "probs16"])
 def test_kl_gpu_matches_cpu_in_every_mode(form):
     rng = np.random.default_rng(5)
