@@ -79,6 +79,36 @@ inline void bind_buffers(mlx::core::metal::CommandEncoder& enc,
   }
 }
 
+// The pipeline of a launch's kernel. Its threads per threadgroup are part
+// of the kernel's design (tile shapes, simdgroup roles): a GPU whose
+// pipeline allows fewer cannot run it, said in one std::runtime_error
+// naming the op.
+inline MTL::ComputePipelineState* launch_pipeline(mlx::core::metal::Device& d,
+                                                  MTL::Library* lib,
+                                                  const metal_host::Launch& l,
+                                                  const std::string& op) {
+  auto* kernel = d.get_kernel(l.kernel, lib);
+  if (kernel->maxTotalThreadsPerThreadgroup() < l.threads_per_group())
+    throw std::runtime_error(op + ": this GPU allows " +
+                             std::to_string(kernel->maxTotalThreadsPerThreadgroup()) +
+                             " threads per threadgroup for " + l.kernel + ", which needs " +
+                             std::to_string(l.threads_per_group()));
+  return kernel;
+}
+
+// One launch: pipeline, buffers (bind_buffers), the launch's parameter
+// block, its threadgroup memory if any, the grid.
+template <class L>
+void encode_launch(mlx::core::metal::CommandEncoder& enc, MTL::ComputePipelineState* kernel,
+                   const L& l, const std::vector<mlx::core::array*>& arrays) {
+  enc.set_compute_pipeline_state(kernel);
+  bind_buffers(enc, l, arrays);
+  enc.set_bytes(l.params, l.params_index);
+  if (l.threadgroup_bytes) enc.set_threadgroup_memory_length(l.threadgroup_bytes, 0);
+  enc.dispatch_threadgroups(MTL::Size(l.grid[0], l.grid[1], l.grid[2]),
+                            MTL::Size(l.group[0], l.group[1], l.group[2]));
+}
+
 }  // namespace mixbits
 
 #endif  // _METAL_

@@ -73,14 +73,7 @@ void MixedGatherQMM::eval_gpu(const std::vector<mx::array>& inputs,
   auto& enc = mx::metal::get_command_encoder(s);
   for (const host::GatherLaunch& l : plan) {
     const size_t i = size_t(l.segment);
-    auto* kernel = d.get_kernel(l.kernel, lib);
-    // The GEMV's simdgroup roles need its 64 threads per threadgroup.
-    if (kernel->maxTotalThreadsPerThreadgroup() < l.threads_per_group())
-      throw std::runtime_error(
-          "gather_qmm: this GPU allows " +
-          std::to_string(kernel->maxTotalThreadsPerThreadgroup()) +
-          " threads per threadgroup for " + l.kernel + ", which needs " +
-          std::to_string(l.threads_per_group()));
+    auto* kernel = launch_pipeline(d, lib, l, "gather_qmm");
     std::vector<mx::array*> arrays(MB_GATHER_PARAMS, nullptr);
     arrays[MB_GATHER_X] = &in[0];
     if (has_perm_) arrays[MB_GATHER_PERM] = &in[1];
@@ -94,11 +87,7 @@ void MixedGatherQMM::eval_gpu(const std::vector<mx::array>& inputs,
     if (acc) arrays[MB_GATHER_ACC] = &*acc;
     arrays[MB_GATHER_OUT] = &out;
 
-    enc.set_compute_pipeline_state(kernel);
-    bind_buffers(enc, l, arrays);
-    enc.set_bytes(l.params, l.params_index);
-    enc.dispatch_threadgroups(MTL::Size(l.grid[0], l.grid[1], l.grid[2]),
-                              MTL::Size(l.group[0], l.group[1], l.group[2]));
+    encode_launch(enc, kernel, l, arrays);
   }
 }
 

@@ -69,12 +69,7 @@ void KLDivergence::eval_gpu(const std::vector<mx::array>& inputs,
   for (int j = 0; j < 6; ++j) arrays[size_t(MB_KL_OUT + j)] = &outputs[size_t(j)];
 
   auto& enc = mx::metal::get_command_encoder(s);
-  enc.set_compute_pipeline_state(kernel);
-  bind_buffers(enc, l, arrays);
-  enc.set_bytes(l.params, l.params_index);
-  enc.set_threadgroup_memory_length(l.threadgroup_bytes, 0);
-  enc.dispatch_threadgroups(MTL::Size(l.grid[0], l.grid[1], l.grid[2]),
-                            MTL::Size(l.group[0], l.group[1], l.group[2]));
+  encode_launch(enc, kernel, l, arrays);
 }
 
 }  // namespace mixbits

@@ -74,15 +74,7 @@ void MixedQMatmul::eval_gpu(const std::vector<mx::array>& inputs,
   auto& enc = mx::metal::get_command_encoder(s);
   for (const host::QmmLaunch& l : plan) {
     const size_t i = size_t(l.segment);
-    auto* kernel = d.get_kernel(l.kernel, lib);
-    // The kernels' thread counts are part of their design (tile shapes,
-    // simdgroup roles); a pipeline that allows fewer cannot run them.
-    if (kernel->maxTotalThreadsPerThreadgroup() < l.threads_per_group())
-      throw std::runtime_error(
-          "qmatmul: this GPU allows " +
-          std::to_string(kernel->maxTotalThreadsPerThreadgroup()) +
-          " threads per threadgroup for " + l.kernel + ", which needs " +
-          std::to_string(l.threads_per_group()));
+    auto* kernel = launch_pipeline(d, lib, l, "qmatmul");
     std::vector<mx::array*> arrays(MB_QMM_PARAMS, nullptr);
     arrays[MB_QMM_X] = &in[0];
     if (has_perm_) arrays[MB_QMM_PERM] = &in[1];
@@ -94,13 +86,7 @@ void MixedQMatmul::eval_gpu(const std::vector<mx::array>& inputs,
     if (acc) arrays[MB_QMM_ACC] = &*acc;
     arrays[MB_QMM_OUT] = &out;
 
-    enc.set_compute_pipeline_state(kernel);
-    bind_buffers(enc, l, arrays);
-    enc.set_bytes(l.params, l.params_index);
-    if (l.threadgroup_bytes)
-      enc.set_threadgroup_memory_length(l.threadgroup_bytes, 0);
-    enc.dispatch_threadgroups(MTL::Size(l.grid[0], l.grid[1], l.grid[2]),
-                              MTL::Size(l.group[0], l.group[1], l.group[2]));
+    encode_launch(enc, kernel, l, arrays);
   }
 }
 
@@ -145,13 +131,7 @@ void MixedQMatmulT::eval_gpu(const std::vector<mx::array>& inputs, mx::array& ou
 
   auto* lib = mixbits_metal_library(d);
   for (const host::QtLaunch& l : plan) {
-    auto* kernel = d.get_kernel(l.kernel, lib);
-    if (kernel->maxTotalThreadsPerThreadgroup() < l.threads_per_group())
-      throw std::runtime_error(
-          "qmatmul (transposed): this GPU allows " +
-          std::to_string(kernel->maxTotalThreadsPerThreadgroup()) +
-          " threads per threadgroup for " + l.kernel + ", which needs " +
-          std::to_string(l.threads_per_group()));
+    auto* kernel = launch_pipeline(d, lib, l, "qmatmul (transposed)");
     std::vector<mx::array*> arrays(MB_QT_PARAMS, nullptr);
     arrays[MB_QT_DY] = &in[0];
     if (has_perm_) {
@@ -168,13 +148,7 @@ void MixedQMatmulT::eval_gpu(const std::vector<mx::array>& inputs, mx::array& ou
     }
     arrays[MB_QT_OUT] = &out;
 
-    enc.set_compute_pipeline_state(kernel);
-    bind_buffers(enc, l, arrays);
-    enc.set_bytes(l.params, l.params_index);
-    if (l.threadgroup_bytes)
-      enc.set_threadgroup_memory_length(l.threadgroup_bytes, 0);
-    enc.dispatch_threadgroups(MTL::Size(l.grid[0], l.grid[1], l.grid[2]),
-                              MTL::Size(l.group[0], l.group[1], l.group[2]));
+    encode_launch(enc, kernel, l, arrays);
   }
 }
 
