@@ -149,6 +149,22 @@ def _check(rc: int, err: ctypes.Array) -> None:
         raise EmulatorError(err.value.decode(errors="replace"))
 
 
+def _segment_args(specs, arrays):
+    """The per-segment C arguments every kernel entry point takes: int32
+    arrays of bits, group sizes and k from specs ((bits, group_size, k) per
+    segment), and pointer and byte-size arrays of wq, scales and biases from
+    arrays (three per segment, contiguous; the caller keeps them alive)."""
+    n = len(specs)
+    bits, gs, ks = (np.array([s[j] for s in specs], dtype=np.int32) for j in range(3))
+    ptrs = [(ctypes.c_void_p * n)() for _ in range(3)]
+    sizes = [(ctypes.c_size_t * n)() for _ in range(3)]
+    for i in range(n):
+        for j in range(3):
+            a = arrays[3 * i + j]
+            ptrs[j][i], sizes[j][i] = a.ctypes.data, a.nbytes
+    return bits, gs, ks, ptrs, sizes
+
+
 # ---------------------------------------------------------------- dtypes
 
 def bf16_bits(a: np.ndarray) -> np.ndarray:
@@ -185,18 +201,9 @@ def qmatmul(x: np.ndarray, act: str, segments, N: int, perm=None, scale_type: st
     x = np.ascontiguousarray(x)
     M, K = x.shape
     n = len(segments)
-    bits = np.array([s[0] for s in segments], dtype=np.int32)
-    gs = np.array([s[1] for s in segments], dtype=np.int32)
-    ks = np.array([s[2] for s in segments], dtype=np.int32)
+    keep = [np.ascontiguousarray(a) for seg in segments for a in seg[3:]]
+    bits, gs, ks, ptrs, sizes = _segment_args(segments, keep)
     assert ks.sum() == K
-    keep = []
-    ptrs = [(ctypes.c_void_p * n)() for _ in range(3)]
-    sizes = [(ctypes.c_size_t * n)() for _ in range(3)]
-    for i, seg in enumerate(segments):
-        for j, a in enumerate(seg[3:]):
-            a = np.ascontiguousarray(a)
-            keep.append(a)
-            ptrs[j][i], sizes[j][i] = a.ctypes.data, a.nbytes
     perm_a = None if perm is None else np.ascontiguousarray(perm, dtype=np.int32)
     out = np.zeros((M, N), dtype=storage_dtype(act))
     err = ctypes.create_string_buffer(2048)
@@ -235,13 +242,7 @@ def gather_qmv(inputs, segments, act: str, scale_type: str, has_perm: bool,
     Bw = int(np.prod(packed[0].shape[:-2], dtype=np.int64))
     P = lhs.size
     n = len(segments)
-    bits, gs, ks = (np.array([s[j] for s in segments], dtype=np.int32) for j in range(3))
-    ptrs = [(ctypes.c_void_p * n)() for _ in range(3)]
-    sizes = [(ctypes.c_size_t * n)() for _ in range(3)]
-    for i in range(n):
-        for j in range(3):
-            a = packed[3 * i + j]
-            ptrs[j][i], sizes[j][i] = a.ctypes.data, a.nbytes
+    bits, gs, ks, ptrs, sizes = _segment_args(segments, packed)
     out = np.zeros((P, M, N), dtype=storage_dtype(act))
     err = ctypes.create_string_buffer(2048)
     rc = lib().mbemu_gather_qmv(
@@ -272,13 +273,7 @@ def qmv_t(inputs, segments, act: str, scale_type: str, has_perm: bool,
     K = sum(int(s[2]) for s in segments)
     M = dy.size // N if N else int(np.prod(dy.shape[:-1], dtype=np.int64))
     n = len(segments)
-    bits, gs, ks = (np.array([s[j] for s in segments], dtype=np.int32) for j in range(3))
-    ptrs = [(ctypes.c_void_p * n)() for _ in range(3)]
-    sizes = [(ctypes.c_size_t * n)() for _ in range(3)]
-    for i in range(n):
-        for j in range(3):
-            a = packed[3 * i + j]
-            ptrs[j][i], sizes[j][i] = a.ctypes.data, a.nbytes
+    bits, gs, ks, ptrs, sizes = _segment_args(segments, packed)
     out = np.zeros((M, K), dtype=storage_dtype(act))
     err = ctypes.create_string_buffer(2048)
     rc = lib().mbemu_qmv_t(

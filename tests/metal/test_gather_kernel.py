@@ -19,23 +19,11 @@ import metal_emu as E
 import mixbits
 from mixbits import _ext
 from mixbits.layout import QuantizedTensor, Segment
-from test_metal_kernels import ACTS, BITS, GROUP_SIZES, MX_DTYPE, OUT_EPS, assert_close, to_storage
-
-ACT_OF = {v: k for k, v in MX_DTYPE.items()}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def emulator():
-    if E.compiler() is None:
-        pytest.skip("no C++ compiler to build the Metal emulator")
-    E.lib()
-
+# emulator: the autouse fixture that builds the emulator (or skips), shared
+from test_metal_kernels import (ACT_OF, ACTS, BITS, GROUP_SIZES, MX_DTYPE, OUT_EPS,  # noqa: F401
+                                assert_close, emulator, rand, to_storage)
 
 # ---------------------------------------------------------------- helpers
-
-def rand(rng, shape, dtype=mx.float32):
-    return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
-
 
 def mlx_stack(rng, E_, n, k, bits, gs, dtype):
     """One-segment expert stack quantized by mx.quantize (MLX's layout)."""

@@ -29,6 +29,14 @@ def emulator():
     E.lib()
 
 
+# mx dtype -> the emulator's activation name (the inverse of MX_DTYPE).
+ACT_OF = {v: k for k, v in MX_DTYPE.items()}
+
+
+def rand(rng, shape, dtype=mx.float32):
+    return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
 # ---------------------------------------------------------------- helpers
 
 def to_storage(a: mx.array) -> np.ndarray:
