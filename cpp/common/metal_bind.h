@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernel_args.h"
+#include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/metal/device.h"
 
@@ -77,6 +78,17 @@ inline void bind_buffers(mlx::core::metal::CommandEncoder& enc,
       enc.set_output_array(a, b.index);
     }
   }
+}
+
+// A scratch array that lives as long as the command buffer (partial sums,
+// inverse permutations): allocated here, freed by MLX when the GPU is done.
+inline mlx::core::array metal_temporary(mlx::core::metal::CommandEncoder& enc,
+                                        mlx::core::Shape shape, mlx::core::Dtype t) {
+  size_t n = 1;
+  for (int v : shape) n *= size_t(v);
+  mlx::core::array a(mlx::core::allocator::malloc(n * t.size()), std::move(shape), t);
+  enc.add_temporary(a);
+  return a;
 }
 
 // The pipeline of a launch's kernel. Its threads per threadgroup are part

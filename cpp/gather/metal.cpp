@@ -61,16 +61,13 @@ void MixedGatherQMM::eval_gpu(const std::vector<mx::array>& inputs,
       int(pairs), M, N, int(matrices(in[0])), int(matrices(in[first])), segs,
       metal_act_type(out.dtype()), metal_scale_type(in[first + 1].dtype()), has_perm_);
 
+  auto& enc = mx::metal::get_command_encoder(s);
   // Several segments pass a float32 partial sum from dispatch to dispatch.
   std::optional<mx::array> acc;
-  if (host::qmm_needs_acc(segs.size())) {
-    acc = mx::array(mx::allocator::malloc(size_t(pairs) * M * N * sizeof(float)),
-                    {int(pairs), M, N}, mx::float32);
-    mx::metal::get_command_encoder(s).add_temporary(*acc);
-  }
+  if (host::qmm_needs_acc(segs.size()))
+    acc = metal_temporary(enc, {int(pairs), M, N}, mx::float32);
 
   auto* lib = mixbits_metal_library(d);
-  auto& enc = mx::metal::get_command_encoder(s);
   for (const host::GatherLaunch& l : plan) {
     const size_t i = size_t(l.segment);
     auto* kernel = launch_pipeline(d, lib, l, "gather_qmm");

@@ -62,16 +62,12 @@ void MixedQMatmul::eval_gpu(const std::vector<mx::array>& inputs,
                                    metal_scale_type(in[size_t(first) + 1].dtype()),
                                    has_perm_);
 
+  auto& enc = mx::metal::get_command_encoder(s);
   // Several segments pass a float32 partial sum from dispatch to dispatch.
   std::optional<mx::array> acc;
-  if (host::qmm_needs_acc(segs.size())) {
-    acc = mx::array(mx::allocator::malloc(size_t(M) * N * sizeof(float)),
-                    {M, N}, mx::float32);
-    mx::metal::get_command_encoder(s).add_temporary(*acc);
-  }
+  if (host::qmm_needs_acc(segs.size())) acc = metal_temporary(enc, {M, N}, mx::float32);
 
   auto* lib = mixbits_metal_library(d);
-  auto& enc = mx::metal::get_command_encoder(s);
   for (const host::QmmLaunch& l : plan) {
     const size_t i = size_t(l.segment);
     auto* kernel = launch_pipeline(d, lib, l, "qmatmul");
@@ -115,18 +111,11 @@ void MixedQMatmulT::eval_gpu(const std::vector<mx::array>& inputs, mx::array& ou
                                      metal_scale_type(in[first + 1].dtype()), has_perm_);
 
   auto& enc = mx::metal::get_command_encoder(s);
-  auto temp = [&](mx::Shape shape, mx::Dtype t) {
-    size_t n = 1;
-    for (int v : shape) n *= size_t(v);
-    mx::array a(mx::allocator::malloc(n * t.size()), std::move(shape), t);
-    enc.add_temporary(a);
-    return a;
-  };
   std::optional<mx::array> inv, status, z;
   if (has_perm_) {
-    inv = temp({K}, mx::int32);
-    status = temp({1}, mx::int32);
-    z = temp({M, K}, mx::float32);
+    inv = metal_temporary(enc, {K}, mx::int32);
+    status = metal_temporary(enc, {1}, mx::int32);
+    z = metal_temporary(enc, {M, K}, mx::float32);
   }
 
   auto* lib = mixbits_metal_library(d);
