@@ -1,5 +1,5 @@
 // Runs the integer-activation contracts: x quantized once per call (ref.cpp's
-// int8_quantize, the one definition of the quantization), re-ordered into
+// int_quantize, the one definition of the quantization), re-ordered into
 // the byte order of the x86 decoders, then the outputs split over threads;
 // each segment's kernel comes from the ISA's table, chosen once.
 #include <algorithm>
