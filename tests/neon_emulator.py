@@ -1,0 +1,110 @@
+"""Cross-compile CPU kernels for aarch64 and run them under qemu-user: how
+the NEON backends (the CPU path of a Mac) are checked on an x86 machine.
+
+Needs ``aarch64-linux-gnu-g++`` and ``qemu-aarch64`` (Debian/Ubuntu:
+``apt-get install g++-aarch64-linux-gnu qemu-user``; .ci/run installs
+them). Missing tools skip the NEON tests with that reason on a developer's
+machine and fail them under CI (CI=true), so CI never passes without
+running them. qemu checks results, not speed."""
+
+import os
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CXX = shutil.which("aarch64-linux-gnu-g++")
+QEMU = shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
+# Every Apple M-series core has the dot-product extension (Apple clang
+# targets it by default); qemu's "max" CPU emulates it.
+ARCH_FLAGS = ["-march=armv8.2-a+dotprod"]
+
+
+def require_tools():
+    if CXX and QEMU:
+        return
+    why = "aarch64 cross compiler or qemu-user not installed (apt-get install g++-aarch64-linux-gnu qemu-user)"
+    if os.environ.get("CI"):
+        pytest.fail("CI must run the NEON checks: " + why)
+    pytest.skip(why)
+
+
+def build(exe: Path, sources, defines=("MIXBITS_HAVE_NEON=1",)) -> Path:
+    """Static aarch64 executable from repo-relative sources."""
+    require_tools()
+    cmd = [CXX, "-std=c++20", "-O2", "-static", "-pthread", *ARCH_FLAGS,
+           *(f"-D{d}" for d in defines), f"-I{ROOT / 'cpp'}",
+           *(str(ROOT / s) for s in sources), "-o", str(exe)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, "cross compile failed:\n" + r.stderr[-4000:]
+    return exe
+
+
+def run(exe: Path, *args, threads: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, MIXBITS_NUM_THREADS=str(threads))
+    return subprocess.run([QEMU, "-cpu", "max", str(exe), *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+# ------------------------------------------------ quantized-matmul harness
+
+# What tests/neon/qmm_harness.cpp is linked from: the kernels an aarch64
+# build of the extension compiles, with their dispatch.
+QMM_SOURCES = [
+    "tests/neon/qmm_harness.cpp",
+    "cpp/common/backend.cpp", "cpp/common/cpu.cpp", "cpp/common/parallel.cpp",
+    "cpp/qmatmul/ref.cpp", "cpp/qmatmul/dispatch.cpp", "cpp/qmatmul/neon.cpp",
+    "cpp/qmatmul_int8/ref.cpp", "cpp/qmatmul_int8/dispatch.cpp",
+]
+DTYPE_ID = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
+# kernel name -> kind (0: y = x W^T, 1: dx = dy W); see kKernels in the harness
+KERNELS = {"ref": 0, "neon": 0, "int8_ref": 0, "int8": 0, "int16_ref": 0, "int16": 0,
+           "t_ref": 1, "t_auto": 1}
+
+
+def _raw(a: mx.array) -> bytes:
+    """The buffer as MLX holds it (bfloat16 as its 16-bit pattern)."""
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.array(a).tobytes()
+
+
+def write_cases(path: Path, cases) -> None:
+    """cases: (kind, inp float32 [M, cols], QuantizedTensor without perm)."""
+    with open(path, "wb") as f:
+        f.write(b"MBQ1" + struct.pack("<I", len(cases)))
+        for kind, inp, qt in cases:
+            assert qt.perm is None and not qt.batch_shape
+            N, K = qt.shape
+            f.write(struct.pack("<6i", kind, inp.shape[0], N, K, DTYPE_ID[qt.segments[0].scales.dtype],
+                                len(qt.segments)))
+            for s in qt.segments:
+                f.write(struct.pack("<3i", s.bits, s.group_size, s.k))
+            f.write(np.ascontiguousarray(inp, np.float32).tobytes())
+            for s in qt.segments:
+                f.write(_raw(s.wq) + _raw(s.scales) + _raw(s.biases))
+
+
+def run_qmm(exe: Path, tmp: Path, cases, names, threads: int = 1) -> list[dict]:
+    """Per case {kernel name: float64 output} for the kernels of its kind."""
+    write_cases(tmp / "cases.bin", cases)
+    r = run(exe, tmp / "cases.bin", tmp / "out.bin", ",".join(names), threads=threads)
+    assert r.returncode == 0, r.stdout + r.stderr
+    flat = np.fromfile(tmp / "out.bin", np.float32).astype(np.float64)
+    out, at = [], 0
+    for kind, inp, qt in cases:
+        M, (N, K) = inp.shape[0], qt.shape
+        size = M * (N if kind == 0 else K)
+        res = {}
+        for n in names:
+            if KERNELS[n] == kind:
+                res[n] = flat[at:at + size].reshape(M, -1)
+                at += size
+        out.append(res)
+    assert at == flat.size, "harness output has the wrong size"
+    return out
