@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import mixbits
-from neon_emulator import QMM_SOURCES, build, run_qmm
+from neon_emulator import BASE_ARCH_FLAGS, QMM_SOURCES, build, run_qmm
 from reference import OUT_EPS, dequantize_f64
 from test_qmatmul_int8 import model
 
@@ -82,9 +82,17 @@ def test_float_kernel_edges(harness, tmp_path):
                      np.abs(x.astype(np.float64)) @ np.abs(w).T, "edge")
 
 
+@pytest.fixture(scope="module")
+def harness_armv8(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("neon8") / "qmm_harness", QMM_SOURCES, arch=BASE_ARCH_FLAGS)
+
+
 @pytest.mark.parametrize("act", ["int8", "int16"])
-def test_integer_contracts(harness, tmp_path, act):
-    """What an aarch64 build runs for activations=act equals the contract."""
+@pytest.mark.parametrize("dotprod", [True, False])
+def test_integer_contracts(request, tmp_path, act, dotprod):
+    """What an aarch64 build runs for activations=act equals the contract,
+    with and without the dot-product extension."""
+    harness = request.getfixturevalue("harness" if dotprod else "harness_armv8")
     rng = np.random.default_rng(3)
     cases = []
     for bits in (2, 3, 4, 5, 6, 8):

@@ -84,7 +84,8 @@ void qmm_int16_best_run(const float* x, int M, const QMatView& w, float* y) {
 namespace {
 // Avx512 (also what Auto picks on an AVX-512 CPU) runs the widest integer
 // dot the CPU has: VNNI where present, else the AVX2 table.
-constexpr BackendSet kIntBackends = backend_set({Backend::Ref, Backend::Avx2, Backend::Avx512});
+constexpr BackendSet kIntBackends =
+    backend_set({Backend::Ref, Backend::Avx2, Backend::Avx512, Backend::Neon});
 }  // namespace
 
 QmmRun select_qmm_int8(Backend requested) {
@@ -93,7 +94,10 @@ QmmRun select_qmm_int8(Backend requested) {
     case Backend::Avx2: return qmm_int8_avx2_run;
     case Backend::Avx512: return qmm_int8_best_run;
 #endif
-    default: return qmm_int8_ref_run;  // NEON integer dots: not written yet
+#if defined(MIXBITS_HAVE_NEON)
+    case Backend::Neon: return qmm_int8_neon_run;
+#endif
+    default: return qmm_int8_ref_run;
   }
 }
 
@@ -102,6 +106,9 @@ QmmRun select_qmm_int16(Backend requested) {
 #if defined(MIXBITS_HAVE_AVX2)
     case Backend::Avx2: return qmm_int16_avx2_run;
     case Backend::Avx512: return qmm_int16_best_run;
+#endif
+#if defined(MIXBITS_HAVE_NEON)
+    case Backend::Neon: return qmm_int16_neon_run;
 #endif
     default: return qmm_int16_ref_run;
   }

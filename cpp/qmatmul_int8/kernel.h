@@ -80,6 +80,10 @@ void qmm_int16_avx2_run(const float* x, int M, const QMatView& w, float* y);
 void qmm_int8_best_run(const float* x, int M, const QMatView& w, float* y);
 void qmm_int16_best_run(const float* x, int M, const QMatView& w, float* y);
 #endif
+#if defined(MIXBITS_HAVE_NEON)
+void qmm_int8_neon_run(const float* x, int M, const QMatView& w, float* y);
+void qmm_int16_neon_run(const float* x, int M, const QMatView& w, float* y);
+#endif
 QmmRun select_qmm_int8(Backend requested);
 QmmRun select_qmm_int16(Backend requested);
 
