@@ -22,17 +22,17 @@ def arm64_sources() -> list[Path]:
     cmake = (ROOT / "CMakeLists.txt").read_text()
     exclude = re.search(r'list\(FILTER MIXBITS_OP_SOURCES EXCLUDE REGEX "([^"]+)"\)', cmake).group(1)
     exclude = exclude.replace("\\\\", "\\")
-    neon = re.search(r'file\(GLOB MIXBITS_NEON_SOURCES CONFIGURE_DEPENDS\s+"\$\{CMAKE_CURRENT_SOURCE_DIR\}/([^"]+)"\)',
-                     cmake).group(1)
+    neon_glob = re.search(r"file\(GLOB MIXBITS_NEON_SOURCES CONFIGURE_DEPENDS([^)]*)\)", cmake).group(1)
+    neon = re.findall(r'"\$\{CMAKE_CURRENT_SOURCE_DIR\}/([^"]+)"', neon_glob)
     ops = [p for p in sorted(ROOT.glob("cpp/*/*.cpp")) if not re.match(exclude, str(p))]
-    return ops + sorted(ROOT.glob(neon)) + [ROOT / "cpp/bindings.cpp"]
+    return ops + sorted({p for g in neon for p in ROOT.glob(g)}) + [ROOT / "cpp/bindings.cpp"]
 
 
 def test_every_arm64_source_type_checks():
     require_tools()
     srcs = arm64_sources()
     names = {p.name for p in srcs}
-    assert "neon.cpp" in names and not any(n.startswith("avx2") or n == "metal.cpp" for n in names)
+    assert {"neon.cpp", "neon_t.cpp"} <= names and not any(n.startswith("avx2") or n == "metal.cpp" for n in names)
     incs = [ROOT / "cpp", ROOT / "metal", Path(mx.__file__).parent / "include", nanobind.include_dir(),
             sysconfig.get_paths()["include"]]
     cmd = [CXX, "-std=c++20", "-fsyntax-only", "-Wno-psabi", *ARCH_FLAGS, "-DMIXBITS_HAVE_NEON=1",

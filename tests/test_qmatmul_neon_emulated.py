@@ -115,13 +115,15 @@ def test_transposed_product(harness, tmp_path):
     cases = []
     for bits in (2, 3, 4, 5, 6, 8):
         for gs in (32, 64, 128):
-            x, qt = rand_case(rng, int(rng.choice([1, 5, 40])), [(bits, gs, gs * int(rng.integers(1, 3)))],
+            x, qt = rand_case(rng, int(rng.choice([1, 5, 40, 130])), [(bits, gs, gs * int(rng.integers(1, 3)))],
                               SDTYPES[gs // 64], 1)
             dy = rng.standard_normal((int(rng.choice([1, 4, 9])), qt.shape[0])).astype(np.float32)
             cases.append((1, dy, qt))
-    outs = run_qmm(harness, tmp_path, cases, ["t_ref", "t_auto"])
+    _, qt = rand_case(rng, 70, [(8, 32, 64), (3, 128, 128), (5, 64, 64)], mx.bfloat16, 1)
+    cases.append((1, rng.standard_normal((6, 70)).astype(np.float32), qt))
+    outs = run_qmm(harness, tmp_path, cases, ["t_ref", "t_neon"], threads=2)
     for (_, dy, qt), out in zip(cases, outs):
         w = dequantize_f64(qt)
         ref, mag = dy.astype(np.float64) @ w, np.abs(dy.astype(np.float64)) @ np.abs(w)
-        for name in ("t_ref", "t_auto"):
+        for name in ("t_ref", "t_neon"):
             assert_close(out[name], ref, mag, f"{name} bits={qt.segments[0].bits}")

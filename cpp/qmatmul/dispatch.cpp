@@ -46,8 +46,9 @@ QmmTRun select_qmm_t(Backend requested) {
     case Backend::Avx2: return qmm_t_avx2_run;
     case Backend::Avx512: return qmm_t_avx512_run;
 #endif
-    // No NEON transposed kernel yet: a forced "neon" runs the scalar
-    // reference (see prefer_qmm_t for what Auto does on arm64).
+#if defined(MIXBITS_HAVE_NEON)
+    case Backend::Neon: return qmm_t_neon_run;  // see prefer_qmm_t for Auto
+#endif
     default: return qmm_t_ref_run;
   }
 }

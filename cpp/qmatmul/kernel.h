@@ -71,9 +71,11 @@ void qmm_t_ref_run(const float* dy, int M, const QMatView& w, float* dx);
 void qmm_t_avx2_run(const float* dy, int M, const QMatView& w, float* dx);
 void qmm_t_avx512_run(const float* dy, int M, const QMatView& w, float* dx);
 #endif
+#if defined(MIXBITS_HAVE_NEON)
+void qmm_t_neon_run(const float* dy, int M, const QMatView& w, float* dx);
+#endif
 
-// The backends with float-contract kernels (a forced "neon" runs the
-// scalar transposed product: no NEON one yet).
+// The backends with float-contract kernels, both directions.
 constexpr BackendSet kQmmBackends =
     backend_set({Backend::Ref, Backend::Avx2, Backend::Avx512, Backend::Neon});
 
@@ -84,9 +86,10 @@ constexpr BackendSet kQmmBackends =
 QmmRun select_qmm(Backend requested);
 QmmTRun select_qmm_t(Backend requested);
 // Whether the CPU gradient wrt x takes the transposed kernel for
-// `requested` rather than MLX's dequantize + matmul: yes where it is SIMD
-// (AVX2, AVX-512) or the caller forced a backend. Auto on arm64 keeps MLX's matmul
-// (Accelerate's sgemm on macOS) until a NEON transposed kernel exists.
+// `requested` rather than MLX's dequantize + matmul: yes where it is x86
+// SIMD (AVX2, AVX-512) or the caller forced a backend. Auto on arm64 keeps
+// MLX's matmul (Accelerate's sgemm on macOS): the NEON transposed kernel
+// is checked under qemu but its speed against Accelerate is unmeasured.
 bool prefer_qmm_t(Backend requested);
 // Backends usable on this machine, for tests and benchmarks.
 std::vector<Backend> available_qmm_backends();

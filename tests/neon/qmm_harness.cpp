@@ -41,7 +41,7 @@ const Kernel kKernels[] = {
     {"int16_ref", 0, qmm_int16_ref_run, nullptr},
     {"int16", 0, select_qmm_int16(Backend::Auto), nullptr},
     {"t_ref", 1, nullptr, qmm_t_ref_run},
-    {"t_auto", 1, nullptr, select_qmm_t(Backend::Auto)},
+    {"t_neon", 1, nullptr, select_qmm_t(Backend::Neon)},
 };
 
 [[noreturn]] void die(const char* what) {
