@@ -8,6 +8,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from mixbits._backends import names
 from mixbits.activations import act_backends, swiglu
 from mixbits.attention import attn_backends, causal_attention
 from mixbits.routing import patch_functions, unpatch_functions
@@ -200,3 +201,29 @@ def test_routing_is_per_model_and_keeps_logits(monkeypatch):
     n = dict(calls)
     mx.eval(routed(tokens))
     assert calls == n  # unpatched: nothing routed any more
+
+
+def test_no_routing_where_only_the_scalar_kernel_exists(monkeypatch):
+    """On a CPU where a kernel has only its scalar reference (arm64 today),
+    MLX's own op is faster: that function is not taken over."""
+    from mixbits import _ext
+
+    calls = _counting(monkeypatch)
+    # The module-level routers stay once installed: install them first, so
+    # the check must hold in the router, not only in patch_functions.
+    first = tiny_llama(seed=0)
+    patch_functions(first)
+    unpatch_functions(first)
+    ref_only = [b for b in _ext.act_backends() if names([b]) == ["ref"]]
+    assert ref_only
+    monkeypatch.setattr(_ext, "act_backends", lambda: ref_only)
+    routed, plain = tiny_llama(seed=0), tiny_llama(seed=0)
+    tokens = mx.array(tiny_tokens(1, 20))
+    assert patch_functions(routed) == ["scaled_dot_product_attention"]
+    try:
+        got = routed(tokens)
+        mx.eval(got)
+        assert calls == {"attn": 2, "swiglu": 0}
+        assert mx.allclose(got, plain(tokens), atol=1e-4).item()
+    finally:
+        unpatch_functions(routed)

@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import _ext
-from ._backends import on_cpu
+from ._backends import names, on_cpu
 
 __all__ = ["patch_functions", "unpatch_functions"]
 
@@ -34,14 +34,27 @@ def _f32(*arrays) -> bool:
     return all(a.dtype == mx.float32 for a in arrays)
 
 
+# Each router's kernel's backends on this CPU.
+_KERNEL_BACKENDS = {"scaled_dot_product_attention": lambda: _ext.attn_backends(),
+                    "swiglu": lambda: _ext.act_backends()}
+
+
+def _has_vector_kernel(name: str) -> bool:
+    """Whether the kernel behind router ``name`` has more than the scalar
+    reference here. Where it has not (arm64: no NEON attention or SwiGLU
+    kernel yet), MLX's own op is faster and the call is not taken over."""
+    return any(b != "ref" for b in names(_KERNEL_BACKENDS[name]()))
+
+
 def _sdpa_router(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         # One query without a mask (a decode step) sees every key, which is
         # what the causal kernel does for the last query row.
         causal = (isinstance(mask, str) and mask == "causal") or (
             mask is None and queries.shape[-2] == 1)
-        if (_ACTIVE.get() and causal and sinks is None
-                and not hasattr(cache, "bits") and _f32(queries, keys, values) and on_cpu()):
+        if (_ACTIVE.get() and causal and sinks is None and not hasattr(cache, "bits")
+                and _f32(queries, keys, values) and on_cpu()
+                and _has_vector_kernel("scaled_dot_product_attention")):
             return _ext.causal_attention(queries, keys, values, float(scale), 0)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
@@ -50,7 +63,8 @@ def _sdpa_router(original):
 
 def _swiglu_router(original):
     def swiglu(gate, x):
-        if _ACTIVE.get() and _f32(gate, x) and gate.shape == x.shape and on_cpu():
+        if (_ACTIVE.get() and _f32(gate, x) and gate.shape == x.shape and on_cpu()
+                and _has_vector_kernel("swiglu")):
             return _ext.swiglu(gate, x, 0)
         return original(gate, x)
 
@@ -58,8 +72,6 @@ def _swiglu_router(original):
 
 
 _ROUTERS = {"scaled_dot_product_attention": _sdpa_router, "swiglu": _swiglu_router}
-
-
 def _routed_class(cls: type) -> type:
     """``cls`` with a ``__call__`` that routes the calls made inside it."""
     if getattr(cls, "_mixbits_routed", False):
@@ -102,13 +114,14 @@ def _model_modules(model: nn.Module) -> list:
 def patch_functions(model: nn.Module) -> list[str]:
     """Route ``model``'s attention / SwiGLU calls through the mixbits
     kernels; returns the function names taken over (those the model's module
-    has). Other models are not affected. Idempotent."""
+    has, whose kernel has a vector backend on this CPU). Other models are
+    not affected. Idempotent."""
     taken = []
     for mod in _model_modules(model):
         saved = mod.__dict__.setdefault(_SAVED, {})
         for name, router in _ROUTERS.items():
             fn = getattr(mod, name, None)
-            if not callable(fn):
+            if not callable(fn) or not _has_vector_kernel(name):
                 continue
             if name not in saved:
                 saved[name] = fn
