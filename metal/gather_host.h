@@ -15,7 +15,7 @@
 
 namespace mixbits::metal_host {
 
-static_assert(sizeof(MbGatherParams) == sizeof(MbQmmParams) + 2 * sizeof(int),
+static_assert(sizeof(MbGatherParams) == sizeof(MbQmmParams) + 3 * sizeof(int),
               "MbGatherParams is plain ints, laid out alike in Metal and C++");
 
 struct GatherLaunch : Launch {
@@ -26,24 +26,40 @@ struct GatherLaunch : Launch {
 // Why the gathered kernel cannot run a problem ("" if it can): its
 // parameters and grid are 32-bit. mixed_gather_qmm asks before building
 // the node and composes MLX ops instead when this says no.
-inline std::string gather_gpu_refusal(int64_t pairs, int64_t x_batches, int64_t w_batches) {
+inline std::string gather_gpu_refusal(int64_t pairs, int64_t M, int64_t x_batches,
+                                      int64_t w_batches) {
   const int64_t lim = 0x7fffffff;
   if (pairs > lim) return "more than 2^31-1 output matrices";
+  if (pairs * M > lim) return "more than 2^31-1 output rows";
   if (x_batches > lim || w_batches > lim) return "more than 2^31-1 matrices in x or W";
   return "";
 }
 
+// Whether the tiled kernel (gather_qmm.metal) runs rather than the GEMV:
+// when a 32-row block of output rows is likely to share one expert, so
+// each weight tile is read once per block instead of once per row: the
+// caller says the pairs are sorted by expert (mlx-lm sorts them when a
+// layer sees many tokens) and there are rows for at least two blocks, or
+// every output matrix alone has more rows than the GEMV takes.
+inline bool gather_tiled(int pairs, int M, bool sorted) {
+  return (sorted && int64_t(pairs) * M >= 2 * MB_QMM_BM) || M > MB_QMV_MAX_M;
+}
+
 // One launch per segment, in order. x: x_batches dense [M, K] matrices;
 // each segment's arrays: w_batches matrices of N rows; `pairs` entries of
-// lhs and rhs (uint32). Arguments are assumed validated (cpp/gather/gather.cpp).
-inline std::vector<GatherLaunch> plan_gather_qmv(int pairs, int M, int N, int x_batches,
-                                                 int w_batches,
-                                                 const std::vector<QmmSegment>& segs,
-                                                 ActType xt, int scale_type, bool has_perm) {
+// lhs and rhs (uint32); `sorted`: the caller's sorted_indices. Arguments
+// are assumed validated (cpp/gather/gather.cpp).
+inline std::vector<GatherLaunch> plan_gather(int pairs, int M, int N, int x_batches,
+                                             int w_batches, const std::vector<QmmSegment>& segs,
+                                             ActType xt, int scale_type, bool has_perm,
+                                             bool sorted) {
   if (pairs <= 0 || M <= 0 || N <= 0 || x_batches <= 0 || w_batches <= 0 || segs.empty())
-    throw std::invalid_argument("plan_gather_qmv: empty problem");
+    throw std::invalid_argument("plan_gather: empty problem");
   if (scale_type != MB_SCALE_F32 && scale_type != MB_SCALE_F16 && scale_type != MB_SCALE_BF16)
-    throw std::invalid_argument("plan_gather_qmv: unknown scale dtype");
+    throw std::invalid_argument("plan_gather: unknown scale dtype");
+  if (int64_t(pairs) * M > 0x7fffffff)
+    throw std::invalid_argument("plan_gather: more than 2^31-1 output rows");
+  const bool tiled = gather_tiled(pairs, M, sorted);
   int K = 0;
   for (const auto& s : segs) K += s.k;
   const bool acc = qmm_needs_acc(segs.size());
@@ -54,7 +70,8 @@ inline std::vector<GatherLaunch> plan_gather_qmv(int pairs, int M, int N, int x_
   for (size_t i = 0; i < segs.size(); ++i) {
     const QmmSegment& s = segs[i];
     GatherLaunch l;
-    l.kernel = ladder_kernel_name("gather_qmv", xt, scale_type, s.bits, s.group_size);
+    l.kernel = ladder_kernel_name(tiled ? "gather_qmm" : "gather_qmv", xt, scale_type, s.bits,
+                                  s.group_size);
     MbQmmParams& q = l.params.q;
     q.M = M;
     q.N = N;
@@ -66,12 +83,22 @@ inline std::vector<GatherLaunch> plan_gather_qmv(int pairs, int M, int N, int x_
     q.write_out = i + 1 == segs.size() ? 1 : 0;
     l.params.x_batches = x_batches;
     l.params.w_batches = w_batches;
-    l.grid[0] = uint32_t(M);
-    l.grid[1] = uint32_t((N + MB_QMV_ROWS_PER_GROUP - 1) / MB_QMV_ROWS_PER_GROUP);
-    l.grid[2] = uint32_t(pairs);
-    l.group[0] = MB_QMV_THREADS;
+    l.params.pairs = pairs;
+    if (tiled) {
+      const int64_t rows = int64_t(pairs) * M;
+      l.grid[0] = uint32_t((N + MB_QMM_BN - 1) / MB_QMM_BN);
+      l.grid[1] = uint32_t((rows + MB_QMM_BM - 1) / MB_QMM_BM);
+      l.grid[2] = 1;
+      l.group[0] = MB_QMM_THREADS;
+      l.threadgroup_bytes = size_t(MB_QMM_TG_FLOATS) * sizeof(float);
+    } else {
+      l.grid[0] = uint32_t(M);
+      l.grid[1] = uint32_t((N + MB_QMV_ROWS_PER_GROUP - 1) / MB_QMV_ROWS_PER_GROUP);
+      l.grid[2] = uint32_t(pairs);
+      l.group[0] = MB_QMV_THREADS;
+      l.threadgroup_bytes = 0;
+    }
     l.group[1] = l.group[2] = 1;
-    l.threadgroup_bytes = 0;
     l.segment = int(i);
     const size_t mats = size_t(w_batches) * size_t(N);
     const size_t groups = mats * size_t(s.k / s.group_size);

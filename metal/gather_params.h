@@ -1,7 +1,8 @@
-// The contract between the gathered GEMV (gather_qmv.metal) and the host
-// code that launches it (gather_host.h, cpp/gather/metal.cpp): buffer
-// indices and the per-dispatch parameter block. Plain ints only, so the
-// struct has one layout in Metal and in C++.
+// The contract between the gathered kernels (gather_qmv.metal, the GEMV;
+// gather_qmm.metal, the tiled one) and the host code that launches them
+// (gather_host.h, cpp/gather/metal.cpp): buffer indices and the
+// per-dispatch parameter block, the same for both kernels. Plain ints
+// only, so the struct has one layout in Metal and in C++.
 #pragma once
 #include "qmatmul_params.h"
 
@@ -15,6 +16,7 @@ struct MbGatherParams {
   MbQmmParams q;
   int x_batches;  // lhs[i] >= x_batches: output matrix i is NaN
   int w_batches;  // rhs[i] >= w_batches: output matrix i is NaN
+  int pairs;      // entries of lhs and rhs (output matrices)
 };
 
 // Buffer indices ([[buffer(i)]]).

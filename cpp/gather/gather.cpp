@@ -110,7 +110,7 @@ bool gpu_kernel_runs(const mx::array& x, const mx::array& wq0, const mx::array& 
   const int64_t bx = prod(x.shape(), 0, x.ndim() - 2);
   const int64_t bw = prod(wq0.shape(), 0, wq0.ndim() - 2);
   return bx > 0 && bw > 0 &&
-         metal_host::gather_gpu_refusal(int64_t(li.size()), bx, bw).empty();
+         metal_host::gather_gpu_refusal(int64_t(li.size()), x.shape(-2), bx, bw).empty();
 #else
   (void)x, (void)wq0, (void)li;
   return false;

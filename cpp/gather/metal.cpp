@@ -1,5 +1,6 @@
 // MixedGatherQMM::eval_gpu: the Metal path. One dispatch per K-segment of
-// the gathered GEMV (metal/gather_qmv.metal), each a kernel specialized for
+// the gathered GEMV (metal/gather_qmv.metal) or, for many sorted rows, the
+// tiled gathered kernel (metal/gather_qmm.metal), each specialized for
 // that segment's bits, group size and scale dtype, the segments meeting in
 // a float32 partial sum; the launch plan (kernel names, grids, parameters,
 // and the buffers each launch binds) comes from metal/gather_host.h, the
@@ -57,9 +58,9 @@ void MixedGatherQMM::eval_gpu(const std::vector<mx::array>& inputs,
   for (const SegSpec& sg : segs_) segs.push_back({sg.bits, sg.group_size, sg.k});
 
   // (the builder checked these against gather_gpu_refusal)
-  const auto plan = host::plan_gather_qmv(
+  const auto plan = host::plan_gather(
       int(pairs), M, N, int(matrices(in[0])), int(matrices(in[first])), segs,
-      metal_act_type(out.dtype()), metal_scale_type(in[first + 1].dtype()), has_perm_);
+      metal_act_type(out.dtype()), metal_scale_type(in[first + 1].dtype()), has_perm_, sorted_);
 
   auto& enc = mx::metal::get_command_encoder(s);
   // Several segments pass a float32 partial sum from dispatch to dispatch.

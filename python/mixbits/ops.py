@@ -144,9 +144,10 @@ def gather_qmatmul(
     broadcast together; each defaults to every batch of its operand. Output
     ``broadcast(lhs, rhs).shape + (M, N)`` in x's dtype. An index out of
     range gives NaN rows, and a NaN gradient wrt x (MLX cannot check it
-    when building the graph either). ``sorted_indices`` is accepted for MLX compatibility; the CPU
-    kernel groups rows by expert whether or not they are sorted, and the Metal kernel (a
-    gathered GEMV, one threadgroup row per output row) does not depend on the order."""
+    when building the graph either). ``sorted_indices`` (as MLX: rhs sorted by expert) is a
+    speed hint: the CPU kernel groups rows by expert whether or not they are sorted; on the
+    GPU it picks the tiled gathered kernel from 64 rows (weight tiles read once per 32
+    rows), which stays correct, only slower, if the indices are not in fact sorted."""
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
     if not isinstance(x, mx.array):

@@ -52,9 +52,9 @@ def qmm_rows(quick):
 
 def gather_rows(quick):
     # 128 experts of 768 x 2048 (an MoE layer's up projection), top-8 per
-    # token, unsorted: decode (1 token) and small batches. mixbits runs one
-    # GEMV per (token, expert) pair whatever the count (no tiled gather
-    # kernel yet), so large batches are expected to favour MLX.
+    # token, unsorted: decode (1 token) and small batches, which run the
+    # gathered GEMV; then sorted prefill (mlx-lm's sorted SwitchGLU call),
+    # which runs the tiled gathered kernel from 64 rows.
     E, N, K, top = 128, 768, 2048, 8
     for bits in ((4,) if quick else (4, 3)):
         rng = np.random.default_rng(bits)
@@ -70,6 +70,17 @@ def gather_rows(quick):
             mlx = best_ms(lambda: mx.gather_qmm(x, wq, s, b, None, idx, transpose=True,
                                                 group_size=64, bits=bits), 20)
             yield f"gather {E}x{N}x{K} b{bits} tok={tokens} top{top}", ours, mlx
+        for tokens in ((256,) if quick else (64, 256, 1024)):
+            idx = rng.integers(0, E, (tokens, top)).reshape(-1)
+            order = np.argsort(idx, kind="stable")
+            x = mx.array(rng.standard_normal((tokens * top, 1, K)).astype(np.float16))
+            ridx = mx.array(idx[order].astype(np.uint32))
+            mx.eval(x, ridx)
+            ours = best_ms(lambda: mixbits.gather_quantized_matmul(
+                x, wq, s, b, None, ridx, 64, bits, sorted_indices=True), 10)
+            mlx = best_ms(lambda: mx.gather_qmm(x, wq, s, b, None, ridx, transpose=True,
+                                                group_size=64, bits=bits, sorted_indices=True), 10)
+            yield f"gather {E}x{N}x{K} b{bits} tok={tokens} top{top} sorted", ours, mlx
 
 
 def grad_x_rows(quick):

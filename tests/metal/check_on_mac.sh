@@ -69,7 +69,16 @@ bad = mx.array(np.array([[0, 8]], np.uint32))
 with mx.stream(mx.gpu):
     z = np.array(mixbits.gather_quantized_matmul(x[:1], wq, s, b, None, bad, 64, 3))
 assert np.isfinite(z[0, 0]).all() and np.isnan(z[0, 1]).all()
-print('gather_qmm on the GPU: Metal kernel in the graph, matches mx.gather_qmm, bad index -> NaN')"
+# Sorted prefill (200 rows, the tiled kernel), against mx.gather_qmm.
+ids = np.sort(rng.integers(0, 8, 200)).astype(np.uint32)
+xs = mx.array(rng.standard_normal((200, 1, 256)).astype(np.float16))
+with mx.stream(mx.gpu):
+    ys = mixbits.gather_quantized_matmul(xs, wq, s, b, None, mx.array(ids), 64, 3, sorted_indices=True)
+refs = mx.gather_qmm(xs, wq, s, b, None, mx.array(ids), transpose=True, group_size=64, bits=3,
+                     sorted_indices=True, stream=mx.cpu)
+ys, refs = np.array(ys.astype(mx.float32)), np.array(refs.astype(mx.float32))
+assert np.abs(ys - refs).max() <= 2e-2 * np.abs(refs).max(), np.abs(ys - refs).max()
+print('gather_qmm on the GPU: Metal kernels in the graph, GEMV and sorted tiled match mx.gather_qmm, bad index -> NaN')"
 # The gradient wrt x on the GPU: for few rows it runs mixbits' transposed
 # Metal kernel (MixedQMatmulT in the graph; dequantize + matmul above 8
 # rows) and agrees with the CPU gradient, a permutation undone.

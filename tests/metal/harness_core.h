@@ -63,6 +63,26 @@ class Guarded {
     for (size_t i = 0; i < bytes_ / 4; ++i) f[i] = std::numeric_limits<float>::quiet_NaN();
   }
   void fill_bytes(unsigned char v) { std::memset(data_, v, bytes_); }
+  // Outputs start as a NaN with a payload that neither arithmetic nor the
+  // kernels' NAN produce (those give the canonical quiet NaN), so an element
+  // a kernel never wrote is told apart from a NaN it stored on purpose (an
+  // index out of range): Buffers::finish refuses the former.
+  void fill_poison(Elem e) {
+    const size_t w = elem_bytes(e), n = bytes_ / w;
+    for (size_t i = 0; i < n; ++i) std::memcpy(data_ + i * w, poison(e), w);
+  }
+  size_t count_poison(Elem e) const {
+    const size_t w = elem_bytes(e), n = bytes_ / w;
+    size_t c = 0;
+    for (size_t i = 0; i < n; ++i) c += std::memcmp(data_ + i * w, poison(e), w) == 0;
+    return c;
+  }
+  static const void* poison(Elem e) {
+    static const uint32_t f32 = 0x7fe5a5a5u;  // also the int32/uint32 pattern
+    static const uint16_t f16 = 0x7e5au, bf16 = 0x7fdau;
+    return e == Elem::F16 ? static_cast<const void*>(&f16)
+         : e == Elem::BF16 ? static_cast<const void*>(&bf16) : static_cast<const void*>(&f32);
+  }
   size_t bytes() const { return bytes_; }
   bool canary_intact() const {
     for (size_t i = 0; i < slack_; ++i)
@@ -116,9 +136,8 @@ class Buffers {
         auto fresh = b.dir == Dir::In ? std::make_unique<Guarded>(want, u.in)
                                       : std::make_unique<Guarded>(want, 16);
         if (b.dir == Dir::Out) {
-          if (b.elem == Elem::F32) fresh->fill_nan_f32();
-          else fresh->fill_bytes(0xff);  // NaN in f16/bf16; -1 in ints
-          outputs_.push_back({fresh.get(), u.out});
+          fresh->fill_poison(b.elem);
+          outputs_.push_back({fresh.get(), u.out, b.elem, l.kernel + ": " + describe(b)});
         }
         g = fresh.get();
         if (is_shared(b.index)) shared_bufs_[b.index] = std::move(fresh);
@@ -141,10 +160,13 @@ class Buffers {
 
   // After the last launch: every output back to the caller.
   void finish() {
-    for (auto& [g, dst] : outputs_) {
-      if (!g->canary_intact())
+    for (auto& o : outputs_) {
+      if (!o.buf->canary_intact())
         throw std::runtime_error("harness: a kernel wrote past the end of an output");
-      std::memcpy(dst, g->data(), g->bytes());
+      if (const size_t n = o.buf->count_poison(o.elem))
+        throw std::runtime_error("harness: " + o.what + ": " + std::to_string(n) +
+                                 " elements never written");
+      std::memcpy(o.dst, o.buf->data(), o.buf->bytes());
     }
   }
 
@@ -159,7 +181,13 @@ class Buffers {
   std::map<int, std::unique_ptr<Guarded>> shared_bufs_;
   std::vector<std::unique_ptr<Guarded>> per_launch_;
   std::vector<std::unique_ptr<Guarded>> owned_outputs_;
-  std::vector<std::pair<Guarded*, void*>> outputs_;
+  struct Output {
+    Guarded* buf;
+    void* dst;
+    Elem elem;
+    std::string what;
+  };
+  std::vector<Output> outputs_;
 };
 
 simt::Options options(int order, uint64_t seed) {

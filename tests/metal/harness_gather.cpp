@@ -1,5 +1,6 @@
-// C entry point for the gathered quantized matmul (metal/gather_qmv.metal)
-// on the SIMT emulator, launched as cpp/gather/metal.cpp launches it: the
+// C entry point for the gathered quantized matmul (metal/gather_qmv.metal,
+// the GEMV, and metal/gather_qmm.metal, the tiled kernel) on the SIMT
+// emulator, launched as cpp/gather/metal.cpp launches it: the
 // plan comes from metal/gather_host.h and the buffers are allocated, checked
 // and bound from its description (harness_core.h; rules in harness.cpp).
 #include "gather_host.h"
@@ -13,11 +14,17 @@ template <typename S, typename SC>
 using GatherFn = void(const S*, const int32_t*, const uint32_t*, const SC*, const SC*,
                       const uint32_t*, const uint32_t*, float*, S*, MbGatherParams&, uint3,
                       uint, uint);
+// The tiled kernel: threadgroup memory, then (group, thread, simdgroup) ids.
+template <typename S, typename SC>
+using GatherTiledFn = void(const S*, const int32_t*, const uint32_t*, const SC*, const SC*,
+                           const uint32_t*, const uint32_t*, float*, S*, MbGatherParams&,
+                           float*, uint3, uint, uint);
 
 // The shapes of MixedGatherQMM's inputs, and the caller's buffers by index
 // (MB_GATHER_X .. MB_GATHER_OUT) with one wq/scales/biases per segment.
 struct GatherProblem {
   int pairs, M, N, x_batches, w_batches;
+  bool sorted;
   std::vector<QmmSegment> segs;
   ActType at;
   int scale_type;
@@ -27,8 +34,8 @@ struct GatherProblem {
 
 template <typename S, typename SC>
 void run_gather(const GatherProblem& g, const simt::Options& opt) {
-  const auto plan = plan_gather_qmv(g.pairs, g.M, g.N, g.x_batches, g.w_batches, g.segs, g.at,
-                                    g.scale_type, g.perm.in != nullptr);
+  const auto plan = plan_gather(g.pairs, g.M, g.N, g.x_batches, g.w_batches, g.segs, g.at,
+                                g.scale_type, g.perm.in != nullptr, g.sorted);
   std::vector<float> acc_sink(qmm_needs_acc(g.segs.size())
                                   ? size_t(g.pairs) * size_t(g.M) * size_t(g.N) : 0);
   Buffers bufs({MB_GATHER_X, MB_GATHER_PERM, MB_GATHER_LHS, MB_GATHER_RHS, MB_GATHER_ACC,
@@ -47,19 +54,36 @@ void run_gather(const GatherProblem& g, const simt::Options& opt) {
     user[MB_GATHER_OUT] = g.out;
     const std::vector<void*> p = bufs.bind(l, user);
     MbGatherParams params = l.params;
-    auto* fn = simt::find_kernel<GatherFn<S, SC>>(l.kernel);
-    simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
-        [&](const simt::ThreadIds& t) {
-          fn(static_cast<const S*>(p[MB_GATHER_X]), static_cast<const int32_t*>(p[MB_GATHER_PERM]),
-             static_cast<const uint32_t*>(p[MB_GATHER_WQ]),
-             static_cast<const SC*>(p[MB_GATHER_SCALES]),
-             static_cast<const SC*>(p[MB_GATHER_BIASES]),
-             static_cast<const uint32_t*>(p[MB_GATHER_LHS]),
-             static_cast<const uint32_t*>(p[MB_GATHER_RHS]),
-             static_cast<float*>(p[MB_GATHER_ACC]), static_cast<S*>(p[MB_GATHER_OUT]), params,
-             u3(t.threadgroup_position_in_grid), t.simdgroup_index_in_threadgroup,
-             t.thread_index_in_simdgroup);
-        }, opt);
+    const auto* xs = static_cast<const S*>(p[MB_GATHER_X]);
+    const auto* pp = static_cast<const int32_t*>(p[MB_GATHER_PERM]);
+    const auto* w = static_cast<const uint32_t*>(p[MB_GATHER_WQ]);
+    const auto* sc = static_cast<const SC*>(p[MB_GATHER_SCALES]);
+    const auto* bi = static_cast<const SC*>(p[MB_GATHER_BIASES]);
+    const auto* li = static_cast<const uint32_t*>(p[MB_GATHER_LHS]);
+    const auto* ri = static_cast<const uint32_t*>(p[MB_GATHER_RHS]);
+    auto* acc = static_cast<float*>(p[MB_GATHER_ACC]);
+    auto* y = static_cast<S*>(p[MB_GATHER_OUT]);
+    if (l.threadgroup_bytes) {
+      // Threadgroup memory starts as NaN for every group: a read before a
+      // write shows up in the results.
+      Guarded smem(l.threadgroup_bytes);
+      simt::Options o = opt;
+      o.group_start = [&](const simt::Dim3&) { smem.fill_nan_f32(); };
+      auto* fn = simt::find_kernel<GatherTiledFn<S, SC>>(l.kernel);
+      simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
+          [&](const simt::ThreadIds& t) {
+            fn(xs, pp, w, sc, bi, li, ri, acc, y, params, smem.as<float>(),
+               u3(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup,
+               t.simdgroup_index_in_threadgroup);
+          }, o);
+    } else {
+      auto* fn = simt::find_kernel<GatherFn<S, SC>>(l.kernel);
+      simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
+          [&](const simt::ThreadIds& t) {
+            fn(xs, pp, w, sc, bi, li, ri, acc, y, params, u3(t.threadgroup_position_in_grid),
+               t.simdgroup_index_in_threadgroup, t.thread_index_in_simdgroup);
+          }, opt);
+    }
   }
   bufs.finish();
 }
@@ -78,19 +102,19 @@ extern "C" {
 // MixedGatherQMM's inputs as the primitive holds them: x [x_batches, M, K]
 // of xtype; perm int32 [K] or null; per segment the stacked wq, scales,
 // biases (w_batches matrices of N rows); lhs, rhs uint32 [pairs]; out
-// [pairs, M, N] of xtype. Sizes in bytes, checked against the launch's
+// [pairs, M, N] of xtype; sorted: the node's sorted_indices. Sizes in bytes, checked against the launch's
 // buffer description.
-int mbemu_gather_qmv(int pairs, int M, int N, int x_batches, int w_batches, int nseg,
+int mbemu_gather(int pairs, int M, int N, int x_batches, int w_batches, int nseg,
                      const int* bits, const int* group_size, const int* k, int xtype,
                      const void* x, size_t x_bytes, const int32_t* perm, size_t perm_bytes,
                      const void* const* wq, const size_t* wq_bytes,
                      const void* const* scales, const size_t* scales_bytes,
                      const void* const* biases, const size_t* biases_bytes, int scale_type,
                      const uint32_t* lhs, size_t lhs_bytes, const uint32_t* rhs,
-                     size_t rhs_bytes, void* out, size_t out_bytes, int order,
+                     size_t rhs_bytes, void* out, size_t out_bytes, int sorted, int order,
                      uint64_t seed, char* err, int errlen) {
   return guarded_call([&] {
-    GatherProblem g{pairs, M, N, x_batches, w_batches, {}, ActType(xtype), scale_type,
+    GatherProblem g{pairs, M, N, x_batches, w_batches, sorted != 0, {}, ActType(xtype), scale_type,
                     {x, nullptr, x_bytes}, {perm, nullptr, perm ? perm_bytes : 0},
                     {lhs, nullptr, lhs_bytes}, {rhs, nullptr, rhs_bytes},
                     {nullptr, out, out_bytes}, {}, {}, {}};
@@ -104,6 +128,17 @@ int mbemu_gather_qmv(int pairs, int M, int N, int x_batches, int w_batches, int 
     if (xtype == 0) run_gather_x<float>(g, o);
     else if (xtype == 1) run_gather_x<half>(g, o);
     else run_gather_x<uint16_t>(g, o);
+  }, err, errlen);
+}
+
+// The kernel eval_gpu launches for a problem of this shape (the plan's
+// first launch; a 4-bit, group-32, float32 segment stands in).
+int mbemu_gather_kernel(int pairs, int M, int sorted, char* name, int len, char* err,
+                        int errlen) {
+  return guarded_call([&] {
+    const auto plan = plan_gather(pairs, M, 8, 1, 1, {{4, 32, 32}}, ActType(0), MB_SCALE_F32,
+                                  false, sorted != 0);
+    std::snprintf(name, size_t(len), "%s", plan.at(0).kernel.c_str());
   }, err, errlen);
 }
 

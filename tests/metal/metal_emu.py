@@ -28,7 +28,7 @@ BUILD_ROOT = ROOT / "build" / "metal-emu"
 
 UNITS = ["simt.cpp", "harness.cpp", "harness_gather.cpp", "harness_t.cpp", "emu_qmv.cpp",
          "emu_qmv_t.cpp", "emu_qmm.cpp",
-         "emu_gather.cpp", "emu_kl.cpp", "emu_selftest.cpp"]
+         "emu_gather.cpp", "emu_gather_qmm.cpp", "emu_kl.cpp", "emu_selftest.cpp"]
 FLAGS = [
     "-std=c++20", "-O2", "-fPIC", "-pthread", "-Wall", "-Wextra",
     "-Wno-unknown-pragmas", "-Wno-register", "-Wno-unused-parameter",
@@ -126,15 +126,16 @@ def lib() -> ctypes.CDLL:
         P, I, U64, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_size_t
         L.mbemu_qmm.argtypes = [I, I, I, P, P, P, I, P, Z, P, Z, P, P, P, P, P, P, I, P, Z,
                                 I, I, U64, ctypes.c_char_p, I]
-        L.mbemu_gather_qmv.argtypes = [I, I, I, I, I, I, P, P, P, I, P, Z, P, Z, P, P, P, P,
-                                       P, P, I, P, Z, P, Z, P, Z, I, U64, ctypes.c_char_p, I]
+        L.mbemu_gather.argtypes = [I, I, I, I, I, I, P, P, P, I, P, Z, P, Z, P, P, P, P,
+                                   P, P, I, P, Z, P, Z, P, Z, I, I, U64, ctypes.c_char_p, I]
+        L.mbemu_gather_kernel.argtypes = [I, I, I, ctypes.c_char_p, I, ctypes.c_char_p, I]
         L.mbemu_qmv_t.argtypes = [I, I, I, P, P, P, I, P, Z, P, Z, P, P, P, P, P, P, I, P, Z,
                                   I, U64, ctypes.c_char_p, I]
         L.mbemu_kl.argtypes = [I, I, I, I, I, I, P, P, I, U64, ctypes.c_char_p, I]
         L.mbemu_selftest.argtypes = [ctypes.c_char_p, I, I, P, P, I, I, U64,
                                      ctypes.c_char_p, I]
         L.mbemu_kernel_count.argtypes = []
-        for f in (L.mbemu_qmm, L.mbemu_gather_qmv, L.mbemu_qmv_t, L.mbemu_kl, L.mbemu_selftest, L.mbemu_kernel_count):
+        for f in (L.mbemu_qmm, L.mbemu_gather, L.mbemu_gather_kernel, L.mbemu_qmv_t, L.mbemu_kl, L.mbemu_selftest, L.mbemu_kernel_count):
             f.restype = I
         _LIB = L
     return _LIB
@@ -216,15 +217,17 @@ def qmatmul(x: np.ndarray, act: str, segments, N: int, perm=None, scale_type: st
     return out
 
 
-def gather_qmv(inputs, segments, act: str, scale_type: str, has_perm: bool,
-               order: str = "shuffle", seed: int = 1) -> np.ndarray:
-    """Run the Metal gathered GEMV on the emulator with MixedGatherQMM's own
+def gather(inputs, segments, act: str, scale_type: str, has_perm: bool,
+           sorted_indices: bool = False, order: str = "shuffle", seed: int = 1) -> np.ndarray:
+    """Run the Metal gathered matmul on the emulator with MixedGatherQMM's own
     inputs, in the node's order: x [Bx..., M, K], [perm [K]], (wq, scales,
     biases) per segment stacked [Bw..., N, .], lhs, rhs (uint32, one shape),
     as storage arrays (bfloat16 as uint16 bits). segments: (bits,
-    group_size, k) per segment. The shapes are read off the arrays as
-    eval_gpu reads them; the harness refuses a buffer of another size than
-    the launch binds. Returns lhs.shape + (M, N) storage."""
+    group_size, k) per segment; sorted_indices: the node's flag, which with
+    the shapes picks the GEMV or the tiled kernel as eval_gpu does
+    (gather_host.h). The shapes are read off the arrays as eval_gpu reads
+    them; the harness refuses a buffer of another size than the launch
+    binds. Returns lhs.shape + (M, N) storage."""
     inputs = [np.ascontiguousarray(a) for a in inputs]
     first = 2 if has_perm else 1
     x, lhs, rhs = inputs[0], inputs[-2], inputs[-1]
@@ -245,13 +248,23 @@ def gather_qmv(inputs, segments, act: str, scale_type: str, has_perm: bool,
     bits, gs, ks, ptrs, sizes = _segment_args(segments, packed)
     out = np.zeros((P, M, N), dtype=storage_dtype(act))
     err = ctypes.create_string_buffer(2048)
-    rc = lib().mbemu_gather_qmv(
+    rc = lib().mbemu_gather(
         P, M, N, Bx, Bw, n, _ptr(bits), _ptr(gs), _ptr(ks), ACT_TYPES[act], _ptr(x), x.nbytes,
         _ptr(perm), 0 if perm is None else perm.nbytes, ptrs[0], sizes[0], ptrs[1], sizes[1],
         ptrs[2], sizes[2], ACT_TYPES[scale_type], _ptr(lhs), lhs.nbytes, _ptr(rhs), rhs.nbytes,
-        _ptr(out), out.nbytes, ORDERS[order], seed, err, len(err))
+        _ptr(out), out.nbytes, int(sorted_indices), ORDERS[order], seed, err, len(err))
     _check(rc, err)
     return out.reshape(lhs.shape + (M, N))
+
+
+def gather_kernel(pairs: int, M: int, sorted_indices: bool) -> str:
+    """The kernel MixedGatherQMM::eval_gpu launches for `pairs` output
+    matrices of M rows (gather_host.h's choice)."""
+    name = ctypes.create_string_buffer(256)
+    err = ctypes.create_string_buffer(2048)
+    _check(lib().mbemu_gather_kernel(pairs, M, int(sorted_indices), name, len(name), err,
+                                     len(err)), err)
+    return name.value.decode()
 
 
 def qmv_t(inputs, segments, act: str, scale_type: str, has_perm: bool,

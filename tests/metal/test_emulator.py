@@ -112,11 +112,11 @@ def test_unknown_kernel_name_fails():
 
 def test_every_instantiation_registered():
     # qmatmul: 3 activation types x 3 scale types x 6 widths x 3 group
-    # sizes x 4 kernels (qmv, qmm, gather_qmv, qmv_t); the transposed
+    # sizes x 5 kernels (qmv, qmm, gather_qmv, gather_qmm, qmv_t); the transposed
     # product's perm check (1) and unpermute (3 dtypes); kl: 3 x 3
     # (reference, logits) types; selftest: 17 kernels. Duplicate host names
     # would collapse into one entry.
-    assert E.kernel_count() == 3 * 3 * 6 * 3 * 4 + 1 + 3 + 3 * 3 + 17
+    assert E.kernel_count() == 3 * 3 * 6 * 3 * 5 + 1 + 3 + 3 * 3 + 17
 
 
 METAL_SOURCES = sorted(E.METAL_DIR.glob("*.metal")) + sorted(E.EMU_DIR.glob("*.metal"))
@@ -147,6 +147,7 @@ def enum_values(text: str, enum: str) -> list[int]:
     ("qmatmul_gemv.metal", "qmatmul_params.h", "MbQmmBuffer", 8),
     ("qmatmul_tiled.metal", "qmatmul_params.h", "MbQmmBuffer", 8),
     ("gather_qmv.metal", "gather_params.h", "MbGatherBuffer", 10),
+    ("gather_qmm.metal", "gather_params.h", "MbGatherBuffer", 10),
     ("kl.metal", "kl_params.h", "MbKlBuffer", 10),
 ])
 def test_buffer_indices_follow_declaration_order(metal, params, enum, n):

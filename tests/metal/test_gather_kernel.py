@@ -1,5 +1,7 @@
-"""The gathered quantized matmul's Metal kernel (metal/gather_qmv.metal),
-run unchanged on the SIMT emulator with MixedGatherQMM's own inputs.
+"""The gathered quantized matmul's Metal kernels (metal/gather_qmv.metal,
+the GEMV; metal/gather_qmm.metal, the tiled kernel for many sorted rows or
+M > 8), run unchanged on the SIMT emulator with MixedGatherQMM's own
+inputs.
 
 mixbits._ext.gather_qmatmul_node_inputs builds the node exactly as
 gather_qmatmul does (indices cast to uint32 and broadcast, every input
@@ -50,11 +52,11 @@ def node_inputs(x, qt, lhs, rhs):
     return [to_storage(a) for a in inputs]
 
 
-def emulate(x, qt, lhs, rhs, order="shuffle", seed=1):
+def emulate(x, qt, lhs, rhs, order="shuffle", seed=1, sorted_indices=False):
     inputs = node_inputs(x, qt, lhs, rhs)
     act = ACT_OF[x.dtype]
-    y = E.gather_qmv(inputs, qt.specs, act, ACT_OF[qt.dtype], qt.perm is not None,
-                     order=order, seed=seed)
+    y = E.gather(inputs, qt.specs, act, ACT_OF[qt.dtype], qt.perm is not None,
+                 sorted_indices=sorted_indices, order=order, seed=seed)
     assert y.dtype == E.storage_dtype(act)
     return y
 
@@ -79,8 +81,8 @@ def reference(x, qt, lhs, rhs):
     return xs @ Ws, np.abs(xs) @ np.abs(Ws)
 
 
-def check(x, qt, lhs, rhs, seed=1, order="shuffle"):
-    y = emulate(x, qt, lhs, rhs, order=order, seed=seed)
+def check(x, qt, lhs, rhs, seed=1, order="shuffle", sorted_indices=False):
+    y = emulate(x, qt, lhs, rhs, order=order, seed=seed, sorted_indices=sorted_indices)
     ref, mag = reference(x, qt, lhs, rhs)
     assert_close(y, ACT_OF[x.dtype], ref, mag)
     return y
@@ -226,8 +228,91 @@ def test_harness_refuses_buffers_the_primitive_would_not_pass():
     x = rand(rng, (2, 1, 64))
     inputs = node_inputs(x, qt, None, u32([[0], [2]]))
     with pytest.raises(E.EmulatorError, match=r"scales \(buffer 3, float32\[48\]\)"):
-        E.gather_qmv(inputs[:2] + [inputs[2][:1].copy()] + inputs[3:], qt.specs, "float32",
+        E.gather(inputs[:2] + [inputs[2][:1].copy()] + inputs[3:], qt.specs, "float32",
                      "float32", False)
     with pytest.raises(TypeError, match="lhs must be uint32"):
-        E.gather_qmv(inputs[:-2] + [inputs[-2].astype(np.int32), inputs[-1]], qt.specs,
+        E.gather(inputs[:-2] + [inputs[-2].astype(np.int32), inputs[-1]], qt.specs,
                      "float32", "float32", False)
+
+
+# ------------------------------------------------ the tiled kernel (prefill)
+
+def sorted_prefill(rng, tokens, top, E_, k, dt):
+    """mlx-lm's sorted SwitchGLU call: x (tokens*top, 1, K) in expert order,
+    rhs the sorted expert of each row, lhs defaulted."""
+    idx = rng.integers(0, E_, (tokens, top))
+    order = np.argsort(idx.reshape(-1), kind="stable")
+    x = rand(rng, (tokens, 1, k), dt)[mx.array(order // top)]
+    return x, u32(idx.reshape(-1)[order])
+
+
+@pytest.mark.parametrize("bits,gs", list(itertools.product(BITS, GROUP_SIZES)))
+def test_tiled_sorted_prefill_every_width_and_group(bits, gs):
+    rng = np.random.default_rng(bits * 100 + gs)
+    act = ACTS[(bits + gs // 32) % 3]
+    dt = MX_DTYPE[act]
+    E_, N, k = 6, int(rng.choice([37, 40])), gs * int(rng.integers(1, 3))
+    qt = mlx_stack(rng, E_, N, k, bits, gs, dt)
+    seg = qt.segments[0]
+    x, rhs = sorted_prefill(rng, 41, 2, E_, k, dt)  # 82 rows: 3 row blocks, runs across them
+    y = check(x, qt, None, rhs, sorted_indices=True)
+    want = mx.gather_qmm(x, seg.wq, seg.scales, seg.biases, None, rhs, transpose=True,
+                         group_size=gs, bits=bits, sorted_indices=True, stream=mx.cpu)
+    w64 = np.array(want.astype(mx.float32), dtype=np.float64)
+    tol = {"float32": 2e-5, "float16": 1e-2, "bfloat16": 8e-2}[act]
+    assert np.abs(E.storage_to_f64(y, act) - w64).max() <= tol * max(np.abs(w64).max(), 1e-6)
+
+
+def test_which_kernel_runs():
+    """Sorted prefill (>= 64 rows) and M > 8 take the tiled kernel; decode
+    (a few rows), unsorted M = 1 and short sorted calls the GEMV."""
+    assert E.gather_kernel(82, 1, True).startswith("mixbits_gather_qmm_")
+    assert E.gather_kernel(4, 11, False).startswith("mixbits_gather_qmm_")
+    for pairs, M, srt in [(82, 1, False), (63, 1, True), (8, 1, True), (30, 8, False)]:
+        assert E.gather_kernel(pairs, M, srt).startswith("mixbits_gather_qmv_"), (pairs, M, srt)
+
+
+def test_tiled_and_gemv_agree_on_mixed_segments_with_perm():
+    rng = np.random.default_rng(31)
+    qt = mixed_stack(rng, 5, 33, [(4, 64, 128), (8, 32, 64), (3, 128, 128)], mx.float32)
+    x, rhs = sorted_prefill(rng, 50, 2, 5, 320, mx.float32)
+    a = E.storage_to_f64(check(x, qt, None, rhs, sorted_indices=True), "float32")
+    b = E.storage_to_f64(check(x, qt, None, rhs, sorted_indices=False), "float32")
+    np.testing.assert_allclose(a, b, rtol=0, atol=2e-6 * np.abs(b).max())
+
+
+def test_tiled_with_unsorted_indices_flagged_sorted_stays_correct():
+    # A caller that claims sorted without sorting: many runs per block.
+    rng = np.random.default_rng(32)
+    qt = mlx_stack(rng, 7, 24, 128, 5, 64, mx.float16)
+    x = rand(rng, (70, 1, 128), mx.float16)
+    check(x, qt, None, u32(rng.integers(0, 7, 70)), sorted_indices=True)
+
+
+def test_tiled_many_rows_per_matrix_unsorted():
+    # M > 8 rows per output matrix takes the tiled kernel whatever the flag.
+    rng = np.random.default_rng(33)
+    qt = mixed_stack(rng, 3, 19, [(2, 32, 64), (6, 64, 64)], mx.bfloat16)
+    check(rand(rng, (4, 11, 128), mx.bfloat16), qt, u32([3, 0, 2, 1, 1]), u32([2, 2, 0, 1, 2]))
+
+
+@pytest.mark.parametrize("segments", [1, 2])
+def test_tiled_bad_indices_give_nan_rows_like_the_cpu(segments):
+    rng = np.random.default_rng(34 + segments)
+    specs = [(4, 32, 64)] if segments == 1 else [(4, 32, 64), (8, 64, 64)]
+    qt = mixed_stack(rng, 4, 21, specs, mx.float32, perm=False)
+    K = sum(s[2] for s in specs)
+    x = rand(rng, (70, 1, K))
+    rhs = np.sort(rng.integers(0, 4, 70)).astype(np.int64)
+    lhs = np.arange(70)
+    rhs[[5, 33, 34]] = 4          # expert out of range, inside sorted runs
+    lhs[[40, 66]] = 70            # x matrix out of range
+    y = E.storage_to_f64(emulate(x, qt, u32(lhs), u32(rhs), sorted_indices=True), "float32")
+    bad = np.zeros(70, bool)
+    bad[[5, 33, 34, 40, 66]] = True
+    assert np.isnan(y[bad]).all() and np.isfinite(y[~bad]).all()
+    cpu = np.array(mixbits.gather_qmatmul(x, qt, u32(lhs), u32(rhs)))
+    np.testing.assert_array_equal(np.isnan(cpu).all(axis=(1, 2)), bad)
+    ok = mx.array(~bad)
+    ref, mag = reference(x, qt, mx.where(ok, u32(lhs), 0), mx.where(ok, u32(rhs), 0))
+    assert_close(y[~bad], "float32", ref[~bad], mag[~bad])
