@@ -24,6 +24,8 @@ namespace mixbits {
 namespace {
 
 constexpr int R = kRepackRows;
+// Software prefetch distance along a block's one sequential stream.
+constexpr int kPrefetchBytes = 2048;
 
 // 16 rows' scales (or biases) of one group as float32.
 inline __m512 load16(const void* p, int64_t off, DType t) {
@@ -72,6 +74,7 @@ void blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, int ldy
       for (int jw = 0; jw < WG; ++jw) {
         const int j = g * WG + jw;
         const __m512i w = _mm512_loadu_si512((const void*)(wb + int64_t(j) * R));
+        _mm_prefetch((const char*)(wb + int64_t(j) * R) + kPrefetchBytes, _MM_HINT_T0);
 #pragma GCC unroll 8
         for (int k = 0; k < S; ++k) {
           __m512i c = k == 0 ? w : _mm512_srli_epi32(w, k * B);
