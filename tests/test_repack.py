@@ -120,6 +120,28 @@ def test_mixed_segments_with_perm_and_dtypes(dtype, act):
         check_contract(y, x, qt, act, dtype)
 
 
+def test_padding_rows_never_reach_the_output(act):
+    """The kernels store the N real rows only: garbage in the last block's
+    padding rows (zeros as built) changes nothing, also in the next x row's
+    outputs where a 16-wide store would land."""
+    rng = np.random.default_rng(12)
+    qt = rand_qt(rng, 21, [(4, 64, 256), (2, 32, 64)])  # 21 = 16 + 5: 11 padding rows
+    rt = ops.repack(qt)
+    segs = []
+    for s in rt.segments:
+        arrs = []
+        for a in (s.wq_r, s.scales_r, s.biases_r):
+            b = np.array(a.view(mx.uint32) if a.dtype == mx.uint32 else a.astype(mx.float32))
+            b[-1, :, 21 - R:] = (rng.integers(0, 2**32, b[-1, :, 21 - R:].shape, dtype=np.uint64)
+                                 if a.dtype == mx.uint32 else rng.standard_normal(b[-1, :, 21 - R:].shape))
+            arrs.append(mx.array(b.astype(np.uint32)) if a.dtype == mx.uint32 else mx.array(b).astype(a.dtype))
+        segs.append(type(s)(s.bits, s.group_size, s.k, *arrs, s.kind))
+    dirty = RepackedTensor(segs, None, 21)
+    x = mx.array(rng.standard_normal((4, 320)).astype(np.float32))
+    np.testing.assert_array_equal(np.array(mixbits.qmatmul(x, dirty, activations=act)),
+                                  np.array(mixbits.qmatmul(x, rt, activations=act)))
+
+
 def test_threads_do_not_change_the_result(act):
     rng = np.random.default_rng(6)
     qt = rand_qt(rng, 301, [(4, 64, 512), (2, 32, 256)])
