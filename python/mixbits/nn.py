@@ -327,8 +327,9 @@ class MixedQuantizedLinear(_MixedWeight):
         ``perm``, ``bias`` as before). Readers of the weight
         (:meth:`quantized_tensor`, ``bits_per_weight``) get the original
         layout back; :func:`mixbits.save` refuses a model with repacked
-        layers, gradients through one raise, and the GPU refuses it: call
-        :meth:`unrepack` first. Segments with bits outside ``REPACK_BITS``
+        layers, a gradient with respect to x (or anything upstream) through
+        one raises (the trainable ``bias`` still gets its gradient), and the
+        GPU refuses it: call :meth:`unrepack` first. Segments with bits outside ``REPACK_BITS``
         (2, 4, 8) raise a UsageError (a ValueError); nothing is changed."""
         if "repacked" in self:
             return
