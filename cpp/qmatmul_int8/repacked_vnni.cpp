@@ -57,7 +57,7 @@ void blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, int ldy
   constexpr uint32_t kMask = code_mask<B, T>();
   // Independent accumulator chains to hide vpdpbusd latency (5 cycles)
   // where MB alone gives too few: A*MB <= 8 of the 32 zmm registers.
-  constexpr int A = MB == 1 ? 4 : MB <= 2 ? 4 : MB <= 4 ? 2 : 1;
+  constexpr int A = MB <= 2 ? 4 : MB <= 4 ? 2 : 1;
   const T* xq = static_cast<const T*>(x.xq);
   const int ng = s.ngroups;
   const __m512i mask = _mm512_set1_epi32(int(kMask));
