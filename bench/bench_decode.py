@@ -84,8 +84,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--impl", nargs="+", default=["mlx", "mixbits"],
-                    choices=["mlx", "mixbits", "mixbits-int8", "mixbits-int16"],
-                    help="mixbits-int8/-int16: the patched model with that activations= contract")
+                    choices=["mlx", "mixbits", "mixbits-int8", "mixbits-int16", "mixbits-int8-repacked"],
+                    help="mixbits-int8/-int16: the patched model with that activations= contract; "
+                         "-repacked: int8 with the linear layers in the row-interleaved layout "
+                         "(mixbits.nn.repack_layers; the tied head stays an embedding)")
     ap.add_argument("--out", default=str(RESULTS / "decode.json"))
     a = ap.parse_args(argv)
     setup_cpu_one_thread()
@@ -93,7 +95,11 @@ def main(argv=None):
     for impl in a.impl:
         model, tok = load_smollm2(patch=impl.startswith("mixbits"))
         if "-" in impl:
-            set_activations(model, impl.split("-", 1)[1])
+            set_activations(model, impl.split("-")[1])
+        if impl.endswith("-repacked"):
+            import mixbits
+
+            print(f"repacked {len(mixbits.nn.repack_layers(model))} layers", flush=True)
         ids = prompt_ids(tok)
         # Stock MLX's CPU quantized matmul is ~10x slower: fewer rounds.
         reps = a.reps if impl != "mlx" else 2

@@ -17,6 +17,7 @@
 #include "kl/kl.h"
 #include "qmatmul/qmatmul.h"
 #include "qmatmul/transposed.h"
+#include "qmatmul_int8/repacked_qmatmul.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -47,6 +48,31 @@ NB_MODULE(_ext, m) {
       "y = x @ W.T for a mixed-segment quantized W. segments: (bits, "
       "group_size, k) per segment; packed: wq, scales, biases per segment; "
       "activations: 0 float, 1 int8, 2 int16 (x quantized per group, M <= 16).");
+
+  m.def(
+      "repacked_qmatmul",
+      [](const mx::array& x, const std::optional<mx::array>& perm,
+         const std::vector<mx::array>& packed_r,
+         const std::vector<std::tuple<int, int, int>>& segs, int n, int backend,
+         int activations) {
+        std::vector<mixbits::SegSpec> specs;
+        for (auto [b, g, k] : segs) specs.push_back({b, g, k});
+        return mixbits::repacked_qmatmul(x, perm, packed_r, specs, n,
+                                         mixbits::Backend(backend), {},
+                                         mixbits::Activations(activations));
+      },
+      "x"_a, "perm"_a.none(), "packed_r"_a, "segments"_a, "n"_a, "backend"_a = 0,
+      "activations"_a = 1,
+      "y = x @ W.T with W row-interleaved (qmatmul_int8/repack.h); "
+      "packed_r: wq_r, scales_r, biases_r per segment; n: output rows.");
+  m.def("repack_segment", &mixbits::repack_segment, "wq"_a, "scales"_a, "biases"_a,
+        "bits"_a, "group_size"_a,
+        "One segment in MLX's layout -> (wq_r, scales_r, biases_r), 16 rows "
+        "interleaved per block (evaluated now).");
+  m.def("unrepack_segment", &mixbits::unrepack_segment, "wq_r"_a, "scales_r"_a,
+        "biases_r"_a, "n"_a, "The exact inverse of repack_segment.");
+  m.def("repack_rows", []() { return mixbits::kRepackRows; },
+        "Rows interleaved per block of the repacked layout.");
 
   m.def(
       "gather_qmatmul",

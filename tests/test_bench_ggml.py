@@ -110,6 +110,22 @@ def test_comparison_table():
     json.dumps(recs)
 
 
+def test_comparison_table_with_repacked_times():
+    best = bench_ggml.best_times(bench_ggml.parse_output(SAMPLE), "wall")
+    r = bench.Row(bench.Case(4096, 4096, 1, "4bit"), 4.5, 9437184)
+    r.times["mixbits"] = {"best_s": 0.0012}
+    r.times["mixbits_repacked"] = {"best_s": 0.0010}
+    recs = bench_ggml.comparison([r], best)
+    assert recs[0]["repacked_ms"]["4bit"] == pytest.approx(1.0)
+    assert recs[0]["ratio_ggml_over_repacked"]["q4_K/4bit"] == pytest.approx(1.7)
+    table = bench_ggml.format_comparison(recs)
+    assert "xrep" in table and "1.70" in table
+    d = r.derived(10.0)
+    assert d["speedup_repacked_vs_mixbits"] == pytest.approx(1.2)
+    assert "1.20" in bench.format_repacked_table([r], 10.0)
+    assert bench.m8_over_m1([r], "mixbits_repacked") == {}  # no M=8 row
+
+
 @pytest.mark.parametrize("text", ["", "[]", '{"results": [{"type": "q4_0"}]}'])
 def test_parse_bad_output(text):
     with pytest.raises(bench_ggml.HarnessError):

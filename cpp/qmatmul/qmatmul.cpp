@@ -165,10 +165,9 @@ void MixedQMatmul::eval_cpu(const std::vector<mx::array>& inputs,
                 segs = segs_, has_perm = has_perm_,
                 fn = select_qmm(backend_),
                 fn8 = select_qmm_int(act_, backend_)]() mutable {
-    const mx::array& x = inputs[0];
     const int first = has_perm ? 2 : 1;
     // perm and the weights in row-major order (their own buffers unless a
-    // caller passed a strided view; x is read through its strides below).
+    // caller passed a strided view; x is read through its strides).
     std::vector<std::vector<char>> copies(inputs.size());
     auto dense = [&](size_t i) { return row_major(inputs[i], copies[i]); };
     QMatView w;
@@ -182,99 +181,107 @@ void MixedQMatmul::eval_cpu(const std::vector<mx::array>& inputs,
       k0 += segs[i].k;
     }
     w.K = k0;
-    const int K = w.K;
-    const int64_t M = x.size() / K;
-    if (M == 0 || w.N == 0) return;
-
-    // x may be strided (a view or a transpose): read it element by element
-    // into a dense float32 buffer, gathered through the permutation.
     const int32_t* perm = has_perm ? static_cast<const int32_t*>(dense(1)) : nullptr;
-    std::vector<float> xf(size_t(M) * K);
-    const DType xt = to_dtype(x.dtype());
-    const int nd = x.ndim();
-    const int64_t kstride = x.strides()[nd - 1];
-    const char* xbase = x.data<char>();
-    const size_t isz = x.itemsize();
-    bool perm_ok = true;
-    if (perm)
-      for (int k = 0; k < K; ++k)
-        perm_ok &= (perm[k] >= 0 && perm[k] < K);
-    parallel_for(M, 64, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m) {
-        int64_t off = 0, rem = m;
-        for (int d = nd - 2; d >= 0; --d) {
-          off += (rem % x.shape(d)) * x.strides()[d];
-          rem /= x.shape(d);
-        }
-        const void* row = xbase + off * int64_t(isz);
-        float* dst = xf.data() + m * K;
-        // One loop per dtype (no per-element switch); a contiguous float32
-        // row without a permutation is a plain copy.
-        auto gather = [&](auto load) {
-          if (perm) {
-            for (int k = 0; k < K; ++k)
-              dst[k] = load(int64_t(perm_ok ? perm[k] : 0) * kstride);
-          } else {
-            for (int k = 0; k < K; ++k) dst[k] = load(int64_t(k) * kstride);
-          }
-        };
-        if (xt == DType::f32 && !perm && kstride == 1) {
-          std::memcpy(dst, row, sizeof(float) * K);
-        } else if (xt == DType::f32) {
-          const float* r = static_cast<const float*>(row);
-          gather([r](int64_t i) { return r[i]; });
-        } else if (xt == DType::f16) {
-          const uint16_t* r = static_cast<const uint16_t*>(row);
-          gather([r](int64_t i) { return f16_to_f32(r[i]); });
-        } else {
-          const uint16_t* r = static_cast<const uint16_t*>(row);
-          gather([r](int64_t i) { return bf16_to_f32(r[i]); });
-        }
+    qmatmul_cpu_eval(inputs[0], perm, w.K, w.N, fn8 != nullptr, out,
+                     [&](QmmPath path, const float* xf, int M, float* y) {
+                       (path == QmmPath::Int ? fn8 : path == QmmPath::IeeeRef ? qmm_ref_run : fn)(
+                           xf, M, w, y);
+                     });
+  });
+}
+
+void qmatmul_cpu_eval(const mx::array& x, const int32_t* perm, int K, int N, bool has_int,
+                      mx::array& out, const QmmPathFn& run) {
+  const int64_t M = x.size() / K;
+  if (M == 0 || N == 0) return;
+
+  // x may be strided (a view or a transpose): read it element by element
+  // into a dense float32 buffer, gathered through the permutation.
+  std::vector<float> xf(size_t(M) * K);
+  const DType xt = to_dtype(x.dtype());
+  const int nd = x.ndim();
+  const int64_t kstride = x.strides()[nd - 1];
+  const char* xbase = x.data<char>();
+  const size_t isz = x.itemsize();
+  bool perm_ok = true;
+  if (perm)
+    for (int k = 0; k < K; ++k)
+      perm_ok &= (perm[k] >= 0 && perm[k] < K);
+  parallel_for(M, 64, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      int64_t off = 0, rem = m;
+      for (int d = nd - 2; d >= 0; --d) {
+        off += (rem % x.shape(d)) * x.strides()[d];
+        rem /= x.shape(d);
       }
-    });
-    const int N = w.N;
-    const DType ot = to_dtype(out.dtype());
-    float* y = nullptr;
-    std::vector<float> yf;
-    if (ot == DType::f32) {
-      y = out.data<float>();
-    } else {
-      yf.resize(size_t(M) * N);
-      y = yf.data();
-    }
-    // The SIMD backends fold the bias (y = s*sum(q*x) + b*sum(x)): with an
-    // infinite x that gives inf - inf = NaN for the whole row, where MLX's
-    // dequantize-then-multiply gives +-inf (NaN only where the weight is 0).
-    // Such rows are rare, so the whole call then takes the unfused scalar
-    // reference, which has MLX's IEEE semantics. The scan is O(M*K), noise
-    // next to the O(M*N*K) product.
-    // The integer contracts are defined for finite x only (amax of a group with
-    // an inf or NaN means nothing): such calls take the float path, so
-    // activations='int8'/'int16' have exactly the float path's IEEE behaviour.
-    std::atomic<bool> has_inf{false}, has_nan{false};
-    parallel_for(M * K, 1 << 16, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i)
-        if (!std::isfinite(xf[i])) {
-          (std::isinf(xf[i]) ? has_inf : has_nan).store(true, std::memory_order_relaxed);
-          if (has_inf.load(std::memory_order_relaxed)) return;
+      const void* row = xbase + off * int64_t(isz);
+      float* dst = xf.data() + m * K;
+      // One loop per dtype (no per-element switch); a contiguous float32
+      // row without a permutation is a plain copy.
+      auto gather = [&](auto load) {
+        if (perm) {
+          for (int k = 0; k < K; ++k)
+            dst[k] = load(int64_t(perm_ok ? perm[k] : 0) * kstride);
+        } else {
+          for (int k = 0; k < K; ++k) dst[k] = load(int64_t(k) * kstride);
         }
-    });
-    const bool int8 = fn8 && M <= kInt8MaxM && !has_inf.load() && !has_nan.load();
-    if (!perm_ok) {
-      // Never silent garbage: a broken permutation poisons the output.
-      std::fill(y, y + M * N, std::numeric_limits<float>::quiet_NaN());
-    } else {
-      // The backend splits the outputs over threads; each worker runs all M
-      // rows on its slice, so every weight is decoded once per call.
-      (int8 ? fn8 : has_inf.load() ? qmm_ref_run : fn)(xf.data(), int(M), w, y);
-    }
-    if (ot != DType::f32) {
-      void* o = out.data<void>();
-      parallel_for(M * N, 1 << 14, [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) store_from_f32(o, i, y[i], ot);
-      });
+      };
+      if (xt == DType::f32 && !perm && kstride == 1) {
+        std::memcpy(dst, row, sizeof(float) * K);
+      } else if (xt == DType::f32) {
+        const float* r = static_cast<const float*>(row);
+        gather([r](int64_t i) { return r[i]; });
+      } else if (xt == DType::f16) {
+        const uint16_t* r = static_cast<const uint16_t*>(row);
+        gather([r](int64_t i) { return f16_to_f32(r[i]); });
+      } else {
+        const uint16_t* r = static_cast<const uint16_t*>(row);
+        gather([r](int64_t i) { return bf16_to_f32(r[i]); });
+      }
     }
   });
+  const DType ot = to_dtype(out.dtype());
+  float* y = nullptr;
+  std::vector<float> yf;
+  if (ot == DType::f32) {
+    y = out.data<float>();
+  } else {
+    yf.resize(size_t(M) * N);
+    y = yf.data();
+  }
+  // The SIMD backends fold the bias (y = s*sum(q*x) + b*sum(x)): with an
+  // infinite x that gives inf - inf = NaN for the whole row, where MLX's
+  // dequantize-then-multiply gives +-inf (NaN only where the weight is 0).
+  // Such rows are rare, so the whole call then takes the unfused scalar
+  // reference, which has MLX's IEEE semantics. The scan is O(M*K), noise
+  // next to the O(M*N*K) product.
+  // The integer contracts are defined for finite x only (amax of a group with
+  // an inf or NaN means nothing): such calls take the float path, so
+  // activations='int8'/'int16' have exactly the float path's IEEE behaviour.
+  std::atomic<bool> has_inf{false}, has_nan{false};
+  parallel_for(M * K, 1 << 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      if (!std::isfinite(xf[i])) {
+        (std::isinf(xf[i]) ? has_inf : has_nan).store(true, std::memory_order_relaxed);
+        if (has_inf.load(std::memory_order_relaxed)) return;
+      }
+  });
+  const bool int8 = has_int && M <= kInt8MaxM && !has_inf.load() && !has_nan.load();
+  if (!perm_ok) {
+    // Never silent garbage: a broken permutation poisons the output.
+    std::fill(y, y + M * N, std::numeric_limits<float>::quiet_NaN());
+  } else {
+    // The backend splits the outputs over threads; each worker runs all M
+    // rows on its slice, so every weight is decoded once per call.
+    run(int8 ? QmmPath::Int : has_inf.load() ? QmmPath::IeeeRef : QmmPath::Float, xf.data(),
+        int(M), y);
+  }
+  if (ot != DType::f32) {
+    void* o = out.data<void>();
+    parallel_for(M * N, 1 << 14, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) store_from_f32(o, i, y[i], ot);
+    });
+  }
 }
 
 #ifndef _METAL_

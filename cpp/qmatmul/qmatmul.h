@@ -1,5 +1,6 @@
 // MLX primitive for y = x · Wᵀ with W a mixed-segment quantized matrix.
 #pragma once
+#include <functional>
 #include <vector>
 
 #include "mlx/ops.h"
@@ -65,6 +66,17 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
                         Backend backend = Backend::Auto,
                         mx::StreamOrDevice s = {},
                         Activations act = Activations::Float);
+
+// The CPU evaluation shared by every layout of W (MixedQMatmul here,
+// RepackedQMatmul in qmatmul_int8/repacked_qmatmul.cpp), run inside the
+// primitive's dispatched task once W is readable: gathers x through `perm`
+// (may be null) into float32, scans it for inf/NaN, calls `run` with the
+// path the contract takes (Int only if has_int, M <= kInt8MaxM and x is
+// finite; IeeeRef when x has an inf), and converts y to out's dtype.
+enum class QmmPath { Int, Float, IeeeRef };
+using QmmPathFn = std::function<void(QmmPath path, const float* xf, int M, float* y)>;
+void qmatmul_cpu_eval(const mx::array& x, const int32_t* perm, int K, int N, bool has_int,
+                      mx::array& out, const QmmPathFn& run);
 
 // Graph helpers shared by the gradients of MixedQMatmul and of the gather
 // primitive (grad.cpp). `packed` as above; weights may carry leading batch

@@ -28,13 +28,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .errors import UsageError
 from .folder import check_complete, write_folder
 from .formats.errors import FormatError, expect_dict, load_json
 from .formats.safetensors_header import read_header
 from .formats.mlx_config import MlxQuantization, with_quantization
 from .layout import QuantizedTensor, Segment
 from .nn import (MixedQuantizedEmbedding, MixedQuantizedLinear, MixedQuantizedSwitchLinear, _MixedWeight,
-                 _set_module, is_expert_stack)
+                 _set_module, is_expert_stack, repacked_layers)
 from .nn import patch as _patch
 
 FORMAT_VERSION = 1
@@ -99,6 +100,14 @@ def save(model: nn.Module, folder, config: dict | None = None, tokenizer=None) -
         raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
     if tokenizer is not None and not (hasattr(tokenizer, "save_pretrained") or hasattr(tokenizer, "save")):
         raise TypeError(f"tokenizer {type(tokenizer).__name__} has neither save() nor save_pretrained()")
+    repacked = repacked_layers(model)
+    if repacked:
+        # Their parameters hold the row-interleaved layout, which no reader
+        # of a saved folder (mixbits, mlx-lm) expects.
+        raise UsageError(
+            f"{len(repacked)} layers hold repacked weights (e.g. {repacked[0]!r}); "
+            "call mixbits.nn.unrepack_layers(model) before saving"
+        )
     cfg = _model_config(model, config)
     quant, layers = quantization_config(model)
     if quant is not None:

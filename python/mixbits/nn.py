@@ -29,7 +29,9 @@ import mlx.nn as nn
 
 from .layout import BITS, GROUP_SIZES, TERNARY, QuantizedTensor, Segment, segment_spec, check_perm
 from .layout import quantize as _quantize
-from .ops import gather_qmatmul, qmatmul
+from .errors import UsageError
+from .ops import gather_qmatmul, qmatmul, repack, unrepack
+from .repack import REPACK_BITS, RepackedSegment, RepackedTensor
 
 __all__ = [
     "MixedQuantizedLinear",
@@ -41,6 +43,9 @@ __all__ = [
     "parse_assignment_spec",
     "quantized_layers",
     "quantize_stack",
+    "repack_layers",
+    "unrepack_layers",
+    "repacked_layers",
 ]
 
 DEFAULT_GROUP_SIZE = 64
@@ -169,6 +174,10 @@ class _MixedWeight(nn.Module):
                 self.perm = perm
 
     def _triplets(self):
+        if "repacked" in self:
+            # A repacked layer (MixedQuantizedLinear.repack): every reader of
+            # the weight gets MLX's layout back, rebuilt on each access.
+            return [(s.wq, s.scales, s.biases) for s in self.quantized_tensor().segments]
         if self._layout.is_mlx_affine:
             return [(self["weight"], self["scales"], self["biases"])]
         return [(d["weight"], d["scales"], d["biases"]) for d in self["segments"]]
@@ -179,7 +188,11 @@ class _MixedWeight(nn.Module):
 
     def quantized_tensor(self) -> QuantizedTensor:
         """The weight as a mixbits QuantizedTensor, rebuilt only when a
-        parameter array was replaced (e.g. by load_weights / update)."""
+        parameter array was replaced (e.g. by load_weights / update). For a
+        repacked layer: the original layout, un-repacked on every call (a
+        copy of the weight)."""
+        if "repacked" in self:
+            return unrepack(self._repacked_tensor())
         cache = self._cache
         if self._layout.is_mlx_affine and cache.tensor is not None:
             # Hot path of every forward call: three identity checks.
@@ -286,14 +299,84 @@ class MixedQuantizedLinear(_MixedWeight):
 
     @property
     def output_dims(self) -> int:
+        if "repacked" in self:
+            return self._repacked_tensor().shape[0]
         return self._triplets()[0][0].shape[0]
 
     def __call__(self, x: mx.array) -> mx.array:
-        qt = self.quantized_tensor()
+        qt = self._repacked_tensor() if "repacked" in self else self.quantized_tensor()
         y = qmatmul(_promote(x, qt), qt, activations=self._activations)
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+    # ------------------------------------------------------------ repacked layout
+
+    @property
+    def is_repacked(self) -> bool:
+        return "repacked" in self
+
+    def repack(self) -> None:
+        """Hold the weight in the row-interleaved layout of the CPU's batch-1
+        integer GEMV (:mod:`mixbits.repack`) *instead of* MLX's: the same
+        bytes plus the last 16-row block's padding (none when 16 divides
+        the output dims). Meant with ``activations="int8"``/``"int16"``;
+        other calls stay correct but un-repack the weight per call.
+
+        The parameters become ``repacked.<i>.weight/scales/biases`` (and
+        ``perm``, ``bias`` as before). Readers of the weight
+        (:meth:`quantized_tensor`, ``bits_per_weight``) get the original
+        layout back; :func:`mixbits.save` refuses a model with repacked
+        layers, a gradient with respect to x (or anything upstream) through
+        one raises (the trainable ``bias`` still gets its gradient), and the
+        GPU refuses it: call :meth:`unrepack` first. Segments with bits
+        outside ``REPACK_BITS`` (2, 4, 8) raise a UsageError (a
+        ValueError); nothing is changed."""
+        if "repacked" in self:
+            return
+        rt = repack(self.quantized_tensor())
+        if self._layout.is_mlx_affine:
+            for key in ("weight", "scales", "biases"):
+                del self[key]
+        else:
+            del self["segments"]
+        self.repacked = [_SegmentArrays(s.wq_r, s.scales_r, s.biases_r) for s in rt.segments]
+        # A plain int (not a parameter): the output rows, which the padded
+        # blocks no longer say.
+        self._repacked_rows = rt.shape[0]
+        for m in self.repacked:
+            m.freeze()
+        self._cache = _TensorCache()
+
+    def unrepack(self) -> None:
+        """Back to MLX's layout, bit for bit (the inverse of :meth:`repack`)."""
+        if "repacked" not in self:
+            return
+        qt = unrepack(self._repacked_tensor())
+        del self["repacked"]
+        bias_trainable = "bias" in self and "bias" in self.trainable_parameters()
+        self._set_storage(self._layout, [(s.wq, s.scales, s.biases) for s in qt.segments], qt.perm)
+        self.freeze()
+        if bias_trainable:
+            self.unfreeze(keys=["bias"], recurse=False)
+
+    def _repacked_tensor(self):
+        """The repacked weight as a RepackedTensor, rebuilt only when one of
+        its arrays was replaced."""
+        arrays = [a for d in self["repacked"] for a in (d["weight"], d["scales"], d["biases"])]
+        perm = self.get("perm") if self._layout.has_perm else None
+        arrays.append(perm)
+        cache = self._cache
+        if cache.tensor is None or len(cache.arrays) != len(arrays) or any(
+            a is not b for a, b in zip(cache.arrays, arrays)
+        ):
+            segs = [
+                RepackedSegment(bits, gs, k, d["weight"], d["scales"], d["biases"], kind)
+                for (bits, gs, k), d, kind in zip(self._layout.specs, self["repacked"], self._layout.kinds)
+            ]
+            cache.tensor = RepackedTensor(segs, perm, self._repacked_rows)
+            cache.arrays = arrays
+        return cache.tensor
 
     def _extra_repr(self) -> str:
         return (
@@ -605,8 +688,38 @@ def weight_layers(model: nn.Module) -> dict:
     return {p: m for p, m in model.named_modules() if isinstance(m, _LINEAR_KINDS + _EMBED_KINDS)}
 
 
+def repack_layers(model: nn.Module) -> list[str]:
+    """Repack (:meth:`MixedQuantizedLinear.repack`) every mixbits linear
+    layer of ``model`` whose segments all have bits in ``REPACK_BITS``;
+    the others keep MLX's layout and the kernels they had. Returns the
+    repacked paths."""
+    done = []
+    for path, m in model.named_modules():
+        if isinstance(m, MixedQuantizedLinear) and not m.is_repacked and all(
+            bits in REPACK_BITS for bits, _, _ in m.layout.specs
+        ):
+            m.repack()
+            done.append(path)
+    return done
+
+
+def unrepack_layers(model: nn.Module) -> list[str]:
+    """Undo :func:`repack_layers` (bit for bit); returns the paths changed."""
+    done = []
+    for path, m in model.named_modules():
+        if isinstance(m, MixedQuantizedLinear) and m.is_repacked:
+            m.unrepack()
+            done.append(path)
+    return done
+
+
+def repacked_layers(model: nn.Module) -> list[str]:
+    """Paths of the layers of ``model`` that hold a repacked weight."""
+    return [p for p, m in model.named_modules() if isinstance(m, MixedQuantizedLinear) and m.is_repacked]
+
+
 def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
-          activations: str = "float") -> list[str]:
+          activations: str = "float", repack: bool = False) -> list[str]:
     """Replace, in place, every ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding``
     and every mlx-lm ``QuantizedSwitchLinear`` (expert stack) of ``model``
     by its mixbits counterpart, sharing the same arrays (no
@@ -625,12 +738,23 @@ def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
     numeric contract, replaced or already mixbits: ``"float"`` (default),
     ``"int8"`` or ``"int16"`` (see :func:`mixbits.qmatmul`). Expert stacks
     keep the float contract: the gather kernel has no integer path.
+
+    ``repack=True`` (with ``activations="int8"`` or ``"int16"``) then
+    stores every mixbits linear layer with 2/4/8-bit segments in the
+    row-interleaved layout of the CPU's batch-1 integer GEMV
+    (:func:`repack_layers`; layers with other bits keep MLX's layout).
+    Such a model cannot be saved or differentiated, nor run on the GPU,
+    until :func:`unrepack_layers`.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
     from .ops import activations_id
 
     activations_id(activations)
+    if not isinstance(repack, bool):
+        raise TypeError(f"repack must be a bool, got {type(repack).__name__}")
+    if repack and activations == "float":
+        raise UsageError("repack=True is the layout of the integer GEMV: pass activations='int8' or 'int16'")
     _, stock_stacks = _mlx_lm_switch_kinds()
     planned = []
     for path, m in model.named_modules():
@@ -649,6 +773,8 @@ def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
     for _, m in model.named_modules():
         if isinstance(m, (MixedQuantizedLinear, MixedQuantizedEmbedding)):
             m.activations = activations
+    if repack:
+        repack_layers(model)
     if functions:
         from .routing import patch_functions
 

@@ -8,7 +8,9 @@ import numpy as np
 
 from . import _ext
 from ._backends import BACKENDS, backend_id, names
+from .errors import UsageError
 from .layout import BITS, FLOAT_DTYPES, GROUP_SIZES, QuantizedTensor, Segment, check_int
+from .repack import REPACK_BITS, RepackedSegment, RepackedTensor
 
 def available_backends() -> list[str]:
     """CPU backends of the quantized matmul usable on this machine."""
@@ -57,7 +59,17 @@ def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None,
     |w_i|`` (bench/INT8.md: int8 is the faster, int16 the one whose error a
     model's output does not notice). Calls with more rows, or with an
     inf/NaN in x, run the float path.
+
+    ``qt`` may also be a :class:`~mixbits.repack.RepackedTensor` (see
+    :func:`repack`): same results and contracts, CPU only; the integer
+    contracts then run the row-interleaved kernels (AVX512-VNNI; other
+    CPUs, backends and calls un-repack W into a temporary per call).
     """
+    if isinstance(qt, RepackedTensor):
+        act = activations_id(activations)
+        _check_x(x, qt.shape[1])
+        return _ext.repacked_qmatmul(x, qt.perm, qt.arrays(), qt.specs, qt.shape[0],
+                                     _backend_id(backend), act)
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
     act = activations_id(activations)
@@ -68,6 +80,41 @@ def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None,
         # A stack of matrices: batch dims broadcast as in mx.quantized_matmul.
         return _ext.batched_qmatmul(x, qt.perm, qt.arrays(), qt.specs, _backend_id(backend))
     return _ext.qmatmul(x, qt.perm, qt.arrays(), qt.specs, _backend_id(backend), act)
+
+
+def repack(qt: QuantizedTensor) -> RepackedTensor:
+    """``qt`` in the row-interleaved layout of the CPU's batch-1 integer GEMV
+    (:mod:`mixbits.repack`), built now. 2-D tensors whose segments all have
+    bits in ``REPACK_BITS`` (2, 4, 8); others raise a UsageError (a
+    ValueError). :func:`unrepack` is the exact inverse."""
+    if not isinstance(qt, QuantizedTensor):
+        raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
+    if qt.batch_shape:
+        raise UsageError(f"repack takes a 2-D tensor, got batch dims {qt.batch_shape}")
+    bad = [s.bits for s in qt.segments if s.bits not in REPACK_BITS]
+    if bad:
+        raise UsageError(
+            f"repack: bits {sorted(set(bad))} have no repacked layout (codes straddle 32-bit words); "
+            f"supported: {list(REPACK_BITS)}"
+        )
+    segs = []
+    for s in qt.segments:
+        wq_r, sc_r, bi_r = _ext.repack_segment(s.wq, s.scales, s.biases, s.bits, s.group_size)
+        segs.append(RepackedSegment(s.bits, s.group_size, s.k, wq_r, sc_r, bi_r, s.kind))
+    return RepackedTensor(segs, qt.perm, qt.shape[0])
+
+
+def unrepack(rt: RepackedTensor) -> QuantizedTensor:
+    """The exact original :class:`QuantizedTensor` of a repacked one (bit
+    for bit), in MLX's layout: what saving, dequantize, gradients and the
+    GPU read."""
+    if not isinstance(rt, RepackedTensor):
+        raise TypeError(f"rt must be a mixbits.repack.RepackedTensor, got {type(rt).__name__}")
+    segs = []
+    for s in rt.segments:
+        wq, sc, bi = _ext.unrepack_segment(s.wq_r, s.scales_r, s.biases_r, rt.shape[0])
+        segs.append(Segment(s.bits, s.group_size, s.k, wq, sc, bi, s.kind))
+    return QuantizedTensor(segs, rt.perm)
 
 
 def quantized_matmul(

@@ -49,6 +49,10 @@ def add_arguments(p) -> None:
     p.add_argument("--activations", choices=["float", "int8", "int16"], default="float",
                    help="mixbits' numeric contract (mixbits.qmatmul's activations=; the integer "
                         "ones apply to M <= 16, as ggml quantizes its activations)")
+    p.add_argument("--repack", action="store_true",
+                   help="also time mixbits on the row-interleaved layout of the integer GEMV "
+                        "(mixbits.ops.repack; 2/4/8-bit kinds, others are marked skipped); "
+                        "needs --activations int8 or int16")
     p.add_argument("--threads", type=int, default=0,
                    help="cap mixbits' worker threads (default: all cores); for numpy set "
                         "OPENBLAS_NUM_THREADS to match")
@@ -115,6 +119,20 @@ class Weights:
         self.nbytes = self.qt.nbytes
         self.bpw = self.qt.bits_per_weight
         self._dense = None
+        self._repacked = None
+
+    def repacked(self):
+        """The weight in the row-interleaved layout (built once), or None
+        where its bits have none."""
+        import mlx.core as mx
+
+        from mixbits import ops
+        from mixbits.repack import REPACK_BITS
+
+        if self._repacked is None and all(b in REPACK_BITS for b, _, _ in self.qt.specs):
+            self._repacked = ops.repack(self.qt)
+            mx.eval(self._repacked.arrays())
+        return self._repacked
 
     def dense(self):
         """float32 [N, K] in stored (permuted) order, for numpy."""
@@ -149,6 +167,9 @@ def runners(wt: Weights, x, activations: str = "float"):
     def run_mixbits():
         mx.eval(mixbits.qmatmul(x, qt, activations=activations))
 
+    def run_repacked():
+        mx.eval(mixbits.qmatmul(x, wt.repacked(), activations=activations))
+
     def run_mlx():
         xs = x if qt.perm is None else mx.take(x, qt.perm, axis=-1)
         y, k0 = None, 0
@@ -165,7 +186,8 @@ def runners(wt: Weights, x, activations: str = "float"):
     def run_numpy():
         xn @ wt.dense().T
 
-    return {"mixbits": run_mixbits, "mlx": run_mlx, "numpy": run_numpy}
+    return {"mixbits": run_mixbits, "mixbits_repacked": run_repacked, "mlx": run_mlx,
+            "numpy": run_numpy}
 
 
 CLOCK = time.perf_counter  # time.process_time with --clock cpu
@@ -225,6 +247,12 @@ class Row:
         out = {"mixbits_ms": t * 1e3, "gbps": self.weight_bytes / t / 1e9,
                "pct_probe": 100.0 * self.weight_bytes / t / 1e9 / probe,
                "gflops": flops / t / 1e9}
+        if self.best("mixbits_repacked"):
+            tr = self.best("mixbits_repacked")
+            out["repacked_ms"] = tr * 1e3
+            out["repacked_gbps"] = self.weight_bytes / tr / 1e9
+            out["repacked_pct_probe"] = 100.0 * self.weight_bytes / tr / 1e9 / probe
+            out["speedup_repacked_vs_mixbits"] = t / tr
         if self.best("mlx"):
             out["mlx_ms"] = self.best("mlx") * 1e3
             out["speedup_vs_mlx"] = self.best("mlx") / t
@@ -287,11 +315,27 @@ def save_json(path: str, probe: dict, rows: list[Row], notes: list[str],
     os.replace(tmp, path)
 
 
-def m8_over_m1(rows: list[Row]) -> dict:
+def m8_over_m1(rows: list[Row], impl: str = "mixbits") -> dict:
     """t(M=8) / t(M=1) per weight: the cost of decoding once for 8 rows."""
-    t = {(r.case.n, r.case.k, r.case.kind, r.case.m): r.best("mixbits") for r in rows}
+    t = {(r.case.n, r.case.k, r.case.kind, r.case.m): r.best(impl) for r in rows}
     return {f"{n}x{k}-{kind}": t[(n, k, kind, 8)] / t[(n, k, kind, 1)]
-            for (n, k, kind, m) in t if m == 1 and (n, k, kind, 8) in t}
+            for (n, k, kind, m) in t if m == 1 and t[(n, k, kind, 1)] and t.get((n, k, kind, 8))}
+
+
+def format_repacked_table(rows: list[Row], probe: float) -> str:
+    """The row-interleaved layout next to the original one (--repack)."""
+    hdr = (f"{'N x K':>12} {'M':>4} {'kind':>5} {'orig ms':>9} {'repacked ms':>11} "
+           f"{'orig/rep':>8} {'rep GB/s':>8} {'%probe':>7}")
+    lines = ["repacked layout (same weights, same contract)", hdr, "-" * len(hdr)]
+    for r in rows:
+        d = r.derived(probe)
+        if "repacked_ms" not in d:
+            continue
+        lines.append(f"{r.case.n:>6}x{r.case.k:<5} {r.case.m:>4} {r.case.kind:>5} "
+                     f"{d['mixbits_ms']:9.3f} {d['repacked_ms']:11.3f} "
+                     f"{d['speedup_repacked_vs_mixbits']:8.2f} {d['repacked_gbps']:8.1f} "
+                     f"{d['repacked_pct_probe']:6.0f}%")
+    return "\n".join(lines)
 
 
 def _parse_list(s, conv):
@@ -330,6 +374,8 @@ def run(args) -> int:
         notes.append(f"mixbits capped at {args.threads} thread(s); OPENBLAS_NUM_THREADS="
                      f"{os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}; the probe uses "
                      "the same cap")
+    if args.repack and args.activations == "float":
+        raise SystemExit("--repack times the integer GEMV's layout: add --activations int8 or int16")
     if args.activations != "float":
         notes.append(f"mixbits ran activations={args.activations!r} (x quantized per group; "
                      "M <= 16 only, larger M takes the float path)")
@@ -355,6 +401,10 @@ def run(args) -> int:
         fns = runners(wt, make_x(c), args.activations)
         row = Row(c, wt.bpw, wt.nbytes)
         row.times["mixbits"] = time_call(fns["mixbits"], args.min_time)
+        if args.repack:
+            row.times["mixbits_repacked"] = (
+                time_call(fns["mixbits_repacked"], args.min_time) if wt.repacked() is not None
+                else {"skipped": "bits without a repacked layout"})
         if not args.no_baselines:
             est = mlx_estimate(fns["mlx"]) if c.m == 1 else None
             if c.m > 1:
@@ -378,6 +428,14 @@ def run(args) -> int:
     ratios = m8_over_m1(rows)
     if ratios:
         print("\nM=8 time / M=1 time: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    if args.repack:
+        print()
+        print(format_repacked_table(rows, probe["dram"]))
+        ratios_r = m8_over_m1(rows, "mixbits_repacked")
+        print("\nrepacked M=8 time / M=1 time: " +
+              ", ".join(f"{k} {v:.2f}" for k, v in ratios_r.items()))
+        notes.append("mixbits_repacked: the same weights in the row-interleaved layout "
+                     "(mixbits.ops.repack), same contract; repacking is not timed (done once)")
     for n in notes:
         print("note:", n)
     notes.append("weights of every shape here fit in this CPU's last-level cache, so a "

@@ -113,15 +113,20 @@ def comparison(rows, best: dict) -> list[dict]:
     """One record per (n, k, m): mixbits time per kind, ggml time per type,
     and ggml/mixbits ratios for the pairs of similar bpw (>1: mixbits faster)."""
     mix = {(r.case.n, r.case.k, r.case.m, r.case.kind): (r.best("mixbits"), r.bpw) for r in rows}
+    rep = {(r.case.n, r.case.k, r.case.m, r.case.kind): r.best("mixbits_repacked") for r in rows}
     out = []
     for n, k, m in dict.fromkeys((r.case.n, r.case.k, r.case.m) for r in rows):
         rec = {"n": n, "k": k, "m": m, "mixbits_ms": {}, "mixbits_bpw": {}, "ggml_ms": {},
-               "ggml_layout": {}, "ggml_bpw": {}, "ratio_ggml_over_mixbits": {}}
+               "ggml_layout": {}, "ggml_bpw": {}, "ratio_ggml_over_mixbits": {},
+               "repacked_ms": {}, "ratio_ggml_over_repacked": {}}
         for kind, gtypes in GGML_FOR_KIND.items():
             t_mix = mix.get((n, k, m, kind))
             if t_mix and t_mix[0]:
                 rec["mixbits_ms"][kind] = t_mix[0] * 1e3
                 rec["mixbits_bpw"][kind] = t_mix[1]
+            t_rep = rep.get((n, k, m, kind))
+            if t_rep:
+                rec["repacked_ms"][kind] = t_rep * 1e3
             for g in gtypes:
                 b = best.get((g, n, k, m))
                 if not b:
@@ -132,6 +137,8 @@ def comparison(rows, best: dict) -> list[dict]:
                     rec["ggml_bpw"][g] = b[2]["bpw"]
                 if kind in rec["mixbits_ms"]:
                     rec["ratio_ggml_over_mixbits"][f"{g}/{kind}"] = b[0] * 1e3 / rec["mixbits_ms"][kind]
+                if kind in rec["repacked_ms"]:
+                    rec["ratio_ggml_over_repacked"][f"{g}/{kind}"] = b[0] * 1e3 / rec["repacked_ms"][kind]
         out.append(rec)
     return out
 
@@ -140,17 +147,29 @@ PAIRS = [("2bit", "q2_K"), ("3bit", "q3_K"), ("4bit", "q4_K"), ("4bit", "q4_0"),
 
 
 def format_comparison(recs: list[dict]) -> str:
-    hdr = f"{'N x K':>12} {'M':>4}" + "".join(f" {k + ' ms':>9} {g + ' ms':>9} {'x':>5}"
-                                               for k, g in PAIRS)
+    """One line per (N, K, M); with repacked times (bench --repack) each
+    pair also shows mixbits' repacked-layout time and ggml / that."""
+    rep = any(r.get("repacked_ms") for r in recs)
+    hdr = f"{'N x K':>12} {'M':>4}" + "".join(
+        f" {k + ' ms':>9}" + (f" {'rep ms':>8}" if rep else "") + f" {g + ' ms':>9} {'x':>5}"
+        + (f" {'xrep':>5}" if rep else "") for k, g in PAIRS)
     lines = ["ggml / mixbits (x = ggml time / mixbits time; > 1: mixbits faster; "
-             "R = ggml's repacked layout)", hdr, "-" * len(hdr)]
+             "R = ggml's repacked layout" + ("; rep/xrep: mixbits' row-interleaved layout"
+                                             if rep else "") + ")", hdr, "-" * len(hdr)]
     for r in recs:
         cells = []
         for kind, g in PAIRS:
             tm, tg = r["mixbits_ms"].get(kind), r["ggml_ms"].get(g)
             x = r["ratio_ggml_over_mixbits"].get(f"{g}/{kind}")
             tag = "R" if r["ggml_layout"].get(g) == "repack" else ""
-            cells.append(f" {_ms(tm):>9} {_ms(tg) + tag:>9} {f'{x:.2f}' if x else '-':>5}")
+            cell = f" {_ms(tm):>9}"
+            if rep:
+                cell += f" {_ms(r['repacked_ms'].get(kind)):>8}"
+            cell += f" {_ms(tg) + tag:>9} {f'{x:.2f}' if x else '-':>5}"
+            if rep:
+                xr = r["ratio_ggml_over_repacked"].get(f"{g}/{kind}")
+                cell += f" {f'{xr:.2f}' if xr else '-':>5}"
+            cells.append(cell)
         lines.append(f"{r['n']:>6}x{r['k']:<5} {r['m']:>4}" + "".join(cells))
     return "\n".join(lines)
 

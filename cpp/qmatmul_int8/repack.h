@@ -1,0 +1,91 @@
+// Row-interleaved ("repacked") storage of a quantized segment, for the
+// batch-1 integer-activation GEMV (issue 16): built once per layer, read by
+// repacked_vnni.cpp's kernels with W rows in vector lanes and no transpose.
+//
+// Layout, per segment (N rows, `words` uint32 per row, `ng` groups per row),
+// with R = kRepackRows rows per block and NB = ceil(N / R) blocks:
+//   wq_r     uint32 [NB, words, R]: wq_r[b, j, r] = wq[b*R + r, j]
+//   scales_r        [NB, ng, R]     (the scales' dtype): likewise per group
+//   biases_r        [NB, ng, R]
+// so one 64-byte load gives word j of 16 rows, and one vector load gives the
+// 16 rows' scales of a group. Rows b*R + r >= N (the last block's padding)
+// hold zeros: zero codes, scales and biases give y = 0 there, and the
+// kernels store only the N real rows. Padding costs (NB*R - N) rows of
+// codes, scales and biases; nothing when R divides N (every shape of a
+// Llama/Qwen layer).
+//
+// Only bit widths whose codes never straddle a 32-bit word are repacked
+// (2, 4, 8): the kernel gets a code with one shift and one mask per word.
+// 3, 5 and 6 bits are refused by the builder (python: ValueError).
+//
+// Plain data only (like table.h): repacked_vnni.cpp includes it under a
+// target pragma.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "common/half.h"
+
+namespace mixbits {
+
+// 16 int32 lanes of a 512-bit vector: one lane per W row. Fixed for every
+// CPU (the layout is a storage format; a 256-bit kernel would take two
+// halves of a block).
+constexpr int kRepackRows = 16;
+
+constexpr bool repack_supports_bits(int bits) { return bits == 2 || bits == 4 || bits == 8; }
+
+// dst[b, c, r] = src[b*R + r, c] for a row-major [N, cols] matrix of
+// `itemsize`-byte elements; dst has ceil(N/R)*R*cols elements, padding zero.
+void interleave_rows(const void* src, int64_t N, int64_t cols, size_t itemsize, void* dst);
+// The exact inverse: src [NB, cols, R] -> dst [N, cols] (padding dropped).
+void deinterleave_rows(const void* src, int64_t N, int64_t cols, size_t itemsize, void* dst);
+
+// One repacked segment, for the kernels.
+struct RSeg {
+  const uint32_t* wq;  // [NB, words, R]
+  const void* scales;  // [NB, ngroups, R]
+  const void* biases;
+  DType sdt;
+  int words, ngroups;
+};
+
+// MB activation rows of one segment, codes in the repacked kernels' order
+// (repacked_x_col).
+struct RX {
+  const void* xq;    // int8_t or int16_t codes; row m at xq + m * ldx
+  int ldx;
+  const float* d;    // per group, row m at d + m * ldg
+  const float* xs;   // d * ix, same layout
+  int ldg;
+};
+
+// y[m * ldy + n] += segment contribution, for m < mb and the real rows
+// (n < N) of blocks [b0, b1).
+using RFn = void (*)(const RSeg&, const RX&, int mb, int b0, int b1, int N, float* y, int ldy);
+
+// Activation rows per kernel pass, and the kernels by [bits][group size
+// index 0: g32, 1: g64, 2: g128]; null where bits are not repacked.
+constexpr int kRepackMaxMB = 8;
+struct RTable {
+  RFn fn[9][3];
+};
+#if defined(MIXBITS_HAVE_AVX2)
+// AVX512-VNNI (+VL, BW); call only where cpu_isa().avx512vnni.
+const RTable& repacked_int8_table_vnni();
+const RTable& repacked_int16_table_vnni();
+#endif
+
+// Where the repacked kernels read the codes of a 32-bit word: with T the
+// activation code type, a word holds 32/B codes, lane element e (byte for
+// int8, 16-bit half for int16) of the word shifted right by k*B holds code
+// e*S + k (S = 8*sizeof(T)/B shifts per word). The kernels consume, per
+// word, shift k = 0..S-1 and elements e = 0..P-1 (P = 4/sizeof(T)), so
+// position p = k*P + e of the word's activations holds column
+// repacked_x_col(B, code_bytes, p) of the word.
+constexpr int repacked_x_col(int B, int code_bytes, int p) {
+  const int P = 4 / code_bytes, S = 8 * code_bytes / B;
+  return (p % P) * S + p / P;
+}
+
+}  // namespace mixbits

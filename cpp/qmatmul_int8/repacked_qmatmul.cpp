@@ -1,0 +1,290 @@
+// RepackedQMatmul: argument checks, graph node, and the CPU evaluation on
+// the row-interleaved layout (repack.h); the eager repack / unrepack of a
+// segment.
+#include "qmatmul_int8/repacked_qmatmul.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "common/cpu.h"
+#include "common/inputs.h"
+#include "common/mlx_args.h"
+#include "common/parallel.h"
+#include "qmatmul_int8/kernel.h"
+#include "qmatmul_int8/repack.h"
+#include "mlx/allocator.h"
+#include "mlx/transforms.h"
+#include "mlx/backend/cpu/encoder.h"
+
+namespace mixbits {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) {
+  throw std::invalid_argument("repacked qmatmul: " + msg);
+}
+
+int64_t blocks_of(int64_t n) { return (n + kRepackRows - 1) / kRepackRows; }
+int gs_index(int gs) { return gs == 32 ? 0 : gs == 64 ? 1 : 2; }
+
+// The repacked kernel table for (act, backend) on this CPU, or null where
+// calls take the un-repacked path (see the class comment).
+const RTable* select_repacked(Activations act, Backend backend) {
+#if defined(MIXBITS_HAVE_AVX2)
+  if (act == Activations::Float || !cpu_isa().avx512vnni) return nullptr;
+  if (backend != Backend::Auto && backend != Backend::Avx512) return nullptr;
+  return act == Activations::Int8 ? &repacked_int8_table_vnni() : &repacked_int16_table_vnni();
+#else
+  (void)act;
+  (void)backend;
+  return nullptr;
+#endif
+}
+
+// The integer contract on repacked segments: x quantized by int_quantize
+// (the one definition), its codes put in the kernels' order
+// (repacked_x_col), then blocks of 16 rows split over threads.
+template <class T>
+void run_repacked(const RTable& t, const float* xf, int M, const QMatView& shape,
+                  const std::vector<RSeg>& rsegs, float* y) {
+  IntActs<T> a;
+  int_quantize(xf, M, shape, a);  // reads only the segments' columns and groups
+  for (size_t si = 0; si < rsegs.size(); ++si) {
+    const int B = shape.segs[si].bits, cpw = 32 / B;
+    std::vector<T>& v = a.xq[si];
+    T tmp[32];
+    for (size_t u = 0; u < v.size(); u += cpw) {
+      for (int p = 0; p < cpw; ++p) tmp[p] = v[u + repacked_x_col(B, sizeof(T), p)];
+      std::copy(tmp, tmp + cpw, v.begin() + u);
+    }
+  }
+  const int N = shape.N;
+  parallel_for(blocks_of(N), 4, [&](int64_t b0, int64_t b1) {
+    const int64_t n0 = b0 * kRepackRows, n1 = std::min<int64_t>(N, b1 * kRepackRows);
+    for (int m0 = 0; m0 < M; m0 += kRepackMaxMB) {
+      const int mb = std::min(kRepackMaxMB, M - m0);
+      for (int m = 0; m < mb; ++m)
+        std::fill(y + int64_t(m0 + m) * N + n0, y + int64_t(m0 + m) * N + n1, 0.0f);
+      for (size_t si = 0; si < rsegs.size(); ++si) {
+        const SegView& s = shape.segs[si];
+        const int ng = s.k / s.group_size;
+        const RX xv{a.xq[si].data() + int64_t(m0) * s.k, s.k, a.d[si].data() + int64_t(m0) * ng,
+                    a.xs[si].data() + int64_t(m0) * ng, ng};
+        t.fn[s.bits][gs_index(s.group_size)](rsegs[si], xv, mb, int(b0), int(b1), N,
+                                             y + int64_t(m0) * N, N);
+      }
+    }
+  });
+}
+
+mx::array from_bytes(std::vector<char>&& bytes, mx::Shape shape, mx::Dtype dtype) {
+  auto* owned = new std::vector<char>(std::move(bytes));
+  return mx::array(owned->data(), std::move(shape), dtype,
+                   [owned](void*) { delete owned; });
+}
+
+}  // namespace
+
+mx::array repacked_qmatmul(const mx::array& x, const std::optional<mx::array>& perm,
+                           const std::vector<mx::array>& packed_r,
+                           const std::vector<SegSpec>& segs, int n, Backend backend,
+                           mx::StreamOrDevice s, Activations act) {
+  if (segs.empty()) fail("at least one segment is required");
+  if (act != Activations::Float && act != Activations::Int8 && act != Activations::Int16)
+    fail("activations must be 0 (float), 1 (int8) or 2 (int16), got " + std::to_string(int(act)));
+  if (packed_r.size() != 3 * segs.size())
+    fail("expected 3 arrays (wq, scales, biases) per segment");
+  if (n <= 0) fail("n (output rows) must be positive, got " + std::to_string(n));
+  if (x.ndim() < 1) fail("x must have at least one dimension");
+  if (!is_float_dtype(x.dtype())) fail("x must be float32, float16 or bfloat16");
+  const int64_t NB = blocks_of(n);
+  const mx::Dtype sdt = packed_r[1].dtype();
+  int64_t K = 0;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const SegSpec& sg = segs[i];
+    const std::string tag = "segment " + std::to_string(i) + ": ";
+    if (!repack_supports_bits(sg.bits))
+      fail(tag + "bits " + std::to_string(sg.bits) + " have no repacked layout (2, 4, 8 do)");
+    if (sg.group_size != 32 && sg.group_size != 64 && sg.group_size != 128)
+      fail(tag + "group_size must be 32, 64 or 128");
+    if (sg.k <= 0 || sg.k % sg.group_size != 0)
+      fail(tag + "column count is not a positive multiple of group_size");
+    const mx::Shape wshape{int(NB), int(int64_t(sg.k) * sg.bits / 32), kRepackRows};
+    const mx::Shape gshape{int(NB), sg.k / sg.group_size, kRepackRows};
+    const mx::array& wq = packed_r[3 * i];
+    if (wq.dtype() != mx::uint32 || wq.shape() != wshape)
+      fail(tag + "wq must be uint32 of shape (blocks, words, 16), got " + shape_str(wq));
+    for (int j = 1; j < 3; ++j) {
+      const mx::array& a = packed_r[3 * i + j];
+      if (a.dtype() != sdt || !is_float_dtype(a.dtype()) || a.shape() != gshape)
+        fail(tag + (j == 1 ? "scales" : "biases") +
+             " must be (blocks, groups, 16) in segment 0's float dtype, got " + shape_str(a));
+    }
+    K += sg.k;
+  }
+  if (x.shape(-1) != K)
+    fail("x has " + std::to_string(x.shape(-1)) + " input features but the segments cover K=" +
+         std::to_string(K));
+  if (perm && ((perm->dtype() != mx::int32 && perm->dtype() != mx::uint32) || perm->ndim() != 1 ||
+               perm->shape(0) != K))
+    fail("perm must be int32 or uint32 of shape (K,)");
+  auto stream = mx::to_stream(s);
+  if (stream.device == mx::Device::gpu)
+    fail("repacked weights are a CPU layout; unrepack the layer to run it on the GPU");
+  select_qmm(backend);  // throws now, not inside the graph, if unavailable
+  if (act == Activations::Int8) select_qmm_int8(backend);
+  if (act == Activations::Int16) select_qmm_int16(backend);
+  std::vector<mx::array> inputs{x};
+  if (perm) inputs.push_back(*perm);
+  for (const auto& a : packed_r) inputs.push_back(a);
+  mx::Shape out_shape = x.shape();
+  out_shape.back() = n;
+  return mx::array(out_shape, x.dtype(),
+                   std::make_shared<RepackedQMatmul>(stream, segs, bool(perm), n, backend, act),
+                   std::move(inputs));
+}
+
+std::vector<mx::Shape> RepackedQMatmul::output_shapes(const std::vector<mx::array>& inputs) {
+  mx::Shape s = inputs[0].shape();
+  s.back() = n_;
+  return {s};
+}
+
+bool RepackedQMatmul::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const RepackedQMatmul&>(other);
+  return segs_ == o.segs_ && has_perm_ == o.has_perm_ && n_ == o.n_ && backend_ == o.backend_ &&
+         act_ == o.act_;
+}
+
+void RepackedQMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  const QmmRun fn_int = act_ == Activations::Int8    ? select_qmm_int8(backend_)
+                        : act_ == Activations::Int16 ? select_qmm_int16(backend_)
+                                                     : nullptr;
+  enc.dispatch([inputs, out = mx::array::unsafe_weak_copy(out), segs = segs_,
+                has_perm = has_perm_, N = n_, act = act_, fn = select_qmm(backend_), fn_int,
+                table = select_repacked(act_, backend_)]() mutable {
+    const int first = has_perm ? 2 : 1;
+    std::vector<std::vector<char>> copies(inputs.size());
+    auto dense = [&](size_t i) { return row_major(inputs[i], copies[i]); };
+    // The segments' shape (columns, groups) and their repacked arrays.
+    QMatView shape;
+    shape.N = N;
+    shape.sdtype = to_dtype(inputs[first + 1].dtype());
+    std::vector<RSeg> rsegs;
+    int k0 = 0;
+    for (size_t i = 0; i < segs.size(); ++i) {
+      const size_t j = first + 3 * i;
+      shape.segs.push_back({segs[i].bits, segs[i].group_size, k0, segs[i].k, nullptr, nullptr,
+                            nullptr});
+      rsegs.push_back({static_cast<const uint32_t*>(dense(j)), dense(j + 1), dense(j + 2),
+                       shape.sdtype, int(int64_t(segs[i].k) * segs[i].bits / 32),
+                       segs[i].k / segs[i].group_size});
+      k0 += segs[i].k;
+    }
+    shape.K = k0;
+    const int32_t* perm = has_perm ? static_cast<const int32_t*>(dense(1)) : nullptr;
+    qmatmul_cpu_eval(inputs[0], perm, shape.K, N, fn_int != nullptr, out,
+                     [&](QmmPath path, const float* xf, int M, float* y) {
+      if (path == QmmPath::Int && table) {
+        if (act == Activations::Int8) return run_repacked<int8_t>(*table, xf, M, shape, rsegs, y);
+        return run_repacked<int16_t>(*table, xf, M, shape, rsegs, y);
+      }
+      // MLX's layout in a temporary, then what MixedQMatmul runs.
+      const size_t sbytes = shape.sdtype == DType::f32 ? 4 : 2;
+      std::vector<std::vector<uint32_t>> wq(segs.size());
+      std::vector<std::vector<char>> sc(segs.size()), bi(segs.size());
+      QMatView w = shape;
+      for (size_t i = 0; i < segs.size(); ++i) {
+        const RSeg& r = rsegs[i];
+        wq[i].resize(size_t(N) * r.words);
+        sc[i].resize(size_t(N) * r.ngroups * sbytes);
+        bi[i].resize(sc[i].size());
+        deinterleave_rows(r.wq, N, r.words, 4, wq[i].data());
+        deinterleave_rows(r.scales, N, r.ngroups, sbytes, sc[i].data());
+        deinterleave_rows(r.biases, N, r.ngroups, sbytes, bi[i].data());
+        w.segs[i].wq = wq[i].data();
+        w.segs[i].scales = sc[i].data();
+        w.segs[i].biases = bi[i].data();
+      }
+      (path == QmmPath::Int ? fn_int : path == QmmPath::IeeeRef ? qmm_ref_run : fn)(xf, M, w, y);
+    });
+  });
+}
+
+void RepackedQMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("repacked qmatmul: repacked weights are a CPU layout");
+}
+
+std::vector<mx::array> RepackedQMatmul::vjp(const std::vector<mx::array>&,
+                                            const std::vector<mx::array>&,
+                                            const std::vector<int>&,
+                                            const std::vector<mx::array>&) {
+  throw std::invalid_argument(
+      "repacked qmatmul: a repacked weight has no gradient; unrepack the layer first");
+}
+
+std::vector<mx::array> RepackedQMatmul::jvp(const std::vector<mx::array>&,
+                                            const std::vector<mx::array>&,
+                                            const std::vector<int>&) {
+  throw std::invalid_argument(
+      "repacked qmatmul: a repacked weight has no gradient; unrepack the layer first");
+}
+
+std::tuple<mx::array, mx::array, mx::array> repack_segment(const mx::array& wq,
+                                                           const mx::array& scales,
+                                                           const mx::array& biases, int bits,
+                                                           int group_size) {
+  if (!repack_supports_bits(bits))
+    throw std::invalid_argument("repack: bits " + std::to_string(bits) +
+                                " have no repacked layout (2, 4, 8 do)");
+  if (wq.dtype() != mx::uint32 || wq.ndim() != 2)
+    throw std::invalid_argument("repack: wq must be 2-D uint32, got " + shape_str(wq));
+  const int N = wq.shape(0);
+  const int64_t words = wq.shape(1), ng = words * 32 / bits / group_size;
+  for (const mx::array* a : {&scales, &biases})
+    if (a->ndim() != 2 || a->shape(0) != N || a->shape(1) != ng || !is_float_dtype(a->dtype()) ||
+        a->dtype() != scales.dtype())
+      throw std::invalid_argument("repack: scales and biases must be (" + std::to_string(N) +
+                                  ", " + std::to_string(ng) + ") in one float dtype, got " +
+                                  shape_str(*a));
+  mx::array w = wq, s = scales, b = biases;
+  mx::eval({w, s, b});
+  const int NB = int(blocks_of(N));
+  auto pack = [&](const mx::array& a, int64_t cols) {
+    std::vector<char> copy;
+    const void* src = row_major(a, copy);
+    std::vector<char> out(size_t(NB) * kRepackRows * cols * a.itemsize());
+    interleave_rows(src, N, cols, a.itemsize(), out.data());
+    return from_bytes(std::move(out), {NB, int(cols), kRepackRows}, a.dtype());
+  };
+  return {pack(w, words), pack(s, ng), pack(b, ng)};
+}
+
+std::tuple<mx::array, mx::array, mx::array> unrepack_segment(const mx::array& wq_r,
+                                                             const mx::array& scales_r,
+                                                             const mx::array& biases_r, int n) {
+  const int64_t NB = blocks_of(n);
+  for (const mx::array* a : {&wq_r, &scales_r, &biases_r})
+    if (a->ndim() != 3 || a->shape(0) != NB || a->shape(2) != kRepackRows)
+      throw std::invalid_argument("unrepack: arrays must be (" + std::to_string(NB) +
+                                  ", cols, 16) for n=" + std::to_string(n) + ", got " +
+                                  shape_str(*a));
+  mx::array w = wq_r, s = scales_r, b = biases_r;
+  mx::eval({w, s, b});
+  auto unpack = [&](const mx::array& a) {
+    std::vector<char> copy;
+    const void* src = row_major(a, copy);
+    const int64_t cols = a.shape(1);
+    std::vector<char> out(size_t(n) * cols * a.itemsize());
+    deinterleave_rows(src, n, cols, a.itemsize(), out.data());
+    return from_bytes(std::move(out), {n, int(cols)}, a.dtype());
+  };
+  return {unpack(w), unpack(s), unpack(b)};
+}
+
+}  // namespace mixbits

@@ -1,0 +1,74 @@
+// MLX primitive for y = x · Wᵀ with W stored row-interleaved (repack.h):
+// the batch-1 integer-activation GEMV layout of issue 16. CPU only; the
+// arrays are built by repack_segment and turned back into MLX's layout by
+// unrepack_segment (the layout every other reader of a weight expects).
+#pragma once
+#include <tuple>
+#include <vector>
+
+#include "common/primitive.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "qmatmul/qmatmul.h"
+#include "qmatmul_int8/repack.h"
+
+namespace mixbits {
+
+namespace mx = mlx::core;
+
+// Inputs: x, [perm], then (wq_r, scales_r, biases_r) per segment.
+// Evaluation: activations int8/int16 with at most kInt8MaxM finite rows on
+// a CPU with AVX512-VNNI (backend auto or avx512) run the repacked kernels;
+// every other call (float contract, more rows, inf/NaN in x, backends ref
+// or avx2, CPUs without VNNI) un-repacks W into a temporary of MLX's layout
+// and runs exactly what MixedQMatmul runs, so results never depend on the
+// storage beyond the kernels' float rounding. That temporary costs one
+// copy of the weight per call: correct, not fast.
+class RepackedQMatmul : public mx::UnaryPrimitive {
+ public:
+  RepackedQMatmul(mx::Stream s, std::vector<SegSpec> segs, bool has_perm, int n,
+                  Backend backend, Activations act)
+      : mx::UnaryPrimitive(s),
+        segs_(std::move(segs)),
+        has_perm_(has_perm),
+        n_(n),
+        backend_(backend),
+        act_(act) {}
+
+  MIXBITS_EVAL_UNARY()
+  // Refused with a message (std::invalid_argument): a repacked weight is an
+  // inference layout; differentiate through the original one.
+  MIXBITS_GRADS()
+  MIXBITS_NAME_AND_EQUIVALENT(RepackedQMatmul)
+  MIXBITS_OUTPUT_SHAPES()
+
+ private:
+  std::vector<SegSpec> segs_;
+  bool has_perm_;
+  int n_;
+  Backend backend_;
+  Activations act_;
+};
+
+// Validates (std::invalid_argument naming the argument) and builds the node.
+// `packed_r`: wq_r, scales_r, biases_r per segment; n: W's output rows.
+mx::array repacked_qmatmul(const mx::array& x, const std::optional<mx::array>& perm,
+                           const std::vector<mx::array>& packed_r,
+                           const std::vector<SegSpec>& segs, int n,
+                           Backend backend = Backend::Auto, mx::StreamOrDevice s = {},
+                           Activations act = Activations::Int8);
+
+// One segment (MLX layout: wq [N, k*bits/32], scales/biases [N, k/gs]) to
+// the row-interleaved layout, evaluated now (a layer does this once).
+// Refuses bit widths repack_supports_bits does not accept.
+std::tuple<mx::array, mx::array, mx::array> repack_segment(const mx::array& wq,
+                                                           const mx::array& scales,
+                                                           const mx::array& biases,
+                                                           int bits, int group_size);
+// The exact inverse, for the N real rows.
+std::tuple<mx::array, mx::array, mx::array> unrepack_segment(const mx::array& wq_r,
+                                                             const mx::array& scales_r,
+                                                             const mx::array& biases_r,
+                                                             int n);
+
+}  // namespace mixbits

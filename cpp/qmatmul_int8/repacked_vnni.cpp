@@ -1,0 +1,148 @@
+// Integer-activation GEMV on the row-interleaved layout (repack.h), with
+// AVX512-VNNI: a 512-bit load is word j of 16 W rows, lane r = row r. Each
+// shift-and-mask of it gives, per lane, 4 byte codes (int8) or 2 16-bit
+// codes (int16) of that row, multiplied by a broadcast quad (pair) of
+// activations with vpdpbusd (vpdpwssd) into the row's int32 lane. No
+// transpose, no horizontal sum: per group and x row one convert and two
+// FMAs (scales * d, biases * xs) cover 16 rows.
+//
+// Same contract as x86.h's kernels (kernel.h): exact integer dots per group,
+// float32 epilogue. Compiled under a target pragma and reached only after
+// cpu_isa() saw AVX512-VNNI (see vnni.cpp for why no library headers here).
+#if defined(MIXBITS_HAVE_AVX2)
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "qmatmul_int8/repack.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+
+namespace mixbits {
+namespace {
+
+constexpr int R = kRepackRows;
+// Software prefetch distance along a block's one sequential stream.
+constexpr int kPrefetchBytes = 2048;
+
+// 16 rows' scales (or biases) of one group as float32.
+inline __m512 load16(const void* p, int64_t off, DType t) {
+  if (t == DType::f32) return _mm512_loadu_ps(static_cast<const float*>(p) + off);
+  const __m256i h = _mm256_loadu_si256((const __m256i*)(static_cast<const uint16_t*>(p) + off));
+  if (t == DType::f16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bf16
+}
+
+// The lane mask of a B-bit code in every element of a 32-bit word.
+template <int B, class T>
+constexpr uint32_t code_mask() {
+  const uint32_t m = (1u << B) - 1u;
+  return sizeof(T) == 1 ? m * 0x01010101u : m * 0x00010001u;
+}
+
+template <class T>
+inline __m512i idot(__m512i acc, __m512i w, __m512i x) {
+  if constexpr (sizeof(T) == 1) return _mm512_dpbusd_epi32(acc, w, x);  // u8 codes x s8 x
+  else return _mm512_dpwssd_epi32(acc, w, x);  // codes <= 255 are valid s16
+}
+
+// Blocks [b0, b1) of one segment against MB activation rows.
+template <int B, int G, int MB, class T>
+void blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, int ldy) {
+  constexpr int S = 8 * int(sizeof(T)) / B;  // shifts per word
+  constexpr int CPW = 32 / B;                // codes per word
+  constexpr int WG = G * B / 32;             // words per group
+  constexpr uint32_t kMask = code_mask<B, T>();
+  // Independent accumulator chains to hide vpdpbusd latency (5 cycles)
+  // where MB alone gives too few: A*MB <= 8 of the 32 zmm registers.
+  constexpr int A = MB <= 2 ? 4 : MB <= 4 ? 2 : 1;
+  const T* xq = static_cast<const T*>(x.xq);
+  const int ng = s.ngroups;
+  const __m512i mask = _mm512_set1_epi32(int(kMask));
+  for (int b = b0; b < b1; ++b) {
+    const uint32_t* wb = s.wq + int64_t(b) * s.words * R;
+    const int64_t sb = int64_t(b) * ng * R;
+    __m512 accf[MB];
+    for (int m = 0; m < MB; ++m) accf[m] = _mm512_setzero_ps();
+    for (int g = 0; g < ng; ++g) {
+      __m512i acc[A][MB];
+      for (int a = 0; a < A; ++a)
+        for (int m = 0; m < MB; ++m) acc[a][m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int jw = 0; jw < WG; ++jw) {
+        const int j = g * WG + jw;
+        const __m512i w = _mm512_loadu_si512((const void*)(wb + int64_t(j) * R));
+        _mm_prefetch((const char*)(wb + int64_t(j) * R) + kPrefetchBytes, _MM_HINT_T0);
+#pragma GCC unroll 8
+        for (int k = 0; k < S; ++k) {
+          __m512i c = k == 0 ? w : _mm512_srli_epi32(w, k * B);
+          if constexpr (kMask != 0xFFFFFFFFu) c = _mm512_and_si512(c, mask);
+          const int a = (jw * S + k) % A;
+          for (int m = 0; m < MB; ++m) {
+            int32_t quad;
+            std::memcpy(&quad, xq + int64_t(m) * x.ldx + int64_t(j) * CPW + k * (4 / sizeof(T)), 4);
+            acc[a][m] = idot<T>(acc[a][m], c, _mm512_set1_epi32(quad));
+          }
+        }
+      }
+      const __m512 s16 = load16(s.scales, sb + int64_t(g) * R, s.sdt);
+      const __m512 b16 = load16(s.biases, sb + int64_t(g) * R, s.sdt);
+      for (int m = 0; m < MB; ++m) {
+        __m512i iq = acc[0][m];
+        for (int a = 1; a < A; ++a) iq = _mm512_add_epi32(iq, acc[a][m]);
+        const __m512 sd = _mm512_mul_ps(s16, _mm512_set1_ps(x.d[int64_t(m) * x.ldg + g]));
+        accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iq), sd, accf[m]);
+        accf[m] = _mm512_fmadd_ps(b16, _mm512_set1_ps(x.xs[int64_t(m) * x.ldg + g]), accf[m]);
+      }
+    }
+    // The last block may hold padding rows: store the real ones only.
+    const int n0 = b * R, nreal = N - n0 < R ? N - n0 : R;
+    const __mmask16 live = __mmask16((1u << nreal) - 1u);
+    for (int m = 0; m < MB; ++m) {
+      float* yp = y + int64_t(m) * ldy + n0;
+      const __m512 old = _mm512_maskz_loadu_ps(live, yp);
+      _mm512_mask_storeu_ps(yp, live, _mm512_add_ps(old, accf[m]));
+    }
+  }
+}
+
+template <int B, int G, class T>
+void seg_kernel(const RSeg& s, const RX& x, int mb, int b0, int b1, int N, float* y, int ldy) {
+  switch (mb) {
+    case 1: return blocks<B, G, 1, T>(s, x, b0, b1, N, y, ldy);
+    case 2: return blocks<B, G, 2, T>(s, x, b0, b1, N, y, ldy);
+    case 3: return blocks<B, G, 3, T>(s, x, b0, b1, N, y, ldy);
+    case 4: return blocks<B, G, 4, T>(s, x, b0, b1, N, y, ldy);
+    case 5: return blocks<B, G, 5, T>(s, x, b0, b1, N, y, ldy);
+    case 6: return blocks<B, G, 6, T>(s, x, b0, b1, N, y, ldy);
+    case 7: return blocks<B, G, 7, T>(s, x, b0, b1, N, y, ldy);
+    case 8: return blocks<B, G, 8, T>(s, x, b0, b1, N, y, ldy);
+  }
+}
+
+template <class T>
+RTable make_table() {
+  RTable t{};
+#define MIXBITS_R_ROW(B) \
+  t.fn[B][0] = seg_kernel<B, 32, T>; t.fn[B][1] = seg_kernel<B, 64, T>; t.fn[B][2] = seg_kernel<B, 128, T>;
+  MIXBITS_R_ROW(2) MIXBITS_R_ROW(4) MIXBITS_R_ROW(8)
+#undef MIXBITS_R_ROW
+  return t;
+}
+
+}  // namespace
+
+const RTable& repacked_int8_table_vnni() {
+  static const RTable t = make_table<int8_t>();
+  return t;
+}
+const RTable& repacked_int16_table_vnni() {
+  static const RTable t = make_table<int16_t>();
+  return t;
+}
+
+}  // namespace mixbits
+#pragma GCC pop_options
+#endif

@@ -1,0 +1,291 @@
+"""The row-interleaved ("repacked") layout of the CPU's batch-1 integer GEMV
+(cpp/qmatmul_int8/repack.h, python/mixbits/repack.py): the layout itself
+against a numpy model, repack/unrepack as exact inverses, the repacked
+kernels against the numpy model of the int8/int16 contract and against the
+original layout's kernels, the paths that fall back to MLX's layout, the
+refusals, and the layer / patch integration."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+import mixbits
+from mixbits import ops
+from mixbits.errors import UsageError
+from mixbits.repack import REPACK_BITS, REPACK_ROWS, RepackedTensor
+from int_contract import CONTRACTS, contract_model, rand_qt
+from reference import OUT_EPS, to_f64
+
+R = REPACK_ROWS
+VNNI = "avx512" in ops.available_backends()  # the repacked kernels' ISA (checked below)
+
+
+@pytest.fixture(params=sorted(CONTRACTS))
+def act(request):
+    return request.param
+
+
+def raw(a: mx.array) -> np.ndarray:
+    """An array's bits (2- or 4-byte elements) for exact comparisons."""
+    return np.array(a.view(mx.uint16 if a.dtype in (mx.float16, mx.bfloat16) else mx.uint32))
+
+
+def interleaved_model(a: np.ndarray) -> np.ndarray:
+    """[N, cols] -> [ceil(N/16), cols, 16], zero rows appended: the layout."""
+    n, cols = a.shape
+    nb = -(-n // R)
+    pad = np.zeros((nb * R, cols), a.dtype)
+    pad[:n] = a
+    return pad.reshape(nb, R, cols).transpose(0, 2, 1)
+
+
+def check_contract(y, x, qt, act, out_dtype=mx.float32):
+    """y (the repacked kernels' result) equals the numpy contract model to
+    float rounding of the kernels' partial sums, as every SIMD backend of
+    the original layout must (tests/test_qmatmul_int8.py)."""
+    y_star, _, _, mag2, _ = contract_model(x, qt, act)
+    y = to_f64(y).reshape(y_star.shape)
+    tol = 4e-6 * mag2 + 2 * OUT_EPS[out_dtype] * np.abs(y_star) + 1e-30
+    np.testing.assert_array_less(np.abs(y - y_star), tol)
+
+
+# ---------------------------------------------------------------- layout
+
+
+@pytest.mark.parametrize("bits", REPACK_BITS)
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_layout_and_exact_inverse(bits, gs, dtype):
+    rng = np.random.default_rng(bits * 100 + gs)
+    for n in (1, 16, 37):  # one padded block, one exact block, 2 blocks + tail
+        qt = rand_qt(rng, n, [(bits, gs, 256)], dtype=dtype)
+        rt = ops.repack(qt)
+        assert isinstance(rt, RepackedTensor) and rt.shape == qt.shape
+        s, r = qt.segments[0], rt.segments[0]
+        for orig, rep in ((s.wq, r.wq_r), (s.scales, r.scales_r), (s.biases, r.biases_r)):
+            assert rep.dtype == orig.dtype
+            np.testing.assert_array_equal(raw(rep), interleaved_model(raw(orig)))
+        back = ops.unrepack(rt)
+        for a, b in zip(back.arrays(), qt.arrays()):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(raw(a), raw(b))
+        assert rt.nbytes == qt.nbytes + rt.padding_nbytes
+        assert rt.padding_nbytes == (0 if n % R == 0 else (-n % R) * qt.nbytes // n)
+
+
+def test_mixed_segments_and_perm_round_trip():
+    rng = np.random.default_rng(3)
+    segs = [(8, 32, 64), (4, 64, 192), (2, 128, 256), (4, 32, 64)]
+    qt = rand_qt(rng, 45, segs, perm=True, dtype=mx.bfloat16)
+    rt = ops.repack(qt)
+    assert rt.specs == qt.specs and rt.perm is qt.perm
+    back = ops.unrepack(rt)
+    assert back.specs == qt.specs
+    np.testing.assert_array_equal(np.array(back.perm), np.array(qt.perm))
+    for a, b in zip(back.arrays(), qt.arrays()):
+        np.testing.assert_array_equal(raw(a), raw(b))
+    assert mixbits._ext.repack_rows() == R  # the Python layout constant is the C++ one
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@pytest.mark.parametrize("bits", REPACK_BITS)
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_kernels_compute_the_contract(bits, gs, act):
+    rng = np.random.default_rng(bits * 1000 + gs)
+    qt = rand_qt(rng, 37, [(bits, gs, 512)])  # 37: a padded tail block
+    rt = ops.repack(qt)
+    for M in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16):  # 9..16: two passes of 8 rows
+        x = mx.array(rng.standard_normal((M, 512)).astype(np.float32))
+        y = mixbits.qmatmul(x, rt, activations=act)
+        check_contract(y, x, qt, act)
+        # and the original layout's kernels, to the same rounding
+        y0 = to_f64(mixbits.qmatmul(x, qt, activations=act))
+        y_star, _, _, mag2, _ = contract_model(x, qt, act)
+        np.testing.assert_array_less(np.abs(to_f64(y) - y0), 8e-6 * mag2 + 4 * OUT_EPS[mx.float32] * np.abs(y0) + 1e-30)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_mixed_segments_with_perm_and_dtypes(dtype, act):
+    rng = np.random.default_rng(7)
+    segs = [(8, 32, 64), (4, 64, 192), (2, 128, 256), (2, 32, 96)]
+    qt = rand_qt(rng, 29, segs, perm=True, dtype=dtype if dtype != mx.float32 else mx.float16)
+    rt = ops.repack(qt)
+    for M in (1, 3, 8):
+        x = mx.array(rng.standard_normal((2, M, qt.shape[1])).astype(np.float32)).astype(dtype)
+        y = mixbits.qmatmul(x, rt, activations=act)
+        assert y.shape == (2, M, 29) and y.dtype == dtype
+        check_contract(y, x, qt, act, dtype)
+
+
+def test_padding_rows_never_reach_the_output(act):
+    """The kernels store the N real rows only: garbage in the last block's
+    padding rows (zeros as built) changes nothing, also in the next x row's
+    outputs where a 16-wide store would land."""
+    rng = np.random.default_rng(12)
+    qt = rand_qt(rng, 21, [(4, 64, 256), (2, 32, 64)])  # 21 = 16 + 5: 11 padding rows
+    rt = ops.repack(qt)
+    segs = []
+    for s in rt.segments:
+        arrs = []
+        for a in (s.wq_r, s.scales_r, s.biases_r):
+            b = np.array(a.view(mx.uint32) if a.dtype == mx.uint32 else a.astype(mx.float32))
+            b[-1, :, 21 - R:] = (rng.integers(0, 2**32, b[-1, :, 21 - R:].shape, dtype=np.uint64)
+                                 if a.dtype == mx.uint32 else rng.standard_normal(b[-1, :, 21 - R:].shape))
+            arrs.append(mx.array(b.astype(np.uint32)) if a.dtype == mx.uint32 else mx.array(b).astype(a.dtype))
+        segs.append(type(s)(s.bits, s.group_size, s.k, *arrs, s.kind))
+    dirty = RepackedTensor(segs, None, 21)
+    x = mx.array(rng.standard_normal((4, 320)).astype(np.float32))
+    np.testing.assert_array_equal(np.array(mixbits.qmatmul(x, dirty, activations=act)),
+                                  np.array(mixbits.qmatmul(x, rt, activations=act)))
+
+
+def test_threads_do_not_change_the_result(act):
+    rng = np.random.default_rng(6)
+    qt = rand_qt(rng, 301, [(4, 64, 512), (2, 32, 256)])
+    rt = ops.repack(qt)
+    x = mx.array(rng.standard_normal((3, 768)).astype(np.float32))
+    old = mixbits._ext.max_threads()
+    try:
+        mixbits._ext.set_max_threads(2)
+        a = np.array(mixbits.qmatmul(x, rt, activations=act))
+        mixbits._ext.set_max_threads(1)
+        b = np.array(mixbits.qmatmul(x, rt, activations=act))
+    finally:
+        mixbits._ext.set_max_threads(old)
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("backend", [b for b in ops.available_backends() if b != "neon"])
+def test_other_paths_run_the_original_layout(backend, act):
+    """Calls the repacked kernels do not take (a forced backend without them,
+    the float contract, more than 16 rows, inf/NaN in x) un-repack W and
+    run exactly what the original layout runs: bitwise the same result."""
+    rng = np.random.default_rng(11)
+    qt = rand_qt(rng, 21, [(4, 64, 128), (8, 32, 64)], perm=True)
+    rt = ops.repack(qt)
+    xs = [mx.array(rng.standard_normal((M, 192)).astype(np.float32)) for M in (1, 5, 17)]
+    bad = np.array(xs[1])
+    bad[2, 7] = np.inf
+    bad[0, 3] = np.nan
+    xs.append(mx.array(bad))
+    for x in xs:
+        for a in ("float", act):
+            if a != "float" and backend in ("auto", "avx512") and x.shape[0] <= 16 and np.isfinite(np.array(x)).all():
+                continue  # the repacked kernels (test_kernels_compute_the_contract)
+            want = np.array(mixbits.qmatmul(x, qt, backend=backend, activations=a))
+            got = np.array(mixbits.qmatmul(x, rt, backend=backend, activations=a))
+            np.testing.assert_array_equal(got, want, err_msg=f"{backend} {a} M={x.shape[0]}")
+
+
+def test_vnni_is_what_this_machine_runs():
+    # The speed claim of bench/README.md is about the VNNI kernels; on this
+    # x86 host they must be the ones auto takes (else this file tests only
+    # the un-repacking fallback).
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 only")
+    flags = open("/proc/cpuinfo").read()
+    if " avx512_vnni" not in flags:
+        pytest.skip("no AVX512-VNNI on this CPU")
+    assert VNNI
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_refusals():
+    rng = np.random.default_rng(8)
+    for bits in (3, 5, 6):
+        qt = rand_qt(rng, 8, [(4, 64, 128), (bits, 32, 96)])
+        with pytest.raises(UsageError, match="no repacked layout"):
+            ops.repack(qt)
+    qt = rand_qt(rng, 8, [(4, 64, 128)])
+    s = qt.segments[0]
+    stack = mixbits.QuantizedTensor([mixbits.layout.Segment(4, 64, 128, mx.stack([s.wq] * 2),
+                                                           mx.stack([s.scales] * 2), mx.stack([s.biases] * 2))])
+    with pytest.raises(ValueError, match="2-D"):
+        ops.repack(stack)
+    with pytest.raises(TypeError):
+        ops.repack(object())
+    with pytest.raises(TypeError):
+        ops.unrepack(qt)
+    rt = ops.repack(qt)
+    with pytest.raises(ValueError, match="last dimension"):
+        mixbits.qmatmul(mx.zeros((1, 64)), rt, activations="int8")
+    # the C++ op checks the arrays it is given
+    with pytest.raises(ValueError, match="wq must be uint32 of shape"):
+        mixbits._ext.repacked_qmatmul(mx.zeros((1, 128)), None, qt.arrays(), qt.specs, 8, 0, 1)
+    with pytest.raises(ValueError, match="no repacked layout"):
+        mixbits._ext.repacked_qmatmul(mx.zeros((1, 128)), None, rt.arrays(), [(3, 64, 128)], 8, 0, 1)
+    with pytest.raises(ValueError, match="no gradient"):
+        mx.grad(lambda x: mixbits.qmatmul(x, rt, activations="int8").sum())(mx.ones((1, 128)))
+
+
+# ---------------------------------------------------------------- layers
+
+
+def _patched(rng, out_dims=48, bits=4):
+    lin = nn.Linear(256, out_dims)
+    lin.weight = mx.array(rng.standard_normal((out_dims, 256)).astype(np.float32))
+    model = nn.Sequential(nn.QuantizedLinear.from_linear(lin, group_size=64, bits=bits))
+    return model
+
+
+def test_layer_repack_unrepack(tmp_path):
+    rng = np.random.default_rng(9)
+    model = _patched(rng, out_dims=40)  # 40: a padded tail block
+    mixbits.patch(model, activations="int8", functions=False)
+    layer = model.layers[0]
+    x = mx.array(rng.standard_normal((3, 256)).astype(np.float32))
+    qt = layer.quantized_tensor()
+    before = {k: raw(v) for k, v in zip(("w", "s", "b"), qt.arrays())}
+    y_float = np.array(mixbits.qmatmul(x, qt) + layer.bias)
+    layer.repack()
+    assert layer.is_repacked and mixbits.nn.repacked_layers(model) == ["layers.0"]
+    assert "weight" not in layer and "repacked" in layer
+    assert layer.output_dims == 40 and layer.input_dims == 256
+    check_contract(model(x) - layer.bias, x, qt, "int8")
+    # readers of the weight get MLX's layout back, bit for bit
+    for k, a in zip(("w", "s", "b"), layer.quantized_tensor().arrays()):
+        np.testing.assert_array_equal(raw(a), before[k])
+    layer.activations = "float"  # correct (un-repacked per call), not fast
+    np.testing.assert_array_equal(np.array(model(x)), y_float)
+    with pytest.raises(UsageError, match="unrepack_layers"):
+        mixbits.save(model, tmp_path / "m", config={"model_type": "x"})
+    assert not (tmp_path / "m").exists()
+    # the trainable bias needs no gradient through the weight; x does
+    _, g = nn.value_and_grad(model, lambda m, x: m(x).sum())(model, x)
+    np.testing.assert_array_equal(np.array(g["layers"][0]["bias"]), np.full(40, 3.0))
+    with pytest.raises(ValueError, match="no gradient"):
+        mx.grad(lambda x: model(x).sum())(x)
+    assert mixbits.nn.unrepack_layers(model) == ["layers.0"]
+    assert not layer.is_repacked and "weight" in layer
+    for k, a in zip(("w", "s", "b"), (layer.weight, layer.scales, layer.biases)):
+        np.testing.assert_array_equal(raw(a), before[k])
+    assert "bias" in layer.trainable_parameters() and "weight" not in layer.trainable_parameters()
+    np.testing.assert_array_equal(np.array(model(x)), y_float)
+
+
+def test_patch_repack_memory_and_refusals():
+    rng = np.random.default_rng(10)
+    model = nn.Sequential(*_patched(rng, 64).layers, *_patched(rng, 64, bits=3).layers)
+    model.layers[1] = nn.QuantizedLinear.from_linear(nn.Linear(64, 32), group_size=64, bits=3)
+    with pytest.raises(ValueError, match="activations='int8'"):
+        mixbits.patch(model, activations="float", repack=True, functions=False)
+    nbytes = sum(v.nbytes for _, v in mlx_flatten(model.parameters()))
+    mixbits.patch(model, activations="int8", repack=True, functions=False)
+    assert model.layers[0].is_repacked and not model.layers[1].is_repacked  # 3 bits: MLX layout
+    # 64 rows: no padding, the repacked model holds exactly the same bytes
+    assert sum(v.nbytes for _, v in mlx_flatten(model.parameters())) == nbytes
+    x = mx.array(rng.standard_normal((1, 256)).astype(np.float32))
+    assert model(x).shape == (1, 32)
+
+
+def mlx_flatten(tree):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(tree)
