@@ -12,7 +12,7 @@ import pytest
 import mixbits
 from neon_emulator import BASE_ARCH_FLAGS, QMM_SOURCES, build, run_qmm
 from reference import OUT_EPS, dequantize_f64
-from test_qmatmul_int8 import model
+from int_contract import contract_model as model
 
 SDTYPES = [mx.float32, mx.float16, mx.bfloat16]
 
