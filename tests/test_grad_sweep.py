@@ -202,10 +202,20 @@ def test_measure_cli_methods(tmp_path):
                      "--candidates", "2b_g64", "4b_g64", "--method", method, "--out", str(out)]) == 0
         t = json.loads(out.read_text())
         assert t["meta"]["method"] == method and t["complete"]
-    for bad in (["--exact-budget", "0"], ["--exact-budget", "1.2"], ["--targets", "1.5"]):
-        assert main(["measure", "--model", str(tmp_path / "m"), "--tokens", str(tmp_path / "t.npy"),
-                     "--method", "two-stage", *bad, "--out", str(tmp_path / "x.json")]) == 2
-        assert not (tmp_path / "x.json").exists()
+    import mixbits.measure.calib as calib
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    real_load, calib.load_model_and_tokens = calib.load_model_and_tokens, no_load
+    try:
+        for bad in (["--exact-budget", "0"], ["--exact-budget", "1.2"], ["--targets", "1.5"]):
+            assert main(["measure", "--model", str(tmp_path / "m"), "--tokens",
+                         str(tmp_path / "t.npy"), "--method", "two-stage", *bad,
+                         "--out", str(tmp_path / "x.json")]) == 2
+            assert not (tmp_path / "x.json").exists()
+    finally:
+        calib.load_model_and_tokens = real_load
 
 
 def test_proxy_takes_calibrated_candidates(tmp_path):
