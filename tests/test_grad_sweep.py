@@ -214,6 +214,9 @@ def test_measure_cli_methods(tmp_path):
                          str(tmp_path / "t.npy"), "--method", "two-stage", *bad,
                          "--out", str(tmp_path / "x.json")]) == 2
             assert not (tmp_path / "x.json").exists()
+        (tmp_path / "x.json.exact.json").write_text("{}")  # an interrupted run's exact stage
+        assert main(["measure", "--model", str(tmp_path / "m"), "--tokens", str(tmp_path / "t.npy"),
+                     "--method", "two-stage", "--out", str(tmp_path / "x.json")]) == 2
     finally:
         calib.load_model_and_tokens = real_load
 

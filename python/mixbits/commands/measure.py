@@ -38,7 +38,7 @@ def add_arguments(p) -> None:
     p.add_argument("--method", choices=("exact", "grad", "two-stage"), default="exact",
                    help="exact: quantize each tensor at each candidate and run the model (default); "
                         "grad: estimate every KL from diagonal-Fisher backward passes (one backward "
-                        "per sequence and sample for all tensors; ignores interactions; 0.043x the "
+                        "per sequence and sample for all tensors; ignores interactions; 0.063x the "
                         "exact sweep's CPU time on SmolLM2-135M, 4 candidates); two-stage: "
                         "grad for all, "
                         "then exact for the (tensor, candidate) pairs nearest the allocator's "
@@ -87,6 +87,10 @@ def check_arguments(args) -> None:
             raise ValueError(f"{flag} {path}: folder {Path(path).resolve().parent} does not exist")
     if Path(args.out).exists() and not args.resume:
         raise ValueError(f"{args.out} exists; pass --resume to continue it or choose another --out")
+    side = Path(args.out + ".exact.json")
+    if args.method == "two-stage" and side.exists() and not args.resume:
+        raise ValueError(f"{side} (an interrupted two-stage run's exact measurements) exists; pass "
+                         "--resume to continue it or choose another --out")
     check_calibration_arguments(args)
 
 
