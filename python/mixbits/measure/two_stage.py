@@ -20,8 +20,9 @@ Cost is counted in forwards: an exact pair replays the model from its
 tensor's block to the output, ``blocks - block + 1`` block forwards (the +1
 is the output head; a tensor outside the blocks counts a full forward);
 ``budget`` is the share of the same count over every (tensor, candidate)
-pair, i.e. of a full exact sweep. On SmolLM2-135M the exact stage's CPU time
-was about 0.94x this count's share.
+pair, i.e. of a full exact sweep. In bench/grad_cost.py's SmolLM2-135M run
+0.1475 of the count took about 0.14 of the exact sweep's CPU time (two-stage
+100 CPU s, of which its grad stage about 30, vs 487).
 
 Why this rule (SmolLM2-135M, 4 candidates, 1 x 256 calibration tokens,
 simulated from saved exact and proxy tables, allocations scored on 8 x 256
@@ -29,9 +30,10 @@ held-out design tokens; bench/README.md has the numbers): the old rule --
 20% of tensors nearest the boundary, all their candidates, one global
 scale -- spent 0.25 of the exact cost for +7% joint KL at 3.5 bpw. Pairs
 instead of whole tensors and a cost budget buy more decisions for the same
-cost; per-kind scales, scales per (kind, tensor role), ranking by the bits
-at stake, by stake per cost, skipping negligible pairs and more rounds were
-tried and did not beat it beyond the noise of the joint KL.
+cost. Scales per (kind, tensor role), ranking by the bits at stake or by
+stake per cost, skipping negligible pairs and 4 rounds were tried and did
+not beat it beyond the noise of the joint KL; it still leaves +3% at 3.5
+bpw on the design tokens (0.15 budget).
 
 Every candidate records its ``source`` ("exact" or "grad"); the exact
 stage checkpoints each measured tensor to ``<out>.exact.json``, and a
