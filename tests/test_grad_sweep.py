@@ -1,6 +1,8 @@
 """Gradient-proxy and two-stage sweeps: the diagonal Fisher estimate
 against a brute-force Fisher, the proxy's ranking against the exact sweep,
-and two-stage's exact entries against the exact sweep itself."""
+two-stage's exact entries against the exact sweep itself, and its decision
+rule (per-kind calibration, boundary pairs first, cost budget, resume) on
+synthetic tables whose right answer is known."""
 
 import json
 
@@ -13,7 +15,8 @@ import tiny_models
 from mixbits.adapter import ModelAdapter
 from mixbits.measure.grad import fisher_diagonal
 from mixbits.measure.sweep import sweep
-from mixbits.measure.two_stage import borderline, proxy_sweep
+from mixbits.measure import two_stage
+from mixbits.measure.two_stage import decisions, kind_scales, merge, pair_costs, plan, proxy_sweep
 
 CANDS = ["2b_g64", "3b_g64", "4b_g64"]
 
@@ -55,7 +58,7 @@ def tables(tmp_path_factory):
     toks = np.random.default_rng(0).integers(0, 160, (6, 24))
     exact = sweep(model, toks, d / "exact.json", CANDS, progress=False)
     grad = proxy_sweep(model, toks, d / "grad.json", CANDS, method="grad", progress=False)
-    two = proxy_sweep(model, toks, d / "two.json", CANDS, method="two-stage", fraction=0.25,
+    two = proxy_sweep(model, toks, d / "two.json", CANDS, method="two-stage", budget=0.3,
                       targets=(3.6,), progress=False)
     return exact, grad, two
 
@@ -77,21 +80,113 @@ def test_proxy_ranks_like_the_exact_sweep(tables):
 
 def test_two_stage_is_exact_where_it_measured(tables):
     exact, grad, two = tables
-    ex = {e["path"]: e for e in exact["entries"]}
-    picked = borderline(grad, (3.6,), 0.25)
-    assert len(picked) == int(np.ceil(0.25 * len(grad["entries"])))
-    assert two["meta"]["exact_tensors"] == len(picked)
-    scale = two["meta"]["proxy_scale"]
-    g = {e["path"]: e for e in grad["entries"]}
+    ex = {e["path"]: {c["kind"]: c["kl"] for c in e["candidates"]} for e in exact["entries"]}
+    g = {e["path"]: {c["kind"]: c["kl"] for c in e["candidates"]} for e in grad["entries"]}
+    scales = two["meta"]["proxy_scales"]
+    n_exact = 0
     for e in two["entries"]:
-        src = {c["source"] for c in e["candidates"]}
-        if e["path"] in picked:
-            assert src == {"exact"}
-            assert [c["kl"] for c in e["candidates"]] == [c["kl"] for c in ex[e["path"]]["candidates"]]
-        else:
-            assert src == {"grad"}
-            assert [c["kl"] for c in e["candidates"]] == pytest.approx(
-                [c["kl"] * scale for c in g[e["path"]]["candidates"]])
+        for c in e["candidates"]:
+            if c["source"] == "exact":
+                n_exact += 1
+                assert c["kl"] == ex[e["path"]][c["kind"]]
+            else:
+                assert c["source"] == "grad"
+                scale = scales.get(c["kind"], two["meta"]["proxy_scale_overall"])
+                assert c["kl"] == pytest.approx(g[e["path"]][c["kind"]] * scale, rel=1e-5)
+    assert n_exact == two["meta"]["exact_pairs"] > 0
+    assert 0 < two["meta"]["exact_cost_share"] <= 0.3
+
+
+def _table(proxy: dict, bits=(2, 3, 4)) -> dict:
+    """A sensitivity table {path: [kl per candidate]} (candidates kb_g64,
+    1000 weights per tensor, layer i for the i-th path)."""
+    return {"entries": [
+        {"path": p, "layer": i, "nparams": 1000, "candidates": [
+            {"kind": f"{b}b_g64", "bits": b, "kl": kl, "storage_bits": 1000 * b + 500,
+             "bpw": b + 0.5, "group_size": 64} for b, kl in zip(bits, kls)]}
+        for i, (p, kls) in enumerate(proxy.items())]}
+
+
+def test_per_kind_calibration_recovers_the_exact_scale():
+    """A proxy that is k_b x exact, k_b depending on the candidate's bits,
+    comes back to exact KLs once one pair of each kind is measured (one
+    global scale could not: the factors differ 8x)."""
+    rng = np.random.default_rng(0)
+    k = {"2b_g64": 0.25, "3b_g64": 0.5, "4b_g64": 2.0}
+    true = {f"t{i}": sorted(rng.uniform(0.01, 1, 3), reverse=True) for i in range(12)}
+    tab = _table({p: [kl * k[f"{b}b_g64"] for b, kl in zip((2, 3, 4), kls)] for p, kls in true.items()})
+    measured = {"t0": {"2b_g64": true["t0"][0], "4b_g64": true["t0"][2]}, "t5": {"3b_g64": true["t5"][1]}}
+    scales, _ = kind_scales(tab["entries"], measured)
+    assert scales == pytest.approx({kind: 1 / f for kind, f in k.items()})
+    for e in merge(tab["entries"], measured):
+        assert [c["kl"] for c in e["candidates"]] == pytest.approx(true[e["path"]])
+        assert [c["source"] for c in e["candidates"]] == [
+            "exact" if c["kind"] in measured.get(e["path"], {}) else "grad" for c in e["candidates"]]
+
+
+def test_plan_measures_the_boundary_first_within_the_quota():
+    """Six tensors with the same 2 -> 3 -> 4 bit trades except 'far', whose
+    2 -> 3 trade is 2000x dearer and 3 -> 4 trade 2000x cheaper: at 3
+    bits average the others share the boundary,
+    'far' sits at 3 bits whatever a small proxy error does -- it is never
+    measured while the quota runs out on the boundary tensors first, and
+    the measured pairs are each tensor's choice and its rival."""
+    proxy = {f"t{i}": [1.0 + 0.01 * i, 0.5, 0.3] for i in range(5)}
+    proxy["far"] = [1000.0, 0.5, 0.4999]
+    tab = _table(proxy)
+    cost = pair_costs(tab["entries"])
+    assert cost == {p: 6 - i + 1 for i, p in enumerate(proxy)}
+    ranked = decisions(tab, (3.5,))
+    assert ranked[-1][1] == "far"
+    pairs = plan(tab["entries"], {}, (3.5,), quota=4 * 7, cost=cost)
+    assert pairs and "far" not in {p for p, _ in pairs}
+    assert sum(cost[p] for p, _ in pairs) <= 4 * 7
+    for p, kind in pairs:
+        assert kind in ("3b_g64", "4b_g64", "2b_g64")
+    assert all(len([1 for q, _ in pairs if q == p]) == 2 for p, _ in pairs)
+    everything = plan(tab["entries"], {}, (3.5,), quota=1e9, cost=cost)
+    assert "far" in {p for p, _ in everything}  # it is only last, not excluded
+    assert plan(tab["entries"], {}, (3.5,), quota=0, cost=cost) == []
+
+
+def test_two_stage_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """A run killed after its exact stage wrote a checkpoint measures
+    nothing again on --resume and writes the same table."""
+    from mixbits.measure import sweep as sweep_mod
+
+    model, _ = tiny_models.build("llama")
+    toks = np.random.default_rng(0).integers(0, 160, (2, 12))
+    out = tmp_path / "t.json"
+    first = proxy_sweep(model, toks, out, CANDS, method="two-stage", budget=0.3, targets=(3.6,),
+                        progress=False)
+    side = tmp_path / "t.json.exact.json"
+    assert side.exists() and first["meta"]["exact_pairs"] > 0
+    out.unlink()  # killed before the final write
+    with pytest.raises(FileExistsError):
+        proxy_sweep(model, toks, out, CANDS, method="two-stage", budget=0.3, targets=(3.6,),
+                    progress=False)
+    calls = []
+    real = sweep_mod.measure_site
+    monkeypatch.setattr(sweep_mod, "measure_site", lambda *a, **k: calls.append(a) or real(*a, **k))
+    again = proxy_sweep(model, toks, out, CANDS, method="two-stage", budget=0.3, targets=(3.6,),
+                        progress=False, resume=True)
+    assert calls == []
+    strip = lambda t: [{**e, "seconds": None} for e in t["entries"]]  # noqa: E731 (timing differs)
+    assert strip(again) == strip(first)
+    assert again["meta"]["exact_pairs"] == first["meta"]["exact_pairs"]
+
+
+@pytest.mark.parametrize("kw", [{"budget": 0}, {"budget": 1.5}, {"rounds": 0}, {"targets": ()},
+                                {"method": "exact"}])
+def test_two_stage_refuses_bad_options_before_any_work(tmp_path, monkeypatch, kw):
+    def boom(*a, **k):
+        raise AssertionError("work started")
+
+    monkeypatch.setattr("mixbits.measure.grad.grad_entries", boom)
+    model, _ = tiny_models.build("llama")
+    with pytest.raises(ValueError):
+        proxy_sweep(model, np.zeros((1, 8), dtype=np.int64), tmp_path / "x.json", CANDS,
+                    **{"method": "two-stage", **kw})
 
 
 def test_measure_cli_methods(tmp_path):
@@ -107,8 +202,23 @@ def test_measure_cli_methods(tmp_path):
                      "--candidates", "2b_g64", "4b_g64", "--method", method, "--out", str(out)]) == 0
         t = json.loads(out.read_text())
         assert t["meta"]["method"] == method and t["complete"]
-    assert main(["measure", "--model", str(tmp_path / "m"), "--tokens", str(tmp_path / "t.npy"),
-                 "--method", "grad", "--exact-fraction", "0", "--out", str(tmp_path / "x.json")]) == 2
+    import mixbits.measure.calib as calib
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    real_load, calib.load_model_and_tokens = calib.load_model_and_tokens, no_load
+    try:
+        for bad in (["--exact-budget", "0"], ["--exact-budget", "1.2"], ["--targets", "1.5"]):
+            assert main(["measure", "--model", str(tmp_path / "m"), "--tokens",
+                         str(tmp_path / "t.npy"), "--method", "two-stage", *bad,
+                         "--out", str(tmp_path / "x.json")]) == 2
+            assert not (tmp_path / "x.json").exists()
+        (tmp_path / "x.json.exact.json").write_text("{}")  # an interrupted run's exact stage
+        assert main(["measure", "--model", str(tmp_path / "m"), "--tokens", str(tmp_path / "t.npy"),
+                     "--method", "two-stage", "--out", str(tmp_path / "x.json")]) == 2
+    finally:
+        calib.load_model_and_tokens = real_load
 
 
 def test_proxy_takes_calibrated_candidates(tmp_path):
@@ -136,7 +246,7 @@ def test_proxy_takes_calibrated_candidates(tmp_path):
             wins += proxy < 1
             close += abs(np.log(proxy / exact)) < np.log(2)
     assert total == 4 * 7 and wins >= 0.9 * total and close >= 0.9 * total, (wins, close, total)
-    two = proxy_sweep(model, toks, tmp_path / "t.json", cands, method="two-stage", fraction=0.2,
+    two = proxy_sweep(model, toks, tmp_path / "t.json", cands, method="two-stage", budget=0.2,
                       targets=(3.0,), progress=False)
     for e in two["entries"]:
         if e["candidates"][0]["source"] == "exact":

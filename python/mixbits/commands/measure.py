@@ -38,15 +38,17 @@ def add_arguments(p) -> None:
     p.add_argument("--method", choices=("exact", "grad", "two-stage"), default="exact",
                    help="exact: quantize each tensor at each candidate and run the model (default); "
                         "grad: estimate every KL from diagonal-Fisher backward passes (one backward "
-                        "per sequence and sample for all tensors; ignores interactions; 0.043x the "
+                        "per sequence and sample for all tensors; ignores interactions; 0.063x the "
                         "exact sweep's CPU time on SmolLM2-135M, 4 candidates); two-stage: "
                         "grad for all, "
-                        "then exact for the tensors nearest the allocator's decision boundary at "
-                        "--targets (see --exact-fraction)")
+                        "then exact for the (tensor, candidate) pairs nearest the allocator's "
+                        "decision boundary at --targets, in rounds that recalibrate the proxy per "
+                        "candidate kind, until --exact-budget is spent")
     p.add_argument("--targets", type=float, nargs="+", default=[3.0, 3.5, 4.0, 4.5], metavar="BPW",
                    help="two-stage: storage bpw budgets whose decisions must be exact")
-    p.add_argument("--exact-fraction", type=float, default=0.2,
-                   help="two-stage: share of tensors measured exactly per target (default 0.2)")
+    p.add_argument("--exact-budget", type=float, default=0.15, metavar="SHARE",
+                   help="two-stage: cost of the exact stage as a share of a full exact sweep's "
+                        "(counted in block forwards; default 0.15), in (0, 1]")
     p.add_argument("--fisher-samples", type=int, default=2,
                    help="grad/two-stage: sampled targets per sequence for the Fisher estimate")
     p.add_argument("--no-patch", action="store_true",
@@ -64,8 +66,16 @@ def check_arguments(args) -> None:
         from ..measure.candidates import awq_kind
 
         awq_kind(args.awq)
-    if not 0 < args.exact_fraction <= 1:
-        raise ValueError(f"--exact-fraction must be in (0, 1], got {args.exact_fraction}")
+    if not 0 < args.exact_budget <= 1:
+        raise ValueError(f"--exact-budget must be in (0, 1], got {args.exact_budget}")
+    if args.method == "two-stage":
+        from ..measure.candidates import parse_candidate
+
+        least = min(parse_candidate(c).nominal_bits for c in args.candidates)
+        low = [t for t in args.targets if t < least]
+        if low:
+            raise ValueError(f"--targets {low}: below the smallest candidate's {least} bits per "
+                             "weight, no allocation fits")
     if args.fisher_samples < 1:
         raise ValueError(f"--fisher-samples must be >= 1, got {args.fisher_samples}")
     if args.max_batch < 1:
@@ -77,6 +87,10 @@ def check_arguments(args) -> None:
             raise ValueError(f"{flag} {path}: folder {Path(path).resolve().parent} does not exist")
     if Path(args.out).exists() and not args.resume:
         raise ValueError(f"{args.out} exists; pass --resume to continue it or choose another --out")
+    side = Path(args.out + ".exact.json")
+    if args.method == "two-stage" and side.exists() and not args.resume:
+        raise ValueError(f"{side} (an interrupted two-stage run's exact measurements) exists; pass "
+                         "--resume to continue it or choose another --out")
     check_calibration_arguments(args)
 
 
@@ -98,7 +112,7 @@ def run(args) -> int:
         if g is not None and g.size() > 1:
             raise ValueError(f"--method {args.method} runs in one process (its exact stage is small)")
         table = proxy_sweep(model, tokens, args.out, args.candidates, method=args.method,
-                            sites=args.tensors, targets=args.targets, fraction=args.exact_fraction,
+                            sites=args.tensors, targets=args.targets, budget=args.exact_budget,
                             samples=args.fisher_samples, max_batch=args.max_batch,
                             model_id=str(args.model), resume=args.resume)
     else:

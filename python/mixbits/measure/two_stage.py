@@ -1,16 +1,43 @@
 """Sensitivity tables by gradient proxy (``grad``) or proxy + exact
 (``two-stage``), in the layout the exact sweep writes.
 
-Two-stage decides where exactness matters by asking the allocator. For
-each target bpw it solves the knapsack on the proxy table; at the optimum
-the multiplier nu prices a bit in KL, and every tensor's neighbouring
-candidates trade KL for bits at some rate. A tensor whose best trade is
-close to nu (|log(rate / nu)| small) sits on the decision boundary: a
-proxy error of a small factor could flip its choice. The ``fraction`` of
-tensors nearest the boundary at any target are measured exactly (all their
-candidates); the rest keep their proxy KLs, rescaled by the median
-exact/proxy ratio of the measured ones so the two sources share one scale.
-Every candidate records its ``source`` ("exact" or "grad").
+Two-stage spends a fixed share of an exact sweep's cost (``budget``) where
+the allocator's decisions depend on it, in ``rounds`` rounds (default 2):
+
+1. Calibrate. Each candidate kind gets its own scale, the median
+   exact/proxy ratio (in logs) of its exactly measured pairs; a kind with no
+   measured pair takes the median over all pairs (1 before any).
+2. Solve. For each target bpw, the knapsack on the table (exact values where
+   measured, calibrated proxy elsewhere). At the optimum the multiplier nu
+   prices a bit in KL; a tensor's choice j and its rival k (the other
+   candidate whose KL-per-bit trade with j is nearest nu) are the decision a
+   proxy error could flip, the likelier the closer |log(rate / nu)| is to 0.
+3. Measure, nearest the boundary first, the pairs (tensor, j) and
+   (tensor, k) not measured yet -- not the tensor's other candidates --
+   until the round's share of the budget is spent; then back to 1.
+
+Cost is counted in forwards: an exact pair replays the model from its
+tensor's block to the output, ``blocks - block + 1`` block forwards (the +1
+is the output head; a tensor outside the blocks counts a full forward);
+``budget`` is the share of the same count over every (tensor, candidate)
+pair, i.e. of a full exact sweep. In bench/grad_cost.py's SmolLM2-135M run
+0.1475 of the count took about 0.14 of the exact sweep's CPU time (two-stage
+100 CPU s, of which its grad stage about 30, vs 487).
+
+Why this rule (SmolLM2-135M, 4 candidates, 1 x 256 calibration tokens,
+simulated from saved exact and proxy tables, allocations scored on 8 x 256
+held-out design tokens; bench/README.md has the numbers): the old rule --
+20% of tensors nearest the boundary, all their candidates, one global
+scale -- spent 0.25 of the exact cost for +7% joint KL at 3.5 bpw. Pairs
+instead of whole tensors and a cost budget buy more decisions for the same
+cost. Scales per (kind, tensor role), ranking by the bits at stake or by
+stake per cost, skipping negligible pairs and 4 rounds were tried and did
+not beat it beyond the noise of the joint KL; it still leaves +3% at 3.5
+bpw on the design tokens (0.15 budget).
+
+Every candidate records its ``source`` ("exact" or "grad"); the exact
+stage checkpoints each measured tensor to ``<out>.exact.json``, and a
+resumed run reuses those pairs and counts them against the budget.
 """
 
 from __future__ import annotations
@@ -24,42 +51,114 @@ import numpy as np
 from ..alloc import solve
 from ..atomic import write_json_atomic
 from .refine import table_problem
-from .sweep import TABLE_FORMAT, TABLE_VERSION, SweepConfig, select_sites, sweep, table_meta
+from .sweep import TABLE_FORMAT, TABLE_VERSION, SweepConfig, select_sites, table_meta
+
+ROUNDS = 2
 
 
-def borderline(table: dict, targets, fraction: float) -> list[str]:
-    """Paths of the tensors nearest the allocator's decision boundary."""
+def kind_scales(entries: list[dict], exact: dict[str, dict[str, float]]) -> tuple[dict, float]:
+    """({candidate kind: exact/proxy scale}, scale of all kinds together):
+    medians of log(exact / proxy) over the measured pairs (``exact``:
+    {path: {kind: kl}}); 1.0 where nothing is measured."""
+    logs: dict[str, list[float]] = {}
+    for e in entries:
+        ex = exact.get(e["path"], {})
+        for c in e["candidates"]:
+            if ex.get(c["kind"], 0) > 0 and c["kl"] > 0:
+                logs.setdefault(c["kind"], []).append(math.log(ex[c["kind"]] / c["kl"]))
+    pooled = [v for vs in logs.values() for v in vs]
+    overall = math.exp(float(np.median(pooled))) if pooled else 1.0
+    return {k: math.exp(float(np.median(v))) for k, v in logs.items()}, overall
+
+
+def merge(entries: list[dict], exact: dict[str, dict[str, float]]) -> list[dict]:
+    """Proxy entries with the measured pairs' exact KLs and the others'
+    proxy KLs times their kind's scale (see :func:`kind_scales`)."""
+    scales, overall = kind_scales(entries, exact)
+    out = []
+    for e in entries:
+        ex = exact.get(e["path"], {})
+        cands = [{**c, "kl": ex[c["kind"]], "source": "exact"} if c["kind"] in ex else
+                 {**c, "kl": c["kl"] * scales.get(c["kind"], overall), "source": "grad"}
+                 for c in e["candidates"]]
+        out.append({**e, "candidates": cands})
+    return out
+
+
+def decisions(table: dict, targets) -> list[tuple[float, str, str, str]]:
+    """(distance, path, chosen kind, rival kind) for every tensor at every
+    target bpw, nearest the allocator's decision boundary first: distance
+    = |log(rate / nu)| of the trade between the tensor's choice and its
+    rival, the other candidate whose KL-per-bit trade is nearest nu."""
     prob = table_problem(table)
-    picked: list[str] = []
-    take = max(1, math.ceil(fraction * prob.n_slots))
+    out = []
     for bpw in targets:
         sol = solve(prob, prob.budget_from_bpw(bpw))
         nu = max(float(sol.nu), 1e-30)
-        scores = []
         for i, (w, c) in enumerate(zip(prob.weights, prob.costs)):
             j = int(sol.choice[i])
-            rates = [abs(c[k] - c[j]) / abs(w[k] - w[j]) for k in range(len(w)) if w[k] != w[j]]
-            d = min((abs(math.log(max(r, 1e-30) / nu)) for r in rates), default=math.inf)
-            scores.append((d, i))
-        for _, i in sorted(scores)[:take]:
-            if prob.names[i] not in picked:
-                picked.append(prob.names[i])
-    return picked
+            best = None
+            for k in range(len(w)):
+                if w[k] != w[j]:
+                    rate = max(abs(c[k] - c[j]) / abs(w[k] - w[j]), 1e-30)
+                    d = abs(math.log(rate / nu))
+                    if best is None or d < best[0]:
+                        best = (d, k)
+            if best is not None:
+                kinds = [x["kind"] for x in table["entries"][i]["candidates"]]
+                out.append((best[0], prob.names[i], kinds[j], kinds[best[1]]))
+    out.sort()
+    return out
+
+
+def pair_costs(entries: list[dict]) -> dict[str, int]:
+    """{path: block forwards one exact (tensor, candidate) measurement
+    replays}: from the tensor's block to the output, plus one for the head;
+    a tensor outside the blocks (embedding, head) counts a full forward."""
+    blocks = 1 + max((e["layer"] for e in entries if e.get("layer") is not None), default=0)
+    return {e["path"]: blocks - e["layer"] + 1 if e.get("layer") is not None else blocks + 1
+            for e in entries}
+
+
+def plan(entries: list[dict], exact: dict[str, dict[str, float]], targets, quota: float,
+         cost: dict[str, int]) -> list[tuple[str, str]]:
+    """The next (path, kind) pairs to measure: the unmeasured pairs of the
+    decisions nearest the boundary (see :func:`decisions`) on the table
+    calibrated with ``exact``, while their cost fits in ``quota``."""
+    table = {"entries": merge(entries, exact)}
+    new: list[tuple[str, str]] = []
+    for _, path, kj, kk in decisions(table, targets):
+        add = [(path, k) for k in (kj, kk) if k not in exact.get(path, {}) and (path, k) not in new]
+        c = cost[path] * len(add)
+        if c > quota:
+            break
+        quota -= c
+        new += add
+    return new
 
 
 def proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=None,
-                targets=(3.0, 3.5, 4.0, 4.5), fraction: float = 0.2, samples: int = 2,
-                seed: int = 0, max_batch: int = 8, model_id: str = "", resume: bool = False,
-                progress: bool = True) -> dict:
-    """Write and return a sensitivity table by ``method`` "grad" or "two-stage"."""
+                targets=(3.0, 3.5, 4.0, 4.5), budget: float = 0.15, rounds: int = ROUNDS,
+                samples: int = 2, seed: int = 0, max_batch: int = 8, model_id: str = "",
+                resume: bool = False, progress: bool = True) -> dict:
+    """Write and return a sensitivity table by ``method`` "grad" or
+    "two-stage" (``budget``: the exact stage's share of a full exact
+    sweep's cost, spent over ``rounds`` rounds; see the module docstring)."""
     from ..adapter import ModelAdapter
+    from ..formats.errors import load_json
     from .candidates import parse_candidate, supports
     from .grad import grad_entries
+    from .replay import Replayer, token_chunks
+    from .sweep import measure_site
 
     if method not in ("grad", "two-stage"):
         raise ValueError(f"method must be 'grad' or 'two-stage', got {method!r}")
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    if not 0 < budget <= 1:
+        raise ValueError(f"budget must be in (0, 1], got {budget}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if method == "two-stage" and not targets:
+        raise ValueError("two-stage needs at least one target bpw")
     tokens = np.asarray(tokens)
     out = Path(out)
     if out.exists() and not resume:
@@ -77,27 +176,51 @@ def proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=N
     table = {"format": TABLE_FORMAT, "version": TABLE_VERSION, "metric": "kl", "meta": meta,
              "complete": True, "entries": entries}
     if method == "two-stage":
-        exact_paths = borderline(table, targets, fraction)
-        side = out.with_name(out.name + ".exact.json")  # the exact stage's own resumable checkpoint
         t1 = time.perf_counter()
-        exact = sweep(model, tokens, side, candidates, resume=resume and side.exists(),
-                      model_id=model_id, max_batch=max_batch, sites=exact_paths, progress=progress)
-        exact_by = {e["path"]: e for e in exact["entries"]}
-        ratios = [ce["kl"] / cp["kl"]
-                  for e in entries if e["path"] in exact_by
-                  for cp, ce in zip(e["candidates"], exact_by[e["path"]]["candidates"])
-                  if cp["kl"] > 0 and ce["kl"] > 0]
-        scale = float(np.median(ratios)) if ratios else 1.0
-        merged = []
-        for e in entries:
-            if e["path"] in exact_by:
-                x = exact_by[e["path"]]
-                merged.append({**x, "candidates": [{**c, "source": "exact"} for c in x["candidates"]]})
-            else:
-                merged.append({**e, "candidates": [{**c, "kl": c["kl"] * scale} for c in e["candidates"]]})
-        table["entries"] = merged
-        meta.update({"targets_bpw": list(targets), "exact_fraction": fraction,
-                     "exact_tensors": len(exact_paths), "proxy_scale": scale,
+        side = out.with_name(out.name + ".exact.json")  # the exact stage's own checkpoint
+        side_meta = table_meta(tokens, SweepConfig(list(candidates)), model_id, all_sites)
+        done: dict[str, dict] = {}
+        if side.exists():
+            if not resume:
+                raise FileExistsError(f"{side} exists; pass resume=True (--resume) to continue it")
+            prev = load_json(side, "two-stage exact checkpoint")
+            if prev.get("meta") != side_meta:
+                raise ValueError(f"{side} was made with different settings; use another --out "
+                                 "or the same settings")
+            done = {e["path"]: e for e in prev.get("entries", [])}
+        exact = {p: {c["kind"]: c["kl"] for c in e["candidates"]} for p, e in done.items()}
+        cost = pair_costs(entries)
+        total = sum(cost[e["path"]] * len(e["candidates"]) for e in entries)
+        spent = sum(cost[p] * len(ks) for p, ks in exact.items())
+        by_site = {s.path: s for s in all_sites}
+        cfg = SweepConfig(list(candidates), max_batch=max_batch)
+        rp = None
+        for r in range(rounds):
+            quota = budget * total * (r + 1) / rounds - spent
+            todo: dict[str, list[str]] = {}
+            for path, kind in plan(entries, exact, targets, quota, cost):
+                todo.setdefault(path, []).append(kind)
+            for path, kinds in todo.items():
+                if rp is None:
+                    chunk = max(1, min(len(tokens), max_batch))
+                    rp = Replayer(model, token_chunks(tokens, chunk), adapter)
+                site = by_site[path]
+                res = measure_site(rp, site, [c for c in site_cands[path] if c.name in kinds], cfg)
+                got = res.to_entry()
+                old = done.get(path, {**got, "candidates": [], "seconds": 0.0})
+                done[path] = {**got, "candidates": old["candidates"] + got["candidates"],
+                              "seconds": round(old["seconds"] + got["seconds"], 3)}
+                exact.setdefault(path, {}).update({c["kind"]: c["kl"] for c in got["candidates"]})
+                spent += cost[path] * len(kinds)
+                write_json_atomic({"format": TABLE_FORMAT, "version": TABLE_VERSION,
+                                   "metric": "kl", "meta": side_meta, "complete": False,
+                                   "entries": list(done.values())}, side, indent=1)
+        scales, overall = kind_scales(entries, exact)
+        table["entries"] = merge(entries, exact)
+        meta.update({"targets_bpw": list(targets), "exact_budget": budget, "rounds": rounds,
+                     "exact_pairs": sum(len(v) for v in exact.values()),
+                     "exact_tensors": len(exact), "exact_cost_share": round(spent / total, 4),
+                     "proxy_scales": scales, "proxy_scale_overall": overall,
                      "exact_seconds": round(time.perf_counter() - t1, 3)})
     write_json_atomic(table, out, indent=1)
     return table
