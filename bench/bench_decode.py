@@ -84,9 +84,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--impl", nargs="+", default=["mlx", "mixbits"],
-                    choices=["mlx", "mixbits", "mixbits-int8", "mixbits-int16", "mixbits-int8-repacked"],
+                    choices=["mlx", "mixbits", "mixbits-int8", "mixbits-int16", "mixbits-int8-repacked",
+                             "mixbits-int16-repacked"],
                     help="mixbits-int8/-int16: the patched model with that activations= contract; "
-                         "-repacked: int8 with the linear layers in the row-interleaved layout "
+                         "-repacked: that contract with the linear layers in the row-interleaved layout "
                          "(mixbits.nn.repack_layers; the tied head stays an embedding)")
     ap.add_argument("--out", default=str(RESULTS / "decode.json"))
     a = ap.parse_args(argv)
