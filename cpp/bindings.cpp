@@ -71,6 +71,8 @@ NB_MODULE(_ext, m) {
         "interleaved per block (evaluated now).");
   m.def("unrepack_segment", &mixbits::unrepack_segment, "wq_r"_a, "scales_r"_a,
         "biases_r"_a, "n"_a, "The exact inverse of repack_segment.");
+  m.def("repacked_kernels", &mixbits::repacked_kernels_available,
+        "Whether this CPU has the repacked layout's kernels (AVX512-VNNI).");
   m.def("repack_rows", []() { return mixbits::kRepackRows; },
         "Rows interleaved per block of the repacked layout.");
 

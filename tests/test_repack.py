@@ -5,6 +5,8 @@ kernels against the numpy model of the int8/int16 contract and against the
 original layout's kernels, the paths that fall back to MLX's layout, the
 refusals, and the layer / patch integration."""
 
+import os
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -289,3 +291,21 @@ def mlx_flatten(tree):
     from mlx.utils import tree_flatten
 
     return tree_flatten(tree)
+
+
+def test_patch_refuses_repack_where_the_cpu_has_no_repacked_kernel(monkeypatch):
+    """Without the kernels every call would un-repack the weights (slower
+    than not repacking): patch refuses before changing the model."""
+    import mixbits.ops
+
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    vnni = all(f in flags.split() for f in ("avx512_vnni", "avx512vl", "avx512bw"))
+    assert mixbits.ops.repacked_kernels_available() == vnni
+    monkeypatch.setattr(mixbits.ops, "repacked_kernels_available", lambda: False)
+    rng = np.random.default_rng(12)
+    model = _patched(rng, 64)
+    before = [type(m).__name__ for _, m in model.named_modules()]
+    with pytest.raises(ValueError, match="no kernel for the repacked layout"):
+        mixbits.patch(model, activations="int8", repack=True, functions=False)
+    assert [type(m).__name__ for _, m in model.named_modules()] == before
+    assert not mixbits.nn.repacked_layers(model)

@@ -42,6 +42,14 @@ const RTable* select_repacked(Activations act, Backend backend) {
 #endif
 }
 
+}  // namespace
+
+bool repacked_kernels_available() {
+  return select_repacked(Activations::Int8, Backend::Auto) != nullptr;
+}
+
+namespace {
+
 // The integer contract on repacked segments: x quantized by int_quantize
 // (the one definition), its codes put in the kernels' order
 // (repacked_x_col), then blocks of 16 rows split over threads.

@@ -748,13 +748,17 @@ def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
-    from .ops import activations_id
+    from .ops import activations_id, repacked_kernels_available
 
     activations_id(activations)
     if not isinstance(repack, bool):
         raise TypeError(f"repack must be a bool, got {type(repack).__name__}")
     if repack and activations == "float":
         raise UsageError("repack=True is the layout of the integer GEMV: pass activations='int8' or 'int16'")
+    if repack and not repacked_kernels_available():
+        raise UsageError(
+            "repack=True: this CPU has no kernel for the repacked layout (they need AVX512-VNNI), "
+            "so every call would un-repack the weights, slower than MLX's layout; leave repack off")
     _, stock_stacks = _mlx_lm_switch_kinds()
     planned = []
     for path, m in model.named_modules():

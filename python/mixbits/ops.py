@@ -104,6 +104,13 @@ def repack(qt: QuantizedTensor) -> RepackedTensor:
     return RepackedTensor(segs, qt.perm, qt.shape[0])
 
 
+def repacked_kernels_available() -> bool:
+    """Whether this CPU has kernels for the repacked layout (AVX512-VNNI
+    today). Elsewhere a repacked weight is un-repacked on every call:
+    correct, and slower than MLX's layout."""
+    return bool(_ext.repacked_kernels())
+
+
 def unrepack(rt: RepackedTensor) -> QuantizedTensor:
     """The exact original :class:`QuantizedTensor` of a repacked one (bit
     for bit), in MLX's layout: what saving, dequantize, gradients and the
