@@ -72,7 +72,7 @@ NB_MODULE(_ext, m) {
   m.def("unrepack_segment", &mixbits::unrepack_segment, "wq_r"_a, "scales_r"_a,
         "biases_r"_a, "n"_a, "The exact inverse of repack_segment.");
   m.def("repacked_kernels", &mixbits::repacked_kernels_available,
-        "Whether this CPU has the repacked layout's kernels (AVX512-VNNI).");
+        "Whether this CPU has the repacked layout's kernels (AVX512-VNNI or AVX2).");
   m.def("repack_rows", []() { return mixbits::kRepackRows; },
         "Rows interleaved per block of the repacked layout.");
 

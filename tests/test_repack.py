@@ -28,6 +28,13 @@ def act(request):
     return request.param
 
 
+# The repacked kernels: auto (AVX512-VNNI on a CPU that has it) and the
+# AVX2 ones, forced.
+@pytest.fixture(params=["auto", "avx2"])
+def kernel(request):
+    return request.param
+
+
 def raw(a: mx.array) -> np.ndarray:
     """An array's bits (2- or 4-byte elements) for exact comparisons."""
     return np.array(a.view(mx.uint16 if a.dtype in (mx.float16, mx.bfloat16) else mx.uint32))
@@ -95,13 +102,13 @@ def test_mixed_segments_and_perm_round_trip():
 
 @pytest.mark.parametrize("bits", REPACK_BITS)
 @pytest.mark.parametrize("gs", [32, 64, 128])
-def test_kernels_compute_the_contract(bits, gs, act):
+def test_kernels_compute_the_contract(bits, gs, act, kernel):
     rng = np.random.default_rng(bits * 1000 + gs)
     qt = rand_qt(rng, 37, [(bits, gs, 512)])  # 37: a padded tail block
     rt = ops.repack(qt)
     for M in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16):  # 9..16: two passes of 8 rows
         x = mx.array(rng.standard_normal((M, 512)).astype(np.float32))
-        y = mixbits.qmatmul(x, rt, activations=act)
+        y = mixbits.qmatmul(x, rt, activations=act, backend=kernel)
         check_contract(y, x, qt, act)
         # and the original layout's kernels, to the same rounding
         y0 = to_f64(mixbits.qmatmul(x, qt, activations=act))
@@ -110,19 +117,19 @@ def test_kernels_compute_the_contract(bits, gs, act):
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-def test_mixed_segments_with_perm_and_dtypes(dtype, act):
+def test_mixed_segments_with_perm_and_dtypes(dtype, act, kernel):
     rng = np.random.default_rng(7)
     segs = [(8, 32, 64), (4, 64, 192), (2, 128, 256), (2, 32, 96)]
     qt = rand_qt(rng, 29, segs, perm=True, dtype=dtype if dtype != mx.float32 else mx.float16)
     rt = ops.repack(qt)
     for M in (1, 3, 8):
         x = mx.array(rng.standard_normal((2, M, qt.shape[1])).astype(np.float32)).astype(dtype)
-        y = mixbits.qmatmul(x, rt, activations=act)
+        y = mixbits.qmatmul(x, rt, activations=act, backend=kernel)
         assert y.shape == (2, M, 29) and y.dtype == dtype
         check_contract(y, x, qt, act, dtype)
 
 
-def test_padding_rows_never_reach_the_output(act):
+def test_padding_rows_never_reach_the_output(act, kernel):
     """The kernels store the N real rows only: garbage in the last block's
     padding rows (zeros as built) changes nothing, also in the next x row's
     outputs where a 16-wide store would land."""
@@ -140,11 +147,11 @@ def test_padding_rows_never_reach_the_output(act):
         segs.append(type(s)(s.bits, s.group_size, s.k, *arrs, s.kind))
     dirty = RepackedTensor(segs, None, 21)
     x = mx.array(rng.standard_normal((4, 320)).astype(np.float32))
-    np.testing.assert_array_equal(np.array(mixbits.qmatmul(x, dirty, activations=act)),
-                                  np.array(mixbits.qmatmul(x, rt, activations=act)))
+    np.testing.assert_array_equal(np.array(mixbits.qmatmul(x, dirty, activations=act, backend=kernel)),
+                                  np.array(mixbits.qmatmul(x, rt, activations=act, backend=kernel)))
 
 
-def test_threads_do_not_change_the_result(act):
+def test_threads_do_not_change_the_result(act, kernel):
     rng = np.random.default_rng(6)
     qt = rand_qt(rng, 301, [(4, 64, 512), (2, 32, 256)])
     rt = ops.repack(qt)
@@ -152,9 +159,9 @@ def test_threads_do_not_change_the_result(act):
     old = mixbits._ext.max_threads()
     try:
         mixbits._ext.set_max_threads(2)
-        a = np.array(mixbits.qmatmul(x, rt, activations=act))
+        a = np.array(mixbits.qmatmul(x, rt, activations=act, backend=kernel))
         mixbits._ext.set_max_threads(1)
-        b = np.array(mixbits.qmatmul(x, rt, activations=act))
+        b = np.array(mixbits.qmatmul(x, rt, activations=act, backend=kernel))
     finally:
         mixbits._ext.set_max_threads(old)
     np.testing.assert_array_equal(a, b)
@@ -162,7 +169,7 @@ def test_threads_do_not_change_the_result(act):
 
 @pytest.mark.parametrize("backend", [b for b in ops.available_backends() if b != "neon"])
 def test_other_paths_run_the_original_layout(backend, act):
-    """Calls the repacked kernels do not take (a forced backend without them,
+    """Calls the repacked kernels do not take (the forced scalar reference,
     the float contract, more than 16 rows, inf/NaN in x) un-repack W and
     run exactly what the original layout runs: bitwise the same result."""
     rng = np.random.default_rng(11)
@@ -175,7 +182,7 @@ def test_other_paths_run_the_original_layout(backend, act):
     xs.append(mx.array(bad))
     for x in xs:
         for a in ("float", act):
-            if a != "float" and backend in ("auto", "avx512") and x.shape[0] <= 16 and np.isfinite(np.array(x)).all():
+            if a != "float" and backend != "ref" and x.shape[0] <= 16 and np.isfinite(np.array(x)).all():
                 continue  # the repacked kernels (test_kernels_compute_the_contract)
             want = np.array(mixbits.qmatmul(x, qt, backend=backend, activations=a))
             got = np.array(mixbits.qmatmul(x, rt, backend=backend, activations=a))
@@ -298,9 +305,9 @@ def test_patch_refuses_repack_where_the_cpu_has_no_repacked_kernel(monkeypatch):
     than not repacking): patch refuses before changing the model."""
     import mixbits.ops
 
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    vnni = all(f in flags.split() for f in ("avx512_vnni", "avx512vl", "avx512bw"))
-    assert mixbits.ops.repacked_kernels_available() == vnni
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    x86_kernels = all(f in flags for f in ("avx2", "fma", "f16c"))
+    assert mixbits.ops.repacked_kernels_available() == x86_kernels
     monkeypatch.setattr(mixbits.ops, "repacked_kernels_available", lambda: False)
     rng = np.random.default_rng(12)
     model = _patched(rng, 64)

@@ -74,6 +74,9 @@ struct RTable {
 // AVX512-VNNI (+VL, BW); call only where cpu_isa().avx512vnni.
 const RTable& repacked_int8_table_vnni();
 const RTable& repacked_int16_table_vnni();
+// AVX2 (avx2_repacked.cpp): the same layout as two 8-row halves per block.
+const RTable& repacked_int8_table_avx2();
+const RTable& repacked_int16_table_avx2();
 #endif
 
 // Where the repacked kernels read the codes of a 32-bit word: with T the

@@ -32,9 +32,16 @@ int gs_index(int gs) { return gs == 32 ? 0 : gs == 64 ? 1 : 2; }
 // calls take the un-repacked path (see the class comment).
 const RTable* select_repacked(Activations act, Backend backend) {
 #if defined(MIXBITS_HAVE_AVX2)
-  if (act == Activations::Float || !cpu_isa().avx512vnni) return nullptr;
-  if (backend != Backend::Auto && backend != Backend::Avx512) return nullptr;
-  return act == Activations::Int8 ? &repacked_int8_table_vnni() : &repacked_int16_table_vnni();
+  // As for the original layout: avx512 (and auto) run the widest integer
+  // dot this CPU has, VNNI where present, else the AVX2 kernels.
+  const CpuIsa& isa = cpu_isa();
+  if (act == Activations::Float || !isa.avx2) return nullptr;
+  const bool int8 = act == Activations::Int8;
+  if (isa.avx512vnni && (backend == Backend::Auto || backend == Backend::Avx512))
+    return int8 ? &repacked_int8_table_vnni() : &repacked_int16_table_vnni();
+  if (backend == Backend::Auto || backend == Backend::Avx512 || backend == Backend::Avx2)
+    return int8 ? &repacked_int8_table_avx2() : &repacked_int16_table_avx2();
+  return nullptr;
 #else
   (void)act;
   (void)backend;

@@ -61,8 +61,8 @@ mx::array repacked_qmatmul(const mx::array& x, const std::optional<mx::array>& p
 // One segment (MLX layout: wq [N, k*bits/32], scales/biases [N, k/gs]) to
 // the row-interleaved layout, evaluated now (a layer does this once).
 // Refuses bit widths repack_supports_bits does not accept.
-// Whether this CPU has repacked kernels (AVX512-VNNI); elsewhere every call
-// on a repacked weight un-repacks it first.
+// Whether this CPU has repacked kernels (AVX512-VNNI or AVX2); elsewhere
+// (arm64 today) every call on a repacked weight un-repacks it first.
 bool repacked_kernels_available();
 
 std::tuple<mx::array, mx::array, mx::array> repack_segment(const mx::array& wq,

@@ -105,9 +105,9 @@ def repack(qt: QuantizedTensor) -> RepackedTensor:
 
 
 def repacked_kernels_available() -> bool:
-    """Whether this CPU has kernels for the repacked layout (AVX512-VNNI
-    today). Elsewhere a repacked weight is un-repacked on every call:
-    correct, and slower than MLX's layout."""
+    """Whether this CPU has kernels for the repacked layout (x86 with
+    AVX512-VNNI or AVX2). Elsewhere (arm64 today) a repacked weight is
+    un-repacked on every call: correct, and slower than MLX's layout."""
     return bool(_ext.repacked_kernels())
 
 

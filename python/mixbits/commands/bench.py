@@ -53,6 +53,9 @@ def add_arguments(p) -> None:
                    help="also time mixbits on the row-interleaved layout of the integer GEMV "
                         "(mixbits.ops.repack; 2/4/8-bit kinds, others are marked skipped); "
                         "needs --activations int8 or int16")
+    p.add_argument("--backend", choices=["auto", "ref", "avx2", "avx512", "neon"], default="auto",
+                   help="mixbits' CPU kernels (mixbits.qmatmul's backend=), e.g. avx2 to time "
+                        "an AVX2-only CPU's kernels on an AVX-512 host (ggml is not affected)")
     p.add_argument("--threads", type=int, default=0,
                    help="cap mixbits' worker threads (default: all cores); for numpy set "
                         "OPENBLAS_NUM_THREADS to match")
@@ -155,7 +158,7 @@ def make_x(case: Case, seed: int = 1):
     return x
 
 
-def runners(wt: Weights, x, activations: str = "float"):
+def runners(wt: Weights, x, activations: str = "float", backend: str = "auto"):
     """name -> zero-argument callable doing one full evaluation."""
     import mlx.core as mx
     import numpy as np
@@ -165,10 +168,10 @@ def runners(wt: Weights, x, activations: str = "float"):
     qt = wt.qt
 
     def run_mixbits():
-        mx.eval(mixbits.qmatmul(x, qt, activations=activations))
+        mx.eval(mixbits.qmatmul(x, qt, activations=activations, backend=backend))
 
     def run_repacked():
-        mx.eval(mixbits.qmatmul(x, wt.repacked(), activations=activations))
+        mx.eval(mixbits.qmatmul(x, wt.repacked(), activations=activations, backend=backend))
 
     def run_mlx():
         xs = x if qt.perm is None else mx.take(x, qt.perm, axis=-1)
@@ -364,7 +367,7 @@ def run(args) -> int:
     todo = cases(args.full, shapes, ms, kinds)
     notes = []
     global CLOCK
-    from mixbits import _ext
+    from mixbits import _ext, ops
 
     _ext.set_max_threads(args.threads)
     if args.clock == "cpu":
@@ -376,6 +379,11 @@ def run(args) -> int:
                      "the same cap")
     if args.repack and args.activations == "float":
         raise SystemExit("--repack times the integer GEMV's layout: add --activations int8 or int16")
+    if args.backend != "auto":
+        if args.backend not in ops.available_backends():
+            raise SystemExit(f"--backend {args.backend}: not available on this CPU "
+                             f"(available: {', '.join(ops.available_backends())})")
+        notes.append(f"mixbits ran backend={args.backend!r} (forced)")
     if args.activations != "float":
         notes.append(f"mixbits ran activations={args.activations!r} (x quantized per group; "
                      "M <= 16 only, larger M takes the float path)")
@@ -398,7 +406,7 @@ def run(args) -> int:
             gc.collect()
             by_weight[key] = Weights(c.n, c.k, c.kind)
         wt = by_weight[key]
-        fns = runners(wt, make_x(c), args.activations)
+        fns = runners(wt, make_x(c), args.activations, args.backend)
         row = Row(c, wt.bpw, wt.nbytes)
         row.times["mixbits"] = time_call(fns["mixbits"], args.min_time)
         if args.repack:

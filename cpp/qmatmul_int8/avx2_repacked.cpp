@@ -1,0 +1,157 @@
+// Integer-activation GEMV on the row-interleaved layout (repack.h) for x86
+// CPUs without AVX512-VNNI: the same consumption order as repacked_vnni.cpp
+// (word j of 16 rows, shift k·B and mask give lane r's codes of row r; x in
+// repacked_x_col order), with a block taken as two 256-bit halves (rows
+// 0-7, 8-15) and the integer dots of AVX2:
+//   int8:  vpmaddubsw (u8 codes x s8 activations, pairs into int16), then
+//          vpmaddwd by 1 into the row's int32 lane. A pair of 2- or 4-bit
+//          codes stays below 2·15·127, inside int16; 8-bit codes would
+//          saturate, so they enter as two nibbles, the high one weighted 16
+//          by its vpmaddwd.
+//   int16: vpmaddwd of 16-bit codes with activation pairs.
+// Per group and x row: one convert and two FMAs per 8 rows, as in VNNI.
+// This file gets -mavx2 -mfma -mf16c (CMake, avx2_*.cpp) and is reached
+// only where cpu_isa().avx2; plain-data headers only (see table.h).
+#if defined(MIXBITS_HAVE_AVX2)
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "qmatmul_int8/repack.h"
+
+namespace mixbits {
+namespace {
+
+constexpr int R = kRepackRows;
+constexpr int H = 8;  // rows per 256-bit half
+constexpr int kPrefetchBytes = 2048;
+
+// 8 rows' scales (or biases) of one group as float32.
+inline __m256 load8(const void* p, int64_t off, DType t) {
+  if (t == DType::f32) return _mm256_loadu_ps(static_cast<const float*>(p) + off);
+  const __m128i h = _mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(p) + off));
+  if (t == DType::f16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));  // bf16
+}
+
+template <int B, class T>
+constexpr uint32_t code_mask() {
+  const uint32_t m = (1u << B) - 1u;
+  return sizeof(T) == 1 ? m * 0x01010101u : m * 0x00010001u;
+}
+
+// acc + per int32 lane the dot of the lane's codes with the broadcast x.
+template <int B, class T>
+inline __m256i idot(__m256i acc, __m256i c, __m256i x) {
+  if constexpr (sizeof(T) == 2) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(c, x));
+  } else if constexpr (B == 8) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(c, lo4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), lo4);
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x),
+                                                  _mm256_set1_epi16(1)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x),
+                                                   _mm256_set1_epi16(16)));
+  } else {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(c, x),
+                                                   _mm256_set1_epi16(1)));
+  }
+}
+
+// Half h (rows 8h .. 8h+7) of blocks [b0, b1) of one segment against MB
+// activation rows.
+template <int B, int G, int MB, class T>
+void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, int ldy) {
+  constexpr int S = 8 * int(sizeof(T)) / B;  // shifts per word
+  constexpr int CPW = 32 / B;                // codes per word
+  constexpr int WG = G * B / 32;             // words per group
+  constexpr uint32_t kMask = code_mask<B, T>();
+  const T* xq = static_cast<const T*>(x.xq);
+  const int ng = s.ngroups;
+  const __m256i mask = _mm256_set1_epi32(int(kMask));
+  for (int b = b0; b < b1; ++b) {
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t* wb = s.wq + int64_t(b) * s.words * R + h * H;
+      const int64_t sb = int64_t(b) * ng * R + h * H;
+      __m256 accf[MB];
+      for (int m = 0; m < MB; ++m) accf[m] = _mm256_setzero_ps();
+      for (int g = 0; g < ng; ++g) {
+        __m256i acc[MB];
+        for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
+        for (int jw = 0; jw < WG; ++jw) {
+          const int j = g * WG + jw;
+          const __m256i w = _mm256_loadu_si256((const __m256i*)(wb + int64_t(j) * R));
+          _mm_prefetch((const char*)(wb + int64_t(j) * R) + kPrefetchBytes, _MM_HINT_T0);
+#pragma GCC unroll 8
+          for (int k = 0; k < S; ++k) {
+            __m256i c = k == 0 ? w : _mm256_srli_epi32(w, k * B);
+            if constexpr (kMask != 0xFFFFFFFFu) c = _mm256_and_si256(c, mask);
+            for (int m = 0; m < MB; ++m) {
+              int32_t quad;
+              std::memcpy(&quad, xq + int64_t(m) * x.ldx + int64_t(j) * CPW + k * (4 / sizeof(T)),
+                          4);
+              acc[m] = idot<B, T>(acc[m], c, _mm256_set1_epi32(quad));
+            }
+          }
+        }
+        const __m256 s8 = load8(s.scales, sb + int64_t(g) * R, s.sdt);
+        const __m256 b8 = load8(s.biases, sb + int64_t(g) * R, s.sdt);
+        for (int m = 0; m < MB; ++m) {
+          const __m256 sd = _mm256_mul_ps(s8, _mm256_set1_ps(x.d[int64_t(m) * x.ldg + g]));
+          accf[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), sd, accf[m]);
+          accf[m] = _mm256_fmadd_ps(b8, _mm256_set1_ps(x.xs[int64_t(m) * x.ldg + g]), accf[m]);
+        }
+      }
+      // The last block may hold padding rows: add into the real ones only.
+      const int n0 = b * R + h * H;
+      const int nreal = N - n0 <= 0 ? 0 : N - n0 < H ? N - n0 : H;
+      if (nreal == 0) continue;
+      alignas(32) float v[H];
+      for (int m = 0; m < MB; ++m) {
+        _mm256_store_ps(v, accf[m]);
+        float* yp = y + int64_t(m) * ldy + n0;
+        for (int r = 0; r < nreal; ++r) yp[r] += v[r];
+      }
+    }
+  }
+}
+
+template <int B, int G, class T>
+void seg_kernel(const RSeg& s, const RX& x, int mb, int b0, int b1, int N, float* y, int ldy) {
+  switch (mb) {
+    case 1: return half_blocks<B, G, 1, T>(s, x, b0, b1, N, y, ldy);
+    case 2: return half_blocks<B, G, 2, T>(s, x, b0, b1, N, y, ldy);
+    case 3: return half_blocks<B, G, 3, T>(s, x, b0, b1, N, y, ldy);
+    case 4: return half_blocks<B, G, 4, T>(s, x, b0, b1, N, y, ldy);
+    case 5: return half_blocks<B, G, 5, T>(s, x, b0, b1, N, y, ldy);
+    case 6: return half_blocks<B, G, 6, T>(s, x, b0, b1, N, y, ldy);
+    case 7: return half_blocks<B, G, 7, T>(s, x, b0, b1, N, y, ldy);
+    case 8: return half_blocks<B, G, 8, T>(s, x, b0, b1, N, y, ldy);
+  }
+}
+
+template <class T>
+RTable make_table() {
+  RTable t{};
+#define MIXBITS_R_ROW(B) \
+  t.fn[B][0] = seg_kernel<B, 32, T>; t.fn[B][1] = seg_kernel<B, 64, T>; t.fn[B][2] = seg_kernel<B, 128, T>;
+  MIXBITS_R_ROW(2) MIXBITS_R_ROW(4) MIXBITS_R_ROW(8)
+#undef MIXBITS_R_ROW
+  return t;
+}
+
+}  // namespace
+
+const RTable& repacked_int8_table_avx2() {
+  static const RTable t = make_table<int8_t>();
+  return t;
+}
+const RTable& repacked_int16_table_avx2() {
+  static const RTable t = make_table<int16_t>();
+  return t;
+}
+
+}  // namespace mixbits
+#endif
