@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 REPACK_ROWS = 16
-REPACK_BITS = (2, 4, 8)
+REPACK_BITS = (2, 3, 4, 8)
 
 
 @dataclass(frozen=True)
