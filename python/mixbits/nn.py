@@ -330,7 +330,7 @@ class MixedQuantizedLinear(_MixedWeight):
         layers, a gradient with respect to x (or anything upstream) through
         one raises (the trainable ``bias`` still gets its gradient), and the
         GPU refuses it: call :meth:`unrepack` first. Segments with bits
-        outside ``REPACK_BITS`` (2, 4, 8) raise a UsageError (a
+        outside ``REPACK_BITS`` (2, 3, 4, 8) raise a UsageError (a
         ValueError); nothing is changed."""
         if "repacked" in self:
             return
