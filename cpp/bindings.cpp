@@ -70,7 +70,7 @@ NB_MODULE(_ext, m) {
         "One segment in MLX's layout -> (wq_r, scales_r, biases_r), 16 rows "
         "interleaved per block (evaluated now).");
   m.def("unrepack_segment", &mixbits::unrepack_segment, "wq_r"_a, "scales_r"_a,
-        "biases_r"_a, "n"_a, "The exact inverse of repack_segment.");
+        "biases_r"_a, "n"_a, "bits"_a, "The exact inverse of repack_segment.");
   m.def("repacked_kernels", &mixbits::repacked_kernels_available,
         "Whether this CPU has the repacked layout's kernels (AVX512-VNNI or AVX2).");
   m.def("repack_rows", []() { return mixbits::kRepackRows; },

@@ -16,7 +16,7 @@ import mixbits
 from mixbits import ops
 from mixbits.errors import UsageError
 from mixbits.repack import REPACK_BITS, REPACK_ROWS, RepackedTensor
-from int_contract import CONTRACTS, contract_model, rand_qt
+from int_contract import CONTRACTS, codes_scales_biases, contract_model, rand_qt
 from reference import OUT_EPS, to_f64
 
 R = REPACK_ROWS
@@ -49,6 +49,29 @@ def interleaved_model(a: np.ndarray) -> np.ndarray:
     return pad.reshape(nb, R, cols).transpose(0, 2, 1)
 
 
+# Bit of the 3-bit chunk's high word holding bit 2 of code 4p+k of the first
+# 16 codes, and of code 16+4p+k (repack.h): written out as documented, not
+# with the C++ formula.
+H_LOW = [[8 * p + 2 + k for k in range(4)] for p in range(4)]
+H_HIGH = [[8 * p + [6, 7, 0, 1][k] for k in range(4)] for p in range(4)]
+
+
+def split3_model(codes: np.ndarray) -> np.ndarray:
+    """MLX's 3-bit codes [N, k] -> the 3-bit repacked words [N, 3k/32] before
+    the interleave: per chunk of 32 codes (L0, L1, H), L0/L1 the low 2 bits
+    of codes 0..15 / 16..31 in MLX's 2-bit layout, H their 3rd bits."""
+    q = codes.astype(np.uint64).reshape(codes.shape[0], -1, 32)
+    out = np.zeros((q.shape[0], q.shape[1], 3), np.uint64)
+    for i in range(16):
+        out[..., 0] |= (q[..., i] & 3) << (2 * i)
+        out[..., 1] |= (q[..., 16 + i] & 3) << (2 * i)
+    for p in range(4):
+        for k in range(4):
+            out[..., 2] |= ((q[..., 4 * p + k] >> 2) & 1) << H_LOW[p][k]
+            out[..., 2] |= ((q[..., 16 + 4 * p + k] >> 2) & 1) << H_HIGH[p][k]
+    return out.reshape(q.shape[0], -1).astype(np.uint32)
+
+
 def check_contract(y, x, qt, act, out_dtype=mx.float32):
     """y (the repacked kernels' result) equals the numpy contract model to
     float rounding of the kernels' partial sums, as every SIMD backend of
@@ -72,9 +95,14 @@ def test_layout_and_exact_inverse(bits, gs, dtype):
         rt = ops.repack(qt)
         assert isinstance(rt, RepackedTensor) and rt.shape == qt.shape
         s, r = qt.segments[0], rt.segments[0]
-        for orig, rep in ((s.wq, r.wq_r), (s.scales, r.scales_r), (s.biases, r.biases_r)):
-            assert rep.dtype == orig.dtype
-            np.testing.assert_array_equal(raw(rep), interleaved_model(raw(orig)))
+        words = raw(s.wq)
+        if bits == 3:  # rewritten per chunk, from MLX's own codes
+            codes = codes_scales_biases(qt)[0][0]
+            words = split3_model(codes)
+            assert words.shape == raw(s.wq).shape
+        for orig, rep in ((words, r.wq_r), (raw(s.scales), r.scales_r), (raw(s.biases), r.biases_r)):
+            assert rep.dtype == mx.uint32 or raw(rep).dtype == orig.dtype
+            np.testing.assert_array_equal(raw(rep), interleaved_model(orig))
         back = ops.unrepack(rt)
         for a, b in zip(back.arrays(), qt.arrays()):
             assert a.dtype == b.dtype and a.shape == b.shape
@@ -85,7 +113,7 @@ def test_layout_and_exact_inverse(bits, gs, dtype):
 
 def test_mixed_segments_and_perm_round_trip():
     rng = np.random.default_rng(3)
-    segs = [(8, 32, 64), (4, 64, 192), (2, 128, 256), (4, 32, 64)]
+    segs = [(8, 32, 64), (4, 64, 192), (3, 64, 128), (2, 128, 256), (3, 32, 96), (4, 32, 64)]
     qt = rand_qt(rng, 45, segs, perm=True, dtype=mx.bfloat16)
     rt = ops.repack(qt)
     assert rt.specs == qt.specs and rt.perm is qt.perm
@@ -119,7 +147,7 @@ def test_kernels_compute_the_contract(bits, gs, act, kernel):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_mixed_segments_with_perm_and_dtypes(dtype, act, kernel):
     rng = np.random.default_rng(7)
-    segs = [(8, 32, 64), (4, 64, 192), (2, 128, 256), (2, 32, 96)]
+    segs = [(8, 32, 64), (4, 64, 192), (3, 128, 256), (2, 128, 256), (2, 32, 96), (3, 32, 64)]
     qt = rand_qt(rng, 29, segs, perm=True, dtype=dtype if dtype != mx.float32 else mx.float16)
     rt = ops.repack(qt)
     for M in (1, 3, 8):
@@ -134,7 +162,7 @@ def test_padding_rows_never_reach_the_output(act, kernel):
     padding rows (zeros as built) changes nothing, also in the next x row's
     outputs where a 16-wide store would land."""
     rng = np.random.default_rng(12)
-    qt = rand_qt(rng, 21, [(4, 64, 256), (2, 32, 64)])  # 21 = 16 + 5: 11 padding rows
+    qt = rand_qt(rng, 21, [(4, 64, 256), (2, 32, 64), (3, 32, 64)])  # 21 = 16 + 5: 11 padding rows
     rt = ops.repack(qt)
     segs = []
     for s in rt.segments:
@@ -146,16 +174,16 @@ def test_padding_rows_never_reach_the_output(act, kernel):
             arrs.append(mx.array(b.astype(np.uint32)) if a.dtype == mx.uint32 else mx.array(b).astype(a.dtype))
         segs.append(type(s)(s.bits, s.group_size, s.k, *arrs, s.kind))
     dirty = RepackedTensor(segs, None, 21)
-    x = mx.array(rng.standard_normal((4, 320)).astype(np.float32))
+    x = mx.array(rng.standard_normal((4, 384)).astype(np.float32))
     np.testing.assert_array_equal(np.array(mixbits.qmatmul(x, dirty, activations=act, backend=kernel)),
                                   np.array(mixbits.qmatmul(x, rt, activations=act, backend=kernel)))
 
 
 def test_threads_do_not_change_the_result(act, kernel):
     rng = np.random.default_rng(6)
-    qt = rand_qt(rng, 301, [(4, 64, 512), (2, 32, 256)])
+    qt = rand_qt(rng, 301, [(4, 64, 512), (2, 32, 256), (3, 64, 256)])
     rt = ops.repack(qt)
-    x = mx.array(rng.standard_normal((3, 768)).astype(np.float32))
+    x = mx.array(rng.standard_normal((3, 1024)).astype(np.float32))
     old = mixbits._ext.max_threads()
     try:
         mixbits._ext.set_max_threads(2)
@@ -173,9 +201,9 @@ def test_other_paths_run_the_original_layout(backend, act):
     the float contract, more than 16 rows, inf/NaN in x) un-repack W and
     run exactly what the original layout runs: bitwise the same result."""
     rng = np.random.default_rng(11)
-    qt = rand_qt(rng, 21, [(4, 64, 128), (8, 32, 64)], perm=True)
+    qt = rand_qt(rng, 21, [(4, 64, 128), (8, 32, 64), (3, 32, 96)], perm=True)
     rt = ops.repack(qt)
-    xs = [mx.array(rng.standard_normal((M, 192)).astype(np.float32)) for M in (1, 5, 17)]
+    xs = [mx.array(rng.standard_normal((M, 288)).astype(np.float32)) for M in (1, 5, 17)]
     bad = np.array(xs[1])
     bad[2, 7] = np.inf
     bad[0, 3] = np.nan
@@ -208,7 +236,7 @@ def test_vnni_is_what_this_machine_runs():
 
 def test_refusals():
     rng = np.random.default_rng(8)
-    for bits in (3, 5, 6):
+    for bits in (5, 6):
         qt = rand_qt(rng, 8, [(4, 64, 128), (bits, 32, 96)])
         with pytest.raises(UsageError, match="no repacked layout"):
             ops.repack(qt)
@@ -229,9 +257,11 @@ def test_refusals():
     with pytest.raises(ValueError, match="wq must be uint32 of shape"):
         mixbits._ext.repacked_qmatmul(mx.zeros((1, 128)), None, qt.arrays(), qt.specs, 8, 0, 1)
     with pytest.raises(ValueError, match="no repacked layout"):
-        mixbits._ext.repacked_qmatmul(mx.zeros((1, 128)), None, rt.arrays(), [(3, 64, 128)], 8, 0, 1)
+        mixbits._ext.repacked_qmatmul(mx.zeros((1, 128)), None, rt.arrays(), [(5, 64, 128)], 8, 0, 1)
     with pytest.raises(ValueError, match="no gradient"):
         mx.grad(lambda x: mixbits.qmatmul(x, rt, activations="int8").sum())(mx.ones((1, 128)))
+    with pytest.raises(ValueError, match="no repacked layout"):
+        mixbits._ext.unrepack_segment(*rt.arrays(), 8, 5)
 
 
 # ---------------------------------------------------------------- layers
@@ -244,9 +274,10 @@ def _patched(rng, out_dims=48, bits=4):
     return model
 
 
-def test_layer_repack_unrepack(tmp_path):
+@pytest.mark.parametrize("bits", [4, 3])
+def test_layer_repack_unrepack(tmp_path, bits):
     rng = np.random.default_rng(9)
-    model = _patched(rng, out_dims=40)  # 40: a padded tail block
+    model = _patched(rng, out_dims=40, bits=bits)  # 40: a padded tail block
     mixbits.patch(model, activations="int8", functions=False)
     layer = model.layers[0]
     x = mx.array(rng.standard_normal((3, 256)).astype(np.float32))
@@ -282,12 +313,12 @@ def test_layer_repack_unrepack(tmp_path):
 def test_patch_repack_memory_and_refusals():
     rng = np.random.default_rng(10)
     model = nn.Sequential(*_patched(rng, 64).layers, *_patched(rng, 64, bits=3).layers)
-    model.layers[1] = nn.QuantizedLinear.from_linear(nn.Linear(64, 32), group_size=64, bits=3)
+    model.layers[1] = nn.QuantizedLinear.from_linear(nn.Linear(64, 32), group_size=64, bits=5)
     with pytest.raises(ValueError, match="activations='int8'"):
         mixbits.patch(model, activations="float", repack=True, functions=False)
     nbytes = sum(v.nbytes for _, v in mlx_flatten(model.parameters()))
     mixbits.patch(model, activations="int8", repack=True, functions=False)
-    assert model.layers[0].is_repacked and not model.layers[1].is_repacked  # 3 bits: MLX layout
+    assert model.layers[0].is_repacked and not model.layers[1].is_repacked  # 5 bits: MLX layout
     # 64 rows: no padding, the repacked model holds exactly the same bytes
     assert sum(v.nbytes for _, v in mlx_flatten(model.parameters())) == nbytes
     x = mx.array(rng.standard_normal((1, 256)).astype(np.float32))

@@ -1,7 +1,8 @@
 // Integer-activation GEMV on the row-interleaved layout (repack.h) for x86
 // CPUs without AVX512-VNNI: the same consumption order as repacked_vnni.cpp
-// (word j of 16 rows, shift k·B and mask give lane r's codes of row r; x in
-// repacked_x_col order), with a block taken as two 256-bit halves (rows
+// (word j of 16 rows, shift k·B and mask give lane r's codes of row r, 3
+// bits from its L0/L1/H words; x in repacked_x_col order), with a block
+// taken as two 256-bit halves (rows
 // 0-7, 8-15) and the integer dots of AVX2:
 //   int8:  vpmaddubsw (u8 codes x s8 activations, pairs into int16), then
 //          vpmaddwd by 1 into the row's int32 lane. A pair of 2- or 4-bit
@@ -17,6 +18,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "qmatmul_int8/repack.h"
 
@@ -60,14 +62,53 @@ inline __m256i idot(__m256i acc, __m256i c, __m256i x) {
   }
 }
 
+// 3 bits (repack.h): per chunk of 32 codes, words L0, L1 (low 2 bits, the
+// 2-bit layout) and H (third bits); the shift of H that puts, in bit 2 of
+// each element, the high bit of the code that shift 2k of L<h> put there
+// (negative: left). repacked_vnni.cpp static_asserts that one shift serves
+// every element, for both code widths.
+template <class T>
+constexpr int hshift3(int h, int k) {
+  return split3_hpos(16 * h + k) - 2;
+}
+
+template <int D>
+inline __m256i shift_r(__m256i v) {
+  if constexpr (D > 0) return _mm256_srli_epi32(v, D);
+  else if constexpr (D < 0) return _mm256_slli_epi32(v, -D);
+  else return v;
+}
+
+template <int MB, class T, int H, int K>
+inline void chunk3_step(__m256i lw, __m256i hw, const T* xq, int ldx, int64_t x0,
+                        __m256i (&acc)[MB]) {
+  constexpr int P = 4 / int(sizeof(T));
+  __m256i lo = K == 0 ? lw : _mm256_srli_epi32(lw, 2 * K);
+  lo = _mm256_and_si256(lo, _mm256_set1_epi32(int(code_mask<2, T>())));
+  const __m256i hi = _mm256_and_si256(shift_r<hshift3<T>(H, K)>(hw),
+                                      _mm256_set1_epi32(int(code_mask<1, T>() << 2)));
+  const __m256i c = _mm256_or_si256(lo, hi);
+  for (int m = 0; m < MB; ++m) {
+    int32_t quad;
+    std::memcpy(&quad, xq + int64_t(m) * ldx + x0 + H * 16 + K * P, 4);
+    acc[m] = idot<3, T>(acc[m], c, _mm256_set1_epi32(quad));
+  }
+}
+
+template <int MB, class T, int H, int... K>
+inline void chunk3_half(__m256i lw, __m256i hw, const T* xq, int ldx, int64_t x0,
+                        __m256i (&acc)[MB], std::integer_sequence<int, K...>) {
+  (chunk3_step<MB, T, H, K>(lw, hw, xq, ldx, x0, acc), ...);
+}
+
 // Half h (rows 8h .. 8h+7) of blocks [b0, b1) of one segment against MB
 // activation rows.
 template <int B, int G, int MB, class T>
 void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, int ldy) {
-  constexpr int S = 8 * int(sizeof(T)) / B;  // shifts per word
-  constexpr int CPW = 32 / B;                // codes per word
-  constexpr int WG = G * B / 32;             // words per group
-  constexpr uint32_t kMask = code_mask<B, T>();
+  constexpr int S = B == 3 ? 1 : 8 * int(sizeof(T)) / B;  // shifts per word
+  constexpr int CPW = 32 / B;                             // codes per word
+  constexpr int WG = G * B / 32;                          // words per group
+  constexpr uint32_t kMask = code_mask<B == 3 ? 2 : B, T>();
   const T* xq = static_cast<const T*>(x.xq);
   const int ng = s.ngroups;
   const __m256i mask = _mm256_set1_epi32(int(kMask));
@@ -80,6 +121,19 @@ void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, in
       for (int g = 0; g < ng; ++g) {
         __m256i acc[MB];
         for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
+        if constexpr (B == 3) {
+          constexpr int S2 = 4 * int(sizeof(T));  // shifts of a 2-bit word
+          for (int ch = 0; ch < G / 32; ++ch) {
+            const int64_t q = int64_t(g) * (G / 32) + ch;  // chunk: words 3q..3q+2
+            const uint32_t* wp = wb + 3 * q * R;
+            _mm_prefetch((const char*)wp + kPrefetchBytes, _MM_HINT_T0);
+            const __m256i hw = _mm256_loadu_si256((const __m256i*)(wp + 2 * R));
+            chunk3_half<MB, T, 0>(_mm256_loadu_si256((const __m256i*)wp), hw, xq, x.ldx, q * 32,
+                                  acc, std::make_integer_sequence<int, S2>{});
+            chunk3_half<MB, T, 1>(_mm256_loadu_si256((const __m256i*)(wp + R)), hw, xq, x.ldx,
+                                  q * 32, acc, std::make_integer_sequence<int, S2>{});
+          }
+        } else
         for (int jw = 0; jw < WG; ++jw) {
           const int j = g * WG + jw;
           const __m256i w = _mm256_loadu_si256((const __m256i*)(wb + int64_t(j) * R));
@@ -137,7 +191,7 @@ RTable make_table() {
   RTable t{};
 #define MIXBITS_R_ROW(B) \
   t.fn[B][0] = seg_kernel<B, 32, T>; t.fn[B][1] = seg_kernel<B, 64, T>; t.fn[B][2] = seg_kernel<B, 128, T>;
-  MIXBITS_R_ROW(2) MIXBITS_R_ROW(4) MIXBITS_R_ROW(8)
+  MIXBITS_R_ROW(2) MIXBITS_R_ROW(3) MIXBITS_R_ROW(4) MIXBITS_R_ROW(8)
 #undef MIXBITS_R_ROW
   return t;
 }

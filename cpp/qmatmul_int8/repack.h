@@ -14,9 +14,21 @@
 // codes, scales and biases; nothing when R divides N (every shape of a
 // Llama/Qwen layer).
 //
-// Only bit widths whose codes never straddle a 32-bit word are repacked
-// (2, 4, 8): the kernel gets a code with one shift and one mask per word.
-// 3, 5 and 6 bits are refused by the builder (python: ValueError).
+// 2, 4, 8 bits: codes never straddle a 32-bit word; the kernel gets a code
+// with one shift and one mask per word, and wq_r holds MLX's words as they
+// are. 3 bits: MLX's bitstream (32 codes per 3 words, LSB first, codes
+// straddling words) is rewritten per row and per chunk of 32 codes into 3
+// words (split3; merge3 is the exact inverse, so the memory is the same)
+// before the interleave:
+//   word 0 (L0): low 2 bits of codes 0..15, code i at bits 2i (MLX's 2-bit
+//                layout, read by the 2-bit kernel's shift and mask)
+//   word 1 (L1): the same for codes 16..31
+//   word 2 (H):  bit 2 of every code, code h*16 + 4p + k (h = 0, 1;
+//                p, k = 0..3) at bit 8p + (2 + 4h + k) % 8 (split3_hpos)
+// so, for either activation width, one shift of H and & of bit 2 of each
+// lane element gives the high bits of exactly the codes a shift of L0 / L1
+// gave (repacked_vnni.cpp: hshift3), and code = low | high.
+// 5 and 6 bits are refused by the builder (python: ValueError).
 //
 // Plain data only (like table.h): repacked_vnni.cpp includes it under a
 // target pragma.
@@ -33,7 +45,18 @@ namespace mixbits {
 // halves of a block).
 constexpr int kRepackRows = 16;
 
-constexpr bool repack_supports_bits(int bits) { return bits == 2 || bits == 4 || bits == 8; }
+constexpr bool repack_supports_bits(int bits) {
+  return bits == 2 || bits == 3 || bits == 4 || bits == 8;
+}
+
+// Bit of word H holding bit 2 of chunk code c (0..31), see above.
+constexpr int split3_hpos(int c) {
+  return 8 * ((c % 16) / 4) + (2 + 4 * (c / 16) + c % 4) % 8;
+}
+// 3-bit words, row-major: MLX's chunks of 3 words -> (L0, L1, H) and back.
+// nwords is a multiple of 3; a row of a 3-bit segment is whole chunks.
+void split3(const uint32_t* src, int64_t nwords, uint32_t* dst);
+void merge3(const uint32_t* src, int64_t nwords, uint32_t* dst);
 
 // dst[b, c, r] = src[b*R + r, c] for a row-major [N, cols] matrix of
 // `itemsize`-byte elements; dst has ceil(N/R)*R*cols elements, padding zero.
@@ -86,9 +109,17 @@ const RTable& repacked_int16_table_avx2();
 // word, shift k = 0..S-1 and elements e = 0..P-1 (P = 4/sizeof(T)), so
 // position p = k*P + e of the word's activations holds column
 // repacked_x_col(B, code_bytes, p) of the word.
+//
+// 3 bits: per chunk of 32 codes the kernels consume L0 then L1 as 2-bit
+// words (codes 0..15, then 16..31), so position p of a chunk's activations
+// holds column 16*(p/16) + repacked_x_col(2, code_bytes, p % 16).
 constexpr int repacked_x_col(int B, int code_bytes, int p) {
+  if (B == 3) return 16 * (p / 16) + repacked_x_col(2, code_bytes, p % 16);
   const int P = 4 / code_bytes, S = 8 * code_bytes / B;
   return (p % P) * S + p / P;
 }
+// Activations per group of repacked_x_col positions: 32 for 3 bits, else
+// the codes of one word.
+constexpr int repacked_x_span(int B) { return B == 3 ? 32 : 32 / B; }
 
 }  // namespace mixbits

@@ -4,6 +4,7 @@
 #include "qmatmul_int8/repacked_qmatmul.h"
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -66,7 +67,7 @@ void run_repacked(const RTable& t, const float* xf, int M, const QMatView& shape
   IntActs<T> a;
   int_quantize(xf, M, shape, a);  // reads only the segments' columns and groups
   for (size_t si = 0; si < rsegs.size(); ++si) {
-    const int B = shape.segs[si].bits, cpw = 32 / B;
+    const int B = shape.segs[si].bits, cpw = repacked_x_span(B);
     std::vector<T>& v = a.xq[si];
     T tmp[32];
     for (size_t u = 0; u < v.size(); u += cpw) {
@@ -120,7 +121,7 @@ mx::array repacked_qmatmul(const mx::array& x, const std::optional<mx::array>& p
     const SegSpec& sg = segs[i];
     const std::string tag = "segment " + std::to_string(i) + ": ";
     if (!repack_supports_bits(sg.bits))
-      fail(tag + "bits " + std::to_string(sg.bits) + " have no repacked layout (2, 4, 8 do)");
+      fail(tag + "bits " + std::to_string(sg.bits) + " have no repacked layout (2, 3, 4, 8 do)");
     if (sg.group_size != 32 && sg.group_size != 64 && sg.group_size != 128)
       fail(tag + "group_size must be 32, 64 or 128");
     if (sg.k <= 0 || sg.k % sg.group_size != 0)
@@ -220,6 +221,10 @@ void RepackedQMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
         sc[i].resize(size_t(N) * r.ngroups * sbytes);
         bi[i].resize(sc[i].size());
         deinterleave_rows(r.wq, N, r.words, 4, wq[i].data());
+        if (segs[i].bits == 3) {
+          std::vector<uint32_t> split(wq[i]);
+          merge3(split.data(), int64_t(split.size()), wq[i].data());
+        }
         deinterleave_rows(r.scales, N, r.ngroups, sbytes, sc[i].data());
         deinterleave_rows(r.biases, N, r.ngroups, sbytes, bi[i].data());
         w.segs[i].wq = wq[i].data();
@@ -256,7 +261,7 @@ std::tuple<mx::array, mx::array, mx::array> repack_segment(const mx::array& wq,
                                                            int group_size) {
   if (!repack_supports_bits(bits))
     throw std::invalid_argument("repack: bits " + std::to_string(bits) +
-                                " have no repacked layout (2, 4, 8 do)");
+                                " have no repacked layout (2, 3, 4, 8 do)");
   if (wq.dtype() != mx::uint32 || wq.ndim() != 2)
     throw std::invalid_argument("repack: wq must be 2-D uint32, got " + shape_str(wq));
   const int N = wq.shape(0);
@@ -273,6 +278,12 @@ std::tuple<mx::array, mx::array, mx::array> repack_segment(const mx::array& wq,
   auto pack = [&](const mx::array& a, int64_t cols) {
     std::vector<char> copy;
     const void* src = row_major(a, copy);
+    std::vector<uint32_t> split;
+    if (bits == 3 && &a == &w) {  // MLX's bitstream -> (L0, L1, H) per chunk (repack.h)
+      split.resize(size_t(N) * cols);
+      split3(static_cast<const uint32_t*>(src), int64_t(split.size()), split.data());
+      src = split.data();
+    }
     std::vector<char> out(size_t(NB) * kRepackRows * cols * a.itemsize());
     interleave_rows(src, N, cols, a.itemsize(), out.data());
     return from_bytes(std::move(out), {NB, int(cols), kRepackRows}, a.dtype());
@@ -282,7 +293,11 @@ std::tuple<mx::array, mx::array, mx::array> repack_segment(const mx::array& wq,
 
 std::tuple<mx::array, mx::array, mx::array> unrepack_segment(const mx::array& wq_r,
                                                              const mx::array& scales_r,
-                                                             const mx::array& biases_r, int n) {
+                                                             const mx::array& biases_r, int n,
+                                                             int bits) {
+  if (!repack_supports_bits(bits))
+    throw std::invalid_argument("unrepack: bits " + std::to_string(bits) +
+                                " have no repacked layout (2, 3, 4, 8 do)");
   const int64_t NB = blocks_of(n);
   for (const mx::array* a : {&wq_r, &scales_r, &biases_r})
     if (a->ndim() != 3 || a->shape(0) != NB || a->shape(2) != kRepackRows)
@@ -297,6 +312,11 @@ std::tuple<mx::array, mx::array, mx::array> unrepack_segment(const mx::array& wq
     const int64_t cols = a.shape(1);
     std::vector<char> out(size_t(n) * cols * a.itemsize());
     deinterleave_rows(src, n, cols, a.itemsize(), out.data());
+    if (bits == 3 && &a == &w) {  // (L0, L1, H) -> MLX's bitstream
+      std::vector<uint32_t> split(size_t(n) * cols);
+      std::memcpy(split.data(), out.data(), split.size() * 4);
+      merge3(split.data(), int64_t(split.size()), reinterpret_cast<uint32_t*>(out.data()));
+    }
     return from_bytes(std::move(out), {n, int(cols)}, a.dtype());
   };
   return {unpack(w), unpack(s), unpack(b)};

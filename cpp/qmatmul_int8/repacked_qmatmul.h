@@ -69,10 +69,10 @@ std::tuple<mx::array, mx::array, mx::array> repack_segment(const mx::array& wq,
                                                            const mx::array& scales,
                                                            const mx::array& biases,
                                                            int bits, int group_size);
-// The exact inverse, for the N real rows.
+// The exact inverse, for the N real rows of a `bits`-bit segment.
 std::tuple<mx::array, mx::array, mx::array> unrepack_segment(const mx::array& wq_r,
                                                              const mx::array& scales_r,
                                                              const mx::array& biases_r,
-                                                             int n);
+                                                             int n, int bits);
 
 }  // namespace mixbits

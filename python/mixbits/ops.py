@@ -85,7 +85,7 @@ def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None,
 def repack(qt: QuantizedTensor) -> RepackedTensor:
     """``qt`` in the row-interleaved layout of the CPU's batch-1 integer GEMV
     (:mod:`mixbits.repack`), built now. 2-D tensors whose segments all have
-    bits in ``REPACK_BITS`` (2, 4, 8); others raise a UsageError (a
+    bits in ``REPACK_BITS`` (2, 3, 4, 8); others raise a UsageError (a
     ValueError). :func:`unrepack` is the exact inverse."""
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
@@ -94,7 +94,7 @@ def repack(qt: QuantizedTensor) -> RepackedTensor:
     bad = [s.bits for s in qt.segments if s.bits not in REPACK_BITS]
     if bad:
         raise UsageError(
-            f"repack: bits {sorted(set(bad))} have no repacked layout (codes straddle 32-bit words); "
+            f"repack: bits {sorted(set(bad))} have no repacked layout; "
             f"supported: {list(REPACK_BITS)}"
         )
     segs = []
@@ -119,7 +119,7 @@ def unrepack(rt: RepackedTensor) -> QuantizedTensor:
         raise TypeError(f"rt must be a mixbits.repack.RepackedTensor, got {type(rt).__name__}")
     segs = []
     for s in rt.segments:
-        wq, sc, bi = _ext.unrepack_segment(s.wq_r, s.scales_r, s.biases_r, rt.shape[0])
+        wq, sc, bi = _ext.unrepack_segment(s.wq_r, s.scales_r, s.biases_r, rt.shape[0], s.bits)
         segs.append(Segment(s.bits, s.group_size, s.k, wq, sc, bi, s.kind))
     return QuantizedTensor(segs, rt.perm)
 

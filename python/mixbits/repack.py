@@ -8,10 +8,12 @@ scales and biases of group ``g`` likewise (``scales_r[b, g, r]``), so one
 matrix whose N is not a multiple of 16 gets zero rows at the end of its
 last block: ``padding_nbytes`` of extra storage, nothing when 16 divides N.
 
-Only bit widths whose codes never straddle a 32-bit word are repacked:
-``REPACK_BITS`` = (2, 4, 8). :func:`mixbits.ops.repack` refuses the others
-(3, 5, 6) with a :class:`~mixbits.errors.UsageError` (a ValueError), before
-any kernel runs.
+``REPACK_BITS`` = (2, 3, 4, 8). 2-, 4- and 8-bit words are interleaved as
+MLX stores them; 3-bit words (MLX: a bitstream, 32 codes per 3 words) are
+first rewritten per chunk of 32 codes into two words of low 2 bits (the
+2-bit layout) and one word of 3rd bits (same bytes; repack.h).
+:func:`mixbits.ops.repack` refuses 5 and 6 bits with a
+:class:`~mixbits.errors.UsageError` (a ValueError), before any kernel runs.
 
 A :class:`RepackedTensor` is an inference layout: :func:`mixbits.qmatmul`
 takes it on the CPU (``activations="int8"``/``"int16"`` run the repacked
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 REPACK_ROWS = 16
-REPACK_BITS = (2, 4, 8)
+REPACK_BITS = (2, 3, 4, 8)
 
 
 @dataclass(frozen=True)
