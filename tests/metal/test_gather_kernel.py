@@ -23,7 +23,7 @@ from mixbits import _ext
 from mixbits.layout import QuantizedTensor, Segment
 # emulator: the autouse fixture that builds the emulator (or skips), shared
 from test_metal_kernels import (ACT_OF, ACTS, BITS, GROUP_SIZES, MX_DTYPE, OUT_EPS,  # noqa: F401
-                                assert_close, emulator, rand, to_storage)
+                                assert_close, assert_near_mlx, emulator, rand, to_storage)
 
 # ---------------------------------------------------------------- helpers
 
@@ -115,11 +115,7 @@ def test_every_width_group_and_dtype_against_mx_gather_qmm(bits, gs, act):
         want = mx.gather_qmm(x, seg.wq, seg.scales, seg.biases, li, ri, transpose=True,
                              group_size=gs, bits=bits, stream=mx.cpu)
         got = E.storage_to_f64(y, act)
-        w64 = np.array(want.astype(mx.float32), dtype=np.float64)
-        assert got.shape == w64.shape
-        # Both round to the dtype (MLX also its dequantized weights).
-        tol = {"float32": 2e-5, "float16": 1e-2, "bfloat16": 8e-2}[act]
-        assert np.abs(got - w64).max() <= tol * max(np.abs(w64).max(), 1e-6)
+        assert_near_mlx(got, np.array(want.astype(mx.float32), dtype=np.float64), act)
 
 
 @pytest.mark.parametrize("M", [1, 3, 9])
@@ -258,9 +254,8 @@ def test_tiled_sorted_prefill_every_width_and_group(bits, gs):
     y = check(x, qt, None, rhs, sorted_indices=True)
     want = mx.gather_qmm(x, seg.wq, seg.scales, seg.biases, None, rhs, transpose=True,
                          group_size=gs, bits=bits, sorted_indices=True, stream=mx.cpu)
-    w64 = np.array(want.astype(mx.float32), dtype=np.float64)
-    tol = {"float32": 2e-5, "float16": 1e-2, "bfloat16": 8e-2}[act]
-    assert np.abs(E.storage_to_f64(y, act) - w64).max() <= tol * max(np.abs(w64).max(), 1e-6)
+    assert_near_mlx(E.storage_to_f64(y, act), np.array(want.astype(mx.float32), dtype=np.float64),
+                    act)
 
 
 def test_which_kernel_runs():

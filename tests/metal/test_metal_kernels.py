@@ -77,6 +77,18 @@ def assert_close(got_storage, act, ref, mag, acc_rtol=2e-5):
                              f"want {ref[i]}, tol {tol[i]}")
 
 
+# Against MLX's own op in the same dtype: MLX rounds its dequantized W (and
+# its products) to the activation dtype, so agreement is to that dtype's
+# precision, relative to the largest output.
+MLX_RTOL = {"float32": 2e-5, "float16": 1e-2, "bfloat16": 8e-2}
+
+
+def assert_near_mlx(got, want, act):
+    """got, want: float64 arrays; |got - want| <= MLX_RTOL[act] * max|want|."""
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= MLX_RTOL[act] * max(np.abs(want).max(), 1e-6)
+
+
 def run_case(rng, M, N, specs, act, scale_act=None, perm=True, paths=("gemv", "tiled"),
              order="shuffle"):
     scale_act = scale_act or act

@@ -20,7 +20,7 @@ import mixbits
 from mixbits import _ext
 # emulator: the autouse fixture that builds the emulator (or skips), shared
 from test_metal_kernels import (ACT_OF, ACTS, BITS, GROUP_SIZES, MX_DTYPE, OUT_EPS,  # noqa: F401
-                                assert_close, emulator, rand, to_storage)
+                                assert_close, assert_near_mlx, emulator, rand, to_storage)
 
 # ---------------------------------------------------------------- helpers
 
@@ -102,9 +102,7 @@ def test_every_width_group_and_dtype(bits, gs, act):
     want = np.array(mx.matmul(dy, W.astype(dt), stream=mx.cpu).astype(mx.float32), np.float64)
     dx = np.empty_like(want)
     dx[:, np.array(qt.perm)] = want
-    # MLX rounds its dequantized W (and its matmul) to dy's dtype.
-    tol = {"float32": 2e-5, "float16": 1e-2, "bfloat16": 8e-2}[act]
-    assert np.abs(got - dx).max() <= tol * max(np.abs(dx).max(), 1e-6)
+    assert_near_mlx(got, dx, act)
 
 
 @pytest.mark.parametrize("M", [1, 3, 9])
