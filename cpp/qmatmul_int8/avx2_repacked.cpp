@@ -63,15 +63,7 @@ inline __m256i idot(__m256i acc, __m256i c, __m256i x) {
 }
 
 // 3 bits (repack.h): per chunk of 32 codes, words L0, L1 (low 2 bits, the
-// 2-bit layout) and H (third bits); the shift of H that puts, in bit 2 of
-// each element, the high bit of the code that shift 2k of L<h> put there
-// (negative: left). repacked_vnni.cpp static_asserts that one shift serves
-// every element, for both code widths.
-template <class T>
-constexpr int hshift3(int h, int k) {
-  return split3_hpos(16 * h + k) - 2;
-}
-
+// 2-bit layout) and H (third bits), H shifted by split3_hshift.
 template <int D>
 inline __m256i shift_r(__m256i v) {
   if constexpr (D > 0) return _mm256_srli_epi32(v, D);
@@ -85,7 +77,7 @@ inline void chunk3_step(__m256i lw, __m256i hw, const T* xq, int ldx, int64_t x0
   constexpr int P = 4 / int(sizeof(T));
   __m256i lo = K == 0 ? lw : _mm256_srli_epi32(lw, 2 * K);
   lo = _mm256_and_si256(lo, _mm256_set1_epi32(int(code_mask<2, T>())));
-  const __m256i hi = _mm256_and_si256(shift_r<hshift3<T>(H, K)>(hw),
+  const __m256i hi = _mm256_and_si256(shift_r<split3_hshift(H, K)>(hw),
                                       _mm256_set1_epi32(int(code_mask<1, T>() << 2)));
   const __m256i c = _mm256_or_si256(lo, hi);
   for (int m = 0; m < MB; ++m) {

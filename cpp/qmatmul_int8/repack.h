@@ -27,7 +27,7 @@
 //                p, k = 0..3) at bit 8p + (2 + 4h + k) % 8 (split3_hpos)
 // so, for either activation width, one shift of H and & of bit 2 of each
 // lane element gives the high bits of exactly the codes a shift of L0 / L1
-// gave (repacked_vnni.cpp: hshift3), and code = low | high.
+// gave (split3_hshift below), and code = low | high.
 // 5 and 6 bits are refused by the builder (python: ValueError).
 //
 // Plain data only (like table.h): repacked_vnni.cpp includes it under a
@@ -53,6 +53,21 @@ constexpr bool repack_supports_bits(int bits) {
 constexpr int split3_hpos(int c) {
   return 8 * ((c % 16) / 4) + (2 + 4 * (c / 16) + c % 4) % 8;
 }
+// How far right (negative: left) the kernels shift word H so that bit 2 of
+// each lane element holds the high bit of the code that shift 2k of word
+// L<h> put in that element: the one definition both ISAs' kernels use.
+constexpr int split3_hshift(int h, int k) { return split3_hpos(16 * h + k) - 2; }
+// ... and that one shift serves every element of the word, for byte
+// (int8) and 16-bit (int16) elements.
+constexpr bool split3_hshift_ok(int code_bytes) {
+  const int S = 4 * code_bytes, P = 4 / code_bytes, EB = 8 * code_bytes;
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < S; ++k)
+      for (int e = 0; e < P; ++e)
+        if (split3_hpos(16 * h + e * S + k) - e * EB - 2 != split3_hshift(h, k)) return false;
+  return true;
+}
+static_assert(split3_hshift_ok(1) && split3_hshift_ok(2), "3-bit high-bit placement");
 // 3-bit words, row-major: MLX's chunks of 3 words -> (L0, L1, H) and back.
 // nwords is a multiple of 3; a row of a 3-bit segment is whole chunks.
 void split3(const uint32_t* src, int64_t nwords, uint32_t* dst);

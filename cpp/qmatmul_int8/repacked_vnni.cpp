@@ -49,25 +49,6 @@ inline __m512i idot(__m512i acc, __m512i w, __m512i x) {
   else return _mm512_dpwssd_epi32(acc, w, x);  // codes <= 255 are valid s16
 }
 
-// 3 bits (repack.h): how far right (negative: left) word H is shifted so
-// that bit 2 of each lane element holds the high bit of the code that
-// shift 2k of word L<h> put in that element.
-template <class T>
-constexpr int hshift3(int h, int k) {
-  return split3_hpos(16 * h + k) - 2;
-}
-// ... and that one shift serves every element of the word (static_assert).
-template <class T>
-constexpr bool hshift3_ok() {
-  constexpr int S = 4 * int(sizeof(T)), P = 4 / int(sizeof(T)), EB = 8 * int(sizeof(T));
-  for (int h = 0; h < 2; ++h)
-    for (int k = 0; k < S; ++k)
-      for (int e = 0; e < P; ++e)
-        if (split3_hpos(16 * h + e * S + k) - e * EB - 2 != hshift3<T>(h, k)) return false;
-  return true;
-}
-static_assert(hshift3_ok<int8_t>() && hshift3_ok<int16_t>(), "3-bit high-bit placement");
-
 template <int D>
 inline __m512i shift_r(__m512i v) {
   if constexpr (D > 0) return _mm512_srli_epi32(v, D);
@@ -86,7 +67,7 @@ inline void chunk3_step(__m512i lw, __m512i hw, const T* xq, int ldx, int64_t x0
   const __m512i m4 = _mm512_set1_epi32(int(code_mask<1, T>() << 2));
   __m512i lo = K == 0 ? lw : _mm512_srli_epi32(lw, 2 * K);
   lo = _mm512_and_si512(lo, m3);
-  const __m512i hi = _mm512_and_si512(shift_r<hshift3<T>(H, K)>(hw), m4);
+  const __m512i hi = _mm512_and_si512(shift_r<split3_hshift(H, K)>(hw), m4);
   const __m512i c = _mm512_or_si512(lo, hi);
   constexpr int a = (H * 4 * int(sizeof(T)) + K) % A;
   for (int m = 0; m < MB; ++m) {
