@@ -11,7 +11,7 @@ import pytest
 from mixbits._backends import names
 from mixbits.activations import act_backends, swiglu
 from mixbits.attention import attn_backends, causal_attention
-from mixbits.routing import patch_functions, unpatch_functions
+from mixbits.routing import _has_vector_kernel, patch_functions, unpatch_functions
 
 from tiny_model import tiny_llama, tiny_tokens
 
@@ -203,7 +203,7 @@ def test_routing_is_per_model_and_keeps_logits(monkeypatch):
     assert calls == n  # unpatched: nothing routed any more
 
 
-def test_no_routing_where_only_the_scalar_kernel_exists(monkeypatch):
+def test_no_routing_where_only_the_scalar_kernel_exists(monkeypatch, request):
     """On a CPU where a kernel has only its scalar reference (arm64 today),
     MLX's own op is faster: that function is not taken over."""
     from mixbits import _ext
@@ -217,6 +217,9 @@ def test_no_routing_where_only_the_scalar_kernel_exists(monkeypatch):
     ref_only = [b for b in _ext.act_backends() if names([b]) == ["ref"]]
     assert ref_only
     monkeypatch.setattr(_ext, "act_backends", lambda: ref_only)
+    # The answer is cached per process: drop it now and after the test.
+    _has_vector_kernel.cache_clear()
+    request.addfinalizer(_has_vector_kernel.cache_clear)
     routed, plain = tiny_llama(seed=0), tiny_llama(seed=0)
     tokens = mx.array(tiny_tokens(1, 20))
     assert patch_functions(routed) == ["scaled_dot_product_attention"]

@@ -15,6 +15,7 @@ precision, GPU) goes to the original function.
 from __future__ import annotations
 
 import contextvars
+import functools
 import importlib
 
 import mlx.core as mx
@@ -39,10 +40,13 @@ _KERNEL_BACKENDS = {"scaled_dot_product_attention": lambda: _ext.attn_backends()
                     "swiglu": lambda: _ext.act_backends()}
 
 
+@functools.cache
 def _has_vector_kernel(name: str) -> bool:
     """Whether the kernel behind router ``name`` has more than the scalar
     reference here. Where it has not (arm64: no NEON attention or SwiGLU
-    kernel yet), MLX's own op is faster and the call is not taken over."""
+    kernel yet), MLX's own op is faster and the call is not taken over.
+    Asked once per process (the CPU does not change): the routers call it
+    on every attention / SwiGLU call."""
     return any(b != "ref" for b in names(_KERNEL_BACKENDS[name]()))
 
 
