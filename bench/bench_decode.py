@@ -85,10 +85,12 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--impl", nargs="+", default=["mlx", "mixbits"],
                     choices=["mlx", "mixbits", "mixbits-int8", "mixbits-int16", "mixbits-int8-repacked",
-                             "mixbits-int16-repacked"],
+                             "mixbits-int16-repacked", "mixbits-int8-repacked-linears",
+                             "mixbits-int16-repacked-linears"],
                     help="mixbits-int8/-int16: the patched model with that activations= contract; "
-                         "-repacked: that contract with the linear layers in the row-interleaved layout "
-                         "(mixbits.nn.repack_layers; the tied head stays an embedding)")
+                         "-repacked: that contract with the linear layers and the tied head's table in the "
+                         "row-interleaved layout (mixbits.nn.repack_layers); -repacked-linears: the same "
+                         "with the tied head left in MLX's layout")
     ap.add_argument("--out", default=str(RESULTS / "decode.json"))
     a = ap.parse_args(argv)
     setup_cpu_one_thread()
@@ -97,10 +99,12 @@ def main(argv=None):
         model, tok = load_smollm2(patch=impl.startswith("mixbits"))
         if "-" in impl:
             set_activations(model, impl.split("-")[1])
-        if impl.endswith("-repacked"):
+        if "-repacked" in impl:
             import mixbits
 
             print(f"repacked {len(mixbits.nn.repack_layers(model))} layers", flush=True)
+            if impl.endswith("-linears"):
+                model.model.embed_tokens.unrepack()
         ids = prompt_ids(tok)
         # Stock MLX's CPU quantized matmul is ~10x slower: fewer rounds.
         reps = a.reps if impl != "mlx" else 2

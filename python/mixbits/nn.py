@@ -31,7 +31,7 @@ from .layout import BITS, GROUP_SIZES, TERNARY, QuantizedTensor, Segment, segmen
 from .layout import quantize as _quantize
 from .errors import UsageError
 from .ops import gather_qmatmul, qmatmul, repack, unrepack
-from .repack import REPACK_BITS, RepackedSegment, RepackedTensor
+from .repack import REPACK_BITS, RepackedSegment, RepackedTensor, gather_rows
 
 __all__ = [
     "MixedQuantizedLinear",
@@ -224,6 +224,77 @@ class _MixedWeight(nn.Module):
         )
         return f"[{segs}]" + (", perm" if self._layout.has_perm else "")
 
+    # ------------------------------------------------------------ repacked layout
+
+    @property
+    def is_repacked(self) -> bool:
+        return "repacked" in self
+
+    def repack(self) -> None:
+        """Hold the weight in the row-interleaved layout of the CPU's batch-1
+        integer GEMV (:mod:`mixbits.repack`) *instead of* MLX's: the same
+        bytes plus the last 16-row block's padding (none when 16 divides
+        the output rows). Meant with ``activations="int8"``/``"int16"``;
+        other calls stay correct but un-repack the weight per call. An
+        embedding's lookups read the rows they need from the repacked
+        blocks (:func:`mixbits.repack.gather_rows`); its ``as_linear`` (a
+        tied head) runs the repacked kernels.
+
+        The parameters become ``repacked.<i>.weight/scales/biases`` (and
+        ``perm``, ``bias`` as before). Readers of the weight
+        (:meth:`quantized_tensor`, ``bits_per_weight``) get the original
+        layout back; :func:`mixbits.save` refuses a model with repacked
+        layers, a gradient with respect to x (or anything upstream) through
+        one raises (the trainable ``bias`` still gets its gradient), and the
+        GPU refuses it: call :meth:`unrepack` first. Segments with bits
+        outside ``REPACK_BITS`` (2, 3, 4, 8) raise a UsageError (a
+        ValueError); nothing is changed."""
+        if "repacked" in self:
+            return
+        rt = repack(self.quantized_tensor())
+        if self._layout.is_mlx_affine:
+            for key in ("weight", "scales", "biases"):
+                del self[key]
+        else:
+            del self["segments"]
+        self.repacked = [_SegmentArrays(s.wq_r, s.scales_r, s.biases_r) for s in rt.segments]
+        # A plain int (not a parameter): the output rows, which the padded
+        # blocks no longer say.
+        self._repacked_rows = rt.shape[0]
+        for m in self.repacked:
+            m.freeze()
+        self._cache = _TensorCache()
+
+    def unrepack(self) -> None:
+        """Back to MLX's layout, bit for bit (the inverse of :meth:`repack`)."""
+        if "repacked" not in self:
+            return
+        qt = unrepack(self._repacked_tensor())
+        del self["repacked"]
+        bias_trainable = "bias" in self and "bias" in self.trainable_parameters()
+        self._set_storage(self._layout, [(s.wq, s.scales, s.biases) for s in qt.segments], qt.perm)
+        self.freeze()
+        if bias_trainable:
+            self.unfreeze(keys=["bias"], recurse=False)
+
+    def _repacked_tensor(self):
+        """The repacked weight as a RepackedTensor, rebuilt only when one of
+        its arrays was replaced."""
+        arrays = [a for d in self["repacked"] for a in (d["weight"], d["scales"], d["biases"])]
+        perm = self.get("perm") if self._layout.has_perm else None
+        arrays.append(perm)
+        cache = self._cache
+        if cache.tensor is None or len(cache.arrays) != len(arrays) or any(
+            a is not b for a, b in zip(cache.arrays, arrays)
+        ):
+            segs = [
+                RepackedSegment(bits, gs, k, d["weight"], d["scales"], d["biases"], kind)
+                for (bits, gs, k), d, kind in zip(self._layout.specs, self["repacked"], self._layout.kinds)
+            ]
+            cache.tensor = RepackedTensor(segs, perm, self._repacked_rows)
+            cache.arrays = arrays
+        return cache.tensor
+
 
 class MixedQuantizedLinear(_MixedWeight):
     """``y = x @ W.T (+ bias)`` with W a mixed-segment mixbits tensor.
@@ -309,74 +380,6 @@ class MixedQuantizedLinear(_MixedWeight):
         if "bias" in self:
             y = y + self["bias"]
         return y
-
-    # ------------------------------------------------------------ repacked layout
-
-    @property
-    def is_repacked(self) -> bool:
-        return "repacked" in self
-
-    def repack(self) -> None:
-        """Hold the weight in the row-interleaved layout of the CPU's batch-1
-        integer GEMV (:mod:`mixbits.repack`) *instead of* MLX's: the same
-        bytes plus the last 16-row block's padding (none when 16 divides
-        the output dims). Meant with ``activations="int8"``/``"int16"``;
-        other calls stay correct but un-repack the weight per call.
-
-        The parameters become ``repacked.<i>.weight/scales/biases`` (and
-        ``perm``, ``bias`` as before). Readers of the weight
-        (:meth:`quantized_tensor`, ``bits_per_weight``) get the original
-        layout back; :func:`mixbits.save` refuses a model with repacked
-        layers, a gradient with respect to x (or anything upstream) through
-        one raises (the trainable ``bias`` still gets its gradient), and the
-        GPU refuses it: call :meth:`unrepack` first. Segments with bits
-        outside ``REPACK_BITS`` (2, 3, 4, 8) raise a UsageError (a
-        ValueError); nothing is changed."""
-        if "repacked" in self:
-            return
-        rt = repack(self.quantized_tensor())
-        if self._layout.is_mlx_affine:
-            for key in ("weight", "scales", "biases"):
-                del self[key]
-        else:
-            del self["segments"]
-        self.repacked = [_SegmentArrays(s.wq_r, s.scales_r, s.biases_r) for s in rt.segments]
-        # A plain int (not a parameter): the output rows, which the padded
-        # blocks no longer say.
-        self._repacked_rows = rt.shape[0]
-        for m in self.repacked:
-            m.freeze()
-        self._cache = _TensorCache()
-
-    def unrepack(self) -> None:
-        """Back to MLX's layout, bit for bit (the inverse of :meth:`repack`)."""
-        if "repacked" not in self:
-            return
-        qt = unrepack(self._repacked_tensor())
-        del self["repacked"]
-        bias_trainable = "bias" in self and "bias" in self.trainable_parameters()
-        self._set_storage(self._layout, [(s.wq, s.scales, s.biases) for s in qt.segments], qt.perm)
-        self.freeze()
-        if bias_trainable:
-            self.unfreeze(keys=["bias"], recurse=False)
-
-    def _repacked_tensor(self):
-        """The repacked weight as a RepackedTensor, rebuilt only when one of
-        its arrays was replaced."""
-        arrays = [a for d in self["repacked"] for a in (d["weight"], d["scales"], d["biases"])]
-        perm = self.get("perm") if self._layout.has_perm else None
-        arrays.append(perm)
-        cache = self._cache
-        if cache.tensor is None or len(cache.arrays) != len(arrays) or any(
-            a is not b for a, b in zip(cache.arrays, arrays)
-        ):
-            segs = [
-                RepackedSegment(bits, gs, k, d["weight"], d["scales"], d["biases"], kind)
-                for (bits, gs, k), d, kind in zip(self._layout.specs, self["repacked"], self._layout.kinds)
-            ]
-            cache.tensor = RepackedTensor(segs, perm, self._repacked_rows)
-            cache.arrays = arrays
-        return cache.tensor
 
     def _extra_repr(self) -> str:
         return (
@@ -560,6 +563,8 @@ class MixedQuantizedEmbedding(_MixedWeight):
 
     @property
     def num_embeddings(self) -> int:
+        if "repacked" in self:
+            return self._repacked_rows
         return self._triplets()[0][0].shape[0]
 
     @property
@@ -567,9 +572,13 @@ class MixedQuantizedEmbedding(_MixedWeight):
         return sum(k for _, _, k in self._layout.specs)
 
     def __call__(self, ids: mx.array) -> mx.array:
+        if "repacked" in self:
+            rows = [gather_rows(seg, ids) for seg in self._repacked_tensor().segments]
+        else:
+            rows = [(w[ids], s[ids], b[ids]) for w, s, b in self._triplets()]
         parts = [
-            mx.dequantize(w[ids], scales=s[ids], biases=b[ids], group_size=g, bits=bits)
-            for (bits, g, _), (w, s, b) in zip(self._layout.specs, self._triplets())
+            mx.dequantize(w, scales=s, biases=b, group_size=g, bits=bits)
+            for (bits, g, _), (w, s, b) in zip(self._layout.specs, rows)
         ]
         out = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
         if self._layout.has_perm:
@@ -579,7 +588,7 @@ class MixedQuantizedEmbedding(_MixedWeight):
 
     def as_linear(self, x: mx.array) -> mx.array:
         """``x @ W.T``: the tied output head, through mixbits.qmatmul."""
-        qt = self.quantized_tensor()
+        qt = self._repacked_tensor() if "repacked" in self else self.quantized_tensor()
         return qmatmul(_promote(x, qt), qt, activations=self._activations)
 
     def _extra_repr(self) -> str:
@@ -688,14 +697,17 @@ def weight_layers(model: nn.Module) -> dict:
     return {p: m for p, m in model.named_modules() if isinstance(m, _LINEAR_KINDS + _EMBED_KINDS)}
 
 
+_REPACKABLE = (MixedQuantizedLinear, MixedQuantizedEmbedding)
+
+
 def repack_layers(model: nn.Module) -> list[str]:
     """Repack (:meth:`MixedQuantizedLinear.repack`) every mixbits linear
-    layer of ``model`` whose segments all have bits in ``REPACK_BITS``;
-    the others keep MLX's layout and the kernels they had. Returns the
-    repacked paths."""
+    and embedding layer (a tied head's table) of ``model`` whose segments
+    all have bits in ``REPACK_BITS``; the others keep MLX's layout and the
+    kernels they had. Returns the repacked paths."""
     done = []
     for path, m in model.named_modules():
-        if isinstance(m, MixedQuantizedLinear) and not m.is_repacked and all(
+        if isinstance(m, _REPACKABLE) and not m.is_repacked and all(
             bits in REPACK_BITS for bits, _, _ in m.layout.specs
         ):
             m.repack()
@@ -707,7 +719,7 @@ def unrepack_layers(model: nn.Module) -> list[str]:
     """Undo :func:`repack_layers` (bit for bit); returns the paths changed."""
     done = []
     for path, m in model.named_modules():
-        if isinstance(m, MixedQuantizedLinear) and m.is_repacked:
+        if isinstance(m, _REPACKABLE) and m.is_repacked:
             m.unrepack()
             done.append(path)
     return done
@@ -715,7 +727,7 @@ def unrepack_layers(model: nn.Module) -> list[str]:
 
 def repacked_layers(model: nn.Module) -> list[str]:
     """Paths of the layers of ``model`` that hold a repacked weight."""
-    return [p for p, m in model.named_modules() if isinstance(m, MixedQuantizedLinear) and m.is_repacked]
+    return [p for p, m in model.named_modules() if isinstance(m, _REPACKABLE) and m.is_repacked]
 
 
 def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
@@ -740,8 +752,8 @@ def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
     keep the float contract: the gather kernel has no integer path.
 
     ``repack=True`` (with ``activations="int8"`` or ``"int16"``) then
-    stores every mixbits linear layer with 2/3/4/8-bit segments in the
-    row-interleaved layout of the CPU's batch-1 integer GEMV
+    stores every mixbits linear and embedding layer with 2/3/4/8-bit
+    segments in the row-interleaved layout of the CPU's batch-1 integer GEMV
     (:func:`repack_layers`; layers with other bits keep MLX's layout).
     Such a model cannot be saved or differentiated, nor run on the GPU,
     until :func:`unrepack_layers`.

@@ -93,3 +93,44 @@ class RepackedTensor:
         segs = ", ".join(f"{b}b/g{g}x{k}" for b, g, k in self.specs)
         p = ", perm" if self.perm is not None else ""
         return f"RepackedTensor(shape={self.shape}, [{segs}]{p}, rows={REPACK_ROWS})"
+
+
+# ------------------------------------------------------------ row lookups
+
+# Bit of a 3-bit chunk's high word holding bit 2 of chunk code c (repack.h,
+# split3_hpos): code 16h + 4p + k sits at bit 8p + (2 + 4h + k) % 8.
+_SPLIT3_HPOS = [8 * ((c % 16) // 4) + (2 + 4 * (c // 16) + c % 4) % 8 for c in range(32)]
+
+
+def _merge3(words: mx.array) -> mx.array:
+    """3-bit repacked words (..., 3C) (per chunk of 32 codes: L0, L1, H) back
+    to MLX's bitstream (..., 3C), in MLX ops (lazy: usable under mx.compile)."""
+    lead, w = words.shape[:-1], words.shape[-1]
+    chunks = words.reshape(*lead, w // 3, 3)
+    lo = chunks[..., :2, None] >> mx.array([2 * i for i in range(16)], mx.uint32)
+    lo = (lo & 3).reshape(*lead, w // 3, 32)
+    hi = (chunks[..., 2:3] >> mx.array(_SPLIT3_HPOS, mx.uint32)) & 1
+    codes = (lo | (hi << 2)).reshape(*lead, w // 3, 4, 8)
+    # MLX: 8 codes per 3 bytes, LSB first (so 32 codes per 3 little-endian words).
+    v = (codes << mx.array([3 * j for j in range(8)], mx.uint32)).sum(axis=-1).astype(mx.uint32)
+    b = mx.stack([v & 255, (v >> 8) & 255, v >> 16], axis=-1).astype(mx.uint8)
+    return mx.view(b.reshape(*lead, w * 4), mx.uint32)
+
+
+def gather_rows(seg: RepackedSegment, ids: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Rows ``ids`` of a repacked segment in MLX's layout: ``(wq, scales,
+    biases)`` of shapes ``(*ids.shape, ·)``, bit for bit what the original
+    segment holds there. MLX ops only (lazy, usable under mx.compile): an
+    embedding lookup reads its 16-row blocks, never the whole table."""
+    block = ids // REPACK_ROWS
+    lane = (ids % REPACK_ROWS)[..., None, None]
+
+    def pick(a):
+        rows = mx.take(a, block, axis=0)  # (*ids, cols, 16)
+        idx = mx.broadcast_to(lane, (*rows.shape[:-1], 1))
+        return mx.take_along_axis(rows, idx, axis=-1).squeeze(-1)
+
+    wq = pick(seg.wq_r)
+    if seg.bits == 3:
+        wq = _merge3(wq)
+    return wq, pick(seg.scales_r), pick(seg.biases_r)
