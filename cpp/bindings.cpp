@@ -163,13 +163,13 @@ NB_MODULE(_ext, m) {
   m.def(
       "causal_attention",
       [](const mx::array& q, const mx::array& k, const mx::array& v,
-         float scale, int backend) {
+         float scale, int backend, const std::optional<mx::array>& kv_len) {
         return mixbits::causal_attention(q, k, v, scale,
-                                         mixbits::Backend(backend));
+                                         mixbits::Backend(backend), {}, kv_len);
       },
-      "q"_a, "k"_a, "v"_a, "scale"_a, "backend"_a = 0,
+      "q"_a, "k"_a, "v"_a, "scale"_a, "backend"_a = 0, "kv_len"_a.none() = nb::none(),
       "softmax(scale q k^T, causal) v for q [B,H,T,D], k/v [B,Hk,S,D], "
-      "float32, CPU.");
+      "float32, CPU; with kv_len only keys [0, kv_len) of k/v exist.");
 
   m.def(
       "attn_backends",

@@ -86,6 +86,37 @@ def test_attention_backends_agree():
         np.testing.assert_allclose(o, outs[0], atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", attn_backends())
+@pytest.mark.parametrize("shape", [(1, 9, 3, 1, 128, 64), (2, 4, 2, 3, 40, 20), (1, 2, 1, 5, 17, 7)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_kv_len_reads_a_prefix_of_the_buffers(backend, shape):
+    """kv_len cuts k/v to their first rows (a compiled decode step's filled
+    cache prefix): float64 on the cut arrays, for every length from T to S,
+    also when the length changes between runs of one compiled graph."""
+    B, H, Hk, T, S, D = shape
+    rng = np.random.default_rng(sum(shape))
+    q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32))
+               for s in ((B, H, T, D), (B, Hk, S, D), (B, Hk, S, D)))
+    compiled = mx.compile(lambda n: causal_attention(q, k, v, 0.3, backend=backend, kv_len=n))
+    for n in sorted({T, T + 1, (T + S) // 2, S - 1, S}):
+        want = attention64(q, k[:, :, :n], v[:, :, :n], 0.3)
+        for got in (causal_attention(q, k, v, 0.3, backend=backend, kv_len=mx.array(n)),
+                    compiled(mx.array([n], dtype=mx.int32))):
+            np.testing.assert_allclose(np.array(got), want, atol=2e-5, rtol=1e-4)
+    # a length the buffers cannot hold is not known when the graph is built: NaN, no read past them
+    for n in (T - 1, S + 1):
+        assert np.isnan(np.array(causal_attention(q, k, v, 0.3, backend=backend, kv_len=mx.array(n)))).all()
+
+
+def test_kv_len_is_checked_and_has_no_gradient():
+    x = mx.zeros((1, 1, 2, 4))
+    for bad in (3, mx.array([2, 3]), mx.array(2.0)):
+        with pytest.raises(ValueError, match="kv_len"):
+            causal_attention(x, x, x, 1.0, kv_len=bad)
+    with pytest.raises(ValueError, match="no derivatives through a call with kv_len"):
+        mx.grad(lambda q: causal_attention(q, x, x, 1.0, kv_len=mx.array(2)).sum())(x)
+
+
 @pytest.mark.parametrize("args, match", [
     (((1, 2, 4, 8), (1, 2, 4), (1, 2, 4, 8)), "k must be 4-D"),
     (((1, 3, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8)), "multiple of the k/v heads"),

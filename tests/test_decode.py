@@ -71,6 +71,35 @@ def test_compiled_steps_match_the_plain_forward(arch):
     assert offset == len(prompt) + len(tokens)
 
 
+@pytest.mark.parametrize("arch, full_layers", [("llama", None), ("gemma3_text", [1, 3])])
+def test_compiled_attention_runs_the_kernel_on_the_filled_prefix(arch, full_layers, monkeypatch):
+    """A compiled step's attention over a KVCache buffer goes to the mixbits
+    kernel with kv_len = offset + 1 (not MLX's masked fallback over the
+    whole buffer); ring-buffer (sliding) layers keep MLX's op."""
+    from mixbits import _ext
+
+    model, cfg = _patched(arch)
+    seen = []
+    real = _ext.causal_attention
+
+    def counting(q, k, v, scale, backend=0, kv_len=None):
+        seen.append((k.shape[2], kv_len))
+        return real(q, k, v, scale, backend, kv_len)
+
+    monkeypatch.setattr(_ext, "causal_attention", counting)
+    prompt, tokens = _ids(cfg, 6, 3), _ids(cfg, 3, 4)
+    plain = _plain_logits(model, prompt, tokens)
+    seen.clear()
+    compiled, _ = _compiled_logits(model, prompt, tokens, capacity=40)
+    n_layers = len(model.layers) if full_layers is None else len(full_layers)
+    traced = [s for s in seen if s[1] is not None]
+    # One trace (the first step; its plain check runs without kv_len), one
+    # kernel call per full-attention layer, over the whole 64-slot buffer.
+    assert len(traced) == n_layers and all(s[0] == 64 for s in traced), seen
+    for p, c in zip(plain, compiled):
+        assert mx.abs(c - p).max().item() <= 1e-4 * (1 + mx.abs(p).max().item())
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_capacity_grows_past_the_first_trace(arch):
     # capacity=1: a 64-slot buffer for 60 prompt tokens; the 5th step grows

@@ -32,13 +32,13 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
                           const float* q, const float* k, const float* v,
                           float scale, float* out) {
   const int64_t B = sh.B, H = sh.H, Hk = sh.Hk, T = sh.T, S = sh.S, D = sh.D;
-  const int64_t r = H / Hk, off = S - T;
+  const int64_t r = H / Hk, off = S - T, ld = sh.kv_rows();
   // K^T per KV head, so the score GEMM reads keys contiguously along its
   // output row (the vector direction of the GEMM tile).
   std::vector<float> kt(size_t(B * Hk * D * S));
   parallel_for(B * Hk, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const float* src = k + i * S * D;
+      const float* src = k + i * ld * D;
       float* dst = kt.data() + i * D * S;
       for (int64_t s = 0; s < S; ++s)
         for (int64_t d = 0; d < D; ++d) dst[d * S + s] = src[s * D + d];
@@ -70,7 +70,7 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
         inv[size_t(row)] = 1.0f / kern.exp_row(x, n, attn_row_max(x, n));
         std::fill(x + n, x + e, 0.0f);
       }
-      kern.gemm(sc.data(), e, v + bh * S * D, D, o.data(), D, rows, D, e);
+      kern.gemm(sc.data(), e, v + bh * ld * D, D, o.data(), D, rows, D, e);
       for (int64_t g = 0; g < r; ++g) {
         float* dst = out + ((b * H + hk * r + g) * T + t0) * D;
         for (int64_t t = 0; t < nt; ++t) {
@@ -85,7 +85,8 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
 
 mx::array causal_attention(const mx::array& q, const mx::array& k,
                            const mx::array& v, float scale,
-                           Backend backend, mx::StreamOrDevice s) {
+                           Backend backend, mx::StreamOrDevice s,
+                           const std::optional<mx::array>& kv_len) {
   for (auto [a, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) {
     if (a->ndim() != 4)
       fail(std::string(name) + " must be 4-D [batch, heads, length, head_dim], got shape " +
@@ -105,13 +106,18 @@ mx::array causal_attention(const mx::array& q, const mx::array& k,
     fail("k/v length (" + std::to_string(k.shape(2)) +
          ") must be at least the query length (" + std::to_string(q.shape(2)) + ")");
   if (!std::isfinite(scale)) fail("scale must be finite");
+  if (kv_len && (kv_len->size() != 1 || !mx::issubdtype(kv_len->dtype(), mx::integer)))
+    fail("kv_len must be one integer (an array of size 1), got shape " +
+         shape_str(*kv_len) + " of another dtype or size");
   select_attn(backend);  // throws now, not inside the graph, if unavailable
   auto stream = mx::to_stream(s);
+  std::vector<mx::array> inputs{dense_input(q, stream), dense_input(k, stream),
+                                dense_input(v, stream)};
+  if (kv_len)
+    inputs.push_back(mx::reshape(mx::astype(*kv_len, mx::int32, stream), {1}, stream));
   return mx::array(q.shape(), mx::float32,
-                   std::make_shared<CausalAttention>(stream, scale, backend),
-                   {dense_input(q, stream),
-                    dense_input(k, stream),
-                    dense_input(v, stream)});
+                   std::make_shared<CausalAttention>(stream, scale, backend, bool(kv_len)),
+                   std::move(inputs));
 }
 
 std::vector<mx::Shape> CausalAttention::output_shapes(
@@ -121,7 +127,7 @@ std::vector<mx::Shape> CausalAttention::output_shapes(
 
 bool CausalAttention::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const CausalAttention&>(other);
-  return scale_ == o.scale_ && backend_ == o.backend_;
+  return scale_ == o.scale_ && backend_ == o.backend_ && has_len_ == o.has_len_;
 }
 
 void CausalAttention::eval_cpu(const std::vector<mx::array>& inputs,
@@ -138,6 +144,17 @@ void CausalAttention::eval_cpu(const std::vector<mx::array>& inputs,
     const auto& k = inputs[1];
     AttnShape sh{q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2), q.shape(3)};
     if (q.size() == 0) return;
+    if (inputs.size() == 4) {
+      // Keys [0, kv_len) of the buffers; a length the buffers cannot hold
+      // (or shorter than the queries) gives NaN, never a read past them.
+      const int64_t len = inputs[3].data<int32_t>()[0];
+      if (len < sh.T || len > sh.S) {
+        std::fill_n(o.data<float>(), o.size(), std::nanf(""));
+        return;
+      }
+      sh.rows = sh.S;
+      sh.S = len;
+    }
     causal_attention_cpu(kern, sh, q.data<float>(), k.data<float>(),
                          inputs[2].data<float>(), scale, o.data<float>());
   });

@@ -2,6 +2,7 @@
 // result as mx.fast.scaled_dot_product_attention(q, k, v, scale,
 // mask="causal"), float32 only.
 #pragma once
+#include <optional>
 #include <vector>
 
 #include "attn/kernel.h"
@@ -15,8 +16,8 @@ namespace mx = mlx::core;
 
 class CausalAttention : public mx::Primitive {
  public:
-  CausalAttention(mx::Stream s, float scale, Backend backend)
-      : mx::Primitive(s), scale_(scale), backend_(backend) {}
+  CausalAttention(mx::Stream s, float scale, Backend backend, bool has_len = false)
+      : mx::Primitive(s), scale_(scale), backend_(backend), has_len_(has_len) {}
 
   MIXBITS_EVAL_MULTI()
 
@@ -25,6 +26,7 @@ class CausalAttention : public mx::Primitive {
   // Linux, ~40x slower than these GEMMs); on another device MLX's own
   // causal sdpa differentiated by MLX. jvp: MLX's causal sdpa differentiated
   // by MLX on any device (correct, not fast; nothing here needs it fast).
+  // A node with kv_len (a decode step) has no derivatives: refused.
   MIXBITS_GRADS()
 
   MIXBITS_NAME_AND_EQUIVALENT(CausalAttention)
@@ -33,6 +35,8 @@ class CausalAttention : public mx::Primitive {
  private:
   float scale_;
   Backend backend_;
+  bool has_len_;  // a 4th input: the number of keys in use (kv_len)
+  void refuse_derivatives_with_len() const;
 };
 
 // The backward of CausalAttention on the CPU. Inputs q, k, v (contiguous, as
@@ -57,10 +61,15 @@ class CausalAttentionVJP : public mx::Primitive {
 
 // q [B, H, T, D], k and v [B, Hk, S, D] float32 with H % Hk == 0 and
 // S >= T; returns [B, H, T, D]. Validates (std::invalid_argument naming the
-// argument) before building the graph node.
+// argument) before building the graph node. With `kv_len` (one integer,
+// read when the node runs, so a compiled decode step can pass its offset
+// as an array), only keys [0, kv_len) exist: query t sees keys
+// 0 .. t + kv_len - T, as if k and v were cut to kv_len rows; a kv_len
+// outside [T, S] gives NaN.
 mx::array causal_attention(const mx::array& q, const mx::array& k,
                            const mx::array& v, float scale,
                            Backend backend = Backend::Auto,
-                           mx::StreamOrDevice s = {});
+                           mx::StreamOrDevice s = {},
+                           const std::optional<mx::array>& kv_len = std::nullopt);
 
 }  // namespace mixbits

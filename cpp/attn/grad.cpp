@@ -227,10 +227,18 @@ void causal_attention_vjp_cpu(const AttnKernels& kern, const AttnShape& sh,
   });
 }
 
+void CausalAttention::refuse_derivatives_with_len() const {
+  if (has_len_)
+    throw std::invalid_argument(
+        "causal_attention: no derivatives through a call with kv_len (a decode "
+        "step's attention); differentiate the model's plain forward");
+}
+
 std::vector<mx::array> CausalAttention::vjp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
     const std::vector<mx::array>&) {
+  refuse_derivatives_with_len();
   auto s = stream();
   const auto& q = primals[0];
   const auto& k = primals[1];
@@ -255,6 +263,7 @@ std::vector<mx::array> CausalAttention::vjp(
 std::vector<mx::array> CausalAttention::jvp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& tangents, const std::vector<int>& argnums) {
+  refuse_derivatives_with_len();
   auto s = stream();
   const float scale = scale_;
   auto f = [scale, s](const std::vector<mx::array>& x) {

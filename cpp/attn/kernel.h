@@ -75,8 +75,13 @@ std::vector<Backend> available_attn_backends();
 
 // Shapes of one call: q [B, H, T, D], k and v [B, Hk, S, D], S >= T; query
 // t sees keys 0 .. t + (S - T) (the queries are the last T positions).
+// `rows`, when set, is the keys' row count per head in the k/v buffers
+// (>= S): the call then reads only their first S rows (a decode step's
+// filled prefix of a fixed-capacity cache buffer).
 struct AttnShape {
   int64_t B, H, Hk, T, S, D;
+  int64_t rows = 0;  // 0: S
+  int64_t kv_rows() const { return rows ? rows : S; }
 };
 
 // out [B, H, T, D] for contiguous float32 q, k, v.

@@ -25,7 +25,7 @@ def attn_backends() -> list[str]:
 
 
 def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
-                     backend: str | None = None) -> mx.array:
+                     backend: str | None = None, kv_len: mx.array | None = None) -> mx.array:
     """softmax(scale * q k^T + causal mask) v.
 
     q is [B, H, T, D]; k and v are [B, Hk, S, D] with H a multiple of Hk and
@@ -33,6 +33,12 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     positions, as with a KV cache). float32 only; returns [B, H, T, D].
     Equal to ``mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
     mask="causal")`` up to float32 rounding.
+
+    ``kv_len`` (an integer array of one element, read when the graph runs:
+    a compiled decode step passes its cache offset + 1) cuts k and v to
+    their first ``kv_len`` rows: the same result as with
+    ``k[:, :, :kv_len]``, without the copy. A value outside [T, S] gives
+    NaN (it is not known when the graph is built).
     """
     for name, a in (("q", q), ("k", k), ("v", v)):
         if not isinstance(a, mx.array):
@@ -52,6 +58,9 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
+    if kv_len is not None and (not isinstance(kv_len, mx.array) or kv_len.size != 1
+                               or not mx.issubdtype(kv_len.dtype, mx.integer)):
+        raise ValueError(f"kv_len must be an integer mlx array of one element, got {kv_len!r}")
     bid = backend_id(backend)
     require_cpu("causal_attention")
-    return _ext.causal_attention(q, k, v, scale, bid)
+    return _ext.causal_attention(q, k, v, scale, bid, kv_len)

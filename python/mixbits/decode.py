@@ -63,9 +63,15 @@ class _StepCache:
     ``window`` (a RotatingKVCache's max_size) the buffer is a ring: slot s
     holds the latest token t <= offset with t % window == s."""
 
-    def __init__(self, keys, values, offset, window):
+    def __init__(self, keys, values, offset, window, prefix: dict):
         self.keys, self.values, self.offset, self.window = keys, values, offset, window
         self.masked = False
+        # Shared by the step's caches: the plain causal mask a cache made
+        # ({"mask": the array, "kv_len": offset + 1}), so an attention
+        # kernel handed that very mask and a full-length cache may read the
+        # first kv_len keys instead (mixbits.routing; any model asks one
+        # layer's cache for the mask and passes it to every layer).
+        self.decode_prefix = prefix
 
     def update_and_fetch(self, keys, values):
         if keys.shape[2] != 1:
@@ -86,6 +92,8 @@ class _StepCache:
             mask = pos <= self.offset
             if window_size is not None:
                 mask = mask & (pos > self.offset - window_size)
+            else:
+                self.decode_prefix.update(mask=mask, kv_len=self.offset + 1)
             return mask
         # Ring: slot s holds the token (offset - (offset - s) mod window),
         # valid when it exists (slot <= offset) and lies inside window_size.
@@ -255,7 +263,8 @@ class Decoder:
     def _traced(self, tokens, offset, keys, values):
         # A ring smaller than its window has not wrapped yet: slot = offset
         # modulo its size is the offset itself until it grows.
-        caches = [_StepCache(k, v, offset, k.shape[2] if w else None)
+        prefix = {}
+        caches = [_StepCache(k, v, offset, k.shape[2] if w else None, prefix)
                   for k, v, w in zip(keys, values, self._windows)]
         # The stand-ins live only while tracing: the replayed step keeps
         # their ops, the model keeps its own modules.

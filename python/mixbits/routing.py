@@ -6,8 +6,9 @@ module. :func:`patch_functions` swaps those names, in that module, for
 routers, and gives the patched model and its decoder layers a subclass
 whose ``__call__`` marks "this model is routed" for the duration of the
 call. A router takes the call only inside such a mark and only in the
-cases the kernels cover (float32 on the CPU; for attention, the causal mask
-or a one-query decode step without a mask, no quantized cache or sinks);
+cases the kernels cover (float32 on the CPU; for attention, the causal mask,
+a one-query decode step without a mask, or a compiled decode step's prefix
+mask (mixbits.decode), no quantized cache or sinks);
 everything else (other models of the same architecture, array masks, half
 precision, GPU) goes to the original function.
 """
@@ -50,16 +51,29 @@ def _has_vector_kernel(name: str) -> bool:
     return any(b != "ref" for b in names(_KERNEL_BACKENDS[name]()))
 
 
+def _prefix_length(cache, mask, queries):
+    """kv_len when ``mask`` is the plain causal mask of a compiled decode
+    step (mixbits.decode) over this full-length cache buffer: the one query
+    then sees exactly the buffer's first kv_len keys."""
+    prefix = getattr(cache, "decode_prefix", None)
+    if (prefix and mask is prefix.get("mask") and getattr(cache, "window", 0) is None
+            and queries.shape[-2] == 1):
+        return prefix["kv_len"]
+    return None
+
+
 def _sdpa_router(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         # One query without a mask (a decode step) sees every key, which is
-        # what the causal kernel does for the last query row.
+        # what the causal kernel does for the last query row; a compiled
+        # decode step's prefix mask is the same over the first kv_len keys.
+        kv_len = _prefix_length(cache, mask, queries) if isinstance(mask, mx.array) else None
         causal = (isinstance(mask, str) and mask == "causal") or (
-            mask is None and queries.shape[-2] == 1)
+            mask is None and queries.shape[-2] == 1) or kv_len is not None
         if (_ACTIVE.get() and causal and sinks is None and not hasattr(cache, "bits")
                 and _f32(queries, keys, values) and on_cpu()
                 and _has_vector_kernel("scaled_dot_product_attention")):
-            return _ext.causal_attention(queries, keys, values, float(scale), 0)
+            return _ext.causal_attention(queries, keys, values, float(scale), 0, kv_len)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     return scaled_dot_product_attention
