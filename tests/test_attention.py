@@ -108,6 +108,36 @@ def test_kv_len_reads_a_prefix_of_the_buffers(backend, shape):
         assert np.isnan(np.array(causal_attention(q, k, v, 0.3, backend=backend, kv_len=mx.array(n)))).all()
 
 
+HALF_EPS = {mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}  # unit roundoff
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("backend", attn_backends())
+def test_half_precision_inputs(dtype, backend):
+    """float16 / bfloat16 q, k, v: computed in float32 from the half values,
+    one rounding on the output (float64 reference on the same half inputs);
+    with kv_len too; the gradient equals MLX's sdpa's in float32 on the
+    same values, rounded to the dtype."""
+    rng = np.random.default_rng(11)
+    B, H, Hk, T, S, D = 1, 6, 2, 9, 40, 32
+    q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)).astype(dtype)
+               for s in ((B, H, T, D), (B, Hk, S, D), (B, Hk, S, D)))
+    for n in (None, 20):
+        kk, vv = (k, v) if n is None else (k[:, :, :n], v[:, :, :n])
+        got = causal_attention(q, k, v, 0.2, backend=backend, kv_len=None if n is None else mx.array(n))
+        assert got.dtype == dtype
+        want = attention64(q.astype(mx.float32), kk.astype(mx.float32), vv.astype(mx.float32), 0.2)
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)), want,
+                                   atol=1e-5, rtol=HALF_EPS[dtype] + 1e-5)  # one rounding: unit roundoff
+    # the backward: widened for the float32 kernel, rounded back
+    g = mx.grad(lambda q, k, v: causal_attention(q, k, v, 0.2, backend=backend).astype(mx.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+    ref = mx.grad(lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal").sum(),
+                  argnums=(0, 1, 2))(*(a.astype(mx.float32) for a in (q, k, v)))
+    for a, b in zip(g, ref):
+        assert a.dtype == dtype
+        np.testing.assert_allclose(np.array(a.astype(mx.float32)), np.array(b), atol=2e-3, rtol=HALF_EPS[dtype])
+
+
 def test_kv_len_is_checked_and_has_no_gradient():
     x = mx.zeros((1, 1, 2, 4))
     for bad in (3, mx.array([2, 3]), mx.array(2.0)):
@@ -133,7 +163,9 @@ def test_attention_bad_shapes(args, match):
 
 def test_attention_bad_dtype_scale_backend():
     x = mx.zeros((1, 1, 2, 4))
-    with pytest.raises(TypeError, match="q must be float32"):
+    with pytest.raises(TypeError, match="q must be float32, float16 or bfloat16"):
+        causal_attention(x.astype(mx.int32), x, x, 1.0)
+    with pytest.raises(TypeError, match="one dtype"):
         causal_attention(x.astype(mx.float16), x, x, 1.0)
     with pytest.raises(ValueError, match="scale must be finite"):
         causal_attention(x, x, x, float("nan"))

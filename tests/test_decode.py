@@ -24,9 +24,9 @@ ARCHS = ["llama", "qwen3", "gemma3_text", "qwen3_moe", "ministral3", "phi3", "gp
 FLOAT = {"deepseek_v3"}
 
 
-def _patched(arch: str):
+def _patched(arch: str, dtype=mx.float32):
     mx.set_default_device(mx.cpu)
-    model, cfg = tiny_models.build(arch)
+    model, cfg = tiny_models.build(arch, dtype=dtype)
     if arch in FLOAT:
         return model, cfg
     nn.quantize(model, group_size=32, bits=4)
@@ -71,14 +71,16 @@ def test_compiled_steps_match_the_plain_forward(arch):
     assert offset == len(prompt) + len(tokens)
 
 
-@pytest.mark.parametrize("arch, full_layers", [("llama", None), ("gemma3_text", [1, 3])])
-def test_compiled_attention_runs_the_kernel_on_the_filled_prefix(arch, full_layers, monkeypatch):
+@pytest.mark.parametrize("arch, full_layers, dtype", [("llama", None, mx.float32), ("gemma3_text", [1, 3], mx.float32),
+                                                     ("llama", None, mx.float16), ("qwen3", None, mx.bfloat16)])
+def test_compiled_attention_runs_the_kernel_on_the_filled_prefix(arch, full_layers, dtype, monkeypatch):
     """A compiled step's attention over a KVCache buffer goes to the mixbits
     kernel with kv_len = offset + 1 (not MLX's masked fallback over the
-    whole buffer); ring-buffer (sliding) layers keep MLX's op."""
+    whole buffer), in half precision too; ring-buffer (sliding) layers keep
+    MLX's op."""
     from mixbits import _ext
 
-    model, cfg = _patched(arch)
+    model, cfg = _patched(arch, dtype)
     seen = []
     real = _ext.causal_attention
 
@@ -96,8 +98,10 @@ def test_compiled_attention_runs_the_kernel_on_the_filled_prefix(arch, full_laye
     # One trace (the first step; its plain check runs without kv_len), one
     # kernel call per full-attention layer, over the whole 64-slot buffer.
     assert len(traced) == n_layers and all(s[0] == 64 for s in traced), seen
+    tol = 1e-4 if dtype == mx.float32 else 2e-2  # the Decoder's own check for half precision
     for p, c in zip(plain, compiled):
-        assert mx.abs(c - p).max().item() <= 1e-4 * (1 + mx.abs(p).max().item())
+        assert c.dtype == p.dtype == dtype
+        assert mx.abs(c - p).max().item() <= tol * (1 + mx.abs(p).max().item())
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])

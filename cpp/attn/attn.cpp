@@ -29,21 +29,29 @@ constexpr int64_t kQueryBlock = 32;
 }  // namespace
 
 void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
-                          const float* q, const float* k, const float* v,
-                          float scale, float* out) {
+                          const void* q, const void* k, const void* v,
+                          DType dt, float scale, void* out) {
   const int64_t B = sh.B, H = sh.H, Hk = sh.Hk, T = sh.T, S = sh.S, D = sh.D;
   const int64_t r = H / Hk, off = S - T, ld = sh.kv_rows();
   // K^T per KV head, so the score GEMM reads keys contiguously along its
-  // output row (the vector direction of the GEMM tile).
+  // output row (the vector direction of the GEMM tile); half-precision V is
+  // widened once per head here too (the GEMMs take float32).
   std::vector<float> kt(size_t(B * Hk * D * S));
+  std::vector<float> vw(dt == DType::f32 ? 0 : size_t(B * Hk * S * D));
   parallel_for(B * Hk, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const float* src = k + i * ld * D;
       float* dst = kt.data() + i * D * S;
       for (int64_t s = 0; s < S; ++s)
-        for (int64_t d = 0; d < D; ++d) dst[d * S + s] = src[s * D + d];
+        for (int64_t d = 0; d < D; ++d)
+          dst[d * S + s] = load_as_f32(k, (i * ld + s) * D + d, dt);
+      if (dt != DType::f32)
+        for (int64_t j = 0; j < S * D; ++j) vw[size_t(i * S * D + j)] = load_as_f32(v, i * ld * D + j, dt);
     }
   });
+  // V rows of KV head bh: the caller's buffer (row stride ld) or the widened copy.
+  auto v_rows = [&](int64_t bh) {
+    return dt == DType::f32 ? static_cast<const float*>(v) + bh * ld * D : vw.data() + bh * S * D;
+  };
   const int64_t nqb = (T + kQueryBlock - 1) / kQueryBlock;
   parallel_for(B * Hk * nqb, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> qa(size_t(r * kQueryBlock * D));
@@ -58,9 +66,9 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
       const int64_t rows = r * nt;
       const int64_t e = t0 + nt + off;  // keys any row of this block sees
       for (int64_t g = 0; g < r; ++g) {
-        const float* src = q + ((b * H + hk * r + g) * T + t0) * D;
+        const int64_t src = ((b * H + hk * r + g) * T + t0) * D;
         float* dst = qa.data() + g * nt * D;
-        for (int64_t i = 0; i < nt * D; ++i) dst[i] = src[i] * scale;
+        for (int64_t i = 0; i < nt * D; ++i) dst[i] = load_as_f32(q, src + i, dt) * scale;
       }
       kern.gemm(qa.data(), D, kt.data() + bh * D * S, S, sc.data(), e, rows, e,
                 D);
@@ -70,13 +78,13 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
         inv[size_t(row)] = 1.0f / kern.exp_row(x, n, attn_row_max(x, n));
         std::fill(x + n, x + e, 0.0f);
       }
-      kern.gemm(sc.data(), e, v + bh * ld * D, D, o.data(), D, rows, D, e);
+      kern.gemm(sc.data(), e, v_rows(bh), D, o.data(), D, rows, D, e);
       for (int64_t g = 0; g < r; ++g) {
-        float* dst = out + ((b * H + hk * r + g) * T + t0) * D;
+        const int64_t dst = ((b * H + hk * r + g) * T + t0) * D;
         for (int64_t t = 0; t < nt; ++t) {
           const float f = inv[size_t(g * nt + t)];
           const float* src = o.data() + (g * nt + t) * D;
-          for (int64_t d = 0; d < D; ++d) dst[t * D + d] = src[d] * f;
+          for (int64_t d = 0; d < D; ++d) store_from_f32(out, dst + t * D + d, src[d] * f, dt);
         }
       }
     }
@@ -91,9 +99,11 @@ mx::array causal_attention(const mx::array& q, const mx::array& k,
     if (a->ndim() != 4)
       fail(std::string(name) + " must be 4-D [batch, heads, length, head_dim], got shape " +
            shape_str(*a));
-    if (a->dtype() != mx::float32)
-      fail(std::string(name) + " must be float32");
+    if (a->dtype() != mx::float32 && a->dtype() != mx::float16 && a->dtype() != mx::bfloat16)
+      fail(std::string(name) + " must be float32, float16 or bfloat16");
   }
+  if (k.dtype() != q.dtype() || v.dtype() != q.dtype())
+    fail("q, k and v must have one dtype");
   if (k.shape() != v.shape())
     fail("k shape " + shape_str(k) + " differs from v shape " + shape_str(v));
   if (q.shape(0) != k.shape(0) || q.shape(3) != k.shape(3))
@@ -115,7 +125,7 @@ mx::array causal_attention(const mx::array& q, const mx::array& k,
                                 dense_input(v, stream)};
   if (kv_len)
     inputs.push_back(mx::reshape(mx::astype(*kv_len, mx::int32, stream), {1}, stream));
-  return mx::array(q.shape(), mx::float32,
+  return mx::array(q.shape(), q.dtype(),
                    std::make_shared<CausalAttention>(stream, scale, backend, bool(kv_len)),
                    std::move(inputs));
 }
@@ -149,14 +159,15 @@ void CausalAttention::eval_cpu(const std::vector<mx::array>& inputs,
       // (or shorter than the queries) gives NaN, never a read past them.
       const int64_t len = inputs[3].data<int32_t>()[0];
       if (len < sh.T || len > sh.S) {
-        std::fill_n(o.data<float>(), o.size(), std::nanf(""));
+        const DType dt = to_dtype(q.dtype());
+        for (size_t i = 0; i < o.size(); ++i) store_from_f32(o.data<void>(), int64_t(i), std::nanf(""), dt);
         return;
       }
       sh.rows = sh.S;
       sh.S = len;
     }
-    causal_attention_cpu(kern, sh, q.data<float>(), k.data<float>(),
-                         inputs[2].data<float>(), scale, o.data<float>());
+    causal_attention_cpu(kern, sh, q.data<void>(), k.data<void>(),
+                         inputs[2].data<void>(), to_dtype(q.dtype()), scale, o.data<void>());
   });
 }
 

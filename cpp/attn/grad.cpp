@@ -247,13 +247,20 @@ std::vector<mx::array> CausalAttention::vjp(
   if (s.device == mx::Device::cpu) {
     // One node computes all three (they share P and dS); the ones not asked
     // for are dropped from the graph. The primals are the forward node's
-    // inputs, already contiguous.
-    auto dout = mx::contiguous(mx::astype(cotangents[0], mx::float32, s), false, s);
+    // inputs, already contiguous; the backward kernel is float32, so
+    // half-precision primals are widened for it and the gradients rounded
+    // back to their dtype.
+    const auto dt = q.dtype();
+    auto f32 = [&](const mx::array& a) { return mx::contiguous(mx::astype(a, mx::float32, s), false, s); };
+    auto dout = f32(cotangents[0]);
     all = mx::array::make_arrays(
         {q.shape(), k.shape(), v.shape()},
         {mx::float32, mx::float32, mx::float32},
         std::make_shared<CausalAttentionVJP>(s, scale_, backend_),
-        {q, k, v, dout});
+        {dt == mx::float32 ? q : f32(q), dt == mx::float32 ? k : f32(k),
+         dt == mx::float32 ? v : f32(v), dout});
+    if (dt != mx::float32)
+      for (auto& g : all) g = mx::astype(g, dt, s);
   } else {
     all = mlx_attention_vjp({q, k, v, cotangents[0]}, scale_, s);
   }

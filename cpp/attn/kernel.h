@@ -10,6 +10,7 @@
 // Every backend supplies the GEMM and the row exp; the driver (attn.cpp) is
 // shared, so backends differ only in arithmetic order.
 #pragma once
+#include "common/half.h"
 #include <cstdint>
 #include <vector>
 
@@ -84,10 +85,12 @@ struct AttnShape {
   int64_t kv_rows() const { return rows ? rows : S; }
 };
 
-// out [B, H, T, D] for contiguous float32 q, k, v.
+// out [B, H, T, D] for contiguous q, k, v of type `dt` (out the same):
+// float16 / bfloat16 inputs are widened as the kernel copies them (K^T, the
+// scaled queries, V) and the float32 result rounded once on the store.
 void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
-                          const float* q, const float* k, const float* v,
-                          float scale, float* out);
+                          const void* q, const void* k, const void* v,
+                          DType dt, float scale, void* out);
 
 // The vjp of causal_attention_cpu: dq [B, H, T, D], dk and dv [B, Hk, S, D]
 // from contiguous float32 q, k, v and the output cotangent dout [B, H, T, D]

@@ -30,9 +30,11 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
 
     q is [B, H, T, D]; k and v are [B, Hk, S, D] with H a multiple of Hk and
     S >= T; query t sees keys 0 .. t + S - T (the queries are the last T
-    positions, as with a KV cache). float32 only; returns [B, H, T, D].
-    Equal to ``mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
-    mask="causal")`` up to float32 rounding.
+    positions, as with a KV cache); returns [B, H, T, D] in their dtype
+    (float32, float16 or bfloat16, all three the same; half-precision
+    inputs are computed in float32 and the result rounded once). Equal to
+    ``mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
+    mask="causal")`` up to float32 rounding (and that output rounding).
 
     ``kv_len`` (an integer array of one element, read when the graph runs:
     a compiled decode step passes its cache offset + 1) cuts k and v to
@@ -45,8 +47,10 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
             raise TypeError(f"{name} must be an mlx.core.array, got {type(a).__name__}")
         if a.ndim != 4:
             raise ValueError(f"{name} must be 4-D [batch, heads, length, head_dim], got shape {a.shape}")
-        if a.dtype != mx.float32:
-            raise TypeError(f"{name} must be float32, got {a.dtype}")
+        if a.dtype not in (mx.float32, mx.float16, mx.bfloat16):
+            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {a.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"k shape {k.shape} differs from v shape {v.shape}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:

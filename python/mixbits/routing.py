@@ -6,11 +6,12 @@ module. :func:`patch_functions` swaps those names, in that module, for
 routers, and gives the patched model and its decoder layers a subclass
 whose ``__call__`` marks "this model is routed" for the duration of the
 call. A router takes the call only inside such a mark and only in the
-cases the kernels cover (float32 on the CPU; for attention, the causal mask,
+cases the kernels cover (on the CPU; SwiGLU in float32, attention in
+float32, float16 or bfloat16 with the causal mask,
 a one-query decode step without a mask, or a compiled decode step's prefix
 mask (mixbits.decode), no quantized cache or sinks);
-everything else (other models of the same architecture, array masks, half
-precision, GPU) goes to the original function.
+everything else (other models of the same architecture, other array masks,
+SwiGLU in half precision, GPU) goes to the original function.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ _SUBCLASSES: dict[type, type] = {}
 
 def _f32(*arrays) -> bool:
     return all(a.dtype == mx.float32 for a in arrays)
+
+
+def _one_float_dtype(*arrays) -> bool:
+    """The attention kernel's inputs: float32, float16 or bfloat16, one dtype."""
+    dt = arrays[0].dtype
+    return dt in (mx.float32, mx.float16, mx.bfloat16) and all(a.dtype == dt for a in arrays)
 
 
 # Each router's kernel's backends on this CPU.
@@ -71,7 +78,7 @@ def _sdpa_router(original):
         causal = (isinstance(mask, str) and mask == "causal") or (
             mask is None and queries.shape[-2] == 1) or kv_len is not None
         if (_ACTIVE.get() and causal and sinks is None and not hasattr(cache, "bits")
-                and _f32(queries, keys, values) and on_cpu()
+                and _one_float_dtype(queries, keys, values) and on_cpu()
                 and _has_vector_kernel("scaled_dot_product_attention")):
             return _ext.causal_attention(queries, keys, values, float(scale), 0, kv_len)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
