@@ -10,6 +10,7 @@
 
 #include "act/act.h"
 #include "attn/attn.h"
+#include "norm/rms_norm.h"
 #include "bench/probe.h"
 #include "common/backend.h"
 #include "gather/gather.h"
@@ -150,6 +151,14 @@ NB_MODULE(_ext, m) {
       },
       "gate"_a, "up"_a, "backend"_a = 0,
       "silu(gate) * up, float32, CPU.");
+
+  m.def(
+      "rms_norm",
+      [](const mx::array& x, const mx::array& w, float eps) {
+        return mixbits::rms_norm(x, w, eps);
+      },
+      "x"_a, "weight"_a, "eps"_a,
+      "mx.fast.rms_norm(x, weight, eps) as one CPU node (float32/16, bfloat16).");
 
   m.def(
       "act_backends",

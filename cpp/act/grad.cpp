@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "act/act.h"
+#include "common/grads.h"
 #include "common/parallel.h"
 #include "common/inputs.h"
 #include "mlx/allocator.h"
@@ -30,23 +31,6 @@ std::vector<mx::array> mlx_swiglu_vjp(const std::vector<mx::array>& in, mx::Stre
   const auto& dy = in[2];
   return {mx::multiply(mx::multiply(dy, u, s), silu_prime(g, s), s),
           mx::multiply(dy, mx::multiply(g, mx::sigmoid(g, s), s), s)};
-}
-
-std::vector<mx::array> pick(const std::vector<mx::array>& all,
-                            const std::vector<int>& argnums) {
-  std::vector<mx::array> out;
-  for (int a : argnums) out.push_back(all[size_t(a)]);
-  return out;
-}
-
-std::vector<mx::array> full_tangents(const std::vector<mx::array>& primals,
-                                     const std::vector<mx::array>& tangents,
-                                     const std::vector<int>& argnums,
-                                     mx::Stream s) {
-  std::vector<mx::array> t;
-  for (const auto& p : primals) t.push_back(mx::zeros_like(p, s));
-  for (size_t j = 0; j < argnums.size(); ++j) t[size_t(argnums[j])] = tangents[j];
-  return t;
 }
 
 // The kernels' dtype; SwigluVjp and Swiglu copy a strided input themselves.

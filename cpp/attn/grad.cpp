@@ -28,6 +28,8 @@
 #include <stdexcept>
 
 #include "attn/attn.h"
+#include "common/grads.h"
+#include "common/inputs.h"
 #include "common/parallel.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -91,24 +93,6 @@ std::vector<mx::array> mlx_attention_vjp(const std::vector<mx::array>& in,
     return std::vector<mx::array>{mlx_attention(x[0], x[1], x[2], scale, s)};
   };
   return mx::vjp(f, {in[0], in[1], in[2]}, {in[3]}).second;
-}
-
-// Tangents for every input: the given ones at their argnums, zeros elsewhere.
-std::vector<mx::array> full_tangents(const std::vector<mx::array>& primals,
-                                     const std::vector<mx::array>& tangents,
-                                     const std::vector<int>& argnums,
-                                     mx::Stream s) {
-  std::vector<mx::array> t;
-  for (const auto& p : primals) t.push_back(mx::zeros_like(p, s));
-  for (size_t j = 0; j < argnums.size(); ++j) t[size_t(argnums[j])] = tangents[j];
-  return t;
-}
-
-std::vector<mx::array> pick(const std::vector<mx::array>& all,
-                            const std::vector<int>& argnums) {
-  std::vector<mx::array> out;
-  for (int a : argnums) out.push_back(all[size_t(a)]);
-  return out;
 }
 
 }  // namespace
@@ -246,19 +230,19 @@ std::vector<mx::array> CausalAttention::vjp(
   std::vector<mx::array> all;
   if (s.device == mx::Device::cpu) {
     // One node computes all three (they share P and dS); the ones not asked
-    // for are dropped from the graph. The primals are the forward node's
-    // inputs, already contiguous; the backward kernel is float32, so
-    // half-precision primals are widened for it and the gradients rounded
-    // back to their dtype.
+    // for are dropped from the graph. The backward kernel reads dense
+    // float32 arrays: the primals (the forward node's inputs, possibly
+    // strided views) are made so, half precision widened, and the
+    // gradients rounded back to their dtype.
     const auto dt = q.dtype();
-    auto f32 = [&](const mx::array& a) { return mx::contiguous(mx::astype(a, mx::float32, s), false, s); };
-    auto dout = f32(cotangents[0]);
+    auto f32 = [&](const mx::array& a) {
+      return dense_input(a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s), s);
+    };
     all = mx::array::make_arrays(
         {q.shape(), k.shape(), v.shape()},
         {mx::float32, mx::float32, mx::float32},
         std::make_shared<CausalAttentionVJP>(s, scale_, backend_),
-        {dt == mx::float32 ? q : f32(q), dt == mx::float32 ? k : f32(k),
-         dt == mx::float32 ? v : f32(v), dout});
+        {f32(q), f32(k), f32(v), f32(cotangents[0])});
     if (dt != mx::float32)
       for (auto& g : all) g = mx::astype(g, dt, s);
   } else {

@@ -1,4 +1,4 @@
-"""Route an mlx-lm model's attention and SwiGLU to the mixbits CPU kernels.
+"""Route an mlx-lm model's attention, SwiGLU and RMSNorm to the mixbits CPU kernels.
 
 mlx-lm's model files call module-level functions,
 ``scaled_dot_product_attention`` and ``swiglu``, bound in the model's own
@@ -97,6 +97,24 @@ def _swiglu_router(original):
 
 
 _ROUTERS = {"scaled_dot_product_attention": _sdpa_router, "swiglu": _swiglu_router}
+
+
+class _RoutedRMSNorm(nn.RMSNorm):
+    """An ``nn.RMSNorm`` whose calls inside a routed model, on the CPU, run
+    as one mixbits node (:func:`mixbits.norm.rms_norm`) instead of MLX's
+    three-node CPU fallback. The module's parameters are untouched."""
+
+    def __call__(self, x):
+        w = self["weight"]
+        if _ACTIVE.get() and on_cpu() and _one_float_dtype(x) and _one_float_dtype(w):
+            return _ext.rms_norm(x, w, self.eps)
+        return super().__call__(x)
+
+
+def _norms(model: nn.Module, cls: type) -> list[nn.Module]:
+    return [m for _, m in model.named_modules() if type(m) is cls]
+
+
 def _routed_class(cls: type) -> type:
     """``cls`` with a ``__call__`` that routes the calls made inside it."""
     if getattr(cls, "_mixbits_routed", False):
@@ -139,8 +157,10 @@ def _model_modules(model: nn.Module) -> list:
 def patch_functions(model: nn.Module) -> list[str]:
     """Route ``model``'s attention / SwiGLU calls through the mixbits
     kernels; returns the function names taken over (those the model's module
-    has, whose kernel has a vector backend on this CPU). Other models are
-    not affected. Idempotent."""
+    has, whose kernel has a vector backend on this CPU), and ``"rms_norm"``
+    when the model has ``nn.RMSNorm`` layers (their calls go to the one-node
+    kernel on every CPU: MLX's is a three-node fallback everywhere). Other
+    models are not affected. Idempotent."""
     taken = []
     for mod in _model_modules(model):
         saved = mod.__dict__.setdefault(_SAVED, {})
@@ -153,6 +173,11 @@ def patch_functions(model: nn.Module) -> list[str]:
                 setattr(mod, name, router(fn))
             if name not in taken:
                 taken.append(name)
+    norms = _norms(model, nn.RMSNorm) + _norms(model, _RoutedRMSNorm)
+    for m in norms:
+        m.__class__ = _RoutedRMSNorm
+    if norms:
+        taken.append("rms_norm")
     if taken:
         for m in _entry_points(model):
             m.__class__ = _routed_class(type(m))
@@ -163,6 +188,8 @@ def unpatch_functions(model: nn.Module) -> None:
     """Undo :func:`patch_functions` for ``model`` (the module-level routers
     stay: without a routed model they pass every call through)."""
     _model_modules(model)
+    for m in _norms(model, _RoutedRMSNorm):
+        m.__class__ = nn.RMSNorm
     for m in _entry_points(model):
         cls = type(m)
         if getattr(cls, "_mixbits_routed", False) and cls in _SUBCLASSES.values():

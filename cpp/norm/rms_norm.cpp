@@ -1,0 +1,119 @@
+// RmsNorm: checks, the CPU evaluation (rows in parallel, strided inputs
+// copied first), and derivatives through MLX's own op.
+#include "norm/rms_norm.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "common/grads.h"
+#include "common/inputs.h"
+#include "common/mlx_args.h"
+#include "common/parallel.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/fast.h"
+#include "mlx/transforms.h"
+
+namespace mixbits {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) {
+  throw std::invalid_argument("rms_norm: " + msg);
+}
+
+// One row: the float32 sum of squares in 8 interleaved partial sums (they
+// vectorize), the scaling in float32, and MLX's two roundings.
+void rms_norm_row(const void* x, const void* w, void* y, int64_t row, int64_t D,
+                  DType xt, DType wt, DType yt, float eps) {
+  float part[8] = {};
+  const int64_t base = row * D;
+  for (int64_t i = 0; i < D; ++i) {
+    const float v = load_as_f32(x, base + i, xt);
+    part[i % 8] += v * v;
+  }
+  const float ss = ((part[0] + part[1]) + (part[2] + part[3])) +
+                   ((part[4] + part[5]) + (part[6] + part[7]));
+  const float inv = 1.0f / std::sqrt(ss / float(D) + eps);
+  for (int64_t i = 0; i < D; ++i) {
+    store_from_f32(y, base + i, load_as_f32(x, base + i, xt) * inv, yt);
+    store_from_f32(y, base + i, load_as_f32(y, base + i, yt) * load_as_f32(w, i, wt), yt);
+  }
+}
+
+mx::array mlx_rms_norm(const mx::array& x, const mx::array& w, float eps, mx::Stream s) {
+  return mx::fast::rms_norm(x, w, eps, s);
+}
+
+}  // namespace
+
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, mx::StreamOrDevice s) {
+  if (!is_float_dtype(x.dtype())) fail("x must be float32, float16 or bfloat16");
+  if (!is_float_dtype(w.dtype())) fail("weight must be float32, float16 or bfloat16");
+  if (x.ndim() < 1 || x.shape(-1) < 1) fail("x must have a non-empty last axis, got shape " + shape_str(x));
+  if (w.ndim() != 1 || w.shape(0) != x.shape(-1))
+    fail("weight must have shape (" + std::to_string(x.shape(-1)) + ",), got " + shape_str(w));
+  if (!(eps >= 0.0f) || !std::isfinite(eps)) fail("eps must be finite and >= 0");
+  auto stream = mx::to_stream(s);
+  // No contiguous node: x is usually lazy; eval_cpu copies a strided one.
+  return mx::array(x.shape(), mx::promote_types(x.dtype(), w.dtype()),
+                   std::make_shared<RmsNorm>(stream, eps), {x, w});
+}
+
+std::vector<mx::Shape> RmsNorm::output_shapes(const std::vector<mx::array>& inputs) {
+  return {inputs[0].shape()};
+}
+
+bool RmsNorm::is_equivalent(const mx::Primitive& other) const {
+  return eps_ == static_cast<const RmsNorm&>(other).eps_;
+}
+
+void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  enc.dispatch([inputs, o = mx::array::unsafe_weak_copy(out), eps = eps_]() mutable {
+    std::vector<char> xbuf, wbuf;
+    const void* x = row_major(inputs[0], xbuf);
+    const void* w = row_major(inputs[1], wbuf);
+    const int64_t D = inputs[0].shape(-1), rows = D ? int64_t(o.size()) / D : 0;
+    const DType xt = to_dtype(inputs[0].dtype()), wt = to_dtype(inputs[1].dtype()),
+                yt = to_dtype(o.dtype());
+    void* y = o.data<void>();
+    // 64 rows per task: a decode token (one row) runs inline.
+    parallel_for(rows, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) rms_norm_row(x, w, y, r, D, xt, wt, yt, eps);
+    });
+  });
+}
+
+void RmsNorm::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("rms_norm: CPU only; on the GPU use mx.fast.rms_norm");
+}
+
+std::vector<mx::array> RmsNorm::vjp(const std::vector<mx::array>& primals,
+                                    const std::vector<mx::array>& cotangents,
+                                    const std::vector<int>& argnums,
+                                    const std::vector<mx::array>&) {
+  const float eps = eps_;
+  const auto s = stream();
+  auto f = [eps, s](const std::vector<mx::array>& a) {
+    return std::vector<mx::array>{mlx_rms_norm(a[0], a[1], eps, s)};
+  };
+  return pick(mx::vjp(f, primals, cotangents).second, argnums);
+}
+
+std::vector<mx::array> RmsNorm::jvp(const std::vector<mx::array>& primals,
+                                    const std::vector<mx::array>& tangents,
+                                    const std::vector<int>& argnums) {
+  const float eps = eps_;
+  const auto s = stream();
+  auto f = [eps, s](const std::vector<mx::array>& a) {
+    return std::vector<mx::array>{mlx_rms_norm(a[0], a[1], eps, s)};
+  };
+  return mx::jvp(f, primals, full_tangents(primals, tangents, argnums, s)).second;
+}
+
+}  // namespace mixbits
