@@ -117,9 +117,14 @@ class _StepRoPE:
     call (SmolLM2: 60 calls, ~780 nodes a token) that recomputes the same
     cosines and sines in every layer. For one token at an array offset this
     computes them once per step and rope configuration (``memo``, shared by
-    every layer) and rotates with one gather and one fused multiply-add:
-    ``x * C + x[..., rot] * S``, the fallback's formulas (positions in x's
-    dtype, frequencies in float32). Anything else goes to the real module."""
+    every layer) and rotates with one fused multiply-add,
+    ``x * C + swap(x) * S``, the fallback's formulas (positions in x's dtype,
+    frequencies in float32). ``swap`` exchanges the two halves (or the two
+    elements of each pair, ``traditional``) as a reversed view of x
+    reshaped to (..., 2, d/2) (or (..., d/2, 2)): no gather, whose CPU form
+    is four nodes. With ``dims`` short of the features, the rest pass
+    through and a gather does the swap. Anything else goes to the real
+    module."""
 
     def __init__(self, rope: nn.RoPE, memo: dict):
         self.rope, self.memo = rope, memo
@@ -134,18 +139,33 @@ class _StepRoPE:
             inv_freqs = mx.exp(mx.arange(half, dtype=mx.float32) * (-math.log(r.base) / half))
             theta = (offset.astype(x.dtype) * r.scale).astype(mx.float32) * inv_freqs
             c, s = mx.cos(theta).astype(x.dtype), mx.sin(theta).astype(x.dtype)
-            if r.traditional:  # pairs (2i, 2i+1)
-                cos, sin = mx.stack([c, c], -1).reshape(d), mx.stack([-s, s], -1).reshape(d)
-                rot = [i ^ 1 for i in range(d)]
-            else:  # halves (i, i + d/2)
-                cos, sin = mx.concatenate([c, c]), mx.concatenate([-s, s])
-                rot = list(range(half, d)) + list(range(half))
-            # Features past dims pass through unchanged.
-            cos = mx.concatenate([cos, mx.ones((n - d,), x.dtype)])
-            sin = mx.concatenate([sin, mx.zeros((n - d,), x.dtype)])
-            self.memo[key] = (cos, sin, mx.array(rot + list(range(d, n)), dtype=mx.int32))
+            if d == n:  # factors in the (2, half) / (half, 2) shape of the reshaped x
+                if r.traditional:
+                    self.memo[key] = (mx.stack([c, c], -1), mx.stack([-s, s], -1), None)
+                else:
+                    self.memo[key] = (mx.stack([c, c]), mx.stack([-s, s]), None)
+            else:
+                if r.traditional:  # pairs (2i, 2i+1)
+                    cos, sin = mx.stack([c, c], -1).reshape(d), mx.stack([-s, s], -1).reshape(d)
+                    rot = [i ^ 1 for i in range(d)]
+                else:  # halves (i, i + d/2)
+                    cos, sin = mx.concatenate([c, c]), mx.concatenate([-s, s])
+                    rot = list(range(half, d)) + list(range(half))
+                # Features past dims pass through unchanged.
+                cos = mx.concatenate([cos, mx.ones((n - d,), x.dtype)])
+                sin = mx.concatenate([sin, mx.zeros((n - d,), x.dtype)])
+                self.memo[key] = (cos, sin, mx.array(rot + list(range(d, n)), dtype=mx.int32))
         cos, sin, rot = self.memo[key]
-        return x * cos + mx.take(x, rot, axis=-1) * sin
+        if rot is not None:
+            return x * cos + mx.take(x, rot, axis=-1) * sin
+        lead = x.shape[:-1]
+        if r.traditional:
+            xr = x.reshape(*lead, half, 2)
+            swapped = xr[..., ::-1]
+        else:
+            xr = x.reshape(*lead, 2, half)
+            swapped = xr[..., ::-1, :]
+        return (xr * cos + swapped * sin).reshape(*lead, n)
 
 
 def _swap_ropes(model: nn.Module, memo: dict) -> list:
