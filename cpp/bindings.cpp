@@ -11,6 +11,7 @@
 #include "act/act.h"
 #include "attn/attn.h"
 #include "norm/rms_norm.h"
+#include "rope/rope.h"
 #include "bench/probe.h"
 #include "common/backend.h"
 #include "gather/gather.h"
@@ -159,6 +160,13 @@ NB_MODULE(_ext, m) {
       },
       "x"_a, "weight"_a, "eps"_a,
       "mx.fast.rms_norm(x, weight, eps) as one CPU node (float32/16, bfloat16).");
+
+  m.def(
+      "rope",
+      [](const mx::array& x, const mx::array& offset, int dims, bool traditional, float base,
+         float scale) { return mixbits::rope(x, offset, dims, traditional, base, scale); },
+      "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a,
+      "mx.fast.rope(x, dims, ...) with an integer-array offset, as one CPU node.");
 
   m.def(
       "act_backends",

@@ -235,7 +235,7 @@ def test_routing_is_per_model_and_keeps_logits(monkeypatch):
     routed, plain = tiny_llama(seed=0), tiny_llama(seed=0)
     tokens = mx.array(tiny_tokens(2, 40))
     before = plain(tokens)
-    assert sorted(patch_functions(routed)) == ["rms_norm", "scaled_dot_product_attention", "swiglu"]
+    assert sorted(patch_functions(routed)) == ["rms_norm", "rope", "scaled_dot_product_attention", "swiglu"]
     try:
         got = routed(tokens)
         mx.eval(got)
@@ -285,7 +285,7 @@ def test_no_routing_where_only_the_scalar_kernel_exists(monkeypatch, request):
     request.addfinalizer(_has_vector_kernel.cache_clear)
     routed, plain = tiny_llama(seed=0), tiny_llama(seed=0)
     tokens = mx.array(tiny_tokens(1, 20))
-    assert patch_functions(routed) == ["scaled_dot_product_attention", "rms_norm"]
+    assert patch_functions(routed) == ["scaled_dot_product_attention", "rms_norm", "rope"]
     try:
         got = routed(tokens)
         mx.eval(got)

@@ -1,4 +1,4 @@
-"""Route an mlx-lm model's attention, SwiGLU and RMSNorm to the mixbits CPU kernels.
+"""Route an mlx-lm model's attention, SwiGLU, RMSNorm and RoPE to the mixbits CPU kernels.
 
 mlx-lm's model files call module-level functions,
 ``scaled_dot_product_attention`` and ``swiglu``, bound in the model's own
@@ -111,7 +111,28 @@ class _RoutedRMSNorm(nn.RMSNorm):
         return super().__call__(x)
 
 
-def _norms(model: nn.Module, cls: type) -> list[nn.Module]:
+class _RoutedRoPE(nn.RoPE):
+    """An ``nn.RoPE`` whose calls inside a routed model, on the CPU, run as
+    one mixbits node (:func:`mixbits.rope.rope`) instead of MLX's ~13-node
+    CPU fallback; an array offset (a compiled decode step's position) is
+    read when the graph runs."""
+
+    def __call__(self, x, offset=0):
+        if (_ACTIVE.get() and on_cpu() and _one_float_dtype(x) and x.ndim >= 2
+                and self.dims <= x.shape[-1] and self.dims % 2 == 0
+                and (type(offset) is int or (isinstance(offset, mx.array) and offset.size == 1
+                                             and mx.issubdtype(offset.dtype, mx.integer)))):
+            off = mx.array(offset, dtype=mx.int32) if type(offset) is int else offset
+            return _ext.rope(x, off, self.dims, bool(self.traditional), float(self.base), float(self.scale))
+        return super().__call__(x, offset=offset)
+
+
+# Module classes whose instances patch_functions re-classes (exact types
+# only: subclasses such as mlx-lm's scaled ropes keep their own call).
+_LEAF_ROUTES = {nn.RMSNorm: ("rms_norm", _RoutedRMSNorm), nn.RoPE: ("rope", _RoutedRoPE)}
+
+
+def _leaves(model: nn.Module, cls: type) -> list[nn.Module]:
     return [m for _, m in model.named_modules() if type(m) is cls]
 
 
@@ -158,9 +179,9 @@ def patch_functions(model: nn.Module) -> list[str]:
     """Route ``model``'s attention / SwiGLU calls through the mixbits
     kernels; returns the function names taken over (those the model's module
     has, whose kernel has a vector backend on this CPU), and ``"rms_norm"``
-    when the model has ``nn.RMSNorm`` layers (their calls go to the one-node
-    kernel on every CPU: MLX's is a three-node fallback everywhere). Other
-    models are not affected. Idempotent."""
+    / ``"rope"`` when the model has ``nn.RMSNorm`` / ``nn.RoPE`` layers
+    (their calls go to one-node kernels on every CPU: MLX's are composed
+    fallbacks everywhere). Other models are not affected. Idempotent."""
     taken = []
     for mod in _model_modules(model):
         saved = mod.__dict__.setdefault(_SAVED, {})
@@ -173,11 +194,12 @@ def patch_functions(model: nn.Module) -> list[str]:
                 setattr(mod, name, router(fn))
             if name not in taken:
                 taken.append(name)
-    norms = _norms(model, nn.RMSNorm) + _norms(model, _RoutedRMSNorm)
-    for m in norms:
-        m.__class__ = _RoutedRMSNorm
-    if norms:
-        taken.append("rms_norm")
+    for cls, (name, routed) in _LEAF_ROUTES.items():
+        leaves = _leaves(model, cls) + _leaves(model, routed)
+        for m in leaves:
+            m.__class__ = routed
+        if leaves:
+            taken.append(name)
     if taken:
         for m in _entry_points(model):
             m.__class__ = _routed_class(type(m))
@@ -188,8 +210,9 @@ def unpatch_functions(model: nn.Module) -> None:
     """Undo :func:`patch_functions` for ``model`` (the module-level routers
     stay: without a routed model they pass every call through)."""
     _model_modules(model)
-    for m in _norms(model, _RoutedRMSNorm):
-        m.__class__ = nn.RMSNorm
+    for cls, (_, routed) in _LEAF_ROUTES.items():
+        for m in _leaves(model, routed):
+            m.__class__ = cls
     for m in _entry_points(model):
         cls = type(m)
         if getattr(cls, "_mixbits_routed", False) and cls in _SUBCLASSES.values():

@@ -1,0 +1,150 @@
+// Rope: checks, the CPU evaluation (rows in parallel, a strided x copied
+// first), and derivatives through MLX's own op.
+#include "rope/rope.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "common/inputs.h"
+#include "common/mlx_args.h"
+#include "common/parallel.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/fast.h"
+#include "mlx/transforms.h"
+
+namespace mixbits {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) {
+  throw std::invalid_argument("rope: " + msg);
+}
+
+// Rows [r0, r1) of x viewed as [rows, D]; row r is at position
+// offset + r % L. Pairs (i, i + dims/2), or (2i, 2i + 1) when traditional,
+// rotate by pos * scale * base^(-i / (dims/2)).
+void rope_rows(const void* x, void* y, int64_t r0, int64_t r1, int64_t L, int64_t D,
+               int dims, bool traditional, const std::vector<float>& inv_freq,
+               float pos0_scaled, float scale, DType t) {
+  const int half = dims / 2;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float pos = pos0_scaled + float(r % L) * scale;
+    const int64_t base = r * D;
+    for (int i = 0; i < half; ++i) {
+      const float theta = pos * inv_freq[size_t(i)];
+      const float c = std::cos(theta), s = std::sin(theta);
+      const int64_t a = traditional ? 2 * i : i, b = traditional ? 2 * i + 1 : i + half;
+      const float xa = load_as_f32(x, base + a, t), xb = load_as_f32(x, base + b, t);
+      store_from_f32(y, base + a, xa * c - xb * s, t);
+      store_from_f32(y, base + b, xb * c + xa * s, t);
+    }
+    for (int64_t d = dims; d < D; ++d) store_from_f32(y, base + d, load_as_f32(x, base + d, t), t);
+  }
+}
+
+}  // namespace
+
+mx::array rope(const mx::array& x, const mx::array& offset, int dims, bool traditional,
+               float base, float scale, mx::StreamOrDevice s) {
+  if (!is_float_dtype(x.dtype())) fail("x must be float32, float16 or bfloat16");
+  if (x.ndim() < 2) fail("x must have at least 2 dims (..., L, D), got shape " + shape_str(x));
+  if (dims < 2 || dims % 2 || dims > x.shape(-1))
+    fail("dims must be even, >= 2 and at most x's last dim " + std::to_string(x.shape(-1)) +
+         ", got " + std::to_string(dims));
+  if (offset.size() != 1 || !mx::issubdtype(offset.dtype(), mx::integer))
+    fail("offset must be one integer (an array of size 1)");
+  if (!(base > 0.0f) || !std::isfinite(base)) fail("base must be finite and > 0");
+  if (!std::isfinite(scale)) fail("scale must be finite");
+  auto stream = mx::to_stream(s);
+  auto off = mx::reshape(mx::astype(offset, mx::int32, stream), {1}, stream);
+  // No contiguous node: x is usually a lazy transposed view; eval_cpu
+  // copies a strided one.
+  return mx::array(x.shape(), x.dtype(),
+                   std::make_shared<Rope>(stream, dims, traditional, base, scale), {x, off});
+}
+
+std::vector<mx::Shape> Rope::output_shapes(const std::vector<mx::array>& inputs) {
+  return {inputs[0].shape()};
+}
+
+bool Rope::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const Rope&>(other);
+  return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ &&
+         scale_ == o.scale_;
+}
+
+void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  enc.dispatch([inputs, o = mx::array::unsafe_weak_copy(out), dims = dims_,
+                traditional = traditional_, base = base_, scale = scale_]() mutable {
+    std::vector<char> xbuf;
+    const void* x = row_major(inputs[0], xbuf);
+    const int64_t D = inputs[0].shape(-1), L = inputs[0].shape(-2);
+    const int64_t rows = D ? int64_t(o.size()) / D : 0;
+    // The frequencies as MLX forms them: exp(i * -ln(base) / (dims/2)) in
+    // float32 from a float32 exponent step.
+    const int half = dims / 2;
+    const float step = float(-std::log(double(base)) / half);
+    std::vector<float> inv_freq(static_cast<size_t>(half));
+    for (int i = 0; i < half; ++i) inv_freq[size_t(i)] = std::exp(float(i) * step);
+    const float pos0 = float(inputs[1].data<int32_t>()[0]) * scale;
+    const DType t = to_dtype(o.dtype());
+    void* y = o.data<void>();
+    // 64 rows per task: one decode token's heads run inline.
+    parallel_for(rows, 64, [&](int64_t r0, int64_t r1) {
+      rope_rows(x, y, r0, r1, L, D, dims, traditional, inv_freq, pos0, scale, t);
+    });
+  });
+}
+
+void Rope::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("rope: CPU only; on the GPU use mx.fast.rope");
+}
+
+namespace {
+
+mx::array mlx_rope(const mx::array& x, const mx::array& offset, int dims, bool traditional,
+                   float base, float scale, mx::Stream s) {
+  return mx::fast::rope(x, dims, traditional, base, scale, mx::reshape(offset, {}, s),
+                        std::nullopt, s);
+}
+
+[[noreturn]] void no_offset_grad() {
+  throw std::invalid_argument("rope: no derivative wrt the integer offset");
+}
+
+}  // namespace
+
+std::vector<mx::array> Rope::vjp(const std::vector<mx::array>& primals,
+                                 const std::vector<mx::array>& cotangents,
+                                 const std::vector<int>& argnums,
+                                 const std::vector<mx::array>&) {
+  for (int a : argnums)
+    if (a != 0) no_offset_grad();
+  const auto s = stream();
+  const auto off = primals[1];
+  auto f = [=](const std::vector<mx::array>& a) {
+    return std::vector<mx::array>{mlx_rope(a[0], off, dims_, traditional_, base_, scale_, s)};
+  };
+  return mx::vjp(f, {primals[0]}, cotangents).second;
+}
+
+std::vector<mx::array> Rope::jvp(const std::vector<mx::array>& primals,
+                                 const std::vector<mx::array>& tangents,
+                                 const std::vector<int>& argnums) {
+  for (int a : argnums)
+    if (a != 0) no_offset_grad();
+  const auto s = stream();
+  const auto off = primals[1];
+  auto f = [=](const std::vector<mx::array>& a) {
+    return std::vector<mx::array>{mlx_rope(a[0], off, dims_, traditional_, base_, scale_, s)};
+  };
+  return mx::jvp(f, {primals[0]}, tangents).second;
+}
+
+}  // namespace mixbits
