@@ -1,16 +1,26 @@
-"""SmolLM2-135M Q4_1 end to end, one thread, CPU time: prefill (64 tokens)
+"""SmolLM2-135M Q4_1 end to end, one thread, CPU time and wall clock: prefill (64 tokens)
 and decode tokens/s, plain decode (``model(token, cache)``) next to the
 compiled decode (``mixbits.decode.Decoder``), for stock MLX quantized
 layers and for mixbits layers (``mixbits.patch``).
 
     OPENBLAS_NUM_THREADS=1 python bench/bench_decode.py [--steps 32] [--reps 4]
+        [--llama-bench build/ggml/llama-bench]
 
 Decode: median per-token CPU time over ``--reps`` interleaved rounds, each
 a fresh prefill of the 64-token prompt then 2 untimed + ``--steps`` timed
 greedy steps (bench/decode_profile.py's rounds), and the fastest token
 (``*_best``: noise only adds time). The compiled step's one-off trace and
 check (its first step) are untimed there and reported as ``first_step_s``
-(CPU seconds). Saves bench/results/decode.json.
+(CPU seconds). Every rate of ours is also taken by the wall clock
+(``*_wall_tps``: time.perf_counter around the same calls).
+
+With ``--llama-bench PATH`` (bench/ggml/build_llama_bench.sh builds it),
+llama.cpp's llama-bench runs in the same run on the same GGUF file, one
+thread, ``pp64`` (from an empty cache) and ``tg<steps>`` after a 64-token
+context, before and after our implementations (bench/llama_bench.py): its
+own wall-clock rates, and its CPU-time rates from getrusage of its
+processes.
+Saves bench/results/decode.json.
 """
 
 from __future__ import annotations
@@ -27,19 +37,53 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from decode_profile import RESULTS, Compiled, Plain, load_smollm2, prompt_ids, rounds, setup_cpu_one_thread, warm
+import llama_bench
+from decode_profile import (PROMPT, RESULTS, WARM, Compiled, Plain, load_smollm2, prompt_ids, setup_cpu_one_thread,
+                            warm)
 
 
-def prefill_tps(model, ids, reps: int) -> float:
+def prefill_tps(model, ids, reps: int) -> tuple[float, float]:
+    """(CPU-time, wall-clock) tokens/s of a prefill from an empty cache,
+    median of ``reps`` after one untimed."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    ts = []
+    ts, ws = [], []
     for _ in range(reps + 1):
         cache = make_prompt_cache(model)
-        t0 = time.process_time()
+        t0, w0 = time.process_time(), time.perf_counter()
         mx.eval(model(mx.array([ids]), cache=cache))
         ts.append(time.process_time() - t0)
-    return len(ids) / statistics.median(ts[1:])
+        ws.append(time.perf_counter() - w0)
+    return len(ids) / statistics.median(ts[1:]), len(ids) / statistics.median(ws[1:])
+
+
+def time_steps(step, nxt, steps: int):
+    """(CPU, wall) seconds of each of ``steps`` greedy decode steps (graph
+    build + eval, as decode_profile.time_steps sums them)."""
+    cpu, wall = [], []
+    for _ in range(steps):
+        t0, w0 = time.process_time(), time.perf_counter()
+        nxt = mx.argmax(step(nxt)[:, -1:], axis=-1)
+        mx.eval(nxt)
+        cpu.append(time.process_time() - t0)
+        wall.append(time.perf_counter() - w0)
+    return cpu, wall
+
+
+def rounds(model, ids, kinds, steps: int, reps: int) -> dict:
+    """{kind name: (CPU seconds, wall seconds) of every timed step}: ``reps``
+    interleaved rounds, each from a fresh prefill of ``ids``, of WARM
+    untimed + ``steps`` timed greedy steps (decode_profile.rounds with both
+    clocks)."""
+    capacity = len(ids) + WARM + steps + 1
+    samples = {k.name: ([], []) for k in kinds}
+    for _ in range(reps):
+        for k in kinds:
+            m = k(model, ids, capacity)
+            c, w = time_steps(m, warm(m, WARM), steps)
+            samples[k.name][0].extend(c)
+            samples[k.name][1].extend(w)
+    return samples
 
 
 def decode_tps(model, ids, steps: int, reps: int) -> dict:
@@ -54,10 +98,10 @@ def decode_tps(model, ids, steps: int, reps: int) -> dict:
         # reported, and the plain step timed alone.
         print(f"compiled decode refused: {e}", flush=True)
         samples = rounds(model, ids, [Plain], steps, reps)
-    out = {"compiled": None, "compiled_best": None, "first_step_s": None}
-    for name, (build, ev) in samples.items():
-        per = [b + e for b, e in zip(build, ev)]
+    out = {"compiled": None, "compiled_best": None, "compiled_wall": None, "first_step_s": None}
+    for name, (per, wall) in samples.items():
         out[name], out[f"{name}_best"] = 1 / statistics.median(per), 1 / min(per)
+        out[f"{name}_wall"] = 1 / statistics.median(wall)
     if out["compiled"] is not None:
         # The one-off cost of a compiled generation's first step (trace + check).
         m = Compiled(model, ids, len(ids) + 8)
@@ -65,6 +109,22 @@ def decode_tps(model, ids, steps: int, reps: int) -> dict:
         warm(m, 1)
         out["first_step_s"] = time.process_time() - t0
     return out
+
+
+def cpu_flags() -> list[str]:
+    """The SIMD flags of /proc/cpuinfo the kernels (ours and ggml's) choose by."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                want = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+                        "avx512_bf16", "amx_int8"]
+                return [f for f in want if f in have]
+    except OSError:
+        pass
+    import platform
+
+    return [platform.machine()]
 
 
 def set_activations(model, act: str) -> None:
@@ -92,9 +152,53 @@ def main(argv=None):
                          "row-interleaved layout (mixbits.nn.repack_layers); -repacked-linears: the same "
                          "with the tied head left in MLX's layout")
     ap.add_argument("--out", default=str(RESULTS / "decode.json"))
+    ap.add_argument("--llama-bench", metavar="PATH",
+                    help="llama.cpp's llama-bench (bench/ggml/build_llama_bench.sh): run it on the same GGUF, "
+                         "one thread, before and after our implementations")
+    ap.add_argument("--llama-reps", type=int, default=10,
+                    help="llama-bench --repetitions per test (its CPU time: this run minus a -r 1 run)")
     a = ap.parse_args(argv)
+    llama = gguf = None
+    if a.llama_bench is not None:  # one clear error before anything is timed
+        if a.llama_reps < 2:
+            raise SystemExit("error: --llama-reps must be at least 2 (CPU time is a difference of two runs)")
+        try:
+            llama = llama_bench.check_executable(a.llama_bench)
+            llama_version = llama_bench.check_runs(llama)
+        except llama_bench.LlamaBenchError as e:
+            raise SystemExit(f"error: {e}") from None
+        from mixbits.models import smollm2
+
+        gguf = str(smollm2.fetch())
+    flags = cpu_flags()
+    print(f"load average {os.getloadavg()}; CPU flags: {' '.join(flags)}; "
+          f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}", flush=True)
     setup_cpu_one_thread()
-    rows = []
+    rows, llama_runs = [], []
+
+    def run_llama(when: str) -> None:
+        if llama is None:
+            return
+        try:
+            m = llama_bench.measure(llama, gguf, PROMPT, a.steps, a.llama_reps)
+        except llama_bench.LlamaBenchError as e:
+            raise SystemExit(f"error: {e}") from None
+        pf, dc = m["prefill"], m["decode"]
+        row = {"impl": "llama.cpp", "when": when, "prompt": pf["test"]["n_prompt"],
+               "prefill_tps": pf["cpu_tps"], "prefill_wall_tps": pf["test"]["wall_median_tps"],
+               "decode_tps": dc["cpu_tps"], "decode_wall_tps": dc["test"]["wall_median_tps"],
+               "decode_wall_best_tps": dc["test"]["wall_best_tps"],
+               "prefill_llama_avg_ts": pf["test"]["avg_ts"], "decode_llama_avg_ts": dc["test"]["avg_ts"],
+               "decode_depth": dc["test"]["n_depth"], "decode_steps": dc["test"]["n_gen"],
+               "cpu_over_wall": {"prefill": pf["cpu_over_wall"], "decode": dc["cpu_over_wall"]},
+               "load_average": os.getloadavg()[0]}
+        rows.append(row)
+        llama_runs.append({"when": when, **m})
+        print(f"{'llama.cpp':14} prefill {row['prefill_tps']:7.1f} tok/s CPU ({row['prefill_wall_tps']:.1f} wall)"
+              f"   decode {row['decode_tps']:6.1f} tok/s CPU ({row['decode_wall_tps']:.1f} wall; tg{a.steps} "
+              f"at depth {PROMPT}) [{when}, load {row['load_average']:.2f}]", flush=True)
+
+    run_llama("before")
     for impl in a.impl:
         model, tok = load_smollm2(patch=impl.startswith("mixbits"))
         if "-" in impl:
@@ -108,25 +212,35 @@ def main(argv=None):
         ids = prompt_ids(tok)
         # Stock MLX's CPU quantized matmul is ~10x slower: fewer rounds.
         reps = a.reps if impl != "mlx" else 2
-        row = {"impl": impl, "prompt": len(ids), "prefill_tps": prefill_tps(model, ids, reps)}
+        pf_cpu, pf_wall = prefill_tps(model, ids, reps)
+        row = {"impl": impl, "prompt": len(ids), "prefill_tps": pf_cpu, "prefill_wall_tps": pf_wall}
         d = decode_tps(model, ids, a.steps if impl != "mlx" else max(4, a.steps // 4), reps)
         row.update(decode_plain_tps=d["plain"], decode_compiled_tps=d["compiled"],
                    decode_plain_best_tps=d["plain_best"], decode_compiled_best_tps=d["compiled_best"],
+                   decode_plain_wall_tps=d["plain_wall"], decode_compiled_wall_tps=d["compiled_wall"],
                    compiled_over_plain=d["compiled"] / d["plain"] if d["compiled"] else None,
-                   first_step_s=d["first_step_s"])
+                   first_step_s=d["first_step_s"], load_average=os.getloadavg()[0])
         rows.append(row)
         fmt = lambda v, f: "refused" if v is None else format(v, f)  # noqa: E731
-        print(f"{impl:14} prefill {row['prefill_tps']:7.1f} tok/s   decode plain {row['decode_plain_tps']:6.1f}"
-              f"  compiled {fmt(row['decode_compiled_tps'], '6.1f')} tok/s (fastest token "
-              f"{row['decode_plain_best_tps']:.1f} / {fmt(row['decode_compiled_best_tps'], '.1f')} tok/s; "
-              f"first compiled step {fmt(row['first_step_s'], '.2f')} s)", flush=True)
+        print(f"{impl:14} prefill {row['prefill_tps']:7.1f} tok/s CPU ({pf_wall:.1f} wall)   decode plain "
+              f"{row['decode_plain_tps']:6.1f}  compiled {fmt(row['decode_compiled_tps'], '6.1f')} tok/s CPU "
+              f"({row['decode_plain_wall_tps']:.1f} / {fmt(row['decode_compiled_wall_tps'], '.1f')} wall; "
+              f"fastest token {row['decode_plain_best_tps']:.1f} / {fmt(row['decode_compiled_best_tps'], '.1f')} "
+              f"tok/s; first compiled step {fmt(row['first_step_s'], '.2f')} s)", flush=True)
         del model
+    run_llama("after")
     res = {"model": "SmolLM2-135M Q4_1 (GGUF)", "steps": a.steps, "reps": a.reps,
-           "clock": "time.process_time, 1 thread (mixbits set_max_threads(1), OPENBLAS_NUM_THREADS=1)",
-           "load_average": os.getloadavg()[0],
-           "llama_cpp_reference": "75-81 tok/s decode, 1 thread, same GGUF, measured earlier on this kind "
-                                  "of host (not in this run)",
-           "rows": rows}
+           "clock": "prefill_tps/decode_*_tps: CPU time (ours: time.process_time; llama.cpp: getrusage of its "
+                    "processes, -r R run minus -r 1 run); *_wall_tps: wall clock (ours: time.perf_counter; "
+                    "llama.cpp: its samples_ns); 1 thread (mixbits set_max_threads(1), OPENBLAS_NUM_THREADS=1, "
+                    "llama-bench -t 1)",
+           "load_average": os.getloadavg()[0], "cpu_flags": flags, "rows": rows}
+    if llama is None:
+        res["llama_cpp_reference"] = ("75-81 tok/s decode, 1 thread, same GGUF, measured earlier on this kind "
+                                      "of host (not in this run; pass --llama-bench to run it)")
+    else:
+        res["llama_cpp"] = {"llama_bench": llama, "version": llama_version, "gguf": gguf,
+                            "reps": a.llama_reps, "runs": llama_runs}
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     print(f"saved {a.out}")
 

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-bench (the llama.cpp copy vendored in the
+# llama-cpp-python sdist that bench/ggml/build.sh uses) into
+# build/ggml/llama-bench (ignored by git). Optional baseline: only
+# `bench/bench_decode.py --llama-bench PATH` uses it; not part of .ci/run.
+#
+#   bench/ggml/build_llama_bench.sh          # -> build/ggml/llama-bench
+#   JOBS=2 LLAMA_CPP_PYTHON_VERSION=0.3.36 bench/ggml/build_llama_bench.sh
+#
+# CPU backend only, Release, -march=native (GGML_NATIVE), static libraries,
+# no OpenMP (ggml's own threadpool), no BLAS, no OpenSSL/HTTPS, no tests,
+# examples, server or app: of the tools only the llama-bench target is built
+# (it links libllama and llama-common). The sdist comes from
+# build/ggml/dl/ when present, else pip downloads it (sdist only, no deps),
+# as build.sh does. On a shared host wrap it: flock /tmp/mixbits-build.lock ...
+set -euo pipefail
+
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+JOBS="${JOBS:-1}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+OUT="${GGML_BUILD_DIR:-$ROOT/build/ggml}"
+PY="${PYTHON:-python3}"
+
+mkdir -p "$OUT/dl"
+SDIST="$OUT/dl/llama_cpp_python-$VERSION.tar.gz"
+if [ ! -f "$SDIST" ]; then
+  echo "fetching llama-cpp-python==$VERSION (sdist, no deps) from the package index into $OUT/dl"
+  "$PY" -m pip download "llama-cpp-python==$VERSION" --no-binary llama-cpp-python \
+      --no-deps -d "$OUT/dl"
+fi
+[ -f "$SDIST" ] || { echo "error: $SDIST not found after pip download" >&2; exit 1; }
+echo "using $SDIST (sha256 $(sha256sum "$SDIST" | cut -d' ' -f1))"
+
+# The whole vendored llama.cpp (src/, common/, tools/, vendor/, ggml/), not
+# the submodule's git metadata.
+SRC="$OUT/llama.cpp"
+if [ ! -f "$SRC/tools/llama-bench/llama-bench.cpp" ]; then
+  rm -rf "$SRC" && mkdir -p "$SRC"
+  echo "extracting vendor/llama.cpp"
+  tar xzf "$SDIST" -C "$SRC" --strip-components=3 --exclude='*/.git/*' \
+      "llama_cpp_python-$VERSION/vendor/llama.cpp"
+fi
+[ -f "$SRC/ggml/ggml.pc.in" ] || : > "$SRC/ggml/ggml.pc.in"
+
+# GIT_CEILING_DIRECTORIES: the configure asks git for "its" commit and would
+# otherwise find this repository's.
+GIT_CEILING_DIRECTORIES="$SRC" cmake -S "$SRC" -B "$OUT/llama-cmake" -DCMAKE_BUILD_TYPE=Release \
+  -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DGGML_BACKEND_DL=OFF \
+  -DGGML_CPU=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF \
+  -DGGML_OPENMP=OFF -DGGML_LLAMAFILE=ON -DGGML_RPC=OFF \
+  -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+  -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_LLGUIDANCE=OFF \
+  >"$OUT/llama-cmake.log" 2>&1 || { tail -30 "$OUT/llama-cmake.log"; exit 1; }
+nice -n 10 cmake --build "$OUT/llama-cmake" --target llama-bench -j "$JOBS"
+
+BIN=$(find "$OUT/llama-cmake" -type f -name llama-bench -perm -u+x | head -1)
+[ -n "$BIN" ] || { echo "error: no llama-bench under $OUT/llama-cmake" >&2; exit 1; }
+cp -f "$BIN" "$OUT/llama-bench"
+echo "built $OUT/llama-bench (llama-cpp-python==$VERSION)"
+"$OUT/llama-bench" --help 2>&1 | head -5 || true
