@@ -1,8 +1,12 @@
 """Where a SmolLM2-135M decode token goes, patched with mixbits, one thread,
 CPU time: the plain step (``model(token, cache)``) next to the compiled one
-(``mixbits.decode.Decoder``), with MLX's rope and with its rope stand-in.
+(``mixbits.decode.Decoder``), each with mixbits' routed attention, SwiGLU,
+RMSNorm and RoPE kernels (mixbits.routing, what ``patch`` installs) and
+with MLX's own ops for those (``unpatch_functions``: the matmuls alone
+patched), in one run.
 
     OPENBLAS_NUM_THREADS=1 python bench/decode_profile.py [--steps 32] [--reps 6]
+        [--activations float|int8|int16] [--repack]
 
 Per token:
 - build: CPU time of the Python call that returns the (lazy) logits;
@@ -11,9 +15,10 @@ Per token:
 - within eval, measured apart on the same arrays: the model's 211 quantized
   matmuls (210 linears + the tied head, each as the model dispatches it,
   all in one graph) and the 30 decode attentions at this cache length (as
-  the step runs them: no mask for the plain step, the boolean mask over the
-  whole buffer for the compiled one); "other" is the rest of eval (norms,
-  rope, cache updates, reshapes, SwiGLU, and MLX's per-node dispatch);
+  the step runs them: the mixbits kernel, routed, over the filled keys --
+  for the compiled step, kv_len over the buffer); "other" is the rest of
+  eval (norms, rope, cache updates, reshapes, SwiGLU, and MLX's per-node
+  dispatch);
 - graph nodes: the primitives of one step's graph, by MLX op name, counted
   from ``mx.export_to_dot`` (noise-free, unlike the times).
 
@@ -33,6 +38,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # read when MLX's BLAS loads
 
 import argparse
 import collections
+import contextlib
 import json
 import re
 import statistics
@@ -54,14 +60,14 @@ def setup_cpu_one_thread():
     _ext.set_max_threads(1)
 
 
-def load_smollm2(patch: bool = True):
+def load_smollm2(patch: bool = True, activations: str = "float", repack: bool = False):
     import mixbits
     from mixbits.models import smollm2
     from mixbits.models.gguf import load_gguf
 
     model, tok, _ = load_gguf(smollm2.fetch())
     if patch:
-        mixbits.patch(model)
+        mixbits.patch(model, activations=activations, repack=repack)
     return model, tok
 
 
@@ -75,6 +81,7 @@ class Plain:
     """The model's own decode: ``model(token, cache)`` with mlx-lm caches."""
 
     name = "plain"
+    routed = True  # mixbits' attention, SwiGLU, RMSNorm and RoPE kernels (mixbits.routing)
 
     def __init__(self, model, ids, capacity):
         from mlx_lm.models.cache import make_prompt_cache
@@ -90,16 +97,24 @@ class Plain:
         return [logits]
 
 
+class PlainMLXOps(Plain):
+    """The plain step with MLX's own attention, norms, rope and SwiGLU
+    (``mixbits.routing.unpatch_functions``): the matmuls alone patched."""
+
+    name = "plain_mlx_ops"
+    routed = False
+
+
 class Compiled:
     """``mixbits.decode.Decoder``: the same forward, compiled."""
 
     name = "compiled"
-    fast_rope = True
+    routed = True
 
     def __init__(self, model, ids, capacity):
         from mixbits.decode import Decoder
 
-        self.dec = Decoder(model, fast_rope=self.fast_rope)
+        self.dec = Decoder(model)
         self.first = self.dec.prefill(ids, capacity=capacity)
         mx.eval(self.first)
 
@@ -110,11 +125,25 @@ class Compiled:
         return [logits, *self.dec._state[0], *self.dec._state[1]]
 
 
-class CompiledMLXRope(Compiled):
-    """The compiled step with MLX's own rope (``fast_rope=False``)."""
+class CompiledMLXOps(Compiled):
+    """The compiled step with MLX's own ops (and the Decoder's rope stand-in)."""
 
-    name = "compiled_mlx_rope"
-    fast_rope = False
+    name = "compiled_mlx_ops"
+    routed = False
+
+
+@contextlib.contextmanager
+def routing(model, routed: bool):
+    """``model`` with or without mixbits' function routing, restored after."""
+    from mixbits.routing import patch_functions, unpatch_functions
+
+    if not routed:
+        unpatch_functions(model)
+    try:
+        yield
+    finally:
+        if not routed:
+            patch_functions(model)
 
 
 def count_nodes(arrays) -> collections.Counter:
@@ -181,16 +210,6 @@ def matmul_graph(model):
     return (lambda: [f(x) for f, x in calls]), len(calls)
 
 
-def contiguous_graph(model):
-    """``mx.contiguous`` of every quantized weight array (already
-    contiguous): the wrappers mixbits' matmul op adds, alone."""
-    from mlx.utils import tree_flatten
-
-    arrays = [a for _, m in model.named_modules() if "Quantized" in type(m).__name__
-              for _, a in tree_flatten(m.parameters())]
-    return lambda: [mx.contiguous(a) for a in arrays]
-
-
 def weight_bytes(model) -> int:
     """Bytes of every quantized module's arrays (codes, scales, biases):
     what one decode token must read."""
@@ -203,18 +222,29 @@ def weight_bytes(model) -> int:
     return total
 
 
-def attention_graph(model, length: int, capacity: int | None):
-    """30 decode attentions (one per layer) as the step runs them: MLX's
-    sdpa with no mask over ``length`` keys (plain), or with the boolean mask
-    over the ``capacity``-slot buffer (compiled)."""
+def attention_graph(model, length: int, capacity: int | None, routed: bool):
+    """30 decode attentions (one per layer) as the step runs them. Routed:
+    the mixbits kernel over the ``length`` keys (plain) or over the
+    ``capacity``-slot buffer with kv_len (compiled); else MLX's sdpa with
+    no mask (plain) or the boolean mask over the buffer (compiled)."""
+    from mixbits import _ext
+
     layers = model.model.layers
     attn = layers[0].self_attn
     h, hk, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
     s = capacity or length
-    q = mx.random.normal((1, h, 1, d))
-    kv = [(mx.random.normal((1, hk, s, d)), mx.random.normal((1, hk, s, d))) for _ in layers]
+    # The dtype attention sees (SmolLM2's GGUF: float16 embeddings, float32
+    # after the first projection, whose scales are float32).
+    dtype = attn.q_proj(model.model.embed_tokens(mx.array([[0]]))).dtype
+    q = mx.random.normal((1, h, 1, d)).astype(dtype)
+    kv = [(mx.random.normal((1, hk, s, d)).astype(dtype), mx.random.normal((1, hk, s, d)).astype(dtype))
+          for _ in layers]
+    n = mx.array(length, dtype=mx.int32)
     mask = None if capacity is None else mx.arange(s) <= length - 1
-    mx.eval(q, kv, mask if mask is not None else q)
+    mx.eval(q, kv, n, mask if mask is not None else q)
+    if routed:
+        kv_len = None if capacity is None else n
+        return lambda: [_ext.causal_attention(q, k, v, attn.scale, 0, kv_len) for k, v in kv]
     sdpa = mx.fast.scaled_dot_product_attention
     return lambda: [sdpa(q, k, v, scale=attn.scale, mask=mask) for k, v in kv]
 
@@ -230,31 +260,34 @@ def rounds(model, ids, kinds, steps: int, reps: int) -> dict:
     samples = {k.name: ([], []) for k in kinds}
     for _ in range(reps):
         for k in kinds:
-            m = k(model, ids, capacity)
-            b, e, _ = time_steps(m, warm(m, WARM), steps)
+            with routing(model, k.routed):
+                m = k(model, ids, capacity)
+                b, e, _ = time_steps(m, warm(m, WARM), steps)
             samples[k.name][0].extend(b)
             samples[k.name][1].extend(e)
     return samples
 
 
-def profile(model, tok, steps: int, reps: int) -> dict:
+def profile(model, tok, steps: int, reps: int, patch_desc: str) -> dict:
     ids = prompt_ids(tok)
     # Each round decodes from a fresh prompt state, as a generation of
     # WARM + steps tokens would: the compiled buffers hold exactly that.
     capacity = PROMPT + WARM + steps + 1
-    kinds = [Plain, CompiledMLXRope, Compiled]
+    kinds = [PlainMLXOps, Plain, CompiledMLXOps, Compiled]
     nodes = {}
     for k in kinds:
-        m = k(model, ids, capacity)
-        nodes[k.name] = count_nodes(m.outputs(m(warm(m))))
+        with routing(model, k.routed):
+            m = k(model, ids, capacity)
+            nodes[k.name] = count_nodes(m.outputs(m(warm(m))))
     from mixbits import _ext
     from mixbits.decode import _capacity  # the slots a compiled round's buffers have
 
     length = PROMPT + WARM + steps // 2  # the middle of the timed steps
     mm, n_mm = matmul_graph(model)
-    pieces = {"qmatmul": mm, "contiguous": contiguous_graph(model),
-              "attention_plain": attention_graph(model, length, None),
-              "attention_compiled": attention_graph(model, length, _capacity(capacity))}
+    pieces = {"qmatmul": mm}
+    for routed in (True, False):
+        pieces[("attention_plain", routed)] = attention_graph(model, length, None, routed)
+        pieces[("attention_compiled", routed)] = attention_graph(model, length, _capacity(capacity), routed)
     # The pieces are timed inside every round too, so the subtraction
     # below compares times taken under the same load.
     samples = {k.name: ([], []) for k in kinds}
@@ -265,7 +298,7 @@ def profile(model, tok, steps: int, reps: int) -> dict:
             samples[name][1].extend(e)
         for name, build in pieces.items():
             piece_s[name].append(median_eval(build, 3))
-    t_mm, t_contig = (statistics.median(piece_s[n]) for n in ("qmatmul", "contiguous"))
+    t_mm = statistics.median(piece_s["qmatmul"])
     nbytes = weight_bytes(model)
     probe = float(_ext.read_bandwidth_gbps(1 << 28, 5))
 
@@ -273,7 +306,8 @@ def profile(model, tok, steps: int, reps: int) -> dict:
     for k in kinds:
         build = statistics.median(samples[k.name][0])
         ev = statistics.median(samples[k.name][1])
-        t_att = statistics.median(piece_s["attention_plain" if k is Plain else "attention_compiled"])
+        t_att = statistics.median(piece_s[("attention_compiled" if issubclass(k, Compiled) else "attention_plain",
+                                           k.routed)])
         c = nodes[k.name]
         totals = [b + e for b, e in zip(*samples[k.name])]
         out[k.name] = {
@@ -289,11 +323,10 @@ def profile(model, tok, steps: int, reps: int) -> dict:
             "graph_nodes": sum(c.values()),
             "nodes_by_op": dict(c.most_common()),
         }
-    return {"model": "SmolLM2-135M Q4_1 (GGUF), mixbits.patch", "prompt": PROMPT,
+    return {"model": f"SmolLM2-135M Q4_1 (GGUF), mixbits.patch({patch_desc})", "prompt": PROMPT,
             "steps": steps, "reps": reps, "untimed_first_steps": WARM, "compiled_capacity": _capacity(capacity), "quantized_matmuls": n_mm,
             "weight_mb": nbytes / 1e6, "qmatmul_gbps": nbytes / t_mm / 1e9, "probe_gbps": probe,
             "weights_at_probe_ms": 1e3 * nbytes / (probe * 1e9),
-            "contiguous_wrappers_ms": 1e3 * t_contig,
             "clock": "time.process_time, 1 thread (mixbits set_max_threads(1), OPENBLAS_NUM_THREADS=1)",
             "load_average": os.getloadavg()[0], "modes": out}
 
@@ -314,8 +347,7 @@ def report(res: dict) -> str:
     lines += [f"{label:40}" + "".join(f" {fmt.format(m[n][k]):>17}" for n in names) for label, k, fmt in rows]
     lines.append(f"quantized weights {res['weight_mb']:.1f} MB per token: the matmul graph reads them at "
                  f"{res['qmatmul_gbps']:.1f} GB/s; read-bandwidth probe (1 thread) {res['probe_gbps']:.1f} GB/s "
-                 f"-> {res['weights_at_probe_ms']:.1f} ms; the matmuls' contiguous() wrappers alone "
-                 f"{res['contiguous_wrappers_ms']:.1f} ms")
+                 f"-> {res['weights_at_probe_ms']:.1f} ms")
     for name in names:
         top = ", ".join(f"{k} {v}" for k, v in list(m[name]["nodes_by_op"].items())[:10])
         lines.append(f"{name} nodes: {top}")
@@ -326,11 +358,20 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per round (default 32)")
     ap.add_argument("--reps", type=int, default=6, help="interleaved rounds (default 6)")
-    ap.add_argument("--out", default=str(RESULTS / "decode_profile.json"))
+    ap.add_argument("--activations", default="float", choices=["float", "int8", "int16"],
+                    help="the patched layers' CPU contract (mixbits.patch activations=)")
+    ap.add_argument("--repack", action="store_true", help="patch(..., repack=True)")
+    ap.add_argument("--out", default=None,
+                    help="default results/decode_profile.json (float), else decode_profile_<act>[_repacked].json")
     a = ap.parse_args(argv)
     setup_cpu_one_thread()
-    model, tok = load_smollm2()
-    res = profile(model, tok, a.steps, a.reps)
+    model, tok = load_smollm2(activations=a.activations, repack=a.repack)
+    desc = f"activations={a.activations!r}" + (", repack=True" if a.repack else "")
+    res = profile(model, tok, a.steps, a.reps, desc)
+    if a.out is None:
+        name = "decode_profile" if a.activations == "float" and not a.repack else \
+            f"decode_profile_{a.activations}" + ("_repacked" if a.repack else "")
+        a.out = str(RESULTS / f"{name}.json")
     print(report(res))
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     print(f"saved {a.out}")
