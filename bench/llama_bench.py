@@ -40,17 +40,9 @@ class LlamaBenchError(Exception):
 
 def check_executable(path: str | None) -> str:
     """The absolute path of an executable file, or a clear error."""
-    if not path:
-        raise LlamaBenchError(f"--llama-bench: no path given; {BUILD_HINT}")
-    p = os.path.abspath(os.path.expanduser(path))
-    if not os.path.exists(p):
-        raise LlamaBenchError(f"--llama-bench: {path} does not exist; {BUILD_HINT}")
-    if not os.path.isfile(p):
-        raise LlamaBenchError(f"--llama-bench: {path} is not a file (want the llama-bench "
-                              f"executable); {BUILD_HINT}")
-    if not os.access(p, os.X_OK):
-        raise LlamaBenchError(f"--llama-bench: {path} is not executable; {BUILD_HINT}")
-    return p
+    from mixbits.commands.bench_ggml import check_executable as check
+
+    return check(path, "--llama-bench", "llama-bench", BUILD_HINT, LlamaBenchError)
 
 
 def check_runs(path: str) -> str:

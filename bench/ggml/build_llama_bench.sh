@@ -15,21 +15,7 @@
 # as build.sh does. On a shared host wrap it: flock /tmp/mixbits-build.lock ...
 set -euo pipefail
 
-VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
-JOBS="${JOBS:-1}"
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-OUT="${GGML_BUILD_DIR:-$ROOT/build/ggml}"
-PY="${PYTHON:-python3}"
-
-mkdir -p "$OUT/dl"
-SDIST="$OUT/dl/llama_cpp_python-$VERSION.tar.gz"
-if [ ! -f "$SDIST" ]; then
-  echo "fetching llama-cpp-python==$VERSION (sdist, no deps) from the package index into $OUT/dl"
-  "$PY" -m pip download "llama-cpp-python==$VERSION" --no-binary llama-cpp-python \
-      --no-deps -d "$OUT/dl"
-fi
-[ -f "$SDIST" ] || { echo "error: $SDIST not found after pip download" >&2; exit 1; }
-echo "using $SDIST (sha256 $(sha256sum "$SDIST" | cut -d' ' -f1))"
+source "$(dirname "${BASH_SOURCE[0]}")/fetch_sdist.sh"
 
 # The whole vendored llama.cpp (src/, common/, tools/, vendor/, ggml/), not
 # the submodule's git metadata.

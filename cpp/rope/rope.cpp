@@ -120,31 +120,29 @@ mx::array mlx_rope(const mx::array& x, const mx::array& offset, int dims, bool t
 
 }  // namespace
 
-std::vector<mx::array> Rope::vjp(const std::vector<mx::array>& primals,
-                                 const std::vector<mx::array>& cotangents,
-                                 const std::vector<int>& argnums,
-                                 const std::vector<mx::array>&) {
+std::function<std::vector<mx::array>(const std::vector<mx::array>&)> Rope::mlx_fn(
+    const std::vector<mx::array>& primals, const std::vector<int>& argnums) {
   for (int a : argnums)
     if (a != 0) no_offset_grad();
   const auto s = stream();
   const auto off = primals[1];
-  auto f = [=](const std::vector<mx::array>& a) {
-    return std::vector<mx::array>{mlx_rope(a[0], off, dims_, traditional_, base_, scale_, s)};
+  return [=, dims = dims_, traditional = traditional_, base = base_,
+          scale = scale_](const std::vector<mx::array>& a) {
+    return std::vector<mx::array>{mlx_rope(a[0], off, dims, traditional, base, scale, s)};
   };
-  return mx::vjp(f, {primals[0]}, cotangents).second;
+}
+
+std::vector<mx::array> Rope::vjp(const std::vector<mx::array>& primals,
+                                 const std::vector<mx::array>& cotangents,
+                                 const std::vector<int>& argnums,
+                                 const std::vector<mx::array>&) {
+  return mx::vjp(mlx_fn(primals, argnums), {primals[0]}, cotangents).second;
 }
 
 std::vector<mx::array> Rope::jvp(const std::vector<mx::array>& primals,
                                  const std::vector<mx::array>& tangents,
                                  const std::vector<int>& argnums) {
-  for (int a : argnums)
-    if (a != 0) no_offset_grad();
-  const auto s = stream();
-  const auto off = primals[1];
-  auto f = [=](const std::vector<mx::array>& a) {
-    return std::vector<mx::array>{mlx_rope(a[0], off, dims_, traditional_, base_, scale_, s)};
-  };
-  return mx::jvp(f, {primals[0]}, tangents).second;
+  return mx::jvp(mlx_fn(primals, argnums), {primals[0]}, tangents).second;
 }
 
 }  // namespace mixbits

@@ -3,6 +3,7 @@
 // call (SmolLM2: 60 calls, ~780 nodes of a ~2,500-node decode token), and
 // its cosines and sines are recomputed in every one.
 #pragma once
+#include <functional>
 #include <vector>
 
 #include "common/primitive.h"
@@ -30,6 +31,10 @@ class Rope : public mx::UnaryPrimitive {
   int dims_;
   bool traditional_;
   float base_, scale_;
+  // x -> MLX's mx.fast.rope(x) at this node's offset, for vjp and jvp
+  // (which refuse argnums other than x's).
+  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> mlx_fn(
+      const std::vector<mx::array>& primals, const std::vector<int>& argnums);
 };
 
 // mx.fast.rope(x, dims, traditional=, base=, scale=, offset=) for x

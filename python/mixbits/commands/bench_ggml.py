@@ -27,20 +27,28 @@ class HarnessError(UsageError):
     it as one line, exit status 2)."""
 
 
+def check_executable(path: str | None, flag: str, want: str, hint: str, error=None) -> str:
+    """The absolute path of an executable file, or one clear ``error``
+    (default :class:`HarnessError`) naming the option ``flag`` and how to
+    build the ``want`` executable (``hint``): for the optional baselines
+    the benches run, checked before anything is timed."""
+    error = error or HarnessError
+    if not path:
+        raise error(f"{flag}: no path given; {hint}")
+    p = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(p):
+        raise error(f"{flag}: {path} does not exist; {hint}")
+    if not os.path.isfile(p):
+        raise error(f"{flag}: {path} is not a file (want the {want} executable); {hint}")
+    if not os.access(p, os.X_OK):
+        raise error(f"{flag}: {path} is not executable; {hint}")
+    return p
+
+
 def check_harness(path: str) -> str:
     """The absolute path of an executable harness, or a clear error; called
     before anything is timed."""
-    if not path:
-        raise HarnessError(f"--vs-ggml: no harness path given; {BUILD_HINT}")
-    p = os.path.abspath(os.path.expanduser(path))
-    if not os.path.exists(p):
-        raise HarnessError(f"--vs-ggml: {path} does not exist; {BUILD_HINT}")
-    if not os.path.isfile(p):
-        raise HarnessError(f"--vs-ggml: {path} is not a file (want the ggml_mm executable); "
-                           f"{BUILD_HINT}")
-    if not os.access(p, os.X_OK):
-        raise HarnessError(f"--vs-ggml: {path} is not executable; {BUILD_HINT}")
-    return p
+    return check_executable(path, "--vs-ggml", "ggml_mm", BUILD_HINT)
 
 
 def harness_info(path: str) -> dict:
