@@ -52,6 +52,24 @@ NB_MODULE(_ext, m) {
       "activations: 0 float, 1 int8, 2 int16 (x quantized per group, M <= 16).");
 
   m.def(
+      "repacked_qmatmul_group",
+      [](const mx::array& x,
+         const std::vector<std::tuple<std::vector<mx::array>,
+                                      std::vector<std::tuple<int, int, int>>, int>>& members,
+         int backend, int activations) {
+        std::vector<mixbits::RepackedMember> ms;
+        for (const auto& [packed, segs, n] : members) {
+          std::vector<mixbits::SegSpec> specs;
+          for (auto [b, g, k] : segs) specs.push_back({b, g, k});
+          ms.push_back({packed, specs, n});
+        }
+        return mixbits::repacked_qmatmul_group(x, ms, mixbits::Backend(backend), {},
+                                               mixbits::Activations(activations));
+      },
+      "x"_a, "members"_a, "backend"_a = 0, "activations"_a = 1,
+      "[x @ W.T for each repacked W] in one node; members: (packed_r, segments, n).");
+
+  m.def(
       "repacked_qmatmul",
       [](const mx::array& x, const std::optional<mx::array>& perm,
          const std::vector<mx::array>& packed_r,

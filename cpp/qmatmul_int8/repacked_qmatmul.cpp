@@ -102,10 +102,13 @@ mx::array from_bytes(std::vector<char>&& bytes, mx::Shape shape, mx::Dtype dtype
 
 }  // namespace
 
-mx::array repacked_qmatmul(const mx::array& x, const std::optional<mx::array>& perm,
-                           const std::vector<mx::array>& packed_r,
-                           const std::vector<SegSpec>& segs, int n, Backend backend,
-                           mx::StreamOrDevice s, Activations act) {
+namespace {
+
+// The checks of one repacked weight against x (std::invalid_argument
+// naming the argument), shared by the single and the grouped node.
+void check_repacked(const mx::array& x, const std::optional<mx::array>& perm,
+                    const std::vector<mx::array>& packed_r, const std::vector<SegSpec>& segs,
+                    int n, Activations act) {
   if (segs.empty()) fail("at least one segment is required");
   if (act != Activations::Float && act != Activations::Int8 && act != Activations::Int16)
     fail("activations must be 0 (float), 1 (int8) or 2 (int16), got " + std::to_string(int(act)));
@@ -145,12 +148,28 @@ mx::array repacked_qmatmul(const mx::array& x, const std::optional<mx::array>& p
   if (perm && ((perm->dtype() != mx::int32 && perm->dtype() != mx::uint32) || perm->ndim() != 1 ||
                perm->shape(0) != K))
     fail("perm must be int32 or uint32 of shape (K,)");
+}
+
+// The stream, after the checks every repacked node makes of it and of the
+// backend (std::invalid_argument now, not inside the graph).
+mx::Stream repacked_stream(mx::StreamOrDevice s, Backend backend, Activations act) {
   auto stream = mx::to_stream(s);
   if (stream.device == mx::Device::gpu)
     fail("repacked weights are a CPU layout; unrepack the layer to run it on the GPU");
-  select_qmm(backend);  // throws now, not inside the graph, if unavailable
+  select_qmm(backend);
   if (act == Activations::Int8) select_qmm_int8(backend);
   if (act == Activations::Int16) select_qmm_int16(backend);
+  return stream;
+}
+
+}  // namespace
+
+mx::array repacked_qmatmul(const mx::array& x, const std::optional<mx::array>& perm,
+                           const std::vector<mx::array>& packed_r,
+                           const std::vector<SegSpec>& segs, int n, Backend backend,
+                           mx::StreamOrDevice s, Activations act) {
+  check_repacked(x, perm, packed_r, segs, n, act);
+  auto stream = repacked_stream(s, backend, act);
   std::vector<mx::array> inputs{x};
   if (perm) inputs.push_back(*perm);
   for (const auto& a : packed_r) inputs.push_back(a);
@@ -159,6 +178,31 @@ mx::array repacked_qmatmul(const mx::array& x, const std::optional<mx::array>& p
   return mx::array(out_shape, x.dtype(),
                    std::make_shared<RepackedQMatmul>(stream, segs, bool(perm), n, backend, act),
                    std::move(inputs));
+}
+
+std::vector<mx::array> repacked_qmatmul_group(const mx::array& x,
+                                              const std::vector<RepackedMember>& members,
+                                              Backend backend, mx::StreamOrDevice s,
+                                              Activations act) {
+  if (members.empty()) fail("a group needs at least one weight");
+  for (const auto& m : members) check_repacked(x, std::nullopt, m.packed_r, m.segs, m.n, act);
+  auto stream = repacked_stream(s, backend, act);
+  std::vector<mx::array> inputs{x};
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  std::vector<RepackedQMatmulGroup::Member> specs;
+  for (const auto& m : members) {
+    for (const auto& a : m.packed_r) inputs.push_back(a);
+    mx::Shape out_shape = x.shape();
+    out_shape.back() = m.n;
+    shapes.push_back(out_shape);
+    dtypes.push_back(x.dtype());
+    specs.push_back({m.segs, m.n});
+  }
+  return mx::array::make_arrays(
+      std::move(shapes), std::move(dtypes),
+      std::make_shared<RepackedQMatmulGroup>(stream, std::move(specs), backend, act),
+      std::move(inputs));
 }
 
 std::vector<mx::Shape> RepackedQMatmul::output_shapes(const std::vector<mx::array>& inputs) {
@@ -173,67 +217,147 @@ bool RepackedQMatmul::is_equivalent(const mx::Primitive& other) const {
          act_ == o.act_;
 }
 
+namespace {
+
+// What one repacked node computes, inside the dispatched task: y = x · Wᵀ
+// for W's 3 arrays per segment at `packed` (row-interleaved), into `out`.
+struct RepackedKernels {
+  Activations act;
+  QmmRun fn, fn_int;
+  const RTable* table;
+};
+
+void eval_repacked(const RepackedKernels& k, const mx::array& x, const int32_t* perm,
+                   const mx::array* packed, const std::vector<SegSpec>& segs, int N,
+                   mx::array& out) {
+  std::vector<std::vector<char>> copies(3 * segs.size());
+  auto dense = [&](size_t i) { return row_major(packed[i], copies[i]); };
+  // The segments' shape (columns, groups) and their repacked arrays.
+  QMatView shape;
+  shape.N = N;
+  shape.sdtype = to_dtype(packed[1].dtype());
+  std::vector<RSeg> rsegs;
+  int k0 = 0;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    shape.segs.push_back({segs[i].bits, segs[i].group_size, k0, segs[i].k, nullptr, nullptr,
+                          nullptr});
+    rsegs.push_back({static_cast<const uint32_t*>(dense(3 * i)), dense(3 * i + 1),
+                     dense(3 * i + 2), shape.sdtype, int(int64_t(segs[i].k) * segs[i].bits / 32),
+                     segs[i].k / segs[i].group_size});
+    k0 += segs[i].k;
+  }
+  shape.K = k0;
+  qmatmul_cpu_eval(x, perm, shape.K, N, k.fn_int != nullptr, out,
+                   [&](QmmPath path, const float* xf, int M, float* y) {
+    if (path == QmmPath::Int && k.table) {
+      if (k.act == Activations::Int8) return run_repacked<int8_t>(*k.table, xf, M, shape, rsegs, y);
+      return run_repacked<int16_t>(*k.table, xf, M, shape, rsegs, y);
+    }
+    // MLX's layout in a temporary, then what MixedQMatmul runs.
+    const size_t sbytes = shape.sdtype == DType::f32 ? 4 : 2;
+    std::vector<std::vector<uint32_t>> wq(segs.size());
+    std::vector<std::vector<char>> sc(segs.size()), bi(segs.size());
+    QMatView w = shape;
+    for (size_t i = 0; i < segs.size(); ++i) {
+      const RSeg& r = rsegs[i];
+      wq[i].resize(size_t(N) * r.words);
+      sc[i].resize(size_t(N) * r.ngroups * sbytes);
+      bi[i].resize(sc[i].size());
+      deinterleave_rows(r.wq, N, r.words, 4, wq[i].data());
+      if (segs[i].bits == 3) {
+        std::vector<uint32_t> split(wq[i]);
+        merge3(split.data(), int64_t(split.size()), wq[i].data());
+      }
+      deinterleave_rows(r.scales, N, r.ngroups, sbytes, sc[i].data());
+      deinterleave_rows(r.biases, N, r.ngroups, sbytes, bi[i].data());
+      w.segs[i].wq = wq[i].data();
+      w.segs[i].scales = sc[i].data();
+      w.segs[i].biases = bi[i].data();
+    }
+    (path == QmmPath::Int ? k.fn_int : path == QmmPath::IeeeRef ? qmm_ref_run : k.fn)(xf, M, w, y);
+  });
+}
+
+RepackedKernels kernels_for(Activations act, Backend backend) {
+  return {act, select_qmm(backend),
+          act == Activations::Int8    ? select_qmm_int8(backend)
+          : act == Activations::Int16 ? select_qmm_int16(backend)
+                                      : nullptr,
+          select_repacked(act, backend)};
+}
+
+}  // namespace
+
 void RepackedQMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
-  const QmmRun fn_int = act_ == Activations::Int8    ? select_qmm_int8(backend_)
-                        : act_ == Activations::Int16 ? select_qmm_int16(backend_)
-                                                     : nullptr;
   enc.dispatch([inputs, out = mx::array::unsafe_weak_copy(out), segs = segs_,
-                has_perm = has_perm_, N = n_, act = act_, fn = select_qmm(backend_), fn_int,
-                table = select_repacked(act_, backend_)]() mutable {
-    const int first = has_perm ? 2 : 1;
-    std::vector<std::vector<char>> copies(inputs.size());
-    auto dense = [&](size_t i) { return row_major(inputs[i], copies[i]); };
-    // The segments' shape (columns, groups) and their repacked arrays.
-    QMatView shape;
-    shape.N = N;
-    shape.sdtype = to_dtype(inputs[first + 1].dtype());
-    std::vector<RSeg> rsegs;
-    int k0 = 0;
-    for (size_t i = 0; i < segs.size(); ++i) {
-      const size_t j = first + 3 * i;
-      shape.segs.push_back({segs[i].bits, segs[i].group_size, k0, segs[i].k, nullptr, nullptr,
-                            nullptr});
-      rsegs.push_back({static_cast<const uint32_t*>(dense(j)), dense(j + 1), dense(j + 2),
-                       shape.sdtype, int(int64_t(segs[i].k) * segs[i].bits / 32),
-                       segs[i].k / segs[i].group_size});
-      k0 += segs[i].k;
-    }
-    shape.K = k0;
-    const int32_t* perm = has_perm ? static_cast<const int32_t*>(dense(1)) : nullptr;
-    qmatmul_cpu_eval(inputs[0], perm, shape.K, N, fn_int != nullptr, out,
-                     [&](QmmPath path, const float* xf, int M, float* y) {
-      if (path == QmmPath::Int && table) {
-        if (act == Activations::Int8) return run_repacked<int8_t>(*table, xf, M, shape, rsegs, y);
-        return run_repacked<int16_t>(*table, xf, M, shape, rsegs, y);
-      }
-      // MLX's layout in a temporary, then what MixedQMatmul runs.
-      const size_t sbytes = shape.sdtype == DType::f32 ? 4 : 2;
-      std::vector<std::vector<uint32_t>> wq(segs.size());
-      std::vector<std::vector<char>> sc(segs.size()), bi(segs.size());
-      QMatView w = shape;
-      for (size_t i = 0; i < segs.size(); ++i) {
-        const RSeg& r = rsegs[i];
-        wq[i].resize(size_t(N) * r.words);
-        sc[i].resize(size_t(N) * r.ngroups * sbytes);
-        bi[i].resize(sc[i].size());
-        deinterleave_rows(r.wq, N, r.words, 4, wq[i].data());
-        if (segs[i].bits == 3) {
-          std::vector<uint32_t> split(wq[i]);
-          merge3(split.data(), int64_t(split.size()), wq[i].data());
-        }
-        deinterleave_rows(r.scales, N, r.ngroups, sbytes, sc[i].data());
-        deinterleave_rows(r.biases, N, r.ngroups, sbytes, bi[i].data());
-        w.segs[i].wq = wq[i].data();
-        w.segs[i].scales = sc[i].data();
-        w.segs[i].biases = bi[i].data();
-      }
-      (path == QmmPath::Int ? fn_int : path == QmmPath::IeeeRef ? qmm_ref_run : fn)(xf, M, w, y);
-    });
+                has_perm = has_perm_, N = n_, k = kernels_for(act_, backend_)]() mutable {
+    std::vector<char> pbuf;
+    const int32_t* perm = has_perm ? static_cast<const int32_t*>(row_major(inputs[1], pbuf)) : nullptr;
+    eval_repacked(k, inputs[0], perm, inputs.data() + (has_perm ? 2 : 1), segs, N, out);
   });
+}
+
+std::vector<mx::Shape> RepackedQMatmulGroup::output_shapes(const std::vector<mx::array>& inputs) {
+  std::vector<mx::Shape> out;
+  for (const auto& m : members_) {
+    mx::Shape s = inputs[0].shape();
+    s.back() = m.n;
+    out.push_back(s);
+  }
+  return out;
+}
+
+bool RepackedQMatmulGroup::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const RepackedQMatmulGroup&>(other);
+  if (members_.size() != o.members_.size() || backend_ != o.backend_ || act_ != o.act_) return false;
+  for (size_t i = 0; i < members_.size(); ++i)
+    if (members_[i].segs != o.members_[i].segs || members_[i].n != o.members_[i].n) return false;
+  return true;
+}
+
+void RepackedQMatmulGroup::eval_cpu(const std::vector<mx::array>& inputs,
+                                    std::vector<mx::array>& outputs) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) enc.set_input_array(a);
+  std::vector<mx::array> outs;
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+    enc.set_output_array(o);
+    outs.push_back(mx::array::unsafe_weak_copy(o));
+  }
+  // One task for every weight: the per-node dispatch is most of a small
+  // GEMV's cost (a decode token's q/k/v projections).
+  enc.dispatch([inputs, outs, members = members_, k = kernels_for(act_, backend_)]() mutable {
+    size_t at = 1;
+    for (size_t i = 0; i < members.size(); ++i) {
+      eval_repacked(k, inputs[0], nullptr, inputs.data() + at, members[i].segs, members[i].n,
+                    outs[i]);
+      at += 3 * members[i].segs.size();
+    }
+  });
+}
+
+void RepackedQMatmulGroup::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("repacked qmatmul: repacked weights are a CPU layout");
+}
+
+std::vector<mx::array> RepackedQMatmulGroup::vjp(const std::vector<mx::array>&,
+                                                 const std::vector<mx::array>&,
+                                                 const std::vector<int>&,
+                                                 const std::vector<mx::array>&) {
+  throw std::invalid_argument(
+      "repacked qmatmul: a repacked weight has no gradient; unrepack the layer first");
+}
+
+std::vector<mx::array> RepackedQMatmulGroup::jvp(const std::vector<mx::array>&,
+                                                 const std::vector<mx::array>&,
+                                                 const std::vector<int>&) {
+  throw std::invalid_argument(
+      "repacked qmatmul: a repacked weight has no gradient; unrepack the layer first");
 }
 
 void RepackedQMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {

@@ -50,6 +50,32 @@ class RepackedQMatmul : public mx::UnaryPrimitive {
   Activations act_;
 };
 
+// Several repacked weights applied to one x in one node (one output each):
+// a decode token's sibling projections (q/k/v, gate/up) cost one dispatch
+// instead of one each. Each output is exactly what RepackedQMatmul gives
+// for that weight. Inputs: x, then (wq_r, scales_r, biases_r) per segment
+// of each weight in order; no permutation.
+class RepackedQMatmulGroup : public mx::Primitive {
+ public:
+  struct Member {
+    std::vector<SegSpec> segs;
+    int n;
+  };
+  RepackedQMatmulGroup(mx::Stream s, std::vector<Member> members, Backend backend,
+                       Activations act)
+      : mx::Primitive(s), members_(std::move(members)), backend_(backend), act_(act) {}
+
+  MIXBITS_EVAL_MULTI()
+  MIXBITS_GRADS()  // refused, as for RepackedQMatmul
+  MIXBITS_NAME_AND_EQUIVALENT(RepackedQMatmulGroup)
+  MIXBITS_OUTPUT_SHAPES()
+
+ private:
+  std::vector<Member> members_;
+  Backend backend_;
+  Activations act_;
+};
+
 // Validates (std::invalid_argument naming the argument) and builds the node.
 // `packed_r`: wq_r, scales_r, biases_r per segment; n: W's output rows.
 mx::array repacked_qmatmul(const mx::array& x, const std::optional<mx::array>& perm,
@@ -57,6 +83,19 @@ mx::array repacked_qmatmul(const mx::array& x, const std::optional<mx::array>& p
                            const std::vector<SegSpec>& segs, int n,
                            Backend backend = Backend::Auto, mx::StreamOrDevice s = {},
                            Activations act = Activations::Int8);
+
+// One weight of a group: its repacked arrays, segments and output rows.
+struct RepackedMember {
+  std::vector<mx::array> packed_r;
+  std::vector<SegSpec> segs;
+  int n;
+};
+// The grouped node (same checks per weight; all see the same x).
+std::vector<mx::array> repacked_qmatmul_group(const mx::array& x,
+                                              const std::vector<RepackedMember>& members,
+                                              Backend backend = Backend::Auto,
+                                              mx::StreamOrDevice s = {},
+                                              Activations act = Activations::Int8);
 
 // One segment (MLX layout: wq [N, k*bits/32], scales/biases [N, k/gs]) to
 // the row-interleaved layout, evaluated now (a layer does this once).

@@ -30,7 +30,7 @@ import mlx.nn as nn
 from .layout import BITS, GROUP_SIZES, TERNARY, QuantizedTensor, Segment, segment_spec, check_perm
 from .layout import quantize as _quantize
 from .errors import UsageError
-from .ops import gather_qmatmul, qmatmul, repack, unrepack
+from .ops import gather_qmatmul, promote_x, qmatmul, repack, unrepack
 from .repack import REPACK_BITS, RepackedSegment, RepackedTensor, gather_rows
 
 __all__ = [
@@ -271,6 +271,7 @@ class _MixedWeight(nn.Module):
             return
         qt = unrepack(self._repacked_tensor())
         del self["repacked"]
+        self._siblings = None
         bias_trainable = "bias" in self and "bias" in self.trainable_parameters()
         self._set_storage(self._layout, [(s.wq, s.scales, s.biases) for s in qt.segments], qt.perm)
         self.freeze()
@@ -374,9 +375,15 @@ class MixedQuantizedLinear(_MixedWeight):
             return self._repacked_tensor().shape[0]
         return self._triplets()[0][0].shape[0]
 
+    # A mixbits.siblings.SiblingGroup when repack_layers grouped this layer
+    # with siblings of one input size (a plain attribute, not a parameter).
+    _siblings = None
+
     def __call__(self, x: mx.array) -> mx.array:
-        qt = self._repacked_tensor() if "repacked" in self else self.quantized_tensor()
-        y = qmatmul(_promote(x, qt), qt, activations=self._activations)
+        y = self._siblings(self, x) if self._siblings is not None else None
+        if y is None:
+            qt = self._repacked_tensor() if "repacked" in self else self.quantized_tensor()
+            y = qmatmul(promote_x(x, qt), qt, activations=self._activations)
         if "bias" in self:
             y = y + self["bias"]
         return y
@@ -509,7 +516,7 @@ class MixedQuantizedSwitchLinear(_MixedWeight):
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         qt = self.quantized_tensor()
-        y = gather_qmatmul(_promote(x, qt), qt, rhs_indices=indices, sorted_indices=sorted_indices)
+        y = gather_qmatmul(promote_x(x, qt), qt, rhs_indices=indices, sorted_indices=sorted_indices)
         if "bias" in self:
             y = y + mx.expand_dims(self["bias"][indices], -2)
         return y
@@ -589,22 +596,10 @@ class MixedQuantizedEmbedding(_MixedWeight):
     def as_linear(self, x: mx.array) -> mx.array:
         """``x @ W.T``: the tied output head, through mixbits.qmatmul."""
         qt = self._repacked_tensor() if "repacked" in self else self.quantized_tensor()
-        return qmatmul(_promote(x, qt), qt, activations=self._activations)
+        return qmatmul(promote_x(x, qt), qt, activations=self._activations)
 
     def _extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.dims}, {self._layout_repr()}"
-
-
-def _promote(x, qt: QuantizedTensor):
-    """x cast to the dtype MLX's quantized_matmul would return for (x,
-    scales) -- e.g. float16 x with float32 scales gives float32 -- so the
-    layer's output dtype matches the stock layer it replaces. Cast before
-    the matmul (not after) so no precision is lost."""
-    if isinstance(x, mx.array) and x.dtype != qt.dtype:
-        dt = mx.result_type(x.dtype, qt.dtype)
-        if dt != x.dtype:
-            return x.astype(dt)
-    return x
 
 
 def _tensor_from_mlx_layer(layer, what: str) -> QuantizedTensor:
@@ -704,7 +699,14 @@ def repack_layers(model: nn.Module) -> list[str]:
     """Repack (:meth:`MixedQuantizedLinear.repack`) every mixbits linear
     and embedding layer (a tied head's table) of ``model`` whose segments
     all have bits in ``REPACK_BITS``; the others keep MLX's layout and the
-    kernels they had. Returns the repacked paths."""
+    kernels they had. Returns the repacked paths.
+
+    Repacked linear siblings of one module with one input size (q/k/v,
+    gate/up) then share a :class:`mixbits.siblings.SiblingGroup`: once the
+    model has called the same ones on one input twice, they run as one
+    node per call (bit for bit the same outputs)."""
+    from .siblings import install_sibling_groups
+
     done = []
     for path, m in model.named_modules():
         if isinstance(m, _REPACKABLE) and not m.is_repacked and all(
@@ -712,11 +714,15 @@ def repack_layers(model: nn.Module) -> list[str]:
         ):
             m.repack()
             done.append(path)
+    install_sibling_groups(model)
     return done
 
 
 def unrepack_layers(model: nn.Module) -> list[str]:
     """Undo :func:`repack_layers` (bit for bit); returns the paths changed."""
+    from .siblings import remove_sibling_groups
+
+    remove_sibling_groups(model)
     done = []
     for path, m in model.named_modules():
         if isinstance(m, _REPACKABLE) and m.is_repacked:

@@ -82,6 +82,19 @@ def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None,
     return _ext.qmatmul(x, qt.perm, qt.arrays(), qt.specs, _backend_id(backend), act)
 
 
+def promote_x(x, qt):
+    """x cast to the dtype MLX's quantized_matmul would return for (x,
+    scales) -- e.g. float16 x with float32 scales gives float32 -- so a
+    layer's output dtype matches the stock layer it replaces. Cast before
+    the matmul (not after) so no precision is lost. ``qt`` a
+    QuantizedTensor or RepackedTensor."""
+    if isinstance(x, mx.array) and x.dtype != qt.dtype:
+        dt = mx.result_type(x.dtype, qt.dtype)
+        if dt != x.dtype:
+            return x.astype(dt)
+    return x
+
+
 def repack(qt: QuantizedTensor) -> RepackedTensor:
     """``qt`` in the row-interleaved layout of the CPU's batch-1 integer GEMV
     (:mod:`mixbits.repack`), built now. 2-D tensors whose segments all have
