@@ -5,7 +5,15 @@ build runs (repacked_run.cpp), on the real wq_r / scales_r / biases_r that
 this machine's repack_segment builds: against the numpy model of the
 int8/int16 contract (int_contract.py, codes from mx.dequantize of the
 original layout) and against this machine's x86 repacked kernels. qemu
-checks results, not speed."""
+checks results, not speed.
+
+Planted bugs in neon_repacked.cpp (each reverted), tests of this file
+failing out of 14: x lane order reversed (add<3 - t % 4>) 14; the 3-bit
+high-bit shift of half 0 used for half 1 too 10 (the 8-bit extremes pass);
+the 8-bit c - 128 correction dropped 7 (every int8 test); padding rows
+stored 4 (the poisoned-padding tests); the armv8 int8 product of rows
+4q+2, 4q+3 using rows 4q, 4q+1's codes 3 (armv8 int8 only); the same in
+the int16 accumulator 7 (every int16 test)."""
 
 import mlx.core as mx
 import numpy as np
