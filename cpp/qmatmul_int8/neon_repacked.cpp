@@ -119,10 +119,19 @@ struct Acc<int16_t> {
 inline int8x16_t load_x(const int8_t* p) { return vld1q_s8(p); }
 inline int16x8_t load_x(const int16_t* p) { return vld1q_s16(p); }
 
-template <class F, int... t>
-inline void unroll(F&& f, std::integer_sequence<int, t...>) {
-  (f(std::integral_constant<int, t>{}), ...);
+// f(std::integral_constant<int, i>) for i = 0..n-1, unrolled by the
+// language rather than left to the optimizer: the accumulator arrays below
+// are indexed only by constants, so they live in registers (a loop the
+// compiler kept would put them on the stack, one load and store per dot).
+template <class F, int... i>
+inline void unroll_seq(F&& f, std::integer_sequence<int, i...>) {
+  (f(std::integral_constant<int, i>{}), ...);
 }
+template <int n, class F>
+inline void for_n(F&& f) {
+  unroll_seq(f, std::make_integer_sequence<int, n>{});
+}
+#define MIXBITS_IDX(i) decltype(i)::value
 
 // One block b of 16 rows against MB (<= Acc<T>::kPassMB) x rows.
 //
@@ -149,67 +158,74 @@ void block(const RSeg& s, const RX& x, int b, int N, float* y, int ldy) {
   const uint32_t* wb = s.wq + int64_t(b) * s.words * R;
   const int64_t sb = int64_t(b) * s.ngroups * R;
   float32x4_t accf[MB][4];
-  for (int m = 0; m < MB; ++m)
-    for (int q = 0; q < 4; ++q) accf[m][q] = vdupq_n_f32(0.0f);
+  for_n<MB>([&](auto m) { for_n<4>([&](auto q) { accf[MIXBITS_IDX(m)][MIXBITS_IDX(q)] = vdupq_n_f32(0.0f); }); });
 
   for (int g = 0; g < s.ngroups; ++g) {
     Acc<T> acc[MB];
-    for (int m = 0; m < MB; ++m) acc[m].zero();
+    for_n<MB>([&](auto m) { acc[MIXBITS_IDX(m)].zero(); });
     for (int u = 0; u < WG / UW; ++u) {
       const uint32_t* wp = wb + (int64_t(g) * WG + int64_t(u) * UW) * R;
-      uint32x4_t w[UW][4];
-      for (int i = 0; i < UW; ++i)
-        for (int q = 0; q < 4; ++q) w[i][q] = vld1q_u32(wp + i * R + 4 * q);
       const int64_t x0 = int64_t(g) * G + int64_t(u) * US * P;
       XV xv[MB][UV];
-      for (int m = 0; m < MB; ++m)
-        for (int v = 0; v < UV; ++v) xv[m][v] = load_x(xq + int64_t(m) * x.ldx + x0 + v * 16 / sizeof(T));
-      unroll([&](auto tc) {
-        constexpr int t = decltype(tc)::value;
-        uint32x4_t c[4];
-        for (int q = 0; q < 4; ++q) {
+      for_n<MB>([&](auto m) {
+        for_n<UV>([&](auto v) {
+          xv[MIXBITS_IDX(m)][MIXBITS_IDX(v)] = load_x(xq + int64_t(m) * x.ldx + x0 + v * 16 / int(sizeof(T)));
+        });
+      });
+      // Rows 4q..4q+3 one after the other: their UW words, then every step
+      // (live registers: the accumulators, x, UW words, the codes).
+      for_n<4>([&](auto qc) {
+        constexpr int q = MIXBITS_IDX(qc);
+        uint32x4_t w[UW];
+        for_n<UW>([&](auto i) { w[MIXBITS_IDX(i)] = vld1q_u32(wp + i * R + 4 * q); });
+        for_n<US>([&](auto tc) {
+          constexpr int t = MIXBITS_IDX(tc);
+          uint32x4_t c;
           if constexpr (B == 3) {  // repack.h: low bits from L<h>, bit 2 from H
             constexpr int h = t / S, k = t % S;
-            const uint32x4_t lo = vandq_u32(shift_r<2 * k>(w[h][q]), vdupq_n_u32(kMask));
-            const uint32x4_t hi = vandq_u32(shift_r<split3_hshift(h, k)>(w[2][q]),
+            const uint32x4_t lo = vandq_u32(shift_r<2 * k>(w[h]), vdupq_n_u32(kMask));
+            const uint32x4_t hi = vandq_u32(shift_r<split3_hshift(h, k)>(w[2]),
                                             vdupq_n_u32(code_mask<1, T>() << 2));
-            c[q] = vorrq_u32(lo, hi);
+            c = vorrq_u32(lo, hi);
           } else {
-            c[q] = shift_r<(t % S) * B>(w[t / S][q]);
-            if constexpr (kMask != 0xFFFFFFFFu) c[q] = vandq_u32(c[q], vdupq_n_u32(kMask));
-            if constexpr (kOffset) c[q] = veorq_u32(c[q], vdupq_n_u32(0x80808080u));
+            c = shift_r<(t % S) * B>(w[t / S]);
+            if constexpr (kMask != 0xFFFFFFFFu) c = vandq_u32(c, vdupq_n_u32(kMask));
+            if constexpr (kOffset) c = veorq_u32(c, vdupq_n_u32(0x80808080u));
           }
-        }
-        for (int m = 0; m < MB; ++m)
-          for (int q = 0; q < 4; ++q) acc[m].template add<t % 4>(q, c[q], xv[m][t / 4]);
-      }, std::make_integer_sequence<int, US>{});
+          for_n<MB>([&](auto m) { acc[MIXBITS_IDX(m)].template add<t % 4>(q, c, xv[MIXBITS_IDX(m)][t / 4]); });
+        });
+      });
     }
-    for (int q = 0; q < 4; ++q) {
+    for_n<4>([&](auto qc) {
+      constexpr int q = MIXBITS_IDX(qc);
       const float32x4_t sc = load4(s.scales, sb + int64_t(g) * R + 4 * q, s.sdt);
       const float32x4_t bi = load4(s.biases, sb + int64_t(g) * R + 4 * q, s.sdt);
-      for (int m = 0; m < MB; ++m) {
+      for_n<MB>([&](auto mc) {
+        constexpr int m = MIXBITS_IDX(mc);
         const int64_t gi = int64_t(m) * x.ldg + g;
         int32x4_t iq = acc[m].sum(q);
         if constexpr (kOffset) iq = vaddq_s32(iq, vdupq_n_s32(128 * x.ix[gi]));
         const float32x4_t sd = vmulq_n_f32(sc, x.d[gi]);
         accf[m][q] = vfmaq_f32(accf[m][q], vcvtq_f32_s32(iq), sd);
         accf[m][q] = vfmaq_n_f32(accf[m][q], bi, x.xs[gi]);
-      }
-    }
+      });
+    });
   }
   // The last block may hold padding rows: store the real ones only.
   const int n0 = b * R, nreal = N - n0 < R ? N - n0 : R;
-  for (int m = 0; m < MB; ++m) {
+  for_n<MB>([&](auto mc) {
+    constexpr int m = MIXBITS_IDX(mc);
     float* yp = y + int64_t(m) * ldy + n0;
     if (nreal == R) {
-      for (int q = 0; q < 4; ++q) vst1q_f32(yp + 4 * q, vaddq_f32(vld1q_f32(yp + 4 * q), accf[m][q]));
+      for_n<4>([&](auto q) { vst1q_f32(yp + 4 * q, vaddq_f32(vld1q_f32(yp + 4 * q), accf[m][MIXBITS_IDX(q)])); });
     } else {
       float part[R];
-      for (int q = 0; q < 4; ++q) vst1q_f32(part + 4 * q, accf[m][q]);
+      for_n<4>([&](auto q) { vst1q_f32(part + 4 * q, accf[m][MIXBITS_IDX(q)]); });
       for (int r = 0; r < nreal; ++r) yp[r] += part[r];
     }
-  }
+  });
 }
+#undef MIXBITS_IDX
 
 // Blocks [b0, b1) of one segment against mb (<= kRepackMaxMB) x rows, in
 // passes of at most Acc<T>::kPassMB rows so the accumulators stay in
