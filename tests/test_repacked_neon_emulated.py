@@ -119,7 +119,8 @@ def test_padding_rows_are_never_stored(harness, tmp_path, act):
     cases = []
     for n in (1, 5, 21, 47):
         qt = rand_qt(rng, n, [(4, 64, 128), (8, 32, 64), (3, 32, 64), (2, 128, 128)])
-        cases.append((rng.standard_normal((int(rng.integers(2, 17)), qt.shape[1])).astype(np.float32), qt))
+        x = rng.standard_normal((int(rng.integers(2, 17)), qt.shape[1])).astype(np.float32)
+        cases.append((x, qt))
     outs = run_repacked(harness, tmp_path, [(act, x, ops.repack(qt), True) for x, qt in cases])
     for (x, qt), got in zip(cases, outs):
         check(got, x, qt, act, f"{act} poisoned padding N={qt.shape[0]} M={x.shape[0]}")
@@ -135,7 +136,8 @@ def test_neon_agrees_with_the_x86_repacked_kernels(harness_dotprod, tmp_path, ac
     rng = np.random.default_rng(4)
     cases = mixed_cases(rng)
     rts = [ops.repack(qt) for _, qt in cases]
-    outs = run_repacked(harness_dotprod, tmp_path, [(act, x, rt, False) for (x, _), rt in zip(cases, rts)])
+    outs = run_repacked(harness_dotprod, tmp_path,
+                        [(act, x, rt, False) for (x, _), rt in zip(cases, rts)])
     for (x, qt), rt, got in zip(cases, rts, outs):
         want = np.array(mixbits.qmatmul(mx.array(x), rt, activations=act), np.float64)
         y_star, _, _, mag2, _ = contract_model(mx.array(x), qt, act)

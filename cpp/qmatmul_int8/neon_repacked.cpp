@@ -158,7 +158,9 @@ void block(const RSeg& s, const RX& x, int b, int N, float* y, int ldy) {
   const uint32_t* wb = s.wq + int64_t(b) * s.words * R;
   const int64_t sb = int64_t(b) * s.ngroups * R;
   float32x4_t accf[MB][4];
-  for_n<MB>([&](auto m) { for_n<4>([&](auto q) { accf[MIXBITS_IDX(m)][MIXBITS_IDX(q)] = vdupq_n_f32(0.0f); }); });
+  for_n<MB>([&](auto m) {
+    for_n<4>([&](auto q) { accf[MIXBITS_IDX(m)][MIXBITS_IDX(q)] = vdupq_n_f32(0.0f); });
+  });
 
   for (int g = 0; g < s.ngroups; ++g) {
     Acc<T> acc[MB];
@@ -169,7 +171,8 @@ void block(const RSeg& s, const RX& x, int b, int N, float* y, int ldy) {
       XV xv[MB][UV];
       for_n<MB>([&](auto m) {
         for_n<UV>([&](auto v) {
-          xv[MIXBITS_IDX(m)][MIXBITS_IDX(v)] = load_x(xq + int64_t(m) * x.ldx + x0 + v * 16 / int(sizeof(T)));
+          const T* xp = xq + int64_t(m) * x.ldx + x0 + v * (16 / int(sizeof(T)));
+          xv[MIXBITS_IDX(m)][MIXBITS_IDX(v)] = load_x(xp);
         });
       });
       // Rows 4q..4q+3 one after the other: their UW words, then every step
@@ -192,7 +195,10 @@ void block(const RSeg& s, const RX& x, int b, int N, float* y, int ldy) {
             if constexpr (kMask != 0xFFFFFFFFu) c = vandq_u32(c, vdupq_n_u32(kMask));
             if constexpr (kOffset) c = veorq_u32(c, vdupq_n_u32(0x80808080u));
           }
-          for_n<MB>([&](auto m) { acc[MIXBITS_IDX(m)].template add<t % 4>(q, c, xv[MIXBITS_IDX(m)][t / 4]); });
+          for_n<MB>([&](auto mc) {
+            constexpr int m = MIXBITS_IDX(mc);
+            acc[m].template add<t % 4>(q, c, xv[m][t / 4]);
+          });
         });
       });
     }
@@ -217,7 +223,9 @@ void block(const RSeg& s, const RX& x, int b, int N, float* y, int ldy) {
     constexpr int m = MIXBITS_IDX(mc);
     float* yp = y + int64_t(m) * ldy + n0;
     if (nreal == R) {
-      for_n<4>([&](auto q) { vst1q_f32(yp + 4 * q, vaddq_f32(vld1q_f32(yp + 4 * q), accf[m][MIXBITS_IDX(q)])); });
+      for_n<4>([&](auto q) {
+        vst1q_f32(yp + 4 * q, vaddq_f32(vld1q_f32(yp + 4 * q), accf[m][MIXBITS_IDX(q)]));
+      });
     } else {
       float part[R];
       for_n<4>([&](auto q) { vst1q_f32(part + 4 * q, accf[m][MIXBITS_IDX(q)]); });
@@ -236,8 +244,9 @@ void seg_kernel(const RSeg& s, const RX& x, int mb, int b0, int b1, int N, float
   constexpr int PM = Acc<T>::kPassMB;
   for (int b = b0; b < b1; ++b)
     for (int m0 = 0; m0 < mb; m0 += PM) {
-      const RX xm{static_cast<const T*>(x.xq) + int64_t(m0) * x.ldx, x.ldx, x.d + int64_t(m0) * x.ldg,
-                  x.xs + int64_t(m0) * x.ldg, x.ldg, x.ix + int64_t(m0) * x.ldg};
+      const int64_t gm = int64_t(m0) * x.ldg;
+      const RX xm{static_cast<const T*>(x.xq) + int64_t(m0) * x.ldx, x.ldx, x.d + gm, x.xs + gm,
+                  x.ldg, x.ix + gm};
       float* ym = y + int64_t(m0) * ldy;
       const int n = mb - m0 < PM ? mb - m0 : PM;
       if constexpr (PM == 4) {
@@ -253,7 +262,9 @@ template <class T>
 RTable make_table() {
   RTable t{};
 #define MIXBITS_R_ROW(B) \
-  t.fn[B][0] = seg_kernel<B, 32, T>; t.fn[B][1] = seg_kernel<B, 64, T>; t.fn[B][2] = seg_kernel<B, 128, T>;
+  t.fn[B][0] = seg_kernel<B, 32, T>;   \
+  t.fn[B][1] = seg_kernel<B, 64, T>;   \
+  t.fn[B][2] = seg_kernel<B, 128, T>;
   MIXBITS_R_ROW(2) MIXBITS_R_ROW(3) MIXBITS_R_ROW(4) MIXBITS_R_ROW(8)
 #undef MIXBITS_R_ROW
   return t;

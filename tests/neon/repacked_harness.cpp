@@ -82,7 +82,8 @@ int main(int argc, char** argv) {
   if (!f) die("cannot open the case file");
   Reader r;
   char chunk[1 << 16];
-  for (size_t n; (n = std::fread(chunk, 1, sizeof chunk, f)) > 0;) r.buf.insert(r.buf.end(), chunk, chunk + n);
+  for (size_t n; (n = std::fread(chunk, 1, sizeof chunk, f)) > 0;)
+    r.buf.insert(r.buf.end(), chunk, chunk + n);
   std::fclose(f);
   if (std::memcmp(r.take(4), "MBR1", 4) != 0) die("not a case file");
   const int count = r.i32();
@@ -97,7 +98,8 @@ int main(int argc, char** argv) {
     shape.sdtype = DType(r.i32());
     const bool poison = r.i32() != 0;
     const int nseg = r.i32();
-    const int N = shape.N, NB = (N + kRepackRows - 1) / kRepackRows, live = N - (NB - 1) * kRepackRows;
+    const int N = shape.N, NB = (N + kRepackRows - 1) / kRepackRows;
+    const int live = N - (NB - 1) * kRepackRows;  // real rows of the last block
     int k0 = 0;
     for (int s = 0; s < nseg; ++s) {
       SegView v{};
