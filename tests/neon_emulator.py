@@ -112,3 +112,48 @@ def run_qmm(exe: Path, tmp: Path, cases, names, threads: int = 1) -> list[dict]:
         out.append(res)
     assert at == flat.size, "harness output has the wrong size"
     return out
+
+
+# ------------------------------------------------ repacked-layout harness
+
+# What tests/neon/repacked_harness.cpp is linked from: the repacked driver
+# and kernels of an aarch64 build, with the contract's x quantization.
+REPACKED_SOURCES = [
+    "tests/neon/repacked_harness.cpp",
+    "cpp/common/backend.cpp", "cpp/common/cpu.cpp", "cpp/common/parallel.cpp",
+    "cpp/qmatmul_int8/ref.cpp", "cpp/qmatmul_int8/repacked_run.cpp",
+    "cpp/qmatmul_int8/neon_repacked.cpp",
+]
+ACT_ID = {"int8": 1, "int16": 2}
+
+
+def write_repacked_cases(path: Path, cases) -> None:
+    """cases: (act, x float32 [M, K], RepackedTensor without perm, poison)."""
+    with open(path, "wb") as f:
+        f.write(b"MBR1" + struct.pack("<I", len(cases)))
+        for act, x, rt, poison in cases:
+            assert rt.perm is None
+            N, K = rt.shape
+            f.write(struct.pack("<7i", ACT_ID[act], x.shape[0], N, K, DTYPE_ID[rt.dtype], int(poison),
+                                len(rt.segments)))
+            for s in rt.segments:
+                f.write(struct.pack("<3i", s.bits, s.group_size, s.k))
+            f.write(np.ascontiguousarray(x, np.float32).tobytes())
+            for s in rt.segments:
+                f.write(_raw(s.wq_r) + _raw(s.scales_r) + _raw(s.biases_r))
+
+
+def run_repacked(exe: Path, tmp: Path, cases, threads: int = 1) -> list[np.ndarray]:
+    """Per case the harness's y (float64 [M, N]); a nonzero exit (no NEON
+    table offered, a write past y) fails with the harness's message."""
+    write_repacked_cases(tmp / "cases.bin", cases)
+    r = run(exe, tmp / "cases.bin", tmp / "out.bin", threads=threads)
+    assert r.returncode == 0, f"harness exit {r.returncode}: " + r.stdout + r.stderr
+    flat = np.fromfile(tmp / "out.bin", np.float32).astype(np.float64)
+    out, at = [], 0
+    for _, x, rt, _ in cases:
+        size = x.shape[0] * rt.shape[0]
+        out.append(flat[at:at + size].reshape(x.shape[0], -1))
+        at += size
+    assert at == flat.size, "harness output has the wrong size"
+    return out

@@ -32,7 +32,7 @@ def test_every_arm64_source_type_checks():
     require_tools()
     srcs = arm64_sources()
     names = {p.name for p in srcs}
-    assert {"neon.cpp", "neon_t.cpp"} <= names and not any(n.startswith("avx2") or n == "metal.cpp" for n in names)
+    assert {"neon.cpp", "neon_t.cpp", "neon_repacked.cpp"} <= names and not any(n.startswith("avx2") or n == "metal.cpp" for n in names)
     incs = [ROOT / "cpp", ROOT / "metal", Path(mx.__file__).parent / "include", nanobind.include_dir(),
             sysconfig.get_paths()["include"]]
     cmd = [CXX, "-std=c++20", "-fsyntax-only", "-Wno-psabi", *ARCH_FLAGS, "-DMIXBITS_HAVE_NEON=1",

@@ -336,9 +336,12 @@ def test_patch_refuses_repack_where_the_cpu_has_no_repacked_kernel(monkeypatch):
     than not repacking): patch refuses before changing the model."""
     import mixbits.ops
 
+    import platform
+
     flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
     x86_kernels = all(f in flags for f in ("avx2", "fma", "f16c"))
-    assert mixbits.ops.repacked_kernels_available() == x86_kernels
+    arm64 = platform.machine() in ("arm64", "aarch64")  # NEON kernels (test_repacked_neon_emulated.py)
+    assert mixbits.ops.repacked_kernels_available() == (x86_kernels or arm64)
     monkeypatch.setattr(mixbits.ops, "repacked_kernels_available", lambda: False)
     rng = np.random.default_rng(12)
     model = _patched(rng, 64)

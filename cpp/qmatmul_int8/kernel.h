@@ -34,6 +34,7 @@
 
 #include "common/half.h"
 #include "qmatmul/kernel.h"
+#include "qmatmul_int8/repack.h"
 #include "qmatmul_int8/table.h"
 
 namespace mixbits {
@@ -86,5 +87,16 @@ void qmm_int16_neon_run(const float* x, int M, const QMatView& w, float* y);
 #endif
 QmmRun select_qmm_int8(Backend requested);
 QmmRun select_qmm_int16(Backend requested);
+
+// The repacked layout (repack.h; repacked_run.cpp). The kernel table this
+// build and CPU run for int8 (int16 = false) or int16 codes under
+// `backend`, or null where calls on a repacked weight un-repack it.
+const RTable* select_repacked(bool int16, Backend backend);
+// The contract on repacked segments: x quantized once, its codes put in
+// repacked_x_col order, blocks of 16 rows over threads; rsegs[i] is
+// shape.segs[i] repacked (shape's wq/scales/biases are not read).
+template <class T>
+void repacked_int_run(const RTable& t, const float* x, int M, const QMatView& shape,
+                      const RSeg* rsegs, float* y);
 
 }  // namespace mixbits

@@ -1,6 +1,7 @@
 // Row-interleaved ("repacked") storage of a quantized segment, for the
 // batch-1 integer-activation GEMV (issue 16): built once per layer, read by
-// repacked_vnni.cpp's kernels with W rows in vector lanes and no transpose.
+// repacked_vnni.cpp's, avx2_repacked.cpp's and neon_repacked.cpp's kernels
+// with W rows in vector lanes and no transpose.
 //
 // Layout, per segment (N rows, `words` uint32 per row, `ng` groups per row),
 // with R = kRepackRows rows per block and NB = ceil(N / R) blocks:
@@ -96,6 +97,7 @@ struct RX {
   const float* d;    // per group, row m at d + m * ldg
   const float* xs;   // d * ix, same layout
   int ldg;
+  const int32_t* ix; // ix itself, same layout (NEON int8: the 8-bit codes' offset)
 };
 
 // y[m * ldy + n] += segment contribution, for m < mb and the real rows
@@ -115,6 +117,12 @@ const RTable& repacked_int16_table_vnni();
 // AVX2 (avx2_repacked.cpp): the same layout as two 8-row halves per block.
 const RTable& repacked_int8_table_avx2();
 const RTable& repacked_int16_table_avx2();
+#endif
+#if defined(MIXBITS_HAVE_NEON)
+// arm64 (neon_repacked.cpp): a block as four 4-row vectors; SDOT where the
+// compiler targets the dot-product extension, else SMULL + SADALP.
+const RTable& repacked_int8_table_neon();
+const RTable& repacked_int16_table_neon();
 #endif
 
 // Where the repacked kernels read the codes of a 32-bit word: with T the

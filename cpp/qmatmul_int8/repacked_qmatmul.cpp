@@ -8,10 +8,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "common/cpu.h"
 #include "common/inputs.h"
 #include "common/mlx_args.h"
-#include "common/parallel.h"
 #include "qmatmul_int8/kernel.h"
 #include "qmatmul_int8/repack.h"
 #include "mlx/allocator.h"
@@ -27,72 +25,21 @@ namespace {
 }
 
 int64_t blocks_of(int64_t n) { return (n + kRepackRows - 1) / kRepackRows; }
-int gs_index(int gs) { return gs == 32 ? 0 : gs == 64 ? 1 : 2; }
 
 // The repacked kernel table for (act, backend) on this CPU, or null where
 // calls take the un-repacked path (see the class comment).
-const RTable* select_repacked(Activations act, Backend backend) {
-#if defined(MIXBITS_HAVE_AVX2)
-  // As for the original layout: avx512 (and auto) run the widest integer
-  // dot this CPU has, VNNI where present, else the AVX2 kernels.
-  const CpuIsa& isa = cpu_isa();
-  if (act == Activations::Float || !isa.avx2) return nullptr;
-  const bool int8 = act == Activations::Int8;
-  if (isa.avx512vnni && (backend == Backend::Auto || backend == Backend::Avx512))
-    return int8 ? &repacked_int8_table_vnni() : &repacked_int16_table_vnni();
-  if (backend == Backend::Auto || backend == Backend::Avx512 || backend == Backend::Avx2)
-    return int8 ? &repacked_int8_table_avx2() : &repacked_int16_table_avx2();
-  return nullptr;
-#else
-  (void)act;
-  (void)backend;
-  return nullptr;
-#endif
+const RTable* repacked_table(Activations act, Backend backend) {
+  if (act == Activations::Float) return nullptr;
+  return select_repacked(act == Activations::Int16, backend);
 }
 
 }  // namespace
 
 bool repacked_kernels_available() {
-  return select_repacked(Activations::Int8, Backend::Auto) != nullptr;
+  return repacked_table(Activations::Int8, Backend::Auto) != nullptr;
 }
 
 namespace {
-
-// The integer contract on repacked segments: x quantized by int_quantize
-// (the one definition), its codes put in the kernels' order
-// (repacked_x_col), then blocks of 16 rows split over threads.
-template <class T>
-void run_repacked(const RTable& t, const float* xf, int M, const QMatView& shape,
-                  const std::vector<RSeg>& rsegs, float* y) {
-  IntActs<T> a;
-  int_quantize(xf, M, shape, a);  // reads only the segments' columns and groups
-  for (size_t si = 0; si < rsegs.size(); ++si) {
-    const int B = shape.segs[si].bits, cpw = repacked_x_span(B);
-    std::vector<T>& v = a.xq[si];
-    T tmp[32];
-    for (size_t u = 0; u < v.size(); u += cpw) {
-      for (int p = 0; p < cpw; ++p) tmp[p] = v[u + repacked_x_col(B, sizeof(T), p)];
-      std::copy(tmp, tmp + cpw, v.begin() + u);
-    }
-  }
-  const int N = shape.N;
-  parallel_for(blocks_of(N), 4, [&](int64_t b0, int64_t b1) {
-    const int64_t n0 = b0 * kRepackRows, n1 = std::min<int64_t>(N, b1 * kRepackRows);
-    for (int m0 = 0; m0 < M; m0 += kRepackMaxMB) {
-      const int mb = std::min(kRepackMaxMB, M - m0);
-      for (int m = 0; m < mb; ++m)
-        std::fill(y + int64_t(m0 + m) * N + n0, y + int64_t(m0 + m) * N + n1, 0.0f);
-      for (size_t si = 0; si < rsegs.size(); ++si) {
-        const SegView& s = shape.segs[si];
-        const int ng = s.k / s.group_size;
-        const RX xv{a.xq[si].data() + int64_t(m0) * s.k, s.k, a.d[si].data() + int64_t(m0) * ng,
-                    a.xs[si].data() + int64_t(m0) * ng, ng};
-        t.fn[s.bits][gs_index(s.group_size)](rsegs[si], xv, mb, int(b0), int(b1), N,
-                                             y + int64_t(m0) * N, N);
-      }
-    }
-  });
-}
 
 mx::array from_bytes(std::vector<char>&& bytes, mx::Shape shape, mx::Dtype dtype) {
   auto* owned = new std::vector<char>(std::move(bytes));
@@ -250,8 +197,9 @@ void eval_repacked(const RepackedKernels& k, const mx::array& x, const int32_t* 
   qmatmul_cpu_eval(x, perm, shape.K, N, k.fn_int != nullptr, out,
                    [&](QmmPath path, const float* xf, int M, float* y) {
     if (path == QmmPath::Int && k.table) {
-      if (k.act == Activations::Int8) return run_repacked<int8_t>(*k.table, xf, M, shape, rsegs, y);
-      return run_repacked<int16_t>(*k.table, xf, M, shape, rsegs, y);
+      if (k.act == Activations::Int8)
+        return repacked_int_run<int8_t>(*k.table, xf, M, shape, rsegs.data(), y);
+      return repacked_int_run<int16_t>(*k.table, xf, M, shape, rsegs.data(), y);
     }
     // MLX's layout in a temporary, then what MixedQMatmul runs.
     const size_t sbytes = shape.sdtype == DType::f32 ? 4 : 2;
@@ -283,7 +231,7 @@ RepackedKernels kernels_for(Activations act, Backend backend) {
           act == Activations::Int8    ? select_qmm_int8(backend)
           : act == Activations::Int16 ? select_qmm_int16(backend)
                                       : nullptr,
-          select_repacked(act, backend)};
+          repacked_table(act, backend)};
 }
 
 }  // namespace

@@ -17,10 +17,11 @@ namespace mixbits {
 namespace mx = mlx::core;
 
 // Inputs: x, [perm], then (wq_r, scales_r, biases_r) per segment.
-// Evaluation: activations int8/int16 with at most kInt8MaxM finite rows on
-// a CPU with AVX512-VNNI (backend auto or avx512) run the repacked kernels;
-// every other call (float contract, more rows, inf/NaN in x, backends ref
-// or avx2, CPUs without VNNI) un-repacks W into a temporary of MLX's layout
+// Evaluation: activations int8/int16 with at most kInt8MaxM finite rows run
+// the repacked kernels where select_repacked (kernel.h) has a table: x86
+// with AVX512-VNNI or AVX2 (backend auto, avx512, avx2), arm64 NEON (auto,
+// neon). Every other call (float contract, more rows, inf/NaN in x, backend
+// ref, x86 without AVX2) un-repacks W into a temporary of MLX's layout
 // and runs exactly what MixedQMatmul runs, so results never depend on the
 // storage beyond the kernels' float rounding. That temporary costs one
 // copy of the weight per call: correct, not fast.
@@ -100,8 +101,8 @@ std::vector<mx::array> repacked_qmatmul_group(const mx::array& x,
 // One segment (MLX layout: wq [N, k*bits/32], scales/biases [N, k/gs]) to
 // the row-interleaved layout, evaluated now (a layer does this once).
 // Refuses bit widths repack_supports_bits does not accept.
-// Whether this CPU has repacked kernels (AVX512-VNNI or AVX2); elsewhere
-// (arm64 today) every call on a repacked weight un-repacks it first.
+// Whether this CPU has repacked kernels (AVX512-VNNI or AVX2 on x86, NEON
+// on arm64); elsewhere every call on a repacked weight un-repacks it first.
 bool repacked_kernels_available();
 
 std::tuple<mx::array, mx::array, mx::array> repack_segment(const mx::array& wq,

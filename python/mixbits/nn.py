@@ -775,7 +775,7 @@ def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
         raise UsageError("repack=True is the layout of the integer GEMV: pass activations='int8' or 'int16'")
     if repack and not repacked_kernels_available():
         raise UsageError(
-            "repack=True: this CPU has no kernel for the repacked layout (they need AVX2 or AVX512-VNNI), "
+            "repack=True: this CPU has no kernel for the repacked layout (they need AVX2, AVX512-VNNI or arm64 NEON), "
             "so every call would un-repack the weights, slower than MLX's layout; leave repack off")
     _, stock_stacks = _mlx_lm_switch_kinds()
     planned = []

@@ -62,8 +62,9 @@ def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None,
 
     ``qt`` may also be a :class:`~mixbits.repack.RepackedTensor` (see
     :func:`repack`): same results and contracts, CPU only; the integer
-    contracts then run the row-interleaved kernels (AVX512-VNNI; other
-    CPUs, backends and calls un-repack W into a temporary per call).
+    contracts then run the row-interleaved kernels (AVX512-VNNI or AVX2 on
+    x86, NEON on arm64: :func:`repacked_kernels_available`; other CPUs,
+    backends and calls un-repack W into a temporary per call).
     """
     if isinstance(qt, RepackedTensor):
         act = activations_id(activations)
@@ -118,9 +119,11 @@ def repack(qt: QuantizedTensor) -> RepackedTensor:
 
 
 def repacked_kernels_available() -> bool:
-    """Whether this CPU has kernels for the repacked layout (x86 with
-    AVX512-VNNI or AVX2). Elsewhere (arm64 today) a repacked weight is
-    un-repacked on every call: correct, and slower than MLX's layout."""
+    """Whether this CPU has kernels for the repacked layout: x86 with
+    AVX512-VNNI or AVX2, and arm64 (NEON; checked under qemu, speed on
+    Apple cores not measured). Elsewhere (an x86 CPU without AVX2) a
+    repacked weight is un-repacked on every call: correct, and slower than
+    MLX's layout."""
     return bool(_ext.repacked_kernels())
 
 

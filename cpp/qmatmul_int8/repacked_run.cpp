@@ -1,0 +1,83 @@
+// The integer contracts on repacked segments (repack.h), free of MLX so the
+// aarch64 harness (tests/neon/repacked_harness.cpp) runs exactly what the
+// extension runs: the table choice per CPU, x quantized by int_quantize
+// (the one definition) and put in the kernels' order (repacked_x_col), then
+// blocks of 16 rows split over threads. RepackedQMatmul (repacked_qmatmul.cpp)
+// calls these.
+#include <algorithm>
+
+#include "common/cpu.h"
+#include "common/parallel.h"
+#include "qmatmul_int8/kernel.h"
+
+namespace mixbits {
+
+namespace {
+int gs_index(int gs) { return gs == 32 ? 0 : gs == 64 ? 1 : 2; }
+}  // namespace
+
+const RTable* select_repacked(bool int16, Backend backend) {
+#if defined(MIXBITS_HAVE_AVX2)
+  // As for the original layout: avx512 (and auto) run the widest integer
+  // dot this CPU has, VNNI where present, else the AVX2 kernels.
+  const CpuIsa& isa = cpu_isa();
+  if (!isa.avx2) return nullptr;
+  if (isa.avx512vnni && (backend == Backend::Auto || backend == Backend::Avx512))
+    return int16 ? &repacked_int16_table_vnni() : &repacked_int8_table_vnni();
+  if (backend == Backend::Auto || backend == Backend::Avx512 || backend == Backend::Avx2)
+    return int16 ? &repacked_int16_table_avx2() : &repacked_int8_table_avx2();
+  return nullptr;
+#elif defined(MIXBITS_HAVE_NEON) && defined(__ARM_NEON) && defined(__aarch64__)
+  // One table per build: whether it uses SDOT is fixed at compile time, as
+  // for neon.cpp (every Apple M core has it).
+  if (backend == Backend::Auto || backend == Backend::Neon)
+    return int16 ? &repacked_int16_table_neon() : &repacked_int8_table_neon();
+  return nullptr;
+#else
+  (void)int16;
+  (void)backend;
+  return nullptr;
+#endif
+}
+
+template <class T>
+void repacked_int_run(const RTable& t, const float* xf, int M, const QMatView& shape,
+                      const RSeg* rsegs, float* y) {
+  IntActs<T> a;
+  int_quantize(xf, M, shape, a);  // reads only the segments' columns and groups
+  const size_t nseg = shape.segs.size();
+  for (size_t si = 0; si < nseg; ++si) {
+    const int B = shape.segs[si].bits, cpw = repacked_x_span(B);
+    std::vector<T>& v = a.xq[si];
+    T tmp[32];
+    for (size_t u = 0; u < v.size(); u += cpw) {
+      for (int p = 0; p < cpw; ++p) tmp[p] = v[u + repacked_x_col(B, sizeof(T), p)];
+      std::copy(tmp, tmp + cpw, v.begin() + u);
+    }
+  }
+  const int N = shape.N;
+  const int64_t NB = (int64_t(N) + kRepackRows - 1) / kRepackRows;
+  parallel_for(NB, 4, [&](int64_t b0, int64_t b1) {
+    const int64_t n0 = b0 * kRepackRows, n1 = std::min<int64_t>(N, b1 * kRepackRows);
+    for (int m0 = 0; m0 < M; m0 += kRepackMaxMB) {
+      const int mb = std::min(kRepackMaxMB, M - m0);
+      for (int m = 0; m < mb; ++m)
+        std::fill(y + int64_t(m0 + m) * N + n0, y + int64_t(m0 + m) * N + n1, 0.0f);
+      for (size_t si = 0; si < nseg; ++si) {
+        const SegView& s = shape.segs[si];
+        const int ng = s.k / s.group_size;
+        const RX xv{a.xq[si].data() + int64_t(m0) * s.k, s.k, a.d[si].data() + int64_t(m0) * ng,
+                    a.xs[si].data() + int64_t(m0) * ng, ng, a.ix[si].data() + int64_t(m0) * ng};
+        t.fn[s.bits][gs_index(s.group_size)](rsegs[si], xv, mb, int(b0), int(b1), N,
+                                             y + int64_t(m0) * N, N);
+      }
+    }
+  });
+}
+
+template void repacked_int_run<int8_t>(const RTable&, const float*, int, const QMatView&,
+                                       const RSeg*, float*);
+template void repacked_int_run<int16_t>(const RTable&, const float*, int, const QMatView&,
+                                        const RSeg*, float*);
+
+}  // namespace mixbits
