@@ -75,6 +75,7 @@ class SiblingGroup:
         act = self.layers[i].activations
         tensors = [m._repacked_tensor() if m.is_repacked else None for m in members]
         if (any(t is None or t.perm is not None for t in tensors)
+                or any(t.dtype != tensors[0].dtype for t in tensors)  # one promoted x for all
                 or any(m.activations != act for m in members) or not on_cpu()):
             self._pending = {}
             return None
