@@ -82,7 +82,9 @@ def test_patch_replaces_expert_stacks_with_equal_logits(arch):
     stock = _stacks(model, QuantizedSwitchLinear)
     assert len(stock) >= 9 and len(stock) % 3 == 0  # gate/up/down of 3-4 MoE layers
     arrays = {p: m["weight"] for p, m in stock.items()}
-    paths = mixbits.patch(model)
+    # functions=False: the layers alone (the routed norm/rope/attention
+    # kernels round differently from MLX's ops, by ~1e-5 of the logits here)
+    paths = mixbits.patch(model, functions=False)
     assert set(stock) <= set(paths)
     after = _stacks(model)
     assert set(after) == set(stock)
