@@ -248,6 +248,25 @@ def test_smollm2_compiled_generation_and_cli(capsys):
     out = capsys.readouterr()
     assert out.out.strip() == prompt + " Paris."
     assert "compiled decode" in out.err and "--compiled:" not in out.err  # no fallback
+    # the integer contract on repacked layers: same answer, compiled
+    assert main(["generate", "--model", "smollm2", "--prompt", prompt, "--max-tokens", "2", "--patch",
+                 "--compiled", "--activations", "int8", "--repack"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == prompt + " Paris."
+    assert "mixbits int8 repacked layers, compiled decode" in out.err and "--compiled:" not in out.err
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--activations", "int8"], "add --patch"),
+    (["--repack", "--patch"], "add --activations int8 or int16"),
+    (["--repack", "--patch", "--activations", "float"], "add --activations int8 or int16"),
+])
+def test_generate_refuses_contract_options_before_loading(argv, why, capsys, monkeypatch):
+    from mixbits.cli import main
+
+    monkeypatch.setattr(mixbits, "load", lambda *a, **k: pytest.fail("loaded a model"))
+    assert main(["generate", "--model", "smollm2", "--prompt", "x", *argv]) == 2
+    assert why in capsys.readouterr().err
 
 
 def test_a_decoder_reused_for_a_second_sequence_starts_afresh():

@@ -17,6 +17,12 @@ def add_arguments(p) -> None:
     p.add_argument("--compiled", action="store_true",
                    help="decode through mixbits.decode (the model's forward compiled with mx.compile, checked "
                         "against the plain step once); models it cannot compile fall back to the plain loop")
+    p.add_argument("--activations", choices=["float", "int8", "int16"], default=None,
+                   help="with --patch: the CPU matmuls' numeric contract (mixbits.patch activations=; "
+                        "int8/int16 quantize x per group for batch-1 calls, bench/INT8.md)")
+    p.add_argument("--repack", action="store_true",
+                   help="with --patch and --activations int8/int16: store the layers (and a tied head) "
+                        "row-interleaved for the batch-1 integer GEMV (mixbits.patch repack=True)")
     p.add_argument("--no-stats", action="store_true", help="do not print timings to stderr")
 
 
@@ -24,7 +30,18 @@ def run(args) -> int:
     if args.max_tokens < 1:
         print(f"--max-tokens must be >= 1, got {args.max_tokens}", file=sys.stderr)
         return 2
+    # Refused before the model loads.
+    if (args.activations is not None or args.repack) and not args.patch:
+        print("--activations/--repack apply to mixbits layers: add --patch", file=sys.stderr)
+        return 2
+    if args.repack and args.activations not in ("int8", "int16"):
+        print("--repack is the integer GEMV's layout: add --activations int8 or int16", file=sys.stderr)
+        return 2
     import mixbits
+
+    if args.repack and not mixbits.ops.repacked_kernels_available():
+        print("--repack: this CPU has no kernel for the repacked layout; leave it off", file=sys.stderr)
+        return 2
     from mixbits.models import greedy_generate
 
     try:
@@ -35,6 +52,8 @@ def run(args) -> int:
     if tokenizer is None:
         print(f"--model: {args.model} has no tokenizer.json", file=sys.stderr)
         return 2
+    if args.activations is not None:
+        mixbits.patch(model, activations=args.activations, repack=args.repack)
     gen = None
     if args.compiled:
         from mixbits.decode import Unsupported, greedy_generate as compiled_generate
@@ -48,6 +67,8 @@ def run(args) -> int:
     print(args.prompt + gen.text)
     if not args.no_stats:
         layers = "mixbits" if args.patch else "mlx"
+        if args.activations is not None:
+            layers += f" {args.activations}" + (" repacked" if args.repack else "")
         how = ", compiled decode (first step traces and checks it)" if args.compiled else ""
         print(
             f"[{layers} layers{how}] prompt {len(gen.prompt_ids)} tokens, {gen.prefill_tps:.1f} tok/s prefill; "
