@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "act/act.h"
+#include "common/cpu_task.h"
 #include "common/grads.h"
 #include "common/parallel.h"
 #include "common/inputs.h"
@@ -87,13 +88,7 @@ bool SwigluVjp::is_equivalent(const mx::Primitive& other) const {
 void SwigluVjp::eval_cpu(const std::vector<mx::array>& inputs,
                          std::vector<mx::array>& outputs) {
   auto& enc = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) enc.set_input_array(a);
-  std::vector<mx::array> outs;
-  for (auto& o : outputs) {
-    o.set_data(mx::allocator::malloc(o.nbytes()));
-    enc.set_output_array(o);
-    outs.push_back(mx::array::unsafe_weak_copy(o));
-  }
+  std::vector<mx::array> outs = begin_cpu_task(enc, inputs, outputs);
   enc.dispatch([inputs, outs, fn = select_swiglu_vjp(backend_)]() mutable {
     // g and u are Swiglu's inputs as its caller passed them (maybe strided).
     std::vector<char> gbuf, ubuf, dybuf;

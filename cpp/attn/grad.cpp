@@ -28,6 +28,7 @@
 #include <stdexcept>
 
 #include "attn/attn.h"
+#include "common/cpu_task.h"
 #include "common/grads.h"
 #include "common/inputs.h"
 #include "common/parallel.h"
@@ -276,13 +277,7 @@ bool CausalAttentionVJP::is_equivalent(const mx::Primitive& other) const {
 void CausalAttentionVJP::eval_cpu(const std::vector<mx::array>& inputs,
                                   std::vector<mx::array>& outputs) {
   auto& enc = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) enc.set_input_array(a);
-  std::vector<mx::array> outs;
-  for (auto& o : outputs) {
-    o.set_data(mx::allocator::malloc(o.nbytes()));
-    enc.set_output_array(o);
-    outs.push_back(mx::array::unsafe_weak_copy(o));
-  }
+  std::vector<mx::array> outs = begin_cpu_task(enc, inputs, outputs);
   enc.dispatch([inputs, outs, scale = scale_,
                 kern = select_attn(backend_)]() mutable {
     const auto& q = inputs[0];

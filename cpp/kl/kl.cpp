@@ -8,6 +8,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "common/cpu_task.h"
 #include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
@@ -98,13 +99,8 @@ bool KLDivergence::is_equivalent(const mx::Primitive& other) const {
 
 void KLDivergence::eval_cpu(const std::vector<mx::array>& inputs,
                             std::vector<mx::array>& outputs) {
-  for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
   auto& enc = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) enc.set_input_array(a);
-  for (auto& o : outputs) enc.set_output_array(o);
-
-  std::vector<mx::array> outs;
-  for (auto& o : outputs) outs.push_back(mx::array::unsafe_weak_copy(o));
+  std::vector<mx::array> outs = begin_cpu_task(enc, inputs, outputs);
   // Capturing the arrays keeps their buffers alive until the task has run.
   enc.dispatch([inputs, outs = std::move(outs), mode = mode_,
                 fn = select_kl(backend_)]() mutable {

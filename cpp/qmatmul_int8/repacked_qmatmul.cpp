@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cpu_task.h"
 #include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "qmatmul_int8/kernel.h"
@@ -270,13 +271,7 @@ bool RepackedQMatmulGroup::is_equivalent(const mx::Primitive& other) const {
 void RepackedQMatmulGroup::eval_cpu(const std::vector<mx::array>& inputs,
                                     std::vector<mx::array>& outputs) {
   auto& enc = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) enc.set_input_array(a);
-  std::vector<mx::array> outs;
-  for (auto& o : outputs) {
-    o.set_data(mx::allocator::malloc(o.nbytes()));
-    enc.set_output_array(o);
-    outs.push_back(mx::array::unsafe_weak_copy(o));
-  }
+  std::vector<mx::array> outs = begin_cpu_task(enc, inputs, outputs);
   // One task for every weight: the per-node dispatch is most of a small
   // GEMV's cost (a decode token's q/k/v projections).
   enc.dispatch([inputs, outs, members = members_, k = kernels_for(act_, backend_)]() mutable {

@@ -21,7 +21,11 @@
 #include "qmatmul/kernel.h"
 #include "qmatmul_int8/kernel.h"
 
+#include "harness_io.h"
+
 using namespace mixbits;
+
+const char* const kHarnessName = "qmm_harness";
 
 namespace {
 
@@ -42,26 +46,6 @@ const Kernel kKernels[] = {
     {"int16", 0, select_qmm_int16(Backend::Auto), nullptr},
     {"t_ref", 1, nullptr, qmm_t_ref_run},
     {"t_neon", 1, nullptr, select_qmm_t(Backend::Neon)},
-};
-
-[[noreturn]] void die(const char* what) {
-  std::fprintf(stderr, "qmm_harness: %s\n", what);
-  std::exit(2);
-}
-
-struct Reader {
-  std::vector<char> buf;
-  size_t at = 0;
-  const char* take(size_t n) {
-    if (at + n > buf.size()) die("truncated case file");
-    at += n;
-    return buf.data() + at - n;
-  }
-  int32_t i32() {
-    int32_t v;
-    std::memcpy(&v, take(4), 4);
-    return v;
-  }
 };
 
 }  // namespace

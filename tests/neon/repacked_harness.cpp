@@ -27,29 +27,13 @@
 
 #include "qmatmul_int8/kernel.h"
 
+#include "harness_io.h"
+
 using namespace mixbits;
 
+const char* const kHarnessName = "repacked_harness";
+
 namespace {
-
-[[noreturn]] void die(const char* what, int code = 2) {
-  std::fprintf(stderr, "repacked_harness: %s\n", what);
-  std::exit(code);
-}
-
-struct Reader {
-  std::vector<char> buf;
-  size_t at = 0;
-  const char* take(size_t n) {
-    if (at + n > buf.size()) die("truncated case file");
-    at += n;
-    return buf.data() + at - n;
-  }
-  int32_t i32() {
-    int32_t v;
-    std::memcpy(&v, take(4), 4);
-    return v;
-  }
-};
 
 // Elements of a [NB, cols, 16] array as 32-bit words (wq_r) or 16/32-bit
 // scales, copied into storage of their type's alignment.
