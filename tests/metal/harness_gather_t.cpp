@@ -160,4 +160,11 @@ int mbemu_gather_t(int pairs, int M, int N, int x_batches, int w_batches, int ns
   }, err, errlen);
 }
 
+// Whether eval_gpu's kernels take the problem (gather_qmv_t_gpu_applies,
+// what mixed_gather_qmm_t and MixedGatherQMM::vjp ask on a GPU stream).
+int mbemu_gather_t_applies(int64_t pairs, int64_t M, int64_t N, int64_t K, int64_t x_batches,
+                           int64_t w_batches) {
+  return gather_qmv_t_gpu_applies(pairs, M, N, K, x_batches, w_batches) ? 1 : 0;
+}
+
 }  // extern "C"

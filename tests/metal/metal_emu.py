@@ -134,12 +134,14 @@ def lib() -> ctypes.CDLL:
                                   I, U64, ctypes.c_char_p, I]
         L.mbemu_gather_t.argtypes = [I, I, I, I, I, I, P, P, P, I, P, Z, P, Z, P, P, P, P,
                                      P, P, I, P, Z, P, Z, P, Z, I, U64, ctypes.c_char_p, I]
+        L.mbemu_gather_t_applies.argtypes = [ctypes.c_int64] * 6
         L.mbemu_kl.argtypes = [I, I, I, I, I, I, P, P, I, U64, ctypes.c_char_p, I]
         L.mbemu_selftest.argtypes = [ctypes.c_char_p, I, I, P, P, I, I, U64,
                                      ctypes.c_char_p, I]
         L.mbemu_kernel_count.argtypes = []
         for f in (L.mbemu_qmm, L.mbemu_gather, L.mbemu_gather_kernel, L.mbemu_qmv_t,
-                  L.mbemu_gather_t, L.mbemu_kl, L.mbemu_selftest, L.mbemu_kernel_count):
+                  L.mbemu_gather_t, L.mbemu_gather_t_applies, L.mbemu_kl, L.mbemu_selftest,
+                  L.mbemu_kernel_count):
             f.restype = I
         _LIB = L
     return _LIB
@@ -335,6 +337,13 @@ def gather_t(inputs, segments, act: str, scale_type: str, has_perm: bool, x_batc
         seed, err, len(err))
     _check(rc, err)
     return out
+
+
+def gather_t_applies(pairs: int, M: int, N: int, K: int, x_batches: int,
+                     w_batches: int) -> bool:
+    """Whether the gathered transposed kernels take a problem (gather_t_host.h;
+    on a GPU stream the gradient is dequantize + gather_mm otherwise)."""
+    return bool(lib().mbemu_gather_t_applies(pairs, M, N, K, x_batches, w_batches))
 
 
 KL_MODES = {"logits": 0, "fixed_shift": 1, "probs": 2}

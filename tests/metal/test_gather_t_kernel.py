@@ -250,3 +250,18 @@ def test_harness_refuses_buffers_the_primitive_would_not_pass():
     with pytest.raises(TypeError, match="lhs must be uint32"):
         E.gather_t(inputs[:-2] + [inputs[-2].astype(np.int32), inputs[-1]], qt.specs,
                    "float32", "float32", False, 2)
+
+
+def test_which_problems_the_kernels_take():
+    """Up to MB_QT_MAX_M = 8 rows per matrix (MoE layers have 1), every
+    count positive, 32-bit parameters and grids (x_batches + 1 bins);
+    elsewhere MixedGatherQMM's vjp keeps dequantize + gather_mm."""
+    assert E.gather_t_applies(16384, 1, 768, 2048, 2048, 128)
+    assert E.gather_t_applies(8, 8, 5, 32, 1, 1)
+    assert not E.gather_t_applies(8, 9, 5, 32, 1, 1)
+    for zero in range(6):
+        args = [8, 1, 5, 32, 4, 3]
+        args[zero] = 0
+        assert not E.gather_t_applies(*args), args
+    assert not E.gather_t_applies(8, 1, 5, 32, 2**31 - 1, 3)
+    assert not E.gather_t_applies(8, 2, 5, 2**30, 1, 3)  # x_batches * M * K
