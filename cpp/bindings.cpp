@@ -15,6 +15,7 @@
 #include "bench/probe.h"
 #include "common/backend.h"
 #include "gather/gather.h"
+#include "gather/transposed.h"
 #include "common/parallel.h"
 #include "kl/kl.h"
 #include "qmatmul/qmatmul.h"
@@ -148,6 +149,26 @@ NB_MODULE(_ext, m) {
       "un-permuted (MixedQMatmulT, the gradient wrt x), built on the CPU: "
       "the primitive's name, the arrays it is given (unevaluated) and its "
       "output; a GPU stream builds the node from the same arrays.");
+
+  m.def(
+      "gather_qmatmul_t_node",
+      [](const mx::array& dy, const std::optional<mx::array>& perm,
+         const std::vector<mx::array>& packed,
+         const std::vector<std::tuple<int, int, int>>& segs, const mx::array& lhs,
+         const mx::array& rhs, const std::vector<int>& x_shape) {
+        std::vector<mixbits::SegSpec> specs;
+        for (auto [b, g, k] : segs) specs.push_back({b, g, k});
+        auto dx = mixbits::mixed_gather_qmm_t(dy, perm, packed, specs, lhs, rhs,
+                                              mx::Shape(x_shape.begin(), x_shape.end()),
+                                              mixbits::Backend::Auto, mx::Device::cpu);
+        return std::make_tuple(std::string(dx.primitive().name()), dx.inputs(), dx);
+      },
+      "dy"_a, "perm"_a.none(), "packed"_a, "segments"_a, "lhs"_a, "rhs"_a, "x_shape"_a,
+      "For the Metal emulator tests: the gathered transposed product dx[lhs[i]] "
+      "+= dy[i] @ W[rhs[i]], un-permuted (MixedGatherQMMT, the gradient wrt x), "
+      "built on the CPU from a MixedGatherQMM node's dense uint32 indices: the "
+      "primitive's name, the arrays it is given (unevaluated) and its output; a "
+      "GPU stream builds the node from the same arrays.");
 
   m.def(
       "batched_qmatmul",

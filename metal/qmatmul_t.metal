@@ -7,18 +7,13 @@
 // once per K-segment and specialized for its bits, group size, dy dtype
 // and scale dtype.
 #include "mixbits_metal.h"
-#include "qmatmul_common.h"
-#include "qmatmul_t_params.h"
+#include "qmv_t_cols.h"
 
 // z[m, k] = sum_n dy[m, n] (s[n, g] q[n, k] + b[n, g]), g = k / group_size,
 // for one 128-column block (whole groups: 128 is a multiple of each group
 // size) of one segment and one row m. Grid = (ceil(kseg / 128), M).
-// A column of W is a strided walk through the rows (the reason this is not
-// the forward kernel with x and W swapped): thread t owns 16 consecutive
-// columns (chunk t % 8) and sums over the rows of its slice (t / 8 + 8 i),
-// decoding each chunk with mb_unpack8, the tiled forward's decode. The 16
-// columns lie in one group, so per row one scale and one bias apply and
-// the bias term is one running sum, sum_n dy[m, n] b[n, g].
+// The work split, decode and reduction are qmv_t_cols.h's (shared with the
+// gathered product, gather_qmv_t.metal).
 template <typename IO, typename SC, int bits, int group_size>
 [[kernel]] void mb_qmv_t(
     const device typename IO::storage* dy [[buffer(0)]],
@@ -36,10 +31,6 @@ template <typename IO, typename SC, int bits, int group_size>
   const int chunk = int(lid) % MB_QT_CHUNKS;
   const int slice = int(lid) / MB_QT_CHUNKS;
   const int col = block + MB_CHUNK * chunk;  // first column, in the segment
-  const size_t row_bytes = size_t(p.kseg) * bits / 8;
-  const size_t groups = size_t(p.kseg / group_size);
-  const device uint8_t* w = (const device uint8_t*)wq + size_t(col) * bits / 8;
-  const device typename IO::storage* dyr = dy + size_t(m) * size_t(p.N);
 
   float acc[MB_CHUNK];
   MB_UNROLL for (int i = 0; i < MB_CHUNK; ++i) acc[i] = 0.0f;
@@ -47,35 +38,13 @@ template <typename IO, typename SC, int bits, int group_size>
   // kseg is a multiple of 32, so a chunk is inside the segment or wholly
   // past its end (then the thread only contributes zeros to the sum).
   if (col < p.kseg) {
-    const size_t g = size_t(col / group_size);
-    uint32_t codes[MB_CHUNK];
-    for (int n = slice; n < p.N; n += MB_QT_SLICES) {
-      const float d = IO::load(dyr[n]);
-      const float a = d * SC::load(scales[size_t(n) * groups + g]);
-      bsum += d * SC::load(biases[size_t(n) * groups + g]);
-      const device uint8_t* wr = w + size_t(n) * row_bytes;
-      mb_unpack8<bits>(wr, codes);
-      mb_unpack8<bits>(wr + bits, codes + 8);  // 8 codes are `bits` bytes
-      MB_UNROLL for (int i = 0; i < MB_CHUNK; ++i) acc[i] += a * float(codes[i]);
-    }
+    const size_t row_bytes = size_t(p.kseg) * bits / 8;
+    const size_t groups = size_t(p.kseg / group_size);
+    mb_qmv_t_accumulate<IO, SC, bits, group_size>(
+        dy + size_t(m) * size_t(p.N), (const device uint8_t*)wq + size_t(col) * bits / 8,
+        scales, biases, p.N, row_bytes, groups, size_t(col / group_size), slice, acc, bsum);
   }
-  MB_UNROLL for (int i = 0; i < MB_CHUNK; ++i) {
-    red[slice * MB_QT_COLS + MB_CHUNK * chunk + i] = acc[i] + bsum;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-
-  // Each thread finishes 2 columns: the 8 slices, in a fixed order.
-  for (int c = int(lid); c < MB_QT_COLS; c += MB_QT_THREADS) {
-    if (block + c >= p.kseg) break;
-    float v = 0.0f;
-    MB_UNROLL for (int s = 0; s < MB_QT_SLICES; ++s) v += red[s * MB_QT_COLS + c];
-    const size_t idx = size_t(m) * size_t(p.K) + size_t(p.k0 + block + c);
-    if (p.has_perm) {
-      z[idx] = v;
-    } else {
-      out[idx] = IO::store(v);
-    }
-  }
+  mb_qmv_t_finish<IO>(red, acc, bsum, slice, chunk, lid, block, p, size_t(m), z, out);
 }
 
 // One threadgroup of MB_QT_CHECK_THREADS: inv[perm[k]] = k and status[0]

@@ -26,9 +26,10 @@ class MixedGatherQMM : public mx::UnaryPrimitive {
 
   MIXBITS_EVAL_UNARY()
 
-  // As MixedQMatmul's: wrt x through the transposed kernel on the CPU
-  // (MixedGatherQMMT, transposed.h) where MixedQMatmul's takes it, else
-  // dequantize + gather_mm; wrt every segment's scales/biases through MLX
+  // As MixedQMatmul's: wrt x through the transposed kernels
+  // (MixedGatherQMMT, transposed.h) on the CPU where MixedQMatmul's takes
+  // them and on the GPU where the Metal ones apply (gather_qmm_t_gpu_runs),
+  // else dequantize + gather_mm; wrt every segment's scales/biases through MLX
   // ops (segmented_mm, dequantize); no gradient wrt the packed weights,
   // the permutation or the indices.
   MIXBITS_GRADS()

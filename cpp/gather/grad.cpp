@@ -1,8 +1,10 @@
 // Derivatives of MixedGatherQMM and of its CPU gradient MixedGatherQMMT.
 // dx runs the transposed kernel through the packed weights (transposed.h)
-// wherever MixedQMatmul's gradient does (prefer_qmm_t); elsewhere (Auto on
-// arm64, and on a GPU stream, where MixedGatherQMMT has no kernel) a dense W
-// and MLX's gather_mm, scattered back to x's batches. The scales/biases
+// wherever MixedQMatmul's gradient does (prefer_qmm_t), and on a GPU stream
+// through the Metal kernels where they apply (gather_qmm_t_gpu_runs: at
+// most MB_QT_MAX_M rows per matrix, 32-bit counts, a build with Metal);
+// elsewhere (Auto on arm64, more rows, no Metal) a dense W and MLX's
+// gather_mm, scattered back to x's batches. The scales/biases
 // gradients come from G[e] = Σ_{i: rhs[i]=e} dy[i]ᵀ·x[lhs[i]][perm], a
 // segmented matmul over the rows sorted by expert (never a [P, N, K]
 // intermediate per output matrix).
@@ -121,9 +123,15 @@ std::vector<mx::array> MixedGatherQMM::vjp(
     if (const char* what = undifferentiable(arg, primals.size(), has_perm_))
       no_grad("vjp", what);
     if (arg == 0) {
-      // The device is the stream's, decided here, so a GPU graph never
-      // holds the CPU-only node.
-      auto dx = s.device == mx::Device::cpu && prefer_qmm_t(backend_)
+      // The device is the stream's, decided here, so a graph never holds a
+      // node its device cannot run.
+      const int M = p.x.shape(-2), K = p.x.shape(-1);
+      const bool use_t =
+          s.device == mx::Device::cpu
+              ? prefer_qmm_t(backend_)
+              : gather_qmm_t_gpu_runs(int64_t(p.lhs.size()), M, p.packed[0].shape(-2), K,
+                                      batch_size(p.x), batch_size(p.packed[0]));
+      auto dx = use_t
                     ? mixed_gather_qmm_t(dy, p.perm, p.packed, segs_, p.lhs,
                                          p.rhs, p.x.shape(), backend_, s)
                     : gather_grad::dense_dx(

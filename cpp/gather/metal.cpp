@@ -10,6 +10,11 @@
 // input made dense and the indices made uint32 of one shape when the node
 // was built (mixed_gather_qmm), and the builder sends here only problems
 // gather_gpu_refusal accepts: nothing here rejects user input.
+//
+// MixedGatherQMMT::eval_gpu (the gradient wrt x, dx[lhs[i]] += dy[i] ·
+// W[rhs[i]] un-permuted, for few rows per matrix): an optional perm check,
+// the grouping of the pairs by dx matrix, one gather_qmv_t.metal product
+// per segment, an optional unpermute; the plan from metal/gather_t_host.h.
 #ifdef _METAL_
 
 #ifndef MIXBITS_HAS_METALLIB
@@ -24,8 +29,10 @@
 #include "common/metal_bind.h"
 #include "common/metal_lib.h"
 #include "gather/gather.h"
+#include "gather/transposed.h"
 #include "gather_host.h"
 #include "gather_params.h"
+#include "gather_t_host.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/metal/device.h"
 
@@ -84,6 +91,68 @@ void MixedGatherQMM::eval_gpu(const std::vector<mx::array>& inputs,
     // that wrote it (MLX inserts the barrier).
     if (acc) arrays[MB_GATHER_ACC] = &*acc;
     arrays[MB_GATHER_OUT] = &out;
+
+    encode_launch(enc, kernel, l, arrays);
+  }
+}
+
+// The scratch buffers (inverse perm, status, the pairs grouped by dx
+// matrix, z in packed order) are temporaries of the command buffer; as
+// outputs of one dispatch and inputs of the next they also order the
+// dispatches (MLX inserts the barriers). mixed_gather_qmm_t builds this
+// node only for problems gather_qmm_t_gpu_runs accepts.
+void MixedGatherQMMT::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  namespace host = metal_host;
+  const mx::Stream& s = stream();
+  auto& d = mx::metal::device(s.device);
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+
+  std::vector<mx::array> in = inputs;  // shared handles, for binding
+  const size_t first = has_perm_ ? 2 : 1;
+  const size_t lhs = in.size() - 2, rhs = in.size() - 1;
+  const int M = out.shape(-2), K = out.shape(-1), N = in[first].shape(-2);
+  const int pairs = int(in[lhs].size());
+  const int Bx = int(matrices(out)), Bw = int(matrices(in[first]));
+  std::vector<host::QmmSegment> segs;
+  for (const SegSpec& sg : segs_) segs.push_back({sg.bits, sg.group_size, sg.k});
+  const auto plan = host::plan_gather_qmv_t(pairs, M, N, Bx, Bw, segs,
+                                            metal_act_type(out.dtype()),
+                                            metal_scale_type(in[first + 1].dtype()), has_perm_);
+
+  auto& enc = mx::metal::get_command_encoder(s);
+  auto status = metal_temporary(enc, {1}, mx::int32);
+  auto order = metal_temporary(enc, {pairs}, mx::int32);
+  auto bounds = metal_temporary(enc, {Bx + 1}, mx::int32);
+  std::optional<mx::array> inv, z;
+  if (has_perm_) {
+    inv = metal_temporary(enc, {K}, mx::int32);
+    z = metal_temporary(enc, {Bx * M, K}, mx::float32);
+  }
+
+  auto* lib = mixbits_metal_library(d);
+  for (const host::GatherTLaunch& l : plan) {
+    auto* kernel = launch_pipeline(d, lib, l, "gather_qmm (transposed)");
+    // One numbering for every launch: the shared perm check and unpermute
+    // bind slots 0 .. 8 of it (MbQmvTBuffer's), the others all of it.
+    std::vector<mx::array*> arrays(MB_GT_PARAMS, nullptr);
+    arrays[MB_GT_DY] = &in[0];
+    if (has_perm_) {
+      arrays[MB_GT_PERM] = &in[1];
+      arrays[MB_GT_INV] = &*inv;
+      arrays[MB_GT_Z] = &*z;
+    }
+    if (l.segment >= 0) {
+      const size_t i = first + 3 * size_t(l.segment);
+      arrays[MB_GT_WQ] = &in[i];
+      arrays[MB_GT_SCALES] = &in[i + 1];
+      arrays[MB_GT_BIASES] = &in[i + 2];
+    }
+    arrays[MB_GT_STATUS] = &status;
+    arrays[MB_GT_OUT] = &out;
+    arrays[MB_GT_LHS] = &in[lhs];
+    arrays[MB_GT_RHS] = &in[rhs];
+    arrays[MB_GT_ORDER] = &order;
+    arrays[MB_GT_BOUNDS] = &bounds;
 
     encode_launch(enc, kernel, l, arrays);
   }

@@ -2,7 +2,8 @@
 // transposed product (transposed.h). Like the forward, the pairs are
 // grouped by expert so each expert's weights are decoded once per call
 // however many rows chose it (a MoE layer has M = 1 per pair: one kernel
-// call per pair would decode an expert per routed token).
+// call per pair would decode an expert per routed token). The Metal
+// evaluation is in cpp/gather/metal.cpp.
 #include "gather/transposed.h"
 
 #include <algorithm>
@@ -15,10 +16,21 @@
 #include "common/mlx_args.h"
 #include "common/parallel.h"
 #include "gather/experts.h"
+#include "gather_t_host.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
 namespace mixbits {
+
+bool gather_qmm_t_gpu_runs(int64_t pairs, int64_t M, int64_t N, int64_t K,
+                           int64_t x_batches, int64_t w_batches) {
+#ifdef _METAL_
+  return metal_host::gather_qmv_t_gpu_applies(pairs, M, N, K, x_batches, w_batches);
+#else
+  (void)pairs, (void)M, (void)N, (void)K, (void)x_batches, (void)w_batches;
+  return false;
+#endif
+}
 
 mx::array mixed_gather_qmm_t(const mx::array& dy,
                              const std::optional<mx::array>& perm,
@@ -28,10 +40,18 @@ mx::array mixed_gather_qmm_t(const mx::array& dy,
                              const mx::Shape& x_shape, Backend backend,
                              mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
-  if (stream.device != mx::Device::cpu)
-    throw std::invalid_argument(
-        "[gather_qmm] the transposed product runs on the CPU only");
-  select_qmm_t(backend);  // throws now, not inside the graph, if unavailable
+  if (stream.device == mx::Device::cpu) {
+    select_qmm_t(backend);  // throws now, not inside the graph, if unavailable
+  } else {
+    const int64_t M = x_shape[x_shape.size() - 2], K = x_shape.back();
+    const int64_t Bx = prod(x_shape, 0, x_shape.size() - 2);
+    const int64_t Bw = prod(packed[0].shape(), 0, packed[0].ndim() - 2);
+    if (!gather_qmm_t_gpu_runs(int64_t(lhs.size()), M, packed[0].shape(-2), K, Bx, Bw))
+      throw std::invalid_argument(
+          "[gather_qmm] no GPU kernel for this transposed product (see "
+          "gather_qmm_t_gpu_runs); on the GPU the gradient is dequantize + "
+          "gather_mm there");
+  }
   std::vector<mx::array> inputs{dense_input(dy, stream)};
   if (perm) inputs.push_back(dense_input(*perm, stream));
   for (const auto& a : packed) inputs.push_back(dense_input(a, stream));
@@ -167,11 +187,12 @@ void MixedGatherQMMT::eval_cpu(const std::vector<mx::array>& inputs,
   });
 }
 
+#ifndef _METAL_
+// The Metal kernels are in cpp/gather/metal.cpp; mixed_gather_qmm_t never
+// builds this node on a GPU stream without them (gather_qmm_t_gpu_runs).
 void MixedGatherQMMT::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error(
-      "[MixedGatherQMMT] the gathered transposed product has no GPU kernel; "
-      "MixedGatherQMM's gradient on a GPU stream uses MLX ops and never "
-      "builds this node there.");
+  throw std::runtime_error("[MixedGatherQMMT] this build of mixbits has no GPU kernels");
 }
+#endif
 
 }  // namespace mixbits

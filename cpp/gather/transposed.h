@@ -3,7 +3,10 @@
 // the packed weights with the backend's transposed kernel (kernel.h:
 // select_qmm_t), as MixedQMatmulT does for the ungathered product. The
 // path it replaces dequantized every expert (E·N·K·4 bytes) and ran MLX's
-// gather_mm, a reference BLAS on Linux. CPU only: the GPU keeps MLX ops.
+// gather_mm, a reference BLAS on Linux. On a GPU stream, for few rows per
+// matrix, the Metal kernels of metal/gather_qmv_t.metal (eval_gpu in
+// cpp/gather/metal.cpp); elsewhere on the GPU the gradient stays
+// dequantize + gather_mm (gather_qmm_t_gpu_runs).
 #pragma once
 #include <optional>
 #include <vector>
@@ -47,8 +50,17 @@ class MixedGatherQMMT : public mx::UnaryPrimitive {
   mx::Shape x_shape_;
 };
 
-// dx on a CPU stream for a MixedGatherQMM node's inputs (already checked
-// there): dy is the cotangent, lhs/rhs the node's dense uint32 indices.
+// Whether a GPU stream runs MixedGatherQMMT: this build has the Metal
+// kernels, every count is positive and fits their 32-bit parameters, and
+// M <= MB_QT_MAX_M rows per matrix (as for the dense transposed product:
+// the kernel re-decodes W per row, which a GEMM on the dequantized W
+// amortizes once M grows). MoE layers have M = 1.
+bool gather_qmm_t_gpu_runs(int64_t pairs, int64_t M, int64_t N, int64_t K,
+                           int64_t x_batches, int64_t w_batches);
+
+// dx for a MixedGatherQMM node's inputs (already checked there) on a CPU
+// stream, or on a GPU stream where gather_qmm_t_gpu_runs says so: dy is
+// the cotangent, lhs/rhs the node's dense uint32 indices.
 mx::array mixed_gather_qmm_t(const mx::array& dy,
                              const std::optional<mx::array>& perm,
                              const std::vector<mx::array>& packed,

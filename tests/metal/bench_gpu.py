@@ -3,8 +3,11 @@ mx.quantized_matmul on the same weights (the GEMV at M = 1, 8; the tiled
 simdgroup-matrix kernel at M = 32 .. 512), the gathered GEMV against
 mx.gather_qmm on an expert stack (top-8 of 128 experts, as Qwen3-30B-A3B's
 MoE layers), the gradient wrt x (the transposed kernel, M <= 8) against
-MLX's own vjp of mx.quantized_matmul, and the fused KL against MLX's op composition. Prints one table; exit status 0 even when mixbits is
-slower (check_on_mac.sh reports the ratios, it does not judge them).
+MLX's own vjp of mx.quantized_matmul, the gathered gradient wrt x (the
+gathered transposed kernel) against MLX's vjp of mx.gather_qmm, and the
+fused KL against MLX's op composition. Prints one table; exit status 0 even
+when mixbits is slower (check_on_mac.sh reports the ratios, it does not
+judge them).
 
     python tests/metal/bench_gpu.py [--quick]
 """
@@ -106,6 +109,46 @@ def grad_x_rows(quick):
             yield f"dx {N}x{K} b{bits} M={M}", ours, mlx
 
 
+def gather_grad_x_rows(quick):
+    # dx of the gathered matmul only: mixbits' gathered transposed kernel
+    # (dx[lhs[i]] += dy[i] · W[rhs[i]], grouped by dx matrix) against MLX's
+    # vjp of mx.gather_qmm, on the expert stack of gather_rows: decode and
+    # small batches unsorted, then sorted prefill (one pair per dx matrix,
+    # each re-decoding its expert's weights: where mixbits loses there,
+    # gather_qmm_t_gpu_runs should send many sorted pairs to dequantize +
+    # gather_mm instead).
+    E, N, K, top = 128, 768, 2048, 8
+    bits = 4
+    rng = np.random.default_rng(7)
+    w = mx.array(rng.standard_normal((E, N, K)).astype(np.float32)).astype(mx.float16)
+    wq, s, b = mx.quantize(w, group_size=64, bits=bits)
+    cases = [(t, False) for t in (1, 8, 64)] + [(t, True) for t in ((256,) if quick
+                                                                 else (256, 1024))]
+    for tokens, srt in cases:
+        idx = np.stack([rng.choice(E, top, replace=False) for _ in range(tokens)])
+        if srt:
+            flat = idx.reshape(-1)
+            order = np.argsort(flat, kind="stable")
+            x = mx.array(rng.standard_normal((tokens * top, 1, K)).astype(np.float16))
+            ridx = mx.array(flat[order].astype(np.uint32))
+            dy = mx.array(rng.standard_normal((tokens * top, 1, N)).astype(np.float16))
+        else:
+            x = mx.array(rng.standard_normal((tokens, 1, 1, K)).astype(np.float16))
+            ridx = mx.array(idx.astype(np.uint32))
+            dy = mx.array(rng.standard_normal((tokens, top, 1, N)).astype(np.float16))
+        mx.eval(x, ridx, dy, wq, s, b)
+
+        def dx(f):
+            return lambda: mx.vjp(f, [x], [dy])[1][0]
+
+        ours = best_ms(dx(lambda x: mixbits.gather_quantized_matmul(
+            x, wq, s, b, None, ridx, 64, bits, sorted_indices=srt)), 10)
+        mlx = best_ms(dx(lambda x: mx.gather_qmm(x, wq, s, b, None, ridx, transpose=True,
+                                                 group_size=64, bits=bits,
+                                                 sorted_indices=srt)), 10)
+        yield f"gather dx {E}x{N}x{K} b{bits} tok={tokens}{' sorted' if srt else ''}", ours, mlx
+
+
 def kl_rows(quick):
     for rows, V in ([(256, 151936), (64, 262144)] if not quick else [(64, 151936)]):
         rng = np.random.default_rng(0)
@@ -129,7 +172,7 @@ def main():
     mx.set_default_device(mx.gpu)
     print(f"{'case':38} {'mixbits ms':>11} {'mlx ms':>9} {'mlx/mixbits':>12}")
     rows = (list(qmm_rows(quick)) + list(gather_rows(quick)) + list(grad_x_rows(quick)) +
-            list(kl_rows(quick)))
+            list(gather_grad_x_rows(quick)) + list(kl_rows(quick)))
     for name, ours, mlx in rows:
         print(f"{name:38} {ours:11.3f} {mlx:9.3f} {mlx / ours:12.2f}")
     return 0

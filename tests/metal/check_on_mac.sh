@@ -6,9 +6,11 @@
 # their eval_gpu), the GPU-only tests (tests/metal/test_gpu_device.py:
 # GPU vs CPU primitive and mx.quantized_matmul / mx.gather_qmm, the gathered
 # kernel really in the graph, the gradient wrt x through the transposed
-# kernel (MixedQMatmulT) against the CPU's, KL in every mode, bad input refused before
-# dispatch) and the Metal benchmarks against mx.quantized_matmul and
-# mx.gather_qmm, then prints one summary. Nothing is installed
+# kernel (MixedQMatmulT) against the CPU's, the gathered gradient wrt x
+# through the gathered transposed kernel (MixedGatherQMMT) against the
+# CPU's, KL in every mode, bad input refused before dispatch) and the Metal
+# benchmarks against mx.quantized_matmul and mx.gather_qmm (forward and
+# dx), then prints one summary. Nothing is installed
 # outside the temporary directory. Needs: macOS 14+ on Apple silicon,
 # python3 (3.10+), Xcode command line tools with the Metal toolchain.
 #
@@ -100,6 +102,36 @@ with mx.stream(mx.cpu):
 g, c = np.array(g), np.array(c)
 assert np.abs(g - c).max() <= 1e-4 * np.abs(c).max(), np.abs(g - c).max()
 print('dx on the GPU: MixedQMatmulT in the graph, matches the CPU gradient')"
+# The gathered gradient wrt x on the GPU: MoE-shaped (top-2 of 8 experts,
+# one row per token, so several experts write each token's dx) it runs
+# mixbits' gathered transposed kernels (MixedGatherQMMT in the graph) and
+# agrees with the CPU gradient, a permutation undone; a bad index -> NaN.
+step gather-grad-on-gpu "$PY" -c "
+import mlx.core as mx, mixbits, numpy as np, re, tempfile, os
+from mixbits.layout import QuantizedTensor, Segment
+rng = np.random.default_rng(2)
+E, n, K = 8, 96, 384
+qt = mixbits.quantize(mx.array(rng.standard_normal((E * n, K)).astype(np.float32)),
+                      [(4, 64, 256), (3, 32, 128)], perm=rng.permutation(K))
+qt = QuantizedTensor([Segment(s.bits, s.group_size, s.k, *(a.reshape(E, n, -1) for a in
+                      (s.wq, s.scales, s.biases))) for s in qt.segments], qt.perm)
+x = mx.array(rng.standard_normal((5, 1, 1, K)).astype(np.float32))
+idx = mx.array(rng.integers(0, E, (5, 2)).astype(np.uint32))
+gy = mx.array(rng.standard_normal((5, 2, 1, n)).astype(np.float32))
+dx = lambda x, idx: mx.vjp(lambda x: mixbits.gather_qmatmul(x, qt, None, idx), [x], [gy])[1][0]
+with mx.stream(mx.gpu):
+    g = dx(x, idx)
+    dot = os.path.join(tempfile.mkdtemp(), 'gt.dot'); mx.export_to_dot(dot, g)
+ops = set(re.findall(r'label =\"(\w+)\"', open(dot).read()))
+assert 'MixedGatherQMMT' in ops, ops
+with mx.stream(mx.cpu):
+    c = dx(x, idx)
+g, c = np.array(g), np.array(c)
+assert np.abs(g - c).max() <= 1e-4 * np.abs(c).max(), np.abs(g - c).max()
+with mx.stream(mx.gpu):
+    z = np.array(dx(x, mx.array(np.full((5, 2), 8, np.uint32))))
+assert np.isnan(z).all()
+print('gathered dx on the GPU: MixedGatherQMMT in the graph, matches the CPU gradient, bad index -> NaN')"
 # From the checkout: its python/ tree is not on sys.path, so the tests
 # import the installed wheel (checked by import-on-gpu above).
 step gpu-tests "$PY" -m pytest tests/metal/test_gpu_device.py -q -rs -p no:cacheprovider

@@ -26,9 +26,10 @@ METAL_DIR = ROOT / "metal"
 EMU_DIR = ROOT / "tests" / "metal"
 BUILD_ROOT = ROOT / "build" / "metal-emu"
 
-UNITS = ["simt.cpp", "harness.cpp", "harness_gather.cpp", "harness_t.cpp", "emu_qmv.cpp",
-         "emu_qmv_t.cpp", "emu_qmm.cpp",
-         "emu_gather.cpp", "emu_gather_qmm.cpp", "emu_kl.cpp", "emu_selftest.cpp"]
+UNITS = ["simt.cpp", "harness.cpp", "harness_gather.cpp", "harness_t.cpp",
+         "harness_gather_t.cpp", "emu_qmv.cpp", "emu_qmv_t.cpp", "emu_qmm.cpp",
+         "emu_gather.cpp", "emu_gather_qmm.cpp", "emu_gather_t.cpp", "emu_kl.cpp",
+         "emu_selftest.cpp"]
 FLAGS = [
     "-std=c++20", "-O2", "-fPIC", "-pthread", "-Wall", "-Wextra",
     "-Wno-unknown-pragmas", "-Wno-register", "-Wno-unused-parameter",
@@ -131,11 +132,16 @@ def lib() -> ctypes.CDLL:
         L.mbemu_gather_kernel.argtypes = [I, I, I, ctypes.c_char_p, I, ctypes.c_char_p, I]
         L.mbemu_qmv_t.argtypes = [I, I, I, P, P, P, I, P, Z, P, Z, P, P, P, P, P, P, I, P, Z,
                                   I, U64, ctypes.c_char_p, I]
+        L.mbemu_gather_t.argtypes = [I, I, I, I, I, I, P, P, P, I, P, Z, P, Z, P, P, P, P,
+                                     P, P, I, P, Z, P, Z, P, Z, I, U64, ctypes.c_char_p, I]
+        L.mbemu_gather_t_applies.argtypes = [ctypes.c_int64] * 6
         L.mbemu_kl.argtypes = [I, I, I, I, I, I, P, P, I, U64, ctypes.c_char_p, I]
         L.mbemu_selftest.argtypes = [ctypes.c_char_p, I, I, P, P, I, I, U64,
                                      ctypes.c_char_p, I]
         L.mbemu_kernel_count.argtypes = []
-        for f in (L.mbemu_qmm, L.mbemu_gather, L.mbemu_gather_kernel, L.mbemu_qmv_t, L.mbemu_kl, L.mbemu_selftest, L.mbemu_kernel_count):
+        for f in (L.mbemu_qmm, L.mbemu_gather, L.mbemu_gather_kernel, L.mbemu_qmv_t,
+                  L.mbemu_gather_t, L.mbemu_gather_t_applies, L.mbemu_kl, L.mbemu_selftest,
+                  L.mbemu_kernel_count):
             f.restype = I
         _LIB = L
     return _LIB
@@ -296,6 +302,48 @@ def qmv_t(inputs, segments, act: str, scale_type: str, has_perm: bool,
         err, len(err))
     _check(rc, err)
     return out.reshape(dy.shape[:-1] + (K,))
+
+
+def gather_t(inputs, segments, act: str, scale_type: str, has_perm: bool, x_batches: int,
+             order: str = "shuffle", seed: int = 1) -> np.ndarray:
+    """Run the Metal gathered transposed product dx[lhs[i]] += dy[i] · W[rhs[i]]
+    (un-permuted) on the emulator with MixedGatherQMMT's own inputs, in the
+    node's order: dy [pairs..., M, N], [perm [K]], (wq, scales, biases) per
+    segment stacked [Bw..., N, .], lhs, rhs (uint32, dy's batch shape), as
+    storage arrays (bfloat16 as uint16 bits). x_batches: the dx matrices
+    (the node's output shape, which no input carries). Shapes are read off
+    the arrays as eval_gpu reads them; the harness refuses a buffer of
+    another size than a launch binds. Returns [x_batches, M, K] storage."""
+    inputs = [np.ascontiguousarray(a) for a in inputs]
+    first = 2 if has_perm else 1
+    dy, lhs, rhs = inputs[0], inputs[-2], inputs[-1]
+    perm = inputs[1].view(np.int32) if has_perm else None  # uint32: same bits
+    packed = inputs[first:-2]
+    assert len(packed) == 3 * len(segments)
+    for name, a in (("lhs", lhs), ("rhs", rhs)):
+        if a.dtype != np.uint32:
+            raise TypeError(f"{name} must be uint32, as the primitive holds it, got {a.dtype}")
+    M, N = dy.shape[-2:]
+    K = sum(int(s[2]) for s in segments)
+    Bw = int(np.prod(packed[0].shape[:-2], dtype=np.int64))
+    bits, gs, ks, ptrs, sizes = _segment_args(segments, packed)
+    out = np.zeros((x_batches, M, K), dtype=storage_dtype(act))
+    err = ctypes.create_string_buffer(2048)
+    rc = lib().mbemu_gather_t(
+        lhs.size, M, N, x_batches, Bw, len(segments), _ptr(bits), _ptr(gs), _ptr(ks),
+        ACT_TYPES[act], _ptr(dy), dy.nbytes, _ptr(perm), 0 if perm is None else perm.nbytes,
+        ptrs[0], sizes[0], ptrs[1], sizes[1], ptrs[2], sizes[2], ACT_TYPES[scale_type],
+        _ptr(lhs), lhs.nbytes, _ptr(rhs), rhs.nbytes, _ptr(out), out.nbytes, ORDERS[order],
+        seed, err, len(err))
+    _check(rc, err)
+    return out
+
+
+def gather_t_applies(pairs: int, M: int, N: int, K: int, x_batches: int,
+                     w_batches: int) -> bool:
+    """Whether the gathered transposed kernels take a problem (gather_t_host.h;
+    on a GPU stream the gradient is dequantize + gather_mm otherwise)."""
+    return bool(lib().mbemu_gather_t_applies(pairs, M, N, K, x_batches, w_batches))
 
 
 KL_MODES = {"logits": 0, "fixed_shift": 1, "probs": 2}

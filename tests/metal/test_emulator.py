@@ -112,11 +112,12 @@ def test_unknown_kernel_name_fails():
 
 def test_every_instantiation_registered():
     # qmatmul: 3 activation types x 3 scale types x 6 widths x 3 group
-    # sizes x 5 kernels (qmv, qmm, gather_qmv, gather_qmm, qmv_t); the transposed
-    # product's perm check (1) and unpermute (3 dtypes); kl: 3 x 3
-    # (reference, logits) types; selftest: 17 kernels. Duplicate host names
-    # would collapse into one entry.
-    assert E.kernel_count() == 3 * 3 * 6 * 3 * 5 + 1 + 3 + 3 * 3 + 17
+    # sizes x 6 kernels (qmv, qmm, gather_qmv, gather_qmm, qmv_t,
+    # gather_qmv_t); the transposed products' perm check (1), unpermute (3
+    # dtypes) and the gathered one's grouping (1); kl: 3 x 3 (reference,
+    # logits) types; selftest: 17 kernels. Duplicate host names would
+    # collapse into one entry.
+    assert E.kernel_count() == 3 * 3 * 6 * 3 * 6 + 1 + 3 + 1 + 3 * 3 + 17
 
 
 METAL_SOURCES = sorted(E.METAL_DIR.glob("*.metal")) + sorted(E.EMU_DIR.glob("*.metal"))
@@ -161,24 +162,30 @@ def test_buffer_indices_follow_declaration_order(metal, params, enum, n):
     assert enum_values((E.METAL_DIR / params).read_text(), enum) == list(range(n))
 
 
-def test_transposed_kernels_buffer_indices_follow_the_enum_by_name():
-    # qmatmul_t.metal's three kernels bind subsets of one buffer numbering
-    # (MbQmvTBuffer), so declaration order cannot be the rule there: each
+@pytest.mark.parametrize("metal,params,enum,prefix,n", [
+    ("qmatmul_t.metal", "qmatmul_t_params.h", "MbQmvTBuffer", "MB_QT_", 3),
+    ("gather_qmv_t.metal", "gather_t_params.h", "MbGatherTBuffer", "MB_GT_", 2),
+])
+def test_transposed_kernels_buffer_indices_follow_the_enum_by_name(metal, params, enum,
+                                                                   prefix, n):
+    # The transposed products' kernels bind subsets of one buffer numbering
+    # each (MbQmvTBuffer; MbGatherTBuffer, whose slots 0 .. 8 are
+    # MbQmvTBuffer's), so declaration order cannot be the rule there: each
     # buffer parameter's index must be the enum value of its name (dy ->
-    # MB_QT_DY, p -> MB_QT_PARAMS), which is what the host plan and the
-    # harness bind by.
-    text = (E.METAL_DIR / "qmatmul_t.metal").read_text()
-    params = (E.METAL_DIR / "qmatmul_t_params.h").read_text()
-    body = re.search(r"enum\s+MbQmvTBuffer\s*\{(.*?)\};", params, flags=re.S).group(1)
-    enum = {k: int(v) for k, v in re.findall(r"(MB_QT_\w+)\s*=\s*(\d+)", body)}
+    # MB_QT_DY, p or gp -> MB_QT_PARAMS), which is what the host plan and
+    # the harness bind by.
+    text = (E.METAL_DIR / metal).read_text()
+    header = (E.METAL_DIR / params).read_text()
+    body = re.search(r"enum\s+" + enum + r"\s*\{(.*?)\};", header, flags=re.S).group(1)
+    values = {k: int(v) for k, v in re.findall(r"(" + prefix + r"\w+)\s*=\s*(\d+)", body)}
     kernels = re.findall(r"\[\[kernel\]\]\s+void\s+(\w+)\s*\((.*?)\)\s*\{", text, flags=re.S)
-    assert len(kernels) == 3
+    assert len(kernels) == n
     for name, args in kernels:
         bound = re.findall(r"(\w+)\s*\[\[buffer\((\d+)\)\]\]", args)
         assert bound, name
         for arg, idx in bound:
-            key = "MB_QT_" + ("PARAMS" if arg == "p" else arg.upper())
-            assert enum.get(key) == int(idx), (name, arg, idx, key)
+            key = prefix + ("PARAMS" if arg in ("p", "gp") else arg.upper())
+            assert values.get(key) == int(idx), (name, arg, idx, key)
 
 
 # Metal: the thread position / size attributes declared as vectors must all

@@ -138,8 +138,9 @@ def test_gather_gpu_runs_the_metal_kernel_and_matches_cpu(tmp_path):
 
 
 def test_gather_gpu_gradients_and_switch_linear():
-    # The primitive's vjp on a GPU stream (dense dx, segmented_mm for the
-    # scales) against the CPU's, and mlx-lm's QuantizedSwitchLinear drop-in.
+    # The primitive's vjp on a GPU stream (dx through the gathered
+    # transposed kernel, segmented_mm for the scales) against the CPU's, and
+    # mlx-lm's QuantizedSwitchLinear drop-in.
     from mlx_lm.models.switch_layers import SwitchLinear
 
     from mixbits.nn import MixedQuantizedSwitchLinear
@@ -168,6 +169,51 @@ def test_gather_gpu_gradients_and_switch_linear():
         want = np.array(on(mx.cpu, stock, *args, **kw))
         got = np.array(on(mx.gpu, ours, *args, **kw))
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 9])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_gather_gpu_gradient_wrt_x_matches_cpu(M, dtype, tmp_path):
+    # dx of the gathered matmul: on the GPU the Metal gathered transposed
+    # kernel (MixedGatherQMMT) up to 8 rows per matrix, dequantize +
+    # gather_mm above; on the CPU the backend's kernel. Mixed segments, a
+    # permutation, 3 column blocks, N = 70; several pairs write one dx
+    # matrix (lhs broadcast against rhs), some dx matrices none.
+    rng = np.random.default_rng(10 + M)
+    E, n, K = 5, 70, 640
+    specs = [(8, 128, 128), (5, 32, 96), (4, 64, 320), (2, 32, 96)]
+    qt = mixbits.quantize(mx.array(rng.standard_normal((E * n, K)).astype(np.float32)), specs,
+                          perm=rng.permutation(K), dtype=dtype)
+    segs = [Segment(sg.bits, sg.group_size, sg.k,
+                    *(a.reshape(E, n, -1) for a in (sg.wq, sg.scales, sg.biases)))
+            for sg in qt.segments]
+    qt = QuantizedTensor(segs, qt.perm)
+    x = mx.array(rng.standard_normal((4, 2, M, K)).astype(np.float32)).astype(dtype)
+    lhs = mx.array(np.array([[6], [1], [6]], np.uint32))
+    rhs = mx.array(np.array([4, 0, 4, 2], np.uint32))
+    gy = mx.array(rng.standard_normal((3, 4, M, n)).astype(np.float32)).astype(dtype)
+
+    def dx(x):
+        return mx.vjp(lambda x: mixbits.gather_qmatmul(x, qt, lhs, rhs), [x], [gy])[1][0]
+
+    with mx.stream(mx.gpu):
+        g = dx(x)
+    ops = graph_ops(g, tmp_path)
+    assert ("MixedGatherQMMT" in ops) == (M <= 8), ops
+    mx.eval(g)
+    cpu = np.array(on(mx.cpu, dx, x).astype(mx.float32))
+    gpu = np.array(g.astype(mx.float32))
+    assert g.dtype == dtype
+    tol = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 5e-2}[dtype]
+    np.testing.assert_allclose(gpu, cpu, rtol=tol, atol=tol * np.abs(cpu).max())
+    assert (gpu.reshape(8, M, K)[[0, 2, 3, 4, 5, 7]] == 0).all()
+    # An expert index out of range: every element NaN, as on the CPU.
+    bad = mx.array(np.array([4, 0, 5, 2], np.uint32))
+    with mx.stream(mx.gpu):
+        gb = mx.vjp(lambda x: mixbits.gather_qmatmul(x, qt, lhs, bad), [x], [gy])[1][0]
+        mx.eval(gb)
+    if M <= 8:
+        assert np.isnan(np.array(gb.astype(mx.float32))).all()
 
 
 @pytest.mark.parametrize("M", [1, 3, 8, 9, 40])
