@@ -193,15 +193,20 @@ def median_eval(build, reps: int) -> float:
 
 def matmul_graph(model):
     """A function evaluating every quantized matmul of one decode token (the
-    linears and the tied head, as the layers dispatch them) in one graph."""
+    linears and the tied head, as the layers dispatch them) in one graph.
+    Sibling layers (mixbits.siblings) get one x, as the model gives them,
+    so a fused group computes once."""
     import mlx.nn as nn
 
     from mixbits.nn import MixedQuantizedEmbedding, MixedQuantizedLinear
 
     calls = []
+    shared = {}  # sibling group -> the one x its members see, as in the model
     for _, m in model.named_modules():
         if isinstance(m, MixedQuantizedLinear):
-            calls.append((m, mx.random.normal((1, 1, m.input_dims))))
+            key = id(m._siblings) if m._siblings is not None else id(m)
+            x = shared.setdefault(key, mx.random.normal((1, 1, m.input_dims)))
+            calls.append((m, x))
         elif isinstance(m, nn.QuantizedLinear):
             calls.append((m, mx.random.normal((1, 1, m.weight.shape[1] * 32 // m.bits))))
         elif isinstance(m, (MixedQuantizedEmbedding, nn.QuantizedEmbedding)):

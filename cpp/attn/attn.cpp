@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <stdexcept>
 
 #include "common/inputs.h"
@@ -26,6 +27,14 @@ namespace {
 // 256-token batch still splits into enough items for every core.
 constexpr int64_t kQueryBlock = 32;
 
+// Elements [off, off + n) of a `dt` array as float32: a pointer into it
+// for float32 (no copy), else widened into `tmp`.
+const float* rows_as_f32(const void* p, int64_t off, int64_t n, DType dt, float* tmp) {
+  if (dt == DType::f32) return static_cast<const float*>(p) + off;
+  for (int64_t i = 0; i < n; ++i) tmp[i] = load_as_f32(p, off + i, dt);
+  return tmp;
+}
+
 }  // namespace
 
 void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
@@ -36,28 +45,32 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
   // K^T per KV head, so the score GEMM reads keys contiguously along its
   // output row (the vector direction of the GEMM tile); half-precision V is
   // widened once per head here too (the GEMMs take float32).
-  std::vector<float> kt(size_t(B * Hk * D * S));
-  std::vector<float> vw(dt == DType::f32 ? 0 : size_t(B * Hk * S * D));
+  // Scratch is written before it is read: no zero fill (a decode step's
+  // attention is small enough for a memset of the block-sized buffers to
+  // show).
+  auto scratch = [](int64_t n) { return std::unique_ptr<float[]>(new float[size_t(n)]); };
+  auto kt = scratch(B * Hk * D * S);
+  auto vw = scratch(dt == DType::f32 ? 0 : B * Hk * S * D);
   parallel_for(B * Hk, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> row(static_cast<size_t>(D));
     for (int64_t i = i0; i < i1; ++i) {
-      float* dst = kt.data() + i * D * S;
-      for (int64_t s = 0; s < S; ++s)
-        for (int64_t d = 0; d < D; ++d)
-          dst[d * S + s] = load_as_f32(k, (i * ld + s) * D + d, dt);
-      if (dt != DType::f32)
-        for (int64_t j = 0; j < S * D; ++j) vw[size_t(i * S * D + j)] = load_as_f32(v, i * ld * D + j, dt);
+      float* dst = kt.get() + i * D * S;
+      for (int64_t s = 0; s < S; ++s) {
+        const float* kr = rows_as_f32(k, (i * ld + s) * D, D, dt, row.data());
+        for (int64_t d = 0; d < D; ++d) dst[d * S + s] = kr[d];
+      }
+      if (dt != DType::f32) rows_as_f32(v, i * ld * D, S * D, dt, vw.get() + i * S * D);
     }
   });
   // V rows of KV head bh: the caller's buffer (row stride ld) or the widened copy.
   auto v_rows = [&](int64_t bh) {
-    return dt == DType::f32 ? static_cast<const float*>(v) + bh * ld * D : vw.data() + bh * S * D;
+    return dt == DType::f32 ? static_cast<const float*>(v) + bh * ld * D : vw.get() + bh * S * D;
   };
   const int64_t nqb = (T + kQueryBlock - 1) / kQueryBlock;
+  const int64_t qb = std::min(kQueryBlock, T);  // rows of a block: 1 in a decode step
   parallel_for(B * Hk * nqb, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> qa(size_t(r * kQueryBlock * D));
-    std::vector<float> sc(size_t(r * kQueryBlock * S));
-    std::vector<float> o(size_t(r * kQueryBlock * D));
-    std::vector<float> inv(size_t(r * kQueryBlock));
+    auto qa = scratch(r * qb * D), sc = scratch(r * qb * S), o = scratch(r * qb * D),
+         inv = scratch(r * qb);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t bh = w / nqb;  // b * Hk + hk
       const int64_t b = bh / Hk, hk = bh % Hk;
@@ -66,25 +79,28 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
       const int64_t rows = r * nt;
       const int64_t e = t0 + nt + off;  // keys any row of this block sees
       for (int64_t g = 0; g < r; ++g) {
-        const int64_t src = ((b * H + hk * r + g) * T + t0) * D;
-        float* dst = qa.data() + g * nt * D;
-        for (int64_t i = 0; i < nt * D; ++i) dst[i] = load_as_f32(q, src + i, dt) * scale;
+        float* dst = qa.get() + g * nt * D;
+        const float* src = rows_as_f32(q, ((b * H + hk * r + g) * T + t0) * D, nt * D, dt, dst);
+        for (int64_t i = 0; i < nt * D; ++i) dst[i] = src[i] * scale;
       }
-      kern.gemm(qa.data(), D, kt.data() + bh * D * S, S, sc.data(), e, rows, e,
-                D);
+      kern.gemm(qa.get(), D, kt.get() + bh * D * S, S, sc.get(), e, rows, e, D);
       for (int64_t row = 0; row < rows; ++row) {
-        float* x = sc.data() + row * e;
+        float* x = sc.get() + row * e;
         const int64_t n = t0 + row % nt + off + 1;  // causal: keys 0 .. t+off
-        inv[size_t(row)] = 1.0f / kern.exp_row(x, n, attn_row_max(x, n));
+        inv[row] = 1.0f / kern.exp_row(x, n, attn_row_max(x, n));
         std::fill(x + n, x + e, 0.0f);
       }
-      kern.gemm(sc.data(), e, v_rows(bh), D, o.data(), D, rows, D, e);
+      kern.gemm(sc.get(), e, v_rows(bh), D, o.get(), D, rows, D, e);
       for (int64_t g = 0; g < r; ++g) {
         const int64_t dst = ((b * H + hk * r + g) * T + t0) * D;
         for (int64_t t = 0; t < nt; ++t) {
-          const float f = inv[size_t(g * nt + t)];
-          const float* src = o.data() + (g * nt + t) * D;
-          for (int64_t d = 0; d < D; ++d) store_from_f32(out, dst + t * D + d, src[d] * f, dt);
+          const float f = inv[g * nt + t];
+          float* src = o.get() + (g * nt + t) * D;
+          for (int64_t d = 0; d < D; ++d) src[d] *= f;
+          if (dt == DType::f32)
+            std::copy(src, src + D, static_cast<float*>(out) + dst + t * D);
+          else
+            for (int64_t d = 0; d < D; ++d) store_from_f32(out, dst + t * D + d, src[d], dt);
         }
       }
     }
