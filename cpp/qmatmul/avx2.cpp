@@ -195,7 +195,7 @@ void run_table(const QmmTable& t, const float* x, int M, const QMatView& w, floa
   const int K = w.K;
   std::vector<SegKernels> ks;
   for (const SegView& s : w.segs) {
-    const int c = gs_col(s.group_size);
+    const int c = group_size_col(s.group_size);
     ks.push_back({(*t.gemv)[s.bits][c], (*t.dequant)[s.bits][c]});
   }
 

@@ -79,7 +79,7 @@ void t_item_avx2(const float* dy, int64_t ldd, int M, const QMatView& w,
   for (int m = 0; m < M; ++m) std::fill(out + int64_t(m) * K, out + int64_t(m) * K + kc, 0.0f);
   for (int n0 = 0; n0 < N; n0 += kTNB) {
     const int nb = std::min(kTNB, N - n0), nbp = (nb + 15) / 16 * 16;
-    (*t.dequant)[s.bits][gs_col(s.group_size)](s, w.sdtype, n0, nb, it.c0, it.c1,
+    (*t.dequant)[s.bits][group_size_col(s.group_size)](s, w.sdtype, n0, nb, it.c0, it.c1,
                                                tile.data(), kc);
     std::fill(tile.data() + int64_t(nb) * kc, tile.data() + int64_t(nbp) * kc, 0.0f);
     transpose_tile(tile.data(), nbp, kc, T.data(), nbp);
@@ -151,7 +151,7 @@ void t_item_avx512(const float* dy, int64_t ldd, int M, const QMatView& w,
   acc.assign(size_t(M) * kc, 0.0f);
   for (int n0 = 0; n0 < N; n0 += kBNB) {
     const int nb = std::min(kBNB, N - n0);
-    (*t.dequant)[s.bits][gs_col(s.group_size)](s, w.sdtype, n0, nb, it.c0, it.c1,
+    (*t.dequant)[s.bits][group_size_col(s.group_size)](s, w.sdtype, n0, nb, it.c0, it.c1,
                                                tile.data(), kc);
     for (int m = 0; m < M; m += kBMR) {
       const int mr = std::min(kBMR, M - m);

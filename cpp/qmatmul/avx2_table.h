@@ -58,7 +58,6 @@ struct GemmRow {
 // Columns of a row: [bits][0: g32, 1: g64, 2: g128], null where no bits.
 using GemvCols = GemvFn[9][3];
 using DequantCols = DequantFn[9][3];
-constexpr int gs_col(int group_size) { return group_size == 32 ? 0 : group_size == 64 ? 1 : 2; }
 
 struct QmmTable;
 // One work item of the transposed product: dx columns [s.k0 + c0, s.k0 +

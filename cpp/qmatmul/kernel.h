@@ -23,6 +23,12 @@ struct SegView {
   int64_t groups_per_row() const { return k / group_size; }
 };
 
+// The column of a per-ISA kernel table ([bits][column]) for a group size:
+// 0 for g32, 1 for g64, 2 for g128 (the only sizes the builders accept).
+constexpr int group_size_col(int group_size) {
+  return group_size == 32 ? 0 : group_size == 64 ? 1 : 2;
+}
+
 struct QMatView {
   int N = 0;
   int K = 0;

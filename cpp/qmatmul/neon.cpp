@@ -62,7 +62,6 @@ constexpr SegFn kRow[3] = {seg_rows<B, 32>, seg_rows<B, 64>, seg_rows<B, 128>};
 constexpr const SegFn* kTable[9] = {nullptr, nullptr, kRow<2>, kRow<3>, kRow<4>,
                                     kRow<5>,  kRow<6>,  nullptr, kRow<8>};
 
-int gs_index(int gs) { return gs == 32 ? 0 : gs == 64 ? 1 : 2; }
 
 }  // namespace
 
@@ -86,7 +85,7 @@ void qmm_neon_run(const float* x, int M, const QMatView& w, float* y) {
     for (int m = 0; m < M; ++m) std::fill(y + int64_t(m) * N + n0, y + int64_t(m) * N + n1, 0.0f);
     for (size_t si = 0; si < w.segs.size(); ++si) {
       const SegView& s = w.segs[si];
-      kTable[s.bits][gs_index(s.group_size)](s, w.sdtype, x, M, K, xsum[si].data(), int(n0),
+      kTable[s.bits][group_size_col(s.group_size)](s, w.sdtype, x, M, K, xsum[si].data(), int(n0),
                                              int(n1), y, N);
     }
   });

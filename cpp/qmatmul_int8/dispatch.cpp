@@ -13,7 +13,6 @@ namespace mixbits {
 #if defined(MIXBITS_HAVE_AVX2)
 namespace {
 
-int gs_index(int gs) { return gs == 32 ? 0 : gs == 64 ? 1 : 2; }
 
 template <class T>
 void run_table(const I8Table& t, const float* x, int M, const QMatView& w, float* y) {
@@ -37,7 +36,7 @@ void run_table(const I8Table& t, const float* x, int M, const QMatView& w, float
     const int ng = s.k / s.group_size;
     segs.push_back({reinterpret_cast<const uint8_t*>(s.wq), int64_t(s.k) * s.bits / 8,
                     s.scales, s.biases, w.sdtype, s.k, ng});
-    fns.push_back(t.fn[s.bits][gs_index(s.group_size)]);
+    fns.push_back(t.fn[s.bits][group_size_col(s.group_size)]);
     max_ng = std::max(max_ng, ng);
   }
   const int N = w.N;

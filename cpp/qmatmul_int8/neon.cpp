@@ -93,8 +93,7 @@ void run(const float* x, int M, const QMatView& w, float* y) {
     for (int m = 0; m < M; ++m) std::fill(y + int64_t(m) * N + n0, y + int64_t(m) * N + n1, 0.0f);
     for (size_t si = 0; si < w.segs.size(); ++si) {
       const SegView& s = w.segs[si];
-      const int gi = s.group_size == 32 ? 0 : s.group_size == 64 ? 1 : 2;
-      kTable<T>[s.bits][gi](a, si, s, w.sdtype, M, int(n0), int(n1), y, N);
+      kTable<T>[s.bits][group_size_col(s.group_size)](a, si, s, w.sdtype, M, int(n0), int(n1), y, N);
     }
   });
 }

@@ -36,7 +36,7 @@ void shuffle_any(const void* src, int64_t N, int64_t cols, size_t itemsize, void
 }  // namespace
 
 void interleave_rows(const void* src, int64_t N, int64_t cols, size_t itemsize, void* dst) {
-  const int64_t NB = (N + kRepackRows - 1) / kRepackRows;
+  const int64_t NB = repack_blocks(N);
   std::memset(dst, 0, size_t(NB) * kRepackRows * cols * itemsize);  // padding rows
   shuffle_any<true>(src, N, cols, itemsize, dst);
 }

@@ -46,6 +46,9 @@ namespace mixbits {
 // halves of a block).
 constexpr int kRepackRows = 16;
 
+// Blocks of kRepackRows rows holding n rows (the last one padded).
+constexpr int64_t repack_blocks(int64_t n) { return (n + kRepackRows - 1) / kRepackRows; }
+
 constexpr bool repack_supports_bits(int bits) {
   return bits == 2 || bits == 3 || bits == 4 || bits == 8;
 }

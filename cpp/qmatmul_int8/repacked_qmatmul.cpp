@@ -26,8 +26,6 @@ namespace {
   throw std::invalid_argument("repacked qmatmul: " + msg);
 }
 
-int64_t blocks_of(int64_t n) { return (n + kRepackRows - 1) / kRepackRows; }
-
 // The repacked kernel table for (act, backend) on this CPU, or null where
 // calls take the un-repacked path (see the class comment).
 const RTable* repacked_table(Activations act, Backend backend) {
@@ -49,10 +47,6 @@ mx::array from_bytes(std::vector<char>&& bytes, mx::Shape shape, mx::Dtype dtype
                    [owned](void*) { delete owned; });
 }
 
-}  // namespace
-
-namespace {
-
 // The checks of one repacked weight against x (std::invalid_argument
 // naming the argument), shared by the single and the grouped node.
 void check_repacked(const mx::array& x, const std::optional<mx::array>& perm,
@@ -66,7 +60,7 @@ void check_repacked(const mx::array& x, const std::optional<mx::array>& perm,
   if (n <= 0) fail("n (output rows) must be positive, got " + std::to_string(n));
   if (x.ndim() < 1) fail("x must have at least one dimension");
   if (!is_float_dtype(x.dtype())) fail("x must be float32, float16 or bfloat16");
-  const int64_t NB = blocks_of(n);
+  const int64_t NB = repack_blocks(n);
   const mx::Dtype sdt = packed_r[1].dtype();
   int64_t K = 0;
   for (size_t i = 0; i < segs.size(); ++i) {
@@ -349,7 +343,7 @@ std::tuple<mx::array, mx::array, mx::array> repack_segment(const mx::array& wq,
                                   shape_str(*a));
   mx::array w = wq, s = scales, b = biases;
   mx::eval({w, s, b});
-  const int NB = int(blocks_of(N));
+  const int NB = int(repack_blocks(N));
   auto pack = [&](const mx::array& a, int64_t cols) {
     std::vector<char> copy;
     const void* src = row_major(a, copy);
@@ -373,7 +367,7 @@ std::tuple<mx::array, mx::array, mx::array> unrepack_segment(const mx::array& wq
   if (!repack_supports_bits(bits))
     throw std::invalid_argument("unrepack: bits " + std::to_string(bits) +
                                 " have no repacked layout (2, 3, 4, 8 do)");
-  const int64_t NB = blocks_of(n);
+  const int64_t NB = repack_blocks(n);
   for (const mx::array* a : {&wq_r, &scales_r, &biases_r})
     if (a->ndim() != 3 || a->shape(0) != NB || a->shape(2) != kRepackRows)
       throw std::invalid_argument("unrepack: arrays must be (" + std::to_string(NB) +

@@ -13,7 +13,6 @@
 namespace mixbits {
 
 namespace {
-int gs_index(int gs) { return gs == 32 ? 0 : gs == 64 ? 1 : 2; }
 }  // namespace
 
 const RTable* select_repacked(bool int16, Backend backend) {
@@ -56,7 +55,7 @@ void repacked_int_run(const RTable& t, const float* xf, int M, const QMatView& s
     }
   }
   const int N = shape.N;
-  const int64_t NB = (int64_t(N) + kRepackRows - 1) / kRepackRows;
+  const int64_t NB = repack_blocks(N);
   parallel_for(NB, 4, [&](int64_t b0, int64_t b1) {
     const int64_t n0 = b0 * kRepackRows, n1 = std::min<int64_t>(N, b1 * kRepackRows);
     for (int m0 = 0; m0 < M; m0 += kRepackMaxMB) {
@@ -68,7 +67,7 @@ void repacked_int_run(const RTable& t, const float* xf, int M, const QMatView& s
         const int ng = s.k / s.group_size;
         const RX xv{a.xq[si].data() + int64_t(m0) * s.k, s.k, a.d[si].data() + int64_t(m0) * ng,
                     a.xs[si].data() + int64_t(m0) * ng, ng, a.ix[si].data() + int64_t(m0) * ng};
-        t.fn[s.bits][gs_index(s.group_size)](rsegs[si], xv, mb, int(b0), int(b1), N,
+        t.fn[s.bits][group_size_col(s.group_size)](rsegs[si], xv, mb, int(b0), int(b1), N,
                                              y + int64_t(m0) * N, N);
       }
     }

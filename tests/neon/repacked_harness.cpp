@@ -82,7 +82,7 @@ int main(int argc, char** argv) {
     shape.sdtype = DType(r.i32());
     const bool poison = r.i32() != 0;
     const int nseg = r.i32();
-    const int N = shape.N, NB = (N + kRepackRows - 1) / kRepackRows;
+    const int N = shape.N, NB = int(repack_blocks(N));
     const int live = N - (NB - 1) * kRepackRows;  // real rows of the last block
     int k0 = 0;
     for (int s = 0; s < nseg; ++s) {
