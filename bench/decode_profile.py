@@ -204,7 +204,7 @@ def matmul_graph(model):
     shared = {}  # sibling group -> the one x its members see, as in the model
     for _, m in model.named_modules():
         if isinstance(m, MixedQuantizedLinear):
-            key = id(m._siblings) if m._siblings is not None else id(m)
+            key = id(m.sibling_group) if m.sibling_group is not None else id(m)
             x = shared.setdefault(key, mx.random.normal((1, 1, m.input_dims)))
             calls.append((m, x))
         elif isinstance(m, nn.QuantizedLinear):

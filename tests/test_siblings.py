@@ -45,9 +45,9 @@ def test_learned_groups_give_the_unfused_outputs(act, group_calls):
         np.testing.assert_array_equal(np.array(a), np.array(b))
     attn = fused.model.layers[0].self_attn
     mlp = fused.model.layers[0].mlp
-    assert attn.q_proj._siblings.fused == (0, 1, 2)  # q, k, v; o_proj (same input size) is not
-    assert [attn.q_proj._siblings.layers[i] for i in (0, 1, 2)] == [attn.q_proj, attn.k_proj, attn.v_proj]
-    assert mlp.gate_proj._siblings.fused is not None and len(mlp.gate_proj._siblings.fused) == 2
+    assert attn.q_proj.sibling_group.fused == (0, 1, 2)  # q, k, v; o_proj (same input size) is not
+    assert [attn.q_proj.sibling_group.layers[i] for i in (0, 1, 2)] == [attn.q_proj, attn.k_proj, attn.v_proj]
+    assert mlp.gate_proj.sibling_group.fused is not None and len(mlp.gate_proj.sibling_group.fused) == 2
     # learned over the first two forwards, fused in the last two: 2 layers x (qkv + gate/up)
     assert group_calls == [3, 2, 3, 2] * 2 and sorted(set(group_calls)) == [2, 3]
 
@@ -60,13 +60,13 @@ def test_a_member_called_on_another_input_computes_alone(group_calls):
     attn = model.model.layers[0].self_attn
     x = mx.random.normal((1, 5, 64))
     other = mx.random.normal((1, 5, 64))
-    group = attn.q_proj._siblings
+    group = attn.q_proj.sibling_group
     q = attn.q_proj(x)  # computes q, k, v on x
     k_other = attn.k_proj(other)  # not x: alone, not the pending k(x)
     v = attn.v_proj(x)  # pending v(x)
     for layer, inp, got in ((attn.q_proj, x, q), (attn.k_proj, other, k_other), (attn.v_proj, x, v)):
-        want = ops.qmatmul(inp, layer._repacked_tensor(), activations="int8") + layer.bias \
-            if "bias" in layer else ops.qmatmul(inp, layer._repacked_tensor(), activations="int8")
+        want = ops.qmatmul(inp, layer.matmul_tensor(), activations="int8") + layer.bias \
+            if "bias" in layer else ops.qmatmul(inp, layer.matmul_tensor(), activations="int8")
         np.testing.assert_array_equal(np.array(got), np.array(want))
     # an unrepacked member stops the fusion (its weight is not a repacked one)
     attn.k_proj.unrepack()
@@ -107,4 +107,4 @@ def test_compiled_decode_with_groups_matches_the_plain_forward():
         c = d.step(t)
         p = model(mx.array([[t]]), cache=cache)
         np.testing.assert_array_equal(np.array(c), np.array(p))
-    assert model.model.layers[1].mlp.up_proj._siblings.fused is not None
+    assert model.model.layers[1].mlp.up_proj.sibling_group.fused is not None

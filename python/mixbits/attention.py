@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from . import _ext
 from ._backends import backend_id, names, require_cpu
+from .layout import FLOAT_DTYPES
 
 __all__ = ["causal_attention", "attn_backends"]
 
@@ -47,7 +48,7 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
             raise TypeError(f"{name} must be an mlx.core.array, got {type(a).__name__}")
         if a.ndim != 4:
             raise ValueError(f"{name} must be 4-D [batch, heads, length, head_dim], got shape {a.shape}")
-        if a.dtype not in (mx.float32, mx.float16, mx.bfloat16):
+        if a.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must be float32, float16 or bfloat16, got {a.dtype}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")

@@ -19,11 +19,11 @@ import mlx.core as mx
 import numpy as np
 
 from . import _ext
+from .layout import FLOAT_DTYPES
 from ._backends import BACKENDS, backend_id, names
 
 __all__ = ["KLResult", "KLReference", "kl_divergence", "kl_compare", "kl_backends"]
 
-_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 _INTS = (mx.int8, mx.int16, mx.int32, mx.int64, mx.uint8, mx.uint16, mx.uint32, mx.uint64)
 
 # Kernel modes (cpp/kl/kernel.h KLMode).
@@ -68,7 +68,7 @@ def _as_array(x, name: str) -> mx.array:
 
 def _check_logits(x, name: str) -> mx.array:
     x = _as_array(x, name)
-    if x.dtype not in _FLOATS:
+    if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
     if x.ndim < 1:
         raise ValueError(f"{name} must have at least one dimension (the vocabulary)")

@@ -271,12 +271,17 @@ class _MixedWeight(nn.Module):
             return
         qt = unrepack(self._repacked_tensor())
         del self["repacked"]
-        self._siblings = None
+        self.sibling_group = None
         bias_trainable = "bias" in self and "bias" in self.trainable_parameters()
         self._set_storage(self._layout, [(s.wq, s.scales, s.biases) for s in qt.segments], qt.perm)
         self.freeze()
         if bias_trainable:
             self.unfreeze(keys=["bias"], recurse=False)
+
+    def matmul_tensor(self):
+        """The weight as the matmul takes it: the RepackedTensor of a
+        repacked layer, else :meth:`quantized_tensor`'s."""
+        return self._repacked_tensor() if "repacked" in self else self.quantized_tensor()
 
     def _repacked_tensor(self):
         """The repacked weight as a RepackedTensor, rebuilt only when one of
@@ -377,12 +382,12 @@ class MixedQuantizedLinear(_MixedWeight):
 
     # A mixbits.siblings.SiblingGroup when repack_layers grouped this layer
     # with siblings of one input size (a plain attribute, not a parameter).
-    _siblings = None
+    sibling_group = None
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = self._siblings(self, x) if self._siblings is not None else None
+        y = self.sibling_group(self, x) if self.sibling_group is not None else None
         if y is None:
-            qt = self._repacked_tensor() if "repacked" in self else self.quantized_tensor()
+            qt = self.matmul_tensor()
             y = qmatmul(promote_x(x, qt), qt, activations=self._activations)
         if "bias" in self:
             y = y + self["bias"]
@@ -595,7 +600,7 @@ class MixedQuantizedEmbedding(_MixedWeight):
 
     def as_linear(self, x: mx.array) -> mx.array:
         """``x @ W.T``: the tied output head, through mixbits.qmatmul."""
-        qt = self._repacked_tensor() if "repacked" in self else self.quantized_tensor()
+        qt = self.matmul_tensor()
         return qmatmul(promote_x(x, qt), qt, activations=self._activations)
 
     def _extra_repr(self) -> str:

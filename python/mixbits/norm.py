@@ -14,11 +14,11 @@ import math
 import mlx.core as mx
 
 from . import _ext
+from .layout import FLOAT_DTYPES
 from ._backends import require_cpu
 
 __all__ = ["rms_norm"]
 
-_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
@@ -30,7 +30,7 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     for name, a in (("x", x), ("weight", weight)):
         if not isinstance(a, mx.array):
             raise TypeError(f"{name} must be an mlx.core.array, got {type(a).__name__}")
-        if a.dtype not in _FLOATS:
+        if a.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must be float32, float16 or bfloat16, got {a.dtype}")
     if x.ndim < 1 or weight.shape != (x.shape[-1],):
         raise ValueError(f"weight must have shape ({x.shape[-1] if x.ndim else '?'},) for x of shape "

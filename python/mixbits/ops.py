@@ -163,11 +163,9 @@ def quantized_matmul(
 
 
 def _mlx_out_dtype(x, qt: QuantizedTensor):
-    """x cast to MLX's output dtype for (x, scales): their promotion (e.g.
-    float16 x with float32 scales -> float32), cast before the product."""
-    if isinstance(x, mx.array) and x.dtype in FLOAT_DTYPES and x.dtype != qt.dtype:
-        return x.astype(mx.result_type(x.dtype, qt.dtype))
-    return x
+    """:func:`promote_x` for a float x; anything else is left for the
+    argument checks to refuse, as MLX does."""
+    return promote_x(x, qt) if isinstance(x, mx.array) and x.dtype in FLOAT_DTYPES else x
 
 
 def _mlx_tensor(w, scales, biases, group_size, bits) -> QuantizedTensor:

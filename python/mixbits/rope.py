@@ -15,11 +15,11 @@ import math
 import mlx.core as mx
 
 from . import _ext
+from .layout import FLOAT_DTYPES
 from ._backends import require_cpu
 
 __all__ = ["rope"]
 
-_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
 def rope(x: mx.array, dims: int, *, traditional: bool = False, base: float = 10000.0,
@@ -32,7 +32,7 @@ def rope(x: mx.array, dims: int, *, traditional: bool = False, base: float = 100
     Gradients wrt x are MLX's own op's. CPU only."""
     if not isinstance(x, mx.array):
         raise TypeError(f"x must be an mlx.core.array, got {type(x).__name__}")
-    if x.dtype not in _FLOATS:
+    if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
     if x.ndim < 2:
         raise ValueError(f"x must have at least 2 dims (..., L, D), got shape {x.shape}")

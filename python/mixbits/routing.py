@@ -25,6 +25,7 @@ import mlx.nn as nn
 
 from . import _ext
 from ._backends import names, on_cpu
+from .layout import FLOAT_DTYPES
 
 __all__ = ["patch_functions", "unpatch_functions"]
 
@@ -40,7 +41,7 @@ def _f32(*arrays) -> bool:
 def _one_float_dtype(*arrays) -> bool:
     """The attention kernel's inputs: float32, float16 or bfloat16, one dtype."""
     dt = arrays[0].dtype
-    return dt in (mx.float32, mx.float16, mx.bfloat16) and all(a.dtype == dt for a in arrays)
+    return dt in FLOAT_DTYPES and all(a.dtype == dt for a in arrays)
 
 
 # Each router's kernel's backends on this CPU.

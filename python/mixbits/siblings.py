@@ -49,7 +49,7 @@ class SiblingGroup:
             return None
         if x is self._run_x and i in self._pending:
             rt, y = self._pending.pop(i)
-            if rt is layer._repacked_tensor():
+            if rt is layer.matmul_tensor():
                 return y
         return self._compute(i, x)
 
@@ -73,7 +73,7 @@ class SiblingGroup:
     def _compute(self, i: int, x):
         members = [self.layers[j] for j in self.fused]
         act = self.layers[i].activations
-        tensors = [m._repacked_tensor() if m.is_repacked else None for m in members]
+        tensors = [m.matmul_tensor() if m.is_repacked else None for m in members]
         if (any(t is None or t.perm is not None for t in tensors)
                 or any(t.dtype != tensors[0].dtype for t in tensors)  # one promoted x for all
                 or any(m.activations != act for m in members) or not on_cpu()):
@@ -105,7 +105,7 @@ def install_sibling_groups(model) -> int:
             if len(layers) >= 2:
                 group = SiblingGroup(layers)
                 for m in layers:
-                    m._siblings = group
+                    m.sibling_group = group
                 n += 1
     return n
 
@@ -115,4 +115,4 @@ def remove_sibling_groups(model) -> None:
 
     for _, m in model.named_modules():
         if isinstance(m, MixedQuantizedLinear):
-            m._siblings = None
+            m.sibling_group = None
