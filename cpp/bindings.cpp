@@ -21,6 +21,7 @@
 #include "qmatmul/qmatmul.h"
 #include "qmatmul/transposed.h"
 #include "qmatmul_int8/repacked_qmatmul.h"
+#include "quant_error/quant_error.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -86,6 +87,10 @@ NB_MODULE(_ext, m) {
       "activations"_a = 1,
       "y = x @ W.T with W row-interleaved (qmatmul_int8/repack.h); "
       "packed_r: wq_r, scales_r, biases_r per segment; n: output rows.");
+  m.def("weighted_quant_error", &mixbits::weighted_quant_error, "wq"_a, "scales"_a, "biases"_a,
+        "w"_a, "weight"_a, "bits"_a, "group_size"_a,
+        "sum(weight * (s*q + b - w)**2) over one segment's rows, as a float64 "
+        "(evaluated now); w and weight float32 (R, k).");
   m.def("repack_segment", &mixbits::repack_segment, "wq"_a, "scales"_a, "biases"_a,
         "bits"_a, "group_size"_a,
         "One segment in MLX's layout -> (wq_r, scales_r, biases_r), 16 rows "

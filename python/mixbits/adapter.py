@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["ModelAdapter", "Site", "dense_weight", "get_module", "set_module", "weight_shape"]
+__all__ = ["ModelAdapter", "Site", "dense_weight", "get_module", "quantized_form", "set_module",
+           "weight_shape", "weighted_weight_error"]
 
 
 @dataclass(frozen=True)
@@ -101,20 +102,44 @@ def weight_shape(m) -> tuple:
     return tuple(w.shape)
 
 
+def quantized_form(m):
+    """The weight of a quantized module as a :class:`~mixbits.layout.QuantizedTensor`
+    (a mixbits layer's own; a stock affine layer's arrays as one segment),
+    or None for a float module."""
+    from .layout import QuantizedTensor, Segment
+
+    if isinstance(m, _mixbits_kinds()):
+        return m.quantized_tensor()
+    if "scales" not in m:
+        return None
+    mode = getattr(m, "mode", "affine")
+    if mode != "affine":
+        raise ValueError(f"only affine quantized layers can be re-quantized, got mode {mode!r}")
+    if m.get("biases") is None:
+        raise ValueError(f"{type(m).__name__}: affine quantized without biases")
+    w = m["weight"]
+    return QuantizedTensor([Segment(m.bits, m.group_size, w.shape[-1] * 32 // m.bits, w,
+                                    m["scales"], m["biases"])])
+
+
 def dense_weight(m) -> mx.array:
     """The float32 dense weight of a quantizable module (original column
     order); quantized ones as ``s*q + b`` in float32 (scales widened first)."""
-    if isinstance(m, _mixbits_kinds()):
-        return m.quantized_tensor().dequantize(unpermute=True, dtype=mx.float32)
-    if "scales" in m:
-        mode = getattr(m, "mode", "affine")
-        if mode != "affine":
-            raise ValueError(f"only affine quantized layers can be re-quantized, got mode {mode!r}")
-        biases = m.get("biases")
-        return mx.dequantize(m["weight"], m["scales"].astype(mx.float32),
-                             None if biases is None else biases.astype(mx.float32),
-                             group_size=m.group_size, bits=m.bits)
-    return m["weight"].astype(mx.float32)
+    qt = quantized_form(m)
+    if qt is None:
+        return m["weight"].astype(mx.float32)
+    return qt.dequantize(unpermute=True, dtype=mx.float32)
+
+
+def weighted_weight_error(m, w: mx.array, weight: mx.array) -> float:
+    """sum(weight * (dense_weight(m) - w)**2) as a Python float; for a
+    quantized module in one pass over its codes (no dense copy), see
+    :meth:`~mixbits.layout.QuantizedTensor.weighted_error`."""
+    qt = quantized_form(m)
+    if qt is not None:
+        return qt.weighted_error(w, weight)
+    d = dense_weight(m) - w
+    return (weight.astype(mx.float32) * d * d).astype(mx.float32).sum().item()
 
 
 def _child(parent, key: str):

@@ -225,6 +225,35 @@ class QuantizedTensor:
             w = mx.take(w, mx.argsort(self.perm), axis=-1)
         return w
 
+    def weighted_error(self, w, weight) -> float:
+        """sum(weight * (W - w)**2), W this tensor dequantized as
+        ``dequantize(unpermute=True, dtype=float32)`` forms it; ``w`` and
+        ``weight``: float arrays of the full shape [..., N, K] in original
+        column order. One pass over the codes in C++ (no dense W), float64
+        sum: what the gradient proxy evaluates per tensor x candidate."""
+        from . import _ext
+
+        full = (*self.batch_shape, *self.shape)
+        w, weight = (mx.array(np.asarray(a)) if not isinstance(a, mx.array) else a
+                     for a in (w, weight))
+        for name, a in (("w", w), ("weight", weight)):
+            if tuple(a.shape) != full:
+                raise ValueError(f"{name} must have shape {full}, got {tuple(a.shape)}")
+        if 0 in full:
+            return 0.0
+        w, weight = w.astype(mx.float32), weight.astype(mx.float32)
+        if self.perm is not None:  # into stored column order, as the segments count
+            w, weight = w[..., self.perm], weight[..., self.perm]
+        rows = math.prod(full[:-1])
+        total, k0 = 0.0, 0
+        for s in self.segments:
+            cols = (slice(None),) * (len(full) - 1) + (slice(k0, k0 + s.k),)
+            total += _ext.weighted_quant_error(
+                s.wq.reshape(rows, -1), s.scales.reshape(rows, -1), s.biases.reshape(rows, -1),
+                w[cols].reshape(rows, s.k), weight[cols].reshape(rows, s.k), s.bits, s.group_size)
+            k0 += s.k
+        return total
+
     @property
     def nbytes(self) -> int:
         n = sum(a.nbytes for a in self.arrays())

@@ -186,7 +186,7 @@ def supports(cand: Candidate, site) -> bool:
     return not (site.form == "stack" and cand.kind == "mixed" and not site.experts)
 
 
-def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None):
+def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None, dense=None):
     """The quantized module that replaces ``module`` at candidate ``cand``.
 
     The one constructor the sweep, joint evaluation and ``quantize`` share,
@@ -197,7 +197,9 @@ def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None):
     stacks at mixed kinds become a MixedQuantizedSwitchLinear with one
     permutation for all experts. ``scale_dtype`` defaults to float16.
     ``inputs``: (X^T X [K, K], token count) of the layer's input on the
-    calibration set, for calibrated quantizers.
+    calibration set, for calibrated quantizers. ``dense``: the module's
+    ``dense_weight``, when the caller builds several candidates of one
+    module (decoding it once instead of per candidate).
     """
     import copy
 
@@ -210,7 +212,7 @@ def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None):
                       is_expert_stack, quantize_stack)
 
     scale_dtype = scale_dtype or mx.float16
-    w = dense_weight(module)
+    w = dense_weight(module) if dense is None else dense
     k = w.shape[-1]
     segs = cand.segments(k)
     if cand.calibrated:

@@ -179,10 +179,11 @@ def _accumulate(fisher, inputs, grads, forms, n_seq, out_energy) -> None:
             fisher[path] += g * g
 
 
-def estimate(fisher: np.ndarray, n_tokens: int, dense: np.ndarray, layer,
+def estimate(fisher: mx.array, n_tokens: int, dense: mx.array, layer,
              hessian=None, out_energy=None) -> float:
     """1/2 sum F (W_c - W)^2 per token for one tensor (``dense``: its
-    float32 weight, computed once per tensor) and candidate layer.
+    float32 weight and ``fisher`` its Fisher diagonal, both evaluated once
+    per tensor) and candidate layer.
 
     With the layer input's ``hessian`` (X^T X) and the outputs' gradient
     energy ``out_energy`` (sum dy_n^2), the diagonal estimate is scaled by
@@ -196,12 +197,12 @@ def estimate(fisher: np.ndarray, n_tokens: int, dense: np.ndarray, layer,
     cancel (r << 1), which the diagonal alone cannot see: on a tiny llama
     it rated GPTQ no better than round-to-nearest where the exact KL was
     2-7x lower."""
-    from ..adapter import dense_weight
+    from ..adapter import dense_weight, weighted_weight_error
 
-    d = np.array(dense_weight(layer)) - dense
-    est = 0.5 * float(np.vdot(fisher, d * d)) / n_tokens
-    if hessian is None or out_energy is None or d.ndim != 2:
-        return est
+    if hessian is None or out_energy is None or dense.ndim != 2:
+        return 0.5 * weighted_weight_error(layer, dense, fisher) / n_tokens
+    d = np.array(dense_weight(layer)) - np.array(dense)
+    est = 0.5 * float(np.vdot(np.array(fisher), d * d)) / n_tokens
     h = np.asarray(hessian, dtype=np.float64)
     e = np.asarray(out_energy, dtype=np.float64)[:, None]
     d = d.astype(np.float64)
@@ -235,14 +236,15 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
     for s in sites:
         t1 = time.perf_counter()
         original = ad.get(s.path)
-        dense = np.array(dense_weight(original))
+        dense, fish = dense_weight(original), mx.array(fisher[s.path])
+        mx.eval(dense, fish)
         inputs = rp.input_hessian(s) if any(c.calibrated for c in site_cands[s.path]) else None
         cands = []
         for c in site_cands[s.path]:
-            layer = build_layer(original, c, scale_dtype, inputs)
+            layer = build_layer(original, c, scale_dtype, inputs, dense)
             sb = storage_bits(layer, s)
             cands.append({"kind": c.name, "bits": c.nominal_bits,
-                          "kl": estimate(fisher[s.path], n_tok, dense, layer,
+                          "kl": estimate(fish, n_tok, dense, layer,
                                          inputs[0] if inputs else None, energy.get(s.path)),
                           "storage_bits": sb, "bpw": sb / s.nparams, "group_size": c.group_size,
                           "source": "grad"})

@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..adapter import ModelAdapter, Site
+from ..adapter import ModelAdapter, Site, dense_weight
 from ..atomic import write_json_atomic
 from .candidates import Candidate, build_layer, parse_candidate, supports
 from ..formats.errors import load_json
@@ -95,8 +95,9 @@ def measure_site(rp: Replayer, site: Site, cands: list[Candidate], cfg: SweepCon
     original = rp.adapter.get(site.path)
     inputs = rp.input_hessian(site) if any(c.calibrated for c in cands) else None
     layers, storage = [], {}
+    dense = dense_weight(original)  # decoded once, shared by the candidates' builds
     for c in cands:
-        layer = build_layer(original, c, cfg.scale_dtype, inputs)
+        layer = build_layer(original, c, cfg.scale_dtype, inputs, dense)
         layers.append(layer)
         storage[c.name] = storage_bits(layer, site)
     sums = {c.name: [] for c in cands}
