@@ -38,7 +38,7 @@ def add_arguments(p) -> None:
     p.add_argument("--method", choices=("exact", "grad", "two-stage"), default="exact",
                    help="exact: quantize each tensor at each candidate and run the model (default); "
                         "grad: estimate every KL from diagonal-Fisher backward passes (one backward "
-                        "per sequence and sample for all tensors; ignores interactions; 0.063x the "
+                        "per sequence and sample for all tensors; ignores interactions; 0.034x the "
                         "exact sweep's CPU time on SmolLM2-135M, 4 candidates); two-stage: "
                         "grad for all, "
                         "then exact for the (tensor, candidate) pairs nearest the allocator's "
