@@ -8,7 +8,10 @@
 //    FMA'd against max_mb rows of x per pass (avx2_gemv*.cpp);
 //  - larger M (prefill): tiles of W are dequantized into L2-resident
 //    packed panels and the row's outer-product micro-kernel runs over them
-//    against x packed once per call (avx2_panel.cpp).
+//    against x packed once per call (avx2_panel.cpp). A repacked view
+//    (QMatView::repacked, a repacked layer's prefill) takes the same
+//    driver with the row's pack_r packers (avx2_panel_r.cpp); it never
+//    reaches the other regimes (select_qmm_repacked's min_m).
 #include <algorithm>
 #include <stdexcept>
 #include <string>
