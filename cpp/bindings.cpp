@@ -99,6 +99,16 @@ NB_MODULE(_ext, m) {
         "biases_r"_a, "n"_a, "bits"_a, "The exact inverse of repack_segment.");
   m.def("repacked_kernels", &mixbits::repacked_kernels_available,
         "Whether this CPU has the repacked layout's kernels (AVX512-VNNI or AVX2).");
+  m.def(
+      "repacked_float_min_m",
+      [](int backend) -> std::optional<int> {
+        const mixbits::QmmRepacked r = mixbits::select_qmm_repacked(mixbits::Backend(backend));
+        if (!r.run) return std::nullopt;
+        return r.min_m;
+      },
+      "backend"_a,
+      "Float-contract calls on a repacked weight with more rows than this read the blocks "
+      "in place (the AVX-512 panel packers); None: every such call un-repacks W first.");
   m.def("repack_rows", []() { return mixbits::kRepackRows; },
         "Rows interleaved per block of the repacked layout.");
 

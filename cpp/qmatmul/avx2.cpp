@@ -8,8 +8,13 @@
 //    FMA'd against max_mb rows of x per pass (avx2_gemv*.cpp);
 //  - larger M (prefill): tiles of W are dequantized into L2-resident
 //    packed panels and the row's outer-product micro-kernel runs over them
-//    against x packed once per call (avx2_panel.cpp).
+//    against x packed once per call (avx2_panel.cpp). A repacked view
+//    (QMatView::repacked, a repacked layer's prefill) takes the same
+//    driver with the row's pack_r packers (avx2_panel_r.cpp); it never
+//    reaches the other regimes (select_qmm_repacked's min_m).
 #include <algorithm>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "common/parallel.h"
@@ -63,10 +68,12 @@ struct Prepared {
   std::vector<std::vector<float>> xq, xs;
 };
 
-// Each segment's kernels from the row, looked up once per call.
+// Each segment's kernels from the row, looked up once per call. pack is
+// the row's panel packer for the segment's layout (w.repacked).
 struct SegKernels {
   GemvFn gemv;
   DequantFn dequant;
+  PackWFn pack;
 };
 
 const float* unit_scale(int bits) {
@@ -159,7 +166,8 @@ void pack_x(const GemmRow& g, const float* x, const QMatView& w, Prepared& pr, i
 
 // Outputs [n0, n1) for all M rows: per kc block of each segment, tiles of
 // kPNB W rows are packed, then every x micro-panel (L1) runs against every
-// W panel of the tile (L2).
+// W panel of the tile (L2). n0 and every tile start are multiples of the
+// panel width, hence of a repacked block's 16 rows.
 void panel_slice(const QmmTable& t, const Prepared& pr, const QMatView& w,
                  const std::vector<SegKernels>& ks, float* y, int n0, int n1) {
   const GemmRow& g = *t.gemm;
@@ -175,7 +183,7 @@ void panel_slice(const QmmTable& t, const Prepared& pr, const QMatView& w,
       const float* xb = pr.xp + int64_t(pr.Mp) * (s.k0 + c0);
       for (int nt = n0; nt < n1; nt += kPNB) {
         const int nb = std::min(kPNB, n1 - nt);
-        g.pack(s, w.sdtype, ks[si].dequant, nt, nb, c0, c1, tile, g.pw);
+        ks[si].pack(s, w.sdtype, ks[si].dequant, nt, nb, c0, c1, tile, g.pw);
         for (int m = 0; m < M; m += g.mr) {
           const float* xpanel = xb + int64_t(m) * kc;
           const int mr = std::min(g.mr, M - m);
@@ -193,10 +201,16 @@ void run_table(const QmmTable& t, const float* x, int M, const QMatView& w, floa
   pr.M = M;
   pr.K = w.K;
   const int K = w.K;
+  // A repacked view is read only by the panel packers: qmm_repacked_of
+  // promised the caller that this M takes them.
+  if (w.repacked && !(M > t.small_m && t.gemm && t.gemm->pack_r))
+    throw std::logic_error(std::string("qmatmul ") + t.name + ": no repacked reader for M=" +
+                           std::to_string(M));
   std::vector<SegKernels> ks;
   for (const SegView& s : w.segs) {
     const int c = group_size_col(s.group_size);
-    ks.push_back({(*t.gemv)[s.bits][c], (*t.dequant)[s.bits][c]});
+    const PackWFn pack = !t.gemm ? nullptr : w.repacked ? (*t.gemm->pack_r)[s.bits][c] : t.gemm->pack;
+    ks.push_back({(*t.gemv)[s.bits][c], (*t.dequant)[s.bits][c], pack});
   }
 
   if (M <= t.small_m) {
@@ -242,6 +256,14 @@ void run_table(const QmmTable& t, const float* x, int M, const QMatView& w, floa
   }
 }
 
+// The row's float kernel for repacked views, where it has panel packers
+// for them: calls above small_m take the panels (below, the small-M
+// kernels would need their own repacked decoders; the caller un-repacks).
+QmmRepacked qmm_repacked_of(const QmmTable& t, QmmRun run) {
+  if (!t.gemm || !t.gemm->pack_r) return {};
+  return {run, t.small_m};
+}
+
 }  // namespace
 
 void qmm_avx2_run(const float* x, int M, const QMatView& w, float* y) {
@@ -250,6 +272,8 @@ void qmm_avx2_run(const float* x, int M, const QMatView& w, float* y) {
 void qmm_avx512_run(const float* x, int M, const QMatView& w, float* y) {
   run_table(kQmmAvx512, x, M, w, y);
 }
+QmmRepacked qmm_avx2_repacked() { return qmm_repacked_of(kQmmAvx2, qmm_avx2_run); }
+QmmRepacked qmm_avx512_repacked() { return qmm_repacked_of(kQmmAvx512, qmm_avx512_run); }
 void qmm_t_avx2_run(const float* dy, int M, const QMatView& w, float* dx) {
   qmm_t_run_table(kQmmAvx2, dy, M, w, dx);
 }

@@ -125,6 +125,6 @@ MIXBITS_AVX512 void panel512(const float* xp, const float* wp, int kc, float* y,
 }  // namespace
 
 extern const GemmRow kGemmAvx512 = {/*lanes=*/16, /*mr=*/8, /*pw=*/48, pack_w16,
-                                    panel512<8, 3>};
+                                    panel512<8, 3>, &kPackRepacked512};
 
 }  // namespace mixbits

@@ -7,7 +7,8 @@
 // Files: avx2_decode.h (bit layout and shared helpers), avx2_gemv.cpp and
 // avx2_gemv512.cpp (small M: decode once, FMA against every x row),
 // avx2_panel.cpp (large M forward: packed dequantized W panels + outer-
-// product micro-kernels), avx2_gemm.cpp (the row-major dequantized tiles
+// product micro-kernels), avx2_panel_r.cpp (the same panels packed from the
+// repacked layout), avx2_gemm.cpp (the row-major dequantized tiles
 // and dot-product micro-kernels of the transposed product, avx2_t.cpp),
 // avx2.cpp (the rows and the forward driver). All are compiled with -mavx2 -mfma -mf16c; the
 // 16-lane functions carry a target attribute and are reached only through
@@ -47,12 +48,17 @@ using PackWFn = void (*)(const SegView& s, DType sdt, DequantFn dq, int n, int n
 // x micro-panel (rows past M zero) against one W panel.
 using PanelFn = void (*)(const float* xp, const float* wp, int kc, float* y, int ldy,
                          int mr, int nc);
+// Packers that read the row-interleaved layout (qmatmul_int8/repack.h;
+// dq unused) into the same panels, bit for bit, by [bits][group-size
+// column]: no un-repack of the weight per call. Null where no bits.
+using PackWCols = PackWFn[9][3];
 struct GemmRow {
   int lanes;  // floats per register
   int mr;     // x rows per micro-panel
-  int pw;     // W rows per panel (a multiple of lanes)
+  int pw;     // W rows per panel (a multiple of lanes and of kRepackRows)
   PackWFn pack;
   PanelFn micro;
+  const PackWCols* pack_r;  // null: the row reads MLX's layout only
 };
 
 // Columns of a row: [bits][0: g32, 1: g64, 2: g128], null where no bits.
@@ -90,6 +96,7 @@ extern const DequantCols kDequantAvx2;            // avx2_gemm.cpp
 extern const MicroFn* const kMicroAvx2[5];        // avx2_gemm.cpp, 4 x 3
 extern const MicroFn* const kMicroAvx512[7];      // avx2_gemm.cpp, 6 x 4
 extern const GemmRow kGemmAvx512;   // avx2_panel.cpp
+extern const PackWCols kPackRepacked512;  // avx2_panel_r.cpp
 void t_item_avx2(const float* dy, int64_t ldd, int M, const QMatView& w,
                  const QmmTable& t, const TItem& it, float* dx);     // avx2_t.cpp
 void t_item_avx512(const float* dy, int64_t ldd, int M, const QMatView& w,

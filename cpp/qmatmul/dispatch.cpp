@@ -40,6 +40,16 @@ QmmRun select_qmm(Backend requested) {
   }
 }
 
+QmmRepacked select_qmm_repacked(Backend requested) {
+  switch (resolve(requested)) {
+#if defined(MIXBITS_HAVE_AVX2)
+    case Backend::Avx2: return qmm_avx2_repacked();
+    case Backend::Avx512: return qmm_avx512_repacked();
+#endif
+    default: return {};  // ref, NEON: no reader of the repacked layout
+  }
+}
+
 QmmTRun select_qmm_t(Backend requested) {
   switch (resolve(requested)) {
 #if defined(MIXBITS_HAVE_AVX2)

@@ -34,6 +34,11 @@ struct QMatView {
   int K = 0;
   DType sdtype = DType::f32;
   std::vector<SegView> segs;
+  // The segments' arrays in the row-interleaved layout of
+  // qmatmul_int8/repack.h instead (wq [NB, words, 16], 3-bit words split;
+  // scales, biases [NB, groups, 16]): the same values in 16-row blocks.
+  // Only a kernel select_qmm_repacked returned reads such a view.
+  bool repacked = false;
 };
 
 // y[m, n] = sum_k x[m, k] * W[n, k] for rows m < M and outputs n in [n0, n1).
@@ -60,6 +65,20 @@ void qmm_avx512_run(const float* x, int M, const QMatView& w, float* y);
 #endif
 #if defined(MIXBITS_HAVE_NEON)
 void qmm_neon_run(const float* x, int M, const QMatView& w, float* y);
+#endif
+
+// A float-contract kernel that reads a repacked QMatView in place, for
+// calls of more than min_m rows; its result is bit for bit what `run` gives
+// on MLX's layout of the same weight. run null: the backend has none, and
+// the caller un-repacks W into MLX's layout first.
+struct QmmRepacked {
+  QmmRun run = nullptr;
+  int min_m = 0;
+};
+QmmRepacked select_qmm_repacked(Backend requested);
+#if defined(MIXBITS_HAVE_AVX2)
+QmmRepacked qmm_avx2_repacked();
+QmmRepacked qmm_avx512_repacked();
 #endif
 
 // The transposed product, the gradient of y = x · Wᵀ wrt x:

@@ -168,6 +168,7 @@ struct RepackedKernels {
   Activations act;
   QmmRun fn, fn_int;
   const RTable* table;
+  QmmRepacked fn_r;  // the float contract on the repacked arrays, where fn has it
 };
 
 void eval_repacked(const RepackedKernels& k, const mx::array& x, const int32_t* perm,
@@ -175,18 +176,19 @@ void eval_repacked(const RepackedKernels& k, const mx::array& x, const int32_t* 
                    mx::array& out) {
   std::vector<std::vector<char>> copies(3 * segs.size());
   auto dense = [&](size_t i) { return row_major(packed[i], copies[i]); };
-  // The segments' shape (columns, groups) and their repacked arrays.
+  // The segments (a repacked view) and their arrays for the integer kernels.
   QMatView shape;
   shape.N = N;
   shape.sdtype = to_dtype(packed[1].dtype());
+  shape.repacked = true;
   std::vector<RSeg> rsegs;
   int k0 = 0;
   for (size_t i = 0; i < segs.size(); ++i) {
-    shape.segs.push_back({segs[i].bits, segs[i].group_size, k0, segs[i].k, nullptr, nullptr,
-                          nullptr});
     rsegs.push_back({static_cast<const uint32_t*>(dense(3 * i)), dense(3 * i + 1),
                      dense(3 * i + 2), shape.sdtype, int(int64_t(segs[i].k) * segs[i].bits / 32),
                      segs[i].k / segs[i].group_size});
+    shape.segs.push_back({segs[i].bits, segs[i].group_size, k0, segs[i].k, rsegs[i].wq,
+                          rsegs[i].scales, rsegs[i].biases});
     k0 += segs[i].k;
   }
   shape.K = k0;
@@ -197,6 +199,10 @@ void eval_repacked(const RepackedKernels& k, const mx::array& x, const int32_t* 
         return repacked_int_run<int8_t>(*k.table, xf, M, shape, rsegs.data(), y);
       return repacked_int_run<int16_t>(*k.table, xf, M, shape, rsegs.data(), y);
     }
+    // The float kernel reads the blocks itself (prefill on AVX-512: its
+    // panel packers), bit for bit what it gives on MLX's layout.
+    if (path == QmmPath::Float && k.fn_r.run && M > k.fn_r.min_m)
+      return k.fn_r.run(xf, M, shape, y);
     // MLX's layout in a temporary, then what MixedQMatmul runs. The
     // temporaries are written in full before they are read: no zero fill
     // (at a prompt's 64 rows the un-repack is a tenth to a third of the
@@ -206,6 +212,7 @@ void eval_repacked(const RepackedKernels& k, const mx::array& x, const int32_t* 
     std::vector<std::unique_ptr<uint32_t[]>> wq(segs.size());
     std::vector<std::unique_ptr<char[]>> sc(segs.size()), bi(segs.size());
     QMatView w = shape;
+    w.repacked = false;
     for (size_t i = 0; i < segs.size(); ++i) {
       const RSeg& r = rsegs[i];
       const size_t nw = size_t(N) * r.words, ns = size_t(N) * r.ngroups * sbytes;
@@ -234,7 +241,7 @@ RepackedKernels kernels_for(Activations act, Backend backend) {
           act == Activations::Int8    ? select_qmm_int8(backend)
           : act == Activations::Int16 ? select_qmm_int16(backend)
                                       : nullptr,
-          repacked_table(act, backend)};
+          repacked_table(act, backend), select_qmm_repacked(backend)};
 }
 
 }  // namespace

@@ -20,11 +20,15 @@ namespace mx = mlx::core;
 // Evaluation: activations int8/int16 with at most kInt8MaxM finite rows run
 // the repacked kernels where select_repacked (kernel.h) has a table: x86
 // with AVX512-VNNI or AVX2 (backend auto, avx512, avx2), arm64 NEON (auto,
-// neon). Every other call (float contract, more rows, inf/NaN in x, backend
-// ref, x86 without AVX2) un-repacks W into a temporary of MLX's layout
-// and runs exactly what MixedQMatmul runs, so results never depend on the
-// storage beyond the kernels' float rounding. That temporary costs one
-// copy of the weight per call: correct, not fast.
+// neon). Float-contract calls (float activations, or more rows) above
+// select_qmm_repacked's min_m run the float kernel on the blocks in place
+// where the backend has a reader (AVX-512: the prefill GEMM's panel
+// packers), bit for bit what it gives on MLX's layout. Every other call
+// (fewer float rows, inf/NaN in x, backend ref, AVX2, NEON, x86 without
+// AVX2) un-repacks W into a temporary of MLX's layout and runs exactly what
+// MixedQMatmul runs, so results never depend on the storage beyond the
+// kernels' float rounding. That temporary costs one copy of the weight per
+// call: correct, not fast.
 class RepackedQMatmul : public mx::UnaryPrimitive {
  public:
   RepackedQMatmul(mx::Stream s, std::vector<SegSpec> segs, bool has_perm, int n,

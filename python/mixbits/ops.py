@@ -63,8 +63,10 @@ def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None,
     ``qt`` may also be a :class:`~mixbits.repack.RepackedTensor` (see
     :func:`repack`): same results and contracts, CPU only; the integer
     contracts then run the row-interleaved kernels (AVX512-VNNI or AVX2 on
-    x86, NEON on arm64: :func:`repacked_kernels_available`; other CPUs,
-    backends and calls un-repack W into a temporary per call).
+    x86, NEON on arm64: :func:`repacked_kernels_available`), float-path
+    calls of more than 40 rows on AVX-512 (a prompt) read the blocks in
+    place, bit for bit the original layout's result; other CPUs, backends
+    and calls un-repack W into a temporary per call).
     """
     if isinstance(qt, RepackedTensor):
         act = activations_id(activations)

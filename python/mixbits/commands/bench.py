@@ -51,8 +51,10 @@ def add_arguments(p) -> None:
                         "ones apply to M <= 16, as ggml quantizes its activations)")
     p.add_argument("--repack", action="store_true",
                    help="also time mixbits on the row-interleaved layout of the integer GEMV "
-                        "(mixbits.ops.repack; 2/3/4/8-bit kinds, others are marked skipped); "
-                        "needs --activations int8 or int16")
+                        "(mixbits.ops.repack; 2/3/4/8-bit kinds, others are marked skipped), "
+                        "same contract: the integer kernels with --activations int8/int16 and "
+                        "M <= 16, else the float path (on AVX-512 the prefill GEMM reads the "
+                        "blocks in place above 40 rows; elsewhere W is un-repacked per call)")
     p.add_argument("--backend", choices=["auto", "ref", "avx2", "avx512", "neon"], default="auto",
                    help="mixbits' CPU kernels (mixbits.qmatmul's backend=), e.g. avx2 to time "
                         "an AVX2-only CPU's kernels on an AVX-512 host (ggml is not affected)")
@@ -377,8 +379,6 @@ def run(args) -> int:
         notes.append(f"mixbits capped at {args.threads} thread(s); OPENBLAS_NUM_THREADS="
                      f"{os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}; the probe uses "
                      "the same cap")
-    if args.repack and args.activations == "float":
-        raise SystemExit("--repack times the integer GEMV's layout: add --activations int8 or int16")
     if args.backend != "auto":
         if args.backend not in ops.available_backends():
             raise SystemExit(f"--backend {args.backend}: not available on this CPU "

@@ -1,0 +1,133 @@
+// The forward GEMM's W panels (avx2_panel.cpp) packed straight from the
+// row-interleaved layout of qmatmul_int8/repack.h, so that a repacked
+// layer's prefill (the float contract, calls above the small-M kernels'
+// rows) reads its weight as stored instead of un-repacking all of it into
+// MLX's layout on every call.
+//
+// Why no transpose: a repacked block is 16 W rows with word j of all 16 in
+// one 64-byte line, so one load and a shift and a mask per code give the
+// code of one column for the 16 rows, lane r = row r: already one row of a
+// panel ([kc][pw], lane = W row). pack_w16 dequantizes 16 rows of MLX's
+// layout row-major instead and transposes them.
+//
+// Bit for bit the panels pack_w16 builds from MLX's layout, so the result
+// is bit for bit the original layout's (same micro-kernel, same FMA order):
+//  - the same value per (row, column): fma(q, s, b), rounded once.
+//    dequant_tile computes fma(q*2^e, s*2^-e, b): the same exact product
+//    (the powers of two cancel while s*2^-e is a normal float, i.e. for
+//    |s| >= 2^-110), the same single rounding;
+//  - the same panel row per column: column 4i+k of a 32-column unit goes to
+//    row 8k+i, the decode order x is packed in (avx2_decode.h).
+#include <cstdint>
+
+#include "qmatmul/avx2_decode.h"
+#include "qmatmul/avx2_table.h"
+#include "qmatmul_int8/repack.h"
+
+namespace mixbits {
+namespace {
+
+static_assert(kRepackRows == 16, "a block is one register of float lanes");
+
+// Panel row of column c of a unit-aligned run of columns (decode order).
+constexpr int decode_pos(int c) { return (c & ~31) | ((c & 3) << 3) | ((c >> 2) & 7); }
+
+// The 16 rows' scales (or biases) of one group, as float32: the same
+// conversions as to_f32 (F16C's, and bf16 widened by a shift).
+MIXBITS_AVX512 inline __m512 load16(const void* a, int64_t at, DType t) {
+  if (t == DType::f32) return _mm512_loadu_ps(static_cast<const float*>(a) + at);
+  const __m256i h = _mm256_loadu_si256((const __m256i*)(static_cast<const uint16_t*>(a) + at));
+  if (t == DType::f16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// One panel row: 16 codes dequantized, s*q + b with one rounding.
+MIXBITS_AVX512 inline void put(__m512i q, __m512 sv, __m512 bv, float* row) {
+  _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), sv, bv));
+}
+
+// One group of G columns of a 2-, 4- or 8-bit block: wq at the group's
+// first word (16 rows each), dst at the panel row of its first column.
+// Word j holds columns j*CPW + t at bits t*B (MLX's words, unchanged).
+template <int B, int G>
+MIXBITS_AVX512 inline void group_words(const uint32_t* wq, __m512 sv, __m512 bv, float* dst,
+                                       int pw) {
+  constexpr int CPW = 32 / B;
+  const __m512i mask = _mm512_set1_epi32((1 << B) - 1);
+  for (int j = 0; j < G / CPW; ++j) {
+    const __m512i v = _mm512_loadu_si512(wq + j * kRepackRows);
+#pragma GCC unroll 16
+    for (int t = 0; t < CPW; ++t)
+      put(_mm512_and_si512(_mm512_srli_epi32(v, t * B), mask), sv, bv,
+          dst + int64_t(decode_pos(j * CPW + t)) * pw);
+  }
+}
+
+// The same for 3 bits: per chunk of 32 codes the words L0, L1 (low 2 bits
+// of codes 0..15, 16..31, code i at bits 2i) and H (bit 2 of code c at
+// split3_hpos(c)), see repack.h.
+template <int G>
+MIXBITS_AVX512 inline void group_split3(const uint32_t* wq, __m512 sv, __m512 bv, float* dst,
+                                        int pw) {
+  const __m512i m3 = _mm512_set1_epi32(3), m4 = _mm512_set1_epi32(4);
+  for (int ch = 0; ch < G / 32; ++ch) {
+    const uint32_t* w = wq + ch * 3 * kRepackRows;
+    const __m512i l0 = _mm512_loadu_si512(w), l1 = _mm512_loadu_si512(w + kRepackRows);
+    const __m512i h = _mm512_loadu_si512(w + 2 * kRepackRows);
+#pragma GCC unroll 32
+    for (int c = 0; c < 32; ++c) {
+      // The high bit moved from split3_hpos(c) to bit 2 (either way).
+      const int sh = split3_hpos(c) - 2;
+      const __m512i hi =
+          _mm512_and_si512(sh >= 0 ? _mm512_srli_epi32(h, sh) : _mm512_slli_epi32(h, -sh), m4);
+      const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(c < 16 ? l0 : l1, 2 * (c % 16)), m3);
+      put(_mm512_or_si512(lo, hi), sv, bv, dst + int64_t(ch * 32 + decode_pos(c)) * pw);
+    }
+  }
+}
+
+// PackWFn for a repacked segment (dq unused): rows [n, n+nr) x columns
+// [c0, c1) into panels of pw rows, [kc][pw] each, as pack_w16 lays them
+// out. n and pw are multiples of 16 (the driver's panel slices), so each 16
+// lanes of a panel are exactly one block; blocks wholly past nr are zeros,
+// as pack_w16 writes them (a block's own padding rows hold zero codes,
+// scales and biases: zeros too). The micro-kernel stores only nr rows.
+template <int B, int G>
+MIXBITS_AVX512 void pack_r16(const SegView& s, DType sdt, DequantFn, int n, int nr, int c0,
+                             int c1, float* dst, int pw) {
+  const int kc = c1 - c0;
+  const int64_t words = s.words_per_row(), ng = s.k / G;
+  const int nrp = (nr + pw - 1) / pw * pw;
+  for (int r0 = 0; r0 < nrp; r0 += kRepackRows) {
+    float* panel = dst + int64_t(r0 / pw) * kc * pw + r0 % pw;
+    if (r0 >= nr) {
+      for (int p = 0; p < kc; ++p) _mm512_store_ps(panel + int64_t(p) * pw, _mm512_setzero_ps());
+      continue;
+    }
+    const int64_t b = (n + r0) / kRepackRows;
+    for (int g = c0 / G; g < c1 / G; ++g) {
+      const int64_t at = (b * ng + g) * kRepackRows;
+      const __m512 sv = load16(s.scales, at, sdt), bv = load16(s.biases, at, sdt);
+      const uint32_t* wq = s.wq + (b * words + int64_t(g) * G * B / 32) * kRepackRows;
+      float* pg = panel + int64_t(g * G - c0) * pw;  // g*G - c0: a multiple of 32
+      if constexpr (B == 3)
+        group_split3<G>(wq, sv, bv, pg, pw);
+      else
+        group_words<B, G>(wq, sv, bv, pg, pw);
+    }
+  }
+}
+
+template <int B>
+constexpr PackWFn pack_col[3] = {pack_r16<B, 32>, pack_r16<B, 64>, pack_r16<B, 128>};
+
+}  // namespace
+
+// repack_supports_bits: 2, 3, 4, 8.
+extern const PackWCols kPackRepacked512 = {
+    {}, {}, {pack_col<2>[0], pack_col<2>[1], pack_col<2>[2]},
+    {pack_col<3>[0], pack_col<3>[1], pack_col<3>[2]},
+    {pack_col<4>[0], pack_col<4>[1], pack_col<4>[2]},
+    {}, {}, {}, {pack_col<8>[0], pack_col<8>[1], pack_col<8>[2]}};
+
+}  // namespace mixbits

@@ -1,0 +1,140 @@
+"""The float contract on repacked weights (issue 16, prefill): calls with
+more rows than the small-M kernels take read the row-interleaved blocks in
+place on AVX-512 (cpp/qmatmul/avx2_panel_r.cpp packs the prefill GEMM's
+panels from them) and must give bit for bit what the same kernel gives on
+MLX's layout of the same weight, and the float64 reference (numpy of
+mx.dequantize) to float32 accumulation. Calls the in-place reader does not
+take (fewer rows, other backends) un-repack W: compared the same way."""
+
+import platform
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mixbits
+from mixbits import _ext, ops
+from mixbits.repack import REPACK_BITS, REPACK_ROWS, RepackedTensor
+from int_contract import rand_qt
+from reference import assert_matmul_close, qmatmul_f64
+
+AVX512 = "avx512" in ops.available_backends()
+# 17, 33: the small-M kernels (un-repacked W); 41 = the first row count the
+# AVX-512 panels take; 64 a prompt; 130: two panels of x rows plus a tail.
+MS = (17, 33, 41, 64, 130)
+BACKENDS = [b for b in ("auto", "avx512") if b == "auto" or AVX512]
+
+
+def min_m(backend):
+    return _ext.repacked_float_min_m(ops._backend_id(backend))
+
+
+def test_the_in_place_reader_is_what_this_machine_runs():
+    """The bitwise tests below reach the packers only where the AVX-512 row
+    has them, above its small-M rows (40): on this x86 host it must."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 only")
+    if " avx512f" not in open("/proc/cpuinfo").read():
+        pytest.skip("no AVX-512F on this CPU")
+    assert min_m("avx512") == 40 and min_m("auto") == 40
+    assert min_m("avx2") is None and min_m("ref") is None
+    assert max(MS) > 40 and min(MS) <= 40
+
+
+def check(x, qt, rt, backend, act="float"):
+    """Repacked == original layout bit for bit, and both near float64."""
+    want = mixbits.qmatmul(x, qt, backend=backend, activations=act)
+    got = mixbits.qmatmul(x, rt, backend=backend, activations=act)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    a, b = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    bad = (a != b) & ~(np.isnan(a) & np.isnan(b))
+    assert not bad.any(), (f"{bad.sum()} of {bad.size} outputs differ from the original layout "
+                           f"(M={x.shape[-2]}, {backend}); first at {np.argwhere(bad)[0]}")
+    ref, mag = qmatmul_f64(x, qt)
+    assert_matmul_close(got, ref, mag)
+
+
+@pytest.mark.parametrize("bits", REPACK_BITS)
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("sdtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_one_segment_bitwise(bits, gs, sdtype):
+    # N = 101: 6 blocks + 5 rows (padding), 2 panels of 48 + a 5-row one;
+    # K = 1280: kc blocks of 512, 512 and 256 columns.
+    rng = np.random.default_rng(bits * 1000 + gs)
+    qt = rand_qt(rng, 101, [(bits, gs, 1280)], dtype=sdtype)
+    rt = ops.repack(qt)
+    for M in MS:
+        x = mx.array(rng.standard_normal((M, 1280)).astype(np.float32))
+        for backend in BACKENDS:
+            check(x, qt, rt, backend)
+
+
+@pytest.mark.parametrize("x_dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("act", ["float", "int8", "int16"])
+def test_mixed_segments_with_perm(x_dtype, act):
+    """Every bit width in one weight, segments not aligned to kc blocks, a
+    permutation, 3-D x in each float dtype; the integer contracts take the
+    float path above 16 rows. N = 200: two tiles of the driver (192 rows)."""
+    rng = np.random.default_rng(21)
+    segs = [(8, 32, 64), (4, 64, 1088), (3, 128, 256), (2, 128, 256), (2, 32, 96),
+            (3, 32, 608), (8, 128, 128)]
+    qt = rand_qt(rng, 200, segs, perm=True, dtype=mx.bfloat16 if x_dtype == mx.float32 else x_dtype)
+    rt = ops.repack(qt)
+    K = qt.shape[1]
+    for M in (33, 64):  # x rows per batch element: 66 and 128 in all
+        x = mx.array(rng.standard_normal((2, M, K)).astype(np.float32)).astype(x_dtype)
+        for backend in BACKENDS:
+            check(x, qt, rt, backend, act)
+
+
+def test_threads_do_not_change_the_result():
+    rng = np.random.default_rng(22)
+    qt = rand_qt(rng, 301, [(4, 64, 512), (2, 32, 256), (3, 64, 256), (8, 32, 128)])
+    rt = ops.repack(qt)
+    x = mx.array(rng.standard_normal((70, 1152)).astype(np.float32))
+    old = _ext.max_threads()
+    try:
+        _ext.set_max_threads(2)
+        a = np.array(mixbits.qmatmul(x, rt))
+        _ext.set_max_threads(1)
+        b = np.array(mixbits.qmatmul(x, rt))
+        want = np.array(mixbits.qmatmul(x, qt))
+    finally:
+        _ext.set_max_threads(old)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(b, want)
+
+
+def test_padding_rows_never_reach_the_output():
+    """Garbage in the last block's padding rows (zeros as built) changes
+    nothing: the panels' lanes past N are never stored."""
+    rng = np.random.default_rng(23)
+    qt = rand_qt(rng, 21, [(4, 64, 256), (2, 32, 64), (3, 32, 64), (8, 32, 64)])
+    rt = ops.repack(qt)
+    segs = []
+    for s in rt.segments:
+        arrs = []
+        for a in (s.wq_r, s.scales_r, s.biases_r):
+            b = np.array(a.view(mx.uint32) if a.dtype == mx.uint32 else a.astype(mx.float32))
+            tail = b[-1, :, 21 - REPACK_ROWS:]
+            b[-1, :, 21 - REPACK_ROWS:] = (rng.integers(0, 2**32, tail.shape, dtype=np.uint64)
+                                           if a.dtype == mx.uint32 else
+                                           1e30 * rng.standard_normal(tail.shape))
+            arrs.append(mx.array(b.astype(np.uint32)) if a.dtype == mx.uint32
+                        else mx.array(b).astype(a.dtype))
+        segs.append(type(s)(s.bits, s.group_size, s.k, *arrs, s.kind))
+    dirty = RepackedTensor(segs, None, 21)
+    x = mx.array(rng.standard_normal((64, 448)).astype(np.float32))
+    np.testing.assert_array_equal(np.array(mixbits.qmatmul(x, dirty)),
+                                  np.array(mixbits.qmatmul(x, qt)))
+
+
+def test_sibling_group_node():
+    """The grouped node (a layer's q/k/v at prefill) takes the same path."""
+    rng = np.random.default_rng(24)
+    qts = [rand_qt(rng, n, [(b, 64, 576)]) for n, b in ((64, 4), (37, 3), (80, 2), (48, 8))]
+    rts = [ops.repack(q) for q in qts]
+    x = mx.array(rng.standard_normal((64, 576)).astype(np.float32))
+    outs = _ext.repacked_qmatmul_group(x, [(r.arrays(), r.specs, r.shape[0]) for r in rts], 0, 0)
+    for y, qt in zip(outs, qts):
+        np.testing.assert_array_equal(np.array(y), np.array(mixbits.qmatmul(x, qt)))
