@@ -51,7 +51,7 @@ def add_arguments(p) -> None:
                         "ones apply to M <= 16, as ggml quantizes its activations)")
     p.add_argument("--repack", action="store_true",
                    help="also time mixbits on the row-interleaved layout of the integer GEMV "
-                        "(mixbits.ops.repack; 2/3/4/8-bit kinds, others are marked skipped); "
+                        "(mixbits.ops.repack; every kind: 2/3/4/5/6/8-bit and mixed); "
                         "needs --activations int8 or int16")
     p.add_argument("--backend", choices=["auto", "ref", "avx2", "avx512", "neon"], default="auto",
                    help="mixbits' CPU kernels (mixbits.qmatmul's backend=), e.g. avx2 to time "
