@@ -16,6 +16,17 @@ test_repack_embedding.py; here the kernels, forced to each x86 backend:
 - the calls that un-repack (float contract, ref backend, M > 16) give the
   original layout's result bit for bit, so merge_planes gives back MLX's
   bitstream.
+
+Planted bugs (each reverted), failing tests of this file (52) /
+test_repack.py (159) / test_repack_embedding.py (60): VNNI 5/6-bit high
+word shifted by shift 0's amount at every shift 46 / 12 / 0; AVX2 6 bits
+reading H0 for every low word 26 / 6 / 0; plane order high words first
+(split and merge agreeing, so repack/unrepack still round-trip) 46 / 42 /
+18; merge_planes reading the neighbour code's high bits 6 / 18 / 0; x in
+the 2-bit word order for 5/6 bits (repacked_x_col) 46 / 24 / 0; Python
+lookups with 6-bit high words swapped 0 / 0 / 9. A high-bit placement
+that breaks the one-shift property (e.g. code i's high bits in byte
+i % 4) fails to compile (split_hshift_ok).
 """
 
 import mlx.core as mx

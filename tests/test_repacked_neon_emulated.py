@@ -8,12 +8,15 @@ original layout) and against this machine's x86 repacked kernels. qemu
 checks results, not speed.
 
 Planted bugs in neon_repacked.cpp (each reverted), tests of this file
-failing out of 14: x lane order reversed (add<3 - t % 4>) 14; the 3-bit
+failing out of 14 (before 5/6 bits): x lane order reversed (add<3 - t % 4>) 14; the 3-bit
 high-bit shift of half 0 used for half 1 too 10 (the 8-bit extremes pass);
 the 8-bit c - 128 correction dropped 7 (every int8 test); padding rows
 stored 4 (the poisoned-padding tests); the armv8 int8 product of rows
 4q+2, 4q+3 using rows 4q, 4q+1's codes 3 (armv8 int8 only); the same in
-the int16 accumulator 7 (every int16 test)."""
+the int16 accumulator 7 (every int16 test). With 5/6 bits, out of 22:
+the 5/6-bit high word shifted by shift 0's amount at every shift 18; 6
+bits reading H0 for every low word 14; x in the 2-bit word order for 5/6
+bits (repacked_x_col) 16."""
 
 import mlx.core as mx
 import numpy as np
