@@ -14,7 +14,8 @@ interleaved as MLX stores them; 3-, 5- and 6-bit words (MLX: a bitstream,
 "planes" (same bytes; repack.h): 3 bits as two words of low 2 bits (the
 2-bit layout) and one word of 3rd bits, 5 and 6 bits as four words of low
 4 bits (the 4-bit layout) and one (5) or two (6) words of the high bits.
-:func:`mixbits.ops.repack` refuses other widths (7) with a
+That is every width of :data:`mixbits.layout.BITS`; :func:`mixbits.ops.repack`
+would refuse a width without a layout with a
 :class:`~mixbits.errors.UsageError` (a ValueError), before any kernel runs.
 
 A :class:`RepackedTensor` is an inference layout: :func:`mixbits.qmatmul`
