@@ -6,8 +6,8 @@
 // transpose, no horizontal sum: per group and x row one convert and two
 // FMAs (scales * d, biases * xs) cover 16 rows. 3, 5, 6 bits: per chunk of
 // 32 codes the 2- (3 bits) or 4-bit (5, 6) kernel's shifts of the low-plane
-// words, each ORed with one shift and mask of a high-plane word (repack.h:
-// split_step; the same decode in avx2_repacked.cpp and neon_repacked.cpp).
+// words, each ORed with one shift and mask of a high-plane word (repack.h;
+// split_step here, the same decode in avx2_repacked.cpp, neon_repacked.cpp).
 //
 // Same contract as x86.h's kernels (kernel.h): exact integer dots per group,
 // float32 epilogue. Compiled under a target pragma and reached only after
