@@ -73,6 +73,32 @@ def split3_model(codes: np.ndarray) -> np.ndarray:
     return out.reshape(q.shape[0], -1).astype(np.uint32)
 
 
+# 5 and 6 bits (repack.h): per chunk of 32 codes, L0..L3 the low 4 bits of
+# codes 8w..8w+7 in MLX's 4-bit layout, then the high bits of code 8w+2p+k
+# in byte p of a high word, at the bit of this table (written out as
+# documented): 5 bits one word, [w][k]; 6 bits two words (H0: codes 0..15,
+# H1: 16..31), two bits each, [w % 2][k].
+H5 = [[4, 5], [6, 7], [0, 1], [2, 3]]
+H6 = [[4, 6], [0, 2]]
+
+
+def split56_model(codes: np.ndarray, bits: int) -> np.ndarray:
+    """MLX's 5- or 6-bit codes [N, k] -> the repacked words [N, bits*k/32]
+    before the interleave."""
+    q = codes.astype(np.uint64).reshape(codes.shape[0], -1, 32)
+    out = np.zeros((q.shape[0], q.shape[1], bits), np.uint64)
+    for w in range(4):
+        for i in range(8):
+            c = q[..., 8 * w + i]
+            out[..., w] |= (c & 15) << (4 * i)
+            p, k = divmod(i, 2)
+            if bits == 5:
+                out[..., 4] |= (c >> 4) << (8 * p + H5[w][k])
+            else:
+                out[..., 4 + w // 2] |= (c >> 4) << (8 * p + H6[w % 2][k])
+    return out.reshape(q.shape[0], -1).astype(np.uint32)
+
+
 def check_contract(y, x, qt, act, out_dtype=mx.float32):
     """y (the repacked kernels' result) equals the numpy contract model to
     float rounding of the kernels' partial sums, as every SIMD backend of
@@ -97,9 +123,9 @@ def test_layout_and_exact_inverse(bits, gs, dtype):
         assert isinstance(rt, RepackedTensor) and rt.shape == qt.shape
         s, r = qt.segments[0], rt.segments[0]
         words = raw(s.wq)
-        if bits == 3:  # rewritten per chunk, from MLX's own codes
+        if bits in (3, 5, 6):  # rewritten per chunk, from MLX's own codes
             codes = codes_scales_biases(qt)[0][0]
-            words = split3_model(codes)
+            words = split3_model(codes) if bits == 3 else split56_model(codes, bits)
             assert words.shape == raw(s.wq).shape
         for orig, rep in ((words, r.wq_r), (raw(s.scales), r.scales_r), (raw(s.biases), r.biases_r)):
             assert rep.dtype == mx.uint32 or raw(rep).dtype == orig.dtype
@@ -235,10 +261,12 @@ def test_vnni_is_what_this_machine_runs():
 # ---------------------------------------------------------------- refusals
 
 
-def test_refusals():
+def test_refusals(monkeypatch):
     rng = np.random.default_rng(8)
-    for bits in (5, 6):
-        qt = rand_qt(rng, 8, [(4, 64, 128), (bits, 32, 96)])
+    assert set(REPACK_BITS) == set(mixbits.layout.BITS)  # 5 and 6 too (repack.h)
+    with monkeypatch.context() as mp:  # the check of a width without a layout
+        mp.setattr(mixbits.ops, "REPACK_BITS", (2, 3, 4, 8))
+        qt = rand_qt(rng, 8, [(4, 64, 128), (5, 32, 96)])
         with pytest.raises(UsageError, match="no repacked layout"):
             ops.repack(qt)
     qt = rand_qt(rng, 8, [(4, 64, 128)])
@@ -258,11 +286,13 @@ def test_refusals():
     with pytest.raises(ValueError, match="wq must be uint32 of shape"):
         mixbits._ext.repacked_qmatmul(mx.zeros((1, 128)), None, qt.arrays(), qt.specs, 8, 0, 1)
     with pytest.raises(ValueError, match="no repacked layout"):
-        mixbits._ext.repacked_qmatmul(mx.zeros((1, 128)), None, rt.arrays(), [(5, 64, 128)], 8, 0, 1)
+        mixbits._ext.repacked_qmatmul(mx.zeros((1, 128)), None, rt.arrays(), [(7, 64, 128)], 8, 0, 1)
     with pytest.raises(ValueError, match="no gradient"):
         mx.grad(lambda x: mixbits.qmatmul(x, rt, activations="int8").sum())(mx.ones((1, 128)))
     with pytest.raises(ValueError, match="no repacked layout"):
-        mixbits._ext.unrepack_segment(*rt.arrays(), 8, 5)
+        mixbits._ext.unrepack_segment(*rt.arrays(), 8, 7)
+    with pytest.raises(ValueError, match="no repacked layout"):
+        mixbits._ext.repack_segment(*qt.arrays(), 7, 64)
 
 
 # ---------------------------------------------------------------- layers
@@ -311,7 +341,10 @@ def test_layer_repack_unrepack(tmp_path, bits):
     np.testing.assert_array_equal(np.array(model(x)), y_float)
 
 
-def test_patch_repack_memory_and_refusals():
+def test_patch_repack_memory_and_refusals(monkeypatch):
+    # A width without a repacked layout (none of mixbits.layout.BITS now)
+    # is simulated by taking 5 off the list repack_layers reads.
+    monkeypatch.setattr(mixbits.nn, "REPACK_BITS", (2, 3, 4, 6, 8))
     rng = np.random.default_rng(10)
     model = nn.Sequential(*_patched(rng, 64).layers, *_patched(rng, 64, bits=3).layers)
     model.layers[1] = nn.QuantizedLinear.from_linear(nn.Linear(64, 32), group_size=64, bits=5)

@@ -8,12 +8,15 @@ original layout) and against this machine's x86 repacked kernels. qemu
 checks results, not speed.
 
 Planted bugs in neon_repacked.cpp (each reverted), tests of this file
-failing out of 14: x lane order reversed (add<3 - t % 4>) 14; the 3-bit
+failing out of 14 (before 5/6 bits): x lane order reversed (add<3 - t % 4>) 14; the 3-bit
 high-bit shift of half 0 used for half 1 too 10 (the 8-bit extremes pass);
 the 8-bit c - 128 correction dropped 7 (every int8 test); padding rows
 stored 4 (the poisoned-padding tests); the armv8 int8 product of rows
 4q+2, 4q+3 using rows 4q, 4q+1's codes 3 (armv8 int8 only); the same in
-the int16 accumulator 7 (every int16 test)."""
+the int16 accumulator 7 (every int16 test). With 5/6 bits, out of 22:
+the 5/6-bit high word shifted by shift 0's amount at every shift 18; 6
+bits reading H0 for every low word 14; x in the 2-bit word order for 5/6
+bits (repacked_x_col) 16."""
 
 import mlx.core as mx
 import numpy as np
@@ -63,13 +66,13 @@ def single_segment_cases(rng):
     """Every repacked width and group size, N with and without padding
     rows, every M of the integer path (1..16) and every scale dtype."""
     cases, i = [], 0
-    for bits in (2, 3, 4, 8):
+    for bits in (2, 3, 4, 5, 6, 8):
         for gs in (32, 64, 128):
             n = int(rng.choice([1, 5, 16, 17, 33, 48]))
             qt = rand_qt(rng, n, [(bits, gs, gs * int(rng.integers(1, 4)))], dtype=SDTYPES[i % 3])
             x = rng.standard_normal((1 + i % 16, qt.shape[1])).astype(np.float32)
             cases.append((x, qt))
-            i += 5  # 5 and 16 coprime: M runs through 1..16 over the 12 cases
+            i += 5  # 5 and 16 coprime: M runs through 1..16 over the 18 cases
     return cases
 
 
@@ -79,6 +82,10 @@ def mixed_cases(rng):
     out = []
     for n, m, dt in ((29, 11, mx.float16), (64, 16, mx.bfloat16), (7, 1, mx.float32)):
         qt = rand_qt(rng, n, [(8, 32, 64), (3, 128, 128), (2, 64, 128), (4, 32, 96)], dtype=dt)
+        out.append((rng.standard_normal((m, qt.shape[1])).astype(np.float32), qt))
+    for n, m, dt in ((37, 5, mx.bfloat16), (16, 8, mx.float32), (3, 13, mx.float16)):
+        qt = rand_qt(rng, n, [(5, 32, 64), (4, 64, 64), (6, 128, 128), (3, 32, 32), (6, 32, 96),
+                              (5, 128, 128)], dtype=dt)
         out.append((rng.standard_normal((m, qt.shape[1])).astype(np.float32), qt))
     return out
 
@@ -94,19 +101,21 @@ def test_kernels_compute_the_contract(harness, tmp_path, act):
         check(got, x, qt, act, f"{act} {specs} N={qt.shape[0]} M={x.shape[0]}")
 
 
+@pytest.mark.parametrize("bits", [8, 6, 5])
 @pytest.mark.parametrize("act", ["int8", "int16"])
-def test_8bit_extremes(harness, tmp_path, act):
-    """Codes 0 and 255 (the int8 kernels' c - 128 offset at both ends) with
-    activations at +-Q: a lost 128·ix or a saturating product shows here."""
+def test_extreme_codes(harness, tmp_path, act, bits):
+    """Codes 0 and 2^bits - 1 (8 bits: the int8 kernels' c - 128 offset at
+    both ends; 5, 6: both planes' bits all set) with activations at +-Q: a
+    lost 128·ix, a lost high bit or a saturating product shows here."""
     rng = np.random.default_rng(5)
     n, k = 19, 128
-    w = np.where(rng.random((n, k)) < 0.5, -1.0, 1.0).astype(np.float32)  # codes 0 and 255
-    qt = mixbits.quantize(mx.array(w), [(8, 32, k)])
+    w = np.where(rng.random((n, k)) < 0.5, -1.0, 1.0).astype(np.float32)  # codes 0 and max
+    qt = mixbits.quantize(mx.array(w), [(bits, 32, k)])
     x = np.where(rng.random((16, k)) < 0.5, -3.0, 3.0).astype(np.float32)  # every |xq| = Q
     cases = [(x, qt), (-x[:3], qt), (np.abs(x[:5]), qt)]
     outs = run_repacked(harness, tmp_path, [(act, x, ops.repack(qt), False) for x, qt in cases])
     for (x, qt), got in zip(cases, outs):
-        check(got, x, qt, act, f"{act} 8-bit extremes M={x.shape[0]}")
+        check(got, x, qt, act, f"{act} {bits}-bit extremes M={x.shape[0]}")
 
 
 @pytest.mark.parametrize("act", ["int8", "int16"])
@@ -118,7 +127,8 @@ def test_padding_rows_are_never_stored(harness, tmp_path, act):
     rng = np.random.default_rng(9)
     cases = []
     for n in (1, 5, 21, 47):
-        qt = rand_qt(rng, n, [(4, 64, 128), (8, 32, 64), (3, 32, 64), (2, 128, 128)])
+        qt = rand_qt(rng, n, [(4, 64, 128), (8, 32, 64), (3, 32, 64), (2, 128, 128), (5, 32, 64),
+                              (6, 64, 64)])
         x = rng.standard_normal((int(rng.integers(2, 17)), qt.shape[1])).astype(np.float32)
         cases.append((x, qt))
     outs = run_repacked(harness, tmp_path, [(act, x, ops.repack(qt), True) for x, qt in cases])

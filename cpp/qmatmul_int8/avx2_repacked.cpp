@@ -1,12 +1,13 @@
 // Integer-activation GEMV on the row-interleaved layout (repack.h) for x86
 // CPUs without AVX512-VNNI: the same consumption order as repacked_vnni.cpp
-// (word j of 16 rows, shift k·B and mask give lane r's codes of row r, 3
-// bits from its L0/L1/H words; x in repacked_x_col order), with a block
+// (word j of 16 rows, shift k·B and mask give lane r's codes of row r, 3,
+// 5, 6 bits from their low and high plane words; x in repacked_x_col
+// order), with a block
 // taken as two 256-bit halves (rows
 // 0-7, 8-15) and the integer dots of AVX2:
 //   int8:  vpmaddubsw (u8 codes x s8 activations, pairs into int16), then
-//          vpmaddwd by 1 into the row's int32 lane. A pair of 2- or 4-bit
-//          codes stays below 2·15·127, inside int16; 8-bit codes would
+//          vpmaddwd by 1 into the row's int32 lane. A pair of 2- to 6-bit
+//          codes stays below 2·63·128, inside int16; 8-bit codes would
 //          saturate, so they enter as two nibbles, the high one weighted 16
 //          by its vpmaddwd.
 //   int16: vpmaddwd of 16-bit codes with activation pairs.
@@ -62,8 +63,6 @@ inline __m256i idot(__m256i acc, __m256i c, __m256i x) {
   }
 }
 
-// 3 bits (repack.h): per chunk of 32 codes, words L0, L1 (low 2 bits, the
-// 2-bit layout) and H (third bits), H shifted by split3_hshift.
 template <int D>
 inline __m256i shift_r(__m256i v) {
   if constexpr (D > 0) return _mm256_srli_epi32(v, D);
@@ -71,36 +70,42 @@ inline __m256i shift_r(__m256i v) {
   else return v;
 }
 
-template <int MB, class T, int H, int K>
-inline void chunk3_step(__m256i lw, __m256i hw, const T* xq, int ldx, int64_t x0,
-                        __m256i (&acc)[MB]) {
-  constexpr int P = 4 / int(sizeof(T));
-  __m256i lo = K == 0 ? lw : _mm256_srli_epi32(lw, 2 * K);
-  lo = _mm256_and_si256(lo, _mm256_set1_epi32(int(code_mask<2, T>())));
-  const __m256i hi = _mm256_and_si256(shift_r<split3_hshift(H, K)>(hw),
-                                      _mm256_set1_epi32(int(code_mask<1, T>() << 2)));
+// Split segments (3, 5, 6 bits; repack.h): per chunk of 32 codes, the
+// LB-bit kernel's shift K of low word W, ORed with high word split_hword's
+// shift by split_hshift masked to bits LB.. of each element.
+template <int B, int MB, class T, int W, int K>
+inline void split_step(const __m256i (&cw)[B], const T* xq, int ldx, int64_t x0,
+                       __m256i (&acc)[MB]) {
+  constexpr int P = 4 / int(sizeof(T)), LB = split_low_bits(B);
+  const __m256i lo = _mm256_and_si256(shift_r<LB * K>(cw[W]),
+                                      _mm256_set1_epi32(int(code_mask<LB, T>())));
+  const __m256i hw = cw[LB + split_hword(B, W * (32 / LB))];
+  const __m256i hi = _mm256_and_si256(shift_r<split_hshift(B, W, K)>(hw),
+                                      _mm256_set1_epi32(int(code_mask<B - LB, T>() << LB)));
   const __m256i c = _mm256_or_si256(lo, hi);
   for (int m = 0; m < MB; ++m) {
     int32_t quad;
-    std::memcpy(&quad, xq + int64_t(m) * ldx + x0 + H * 16 + K * P, 4);
-    acc[m] = idot<3, T>(acc[m], c, _mm256_set1_epi32(quad));
+    std::memcpy(&quad, xq + int64_t(m) * ldx + x0 + W * (32 / LB) + K * P, 4);
+    acc[m] = idot<B, T>(acc[m], c, _mm256_set1_epi32(quad));
   }
 }
 
-template <int MB, class T, int H, int... K>
-inline void chunk3_half(__m256i lw, __m256i hw, const T* xq, int ldx, int64_t x0,
-                        __m256i (&acc)[MB], std::integer_sequence<int, K...>) {
-  (chunk3_step<MB, T, H, K>(lw, hw, xq, ldx, x0, acc), ...);
+// Every step of a chunk, step t = shift t % S of low word t / S.
+template <int B, int MB, class T, int... t>
+inline void split_chunk(const __m256i (&cw)[B], const T* xq, int ldx, int64_t x0,
+                        __m256i (&acc)[MB], std::integer_sequence<int, t...>) {
+  constexpr int S = 8 * int(sizeof(T)) / split_low_bits(B);
+  (split_step<B, MB, T, t / S, t % S>(cw, xq, ldx, x0, acc), ...);
 }
 
 // Half h (rows 8h .. 8h+7) of blocks [b0, b1) of one segment against MB
 // activation rows.
 template <int B, int G, int MB, class T>
 void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, int ldy) {
-  constexpr int S = B == 3 ? 1 : 8 * int(sizeof(T)) / B;  // shifts per word
-  constexpr int CPW = 32 / B;                             // codes per word
-  constexpr int WG = G * B / 32;                          // words per group
-  constexpr uint32_t kMask = code_mask<B == 3 ? 2 : B, T>();
+  constexpr int S = repack_splits(B) ? 1 : 8 * int(sizeof(T)) / B;  // shifts per word
+  constexpr int CPW = 32 / B;                                       // codes per word
+  constexpr int WG = G * B / 32;                                    // words per group
+  constexpr uint32_t kMask = code_mask<split_low_bits(B), T>();
   const T* xq = static_cast<const T*>(x.xq);
   const int ng = s.ngroups;
   const __m256i mask = _mm256_set1_epi32(int(kMask));
@@ -113,17 +118,16 @@ void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, in
       for (int g = 0; g < ng; ++g) {
         __m256i acc[MB];
         for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
-        if constexpr (B == 3) {
-          constexpr int S2 = 4 * int(sizeof(T));  // shifts of a 2-bit word
+        if constexpr (repack_splits(B)) {
+          // Steps per chunk: the low words' shifts.
+          constexpr int SC = split_low_bits(B) * (8 * int(sizeof(T)) / split_low_bits(B));
           for (int ch = 0; ch < G / 32; ++ch) {
-            const int64_t q = int64_t(g) * (G / 32) + ch;  // chunk: words 3q..3q+2
-            const uint32_t* wp = wb + 3 * q * R;
+            const int64_t q = int64_t(g) * (G / 32) + ch;  // chunk: words B*q .. B*q + B-1
+            const uint32_t* wp = wb + B * q * R;
             _mm_prefetch((const char*)wp + kPrefetchBytes, _MM_HINT_T0);
-            const __m256i hw = _mm256_loadu_si256((const __m256i*)(wp + 2 * R));
-            chunk3_half<MB, T, 0>(_mm256_loadu_si256((const __m256i*)wp), hw, xq, x.ldx, q * 32,
-                                  acc, std::make_integer_sequence<int, S2>{});
-            chunk3_half<MB, T, 1>(_mm256_loadu_si256((const __m256i*)(wp + R)), hw, xq, x.ldx,
-                                  q * 32, acc, std::make_integer_sequence<int, S2>{});
+            __m256i cw[B];
+            for (int i = 0; i < B; ++i) cw[i] = _mm256_loadu_si256((const __m256i*)(wp + i * R));
+            split_chunk<B, MB, T>(cw, xq, x.ldx, q * 32, acc, std::make_integer_sequence<int, SC>{});
           }
         } else
         for (int jw = 0; jw < WG; ++jw) {
@@ -183,7 +187,8 @@ RTable make_table() {
   RTable t{};
 #define MIXBITS_R_ROW(B) \
   t.fn[B][0] = seg_kernel<B, 32, T>; t.fn[B][1] = seg_kernel<B, 64, T>; t.fn[B][2] = seg_kernel<B, 128, T>;
-  MIXBITS_R_ROW(2) MIXBITS_R_ROW(3) MIXBITS_R_ROW(4) MIXBITS_R_ROW(8)
+  MIXBITS_R_ROW(2) MIXBITS_R_ROW(3) MIXBITS_R_ROW(4) MIXBITS_R_ROW(5) MIXBITS_R_ROW(6)
+  MIXBITS_R_ROW(8)
 #undef MIXBITS_R_ROW
   return t;
 }

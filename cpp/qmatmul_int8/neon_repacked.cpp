@@ -1,7 +1,8 @@
 // Integer-activation GEMV on the row-interleaved layout (repack.h) for
 // arm64: the consumption order of repacked_vnni.cpp (word j of 16 rows;
 // shift k·B and mask give, per 32-bit lane r, the codes of row r in byte
-// (int8) or 16-bit (int16) elements; 3 bits from L0/L1/H; x in
+// (int8) or 16-bit (int16) elements; 3, 5, 6 bits from their low and high
+// plane words; x in
 // repacked_x_col order, so run by the same driver, repacked_run.cpp), with
 // a block of 16 rows as four uint32x4 vectors (rows 4q..4q+3, q = 0..3).
 // Each shift of a word pairs with one quad (int8) or pair (int16) of x,
@@ -13,7 +14,7 @@
 //   int16: SMLAL of 16-bit codes with the pair broadcast, likewise.
 // SDOT and SMULL take signed bytes: 8-bit codes (0..255) enter as c - 128
 // (one XOR) and 128·ix is added back to the group's integer dot, exactly,
-// as neon.cpp does. Codes of 2-4 bits and all int16 codes are taken as
+// as neon.cpp does. Codes of 2-6 bits and all int16 codes are taken as
 // they are.
 // Per group, x row and 4 rows: one convert and two FMAs (scales·d,
 // biases·xs), as the x86 kernels, so all agree to float rounding.
@@ -137,19 +138,22 @@ inline void for_n(F&& f) {
 //
 // The group's words go in units that take whole 16-byte x vectors (4
 // quads or pairs): one word where a word has >= 4 shifts (S), else 4/S
-// words; for 3 bits a chunk (L0, L1, H), whose 2·S shifts meet 32 codes.
+// words; for 3, 5, 6 bits a chunk of B words (repack.h: LB low-plane
+// words, then the high ones), whose LB·S shifts of the low words meet its
+// 32 codes.
 // Step t of a unit is x lane t % 4 of vector t / 4 of the unit.
 template <int B, int G, int MB, class T>
 void block(const RSeg& s, const RX& x, int b, int N, float* y, int ldy) {
   using XV = decltype(load_x(static_cast<const T*>(nullptr)));
   constexpr int P = 4 / int(sizeof(T));                   // activations per step
-  // Shifts per word (3 bits: per 2-bit low word).
-  constexpr int S = B == 3 ? 4 * int(sizeof(T)) : 8 * int(sizeof(T)) / B;
-  constexpr int UW = B == 3 ? 3 : S >= 4 ? 1 : 4 / S;     // words per unit
-  constexpr int US = B == 3 ? 2 * S : UW * S;             // steps per unit
+  constexpr bool kSplit = repack_splits(B);
+  constexpr int LB = split_low_bits(B);                   // bits per low-word code
+  constexpr int S = 8 * int(sizeof(T)) / LB;              // shifts per (low) word
+  constexpr int UW = kSplit ? B : S >= 4 ? 1 : 4 / S;     // words per unit
+  constexpr int US = kSplit ? LB * S : UW * S;            // steps per unit
   constexpr int UV = US / 4;                              // x vectors per unit
   constexpr int WG = G * B / 32;                          // words per group
-  constexpr uint32_t kMask = code_mask<B == 3 ? 2 : B, T>();
+  constexpr uint32_t kMask = code_mask<LB, T>();
   // 8-bit int8 codes enter as c - 128 (see the top).
   constexpr bool kOffset = B == 8 && sizeof(T) == 1;
   static_assert(US % 4 == 0 && WG % UW == 0 && UV * 16 == US * P * int(sizeof(T)));
@@ -184,11 +188,12 @@ void block(const RSeg& s, const RX& x, int b, int N, float* y, int ldy) {
         for_n<US>([&](auto tc) {
           constexpr int t = MIXBITS_IDX(tc);
           uint32x4_t c;
-          if constexpr (B == 3) {  // repack.h: low bits from L<h>, bit 2 from H
-            constexpr int h = t / S, k = t % S;
-            const uint32x4_t lo = vandq_u32(shift_r<2 * k>(w[h]), vdupq_n_u32(kMask));
-            const uint32x4_t hi = vandq_u32(shift_r<split3_hshift(h, k)>(w[2]),
-                                            vdupq_n_u32(code_mask<1, T>() << 2));
+          if constexpr (kSplit) {  // repack.h: low bits from L<lw>, the rest from a high word
+            constexpr int lw = t / S, k = t % S;
+            constexpr int hw = LB + split_hword(B, lw * (32 / LB));
+            const uint32x4_t lo = vandq_u32(shift_r<LB * k>(w[lw]), vdupq_n_u32(kMask));
+            const uint32x4_t hi = vandq_u32(shift_r<split_hshift(B, lw, k)>(w[hw]),
+                                            vdupq_n_u32(code_mask<B - LB, T>() << LB));
             c = vorrq_u32(lo, hi);
           } else {
             c = shift_r<(t % S) * B>(w[t / S]);
@@ -265,7 +270,8 @@ RTable make_table() {
   t.fn[B][0] = seg_kernel<B, 32, T>;   \
   t.fn[B][1] = seg_kernel<B, 64, T>;   \
   t.fn[B][2] = seg_kernel<B, 128, T>;
-  MIXBITS_R_ROW(2) MIXBITS_R_ROW(3) MIXBITS_R_ROW(4) MIXBITS_R_ROW(8)
+  MIXBITS_R_ROW(2) MIXBITS_R_ROW(3) MIXBITS_R_ROW(4) MIXBITS_R_ROW(5) MIXBITS_R_ROW(6)
+  MIXBITS_R_ROW(8)
 #undef MIXBITS_R_ROW
   return t;
 }

@@ -41,35 +41,47 @@ void interleave_rows(const void* src, int64_t N, int64_t cols, size_t itemsize, 
   shuffle_any<true>(src, N, cols, itemsize, dst);
 }
 
-void split3(const uint32_t* src, int64_t nwords, uint32_t* dst) {
-  for (int64_t j = 0; j < nwords; j += 3) {
-    uint32_t l[2] = {0, 0}, h = 0;
+namespace {
+
+// Code c (0..31) of a chunk of B words of MLX's bitstream (LSB first; a
+// code may straddle two words), and its inverse (out zeroed by the caller).
+inline uint32_t chunk_code(const uint32_t* w, int B, int c) {
+  const int bit = B * c, i = bit / 32, o = bit % 32;
+  const uint64_t two = uint64_t(w[i]) | (i + 1 < B ? uint64_t(w[i + 1]) << 32 : 0);
+  return uint32_t(two >> o) & ((1u << B) - 1u);
+}
+inline void put_code(uint32_t* w, int B, int c, uint32_t code) {
+  const int bit = B * c, i = bit / 32, o = bit % 32;
+  w[i] |= code << o;
+  if (o + B > 32) w[i + 1] |= code >> (32 - o);
+}
+
+}  // namespace
+
+void split_planes(int B, const uint32_t* src, int64_t nwords, uint32_t* dst) {
+  const int LB = split_low_bits(B), CW = 32 / LB;
+  for (int64_t j = 0; j < nwords; j += B) {
+    uint32_t out[8] = {};
     for (int c = 0; c < 32; ++c) {
-      const int bit = 3 * c, w = bit / 32, o = bit % 32;
-      uint64_t two = uint64_t(src[j + w]) | (w + 1 < 3 ? uint64_t(src[j + w + 1]) << 32 : 0);
-      const uint32_t code = uint32_t(two >> o) & 7u;
-      l[c / 16] |= (code & 3u) << (2 * (c % 16));
-      h |= (code >> 2) << split3_hpos(c);
+      const uint32_t code = chunk_code(src + j, B, c);
+      out[c / CW] |= (code & ((1u << LB) - 1u)) << (LB * (c % CW));
+      out[LB + split_hword(B, c)] |= (code >> LB) << split_hpos(B, c);
     }
-    dst[j] = l[0];
-    dst[j + 1] = l[1];
-    dst[j + 2] = h;
+    for (int i = 0; i < B; ++i) dst[j + i] = out[i];
   }
 }
 
-void merge3(const uint32_t* src, int64_t nwords, uint32_t* dst) {
-  for (int64_t j = 0; j < nwords; j += 3) {
-    uint32_t out[3] = {0, 0, 0};
+void merge_planes(int B, const uint32_t* src, int64_t nwords, uint32_t* dst) {
+  const int LB = split_low_bits(B), CW = 32 / LB;
+  const uint32_t hmask = (1u << (B - LB)) - 1u;
+  for (int64_t j = 0; j < nwords; j += B) {
+    uint32_t out[8] = {};
     for (int c = 0; c < 32; ++c) {
-      const uint32_t code = ((src[j + c / 16] >> (2 * (c % 16))) & 3u) |
-                            (((src[j + 2] >> split3_hpos(c)) & 1u) << 2);
-      const int bit = 3 * c, w = bit / 32, o = bit % 32;
-      out[w] |= code << o;
-      if (o > 29) out[w + 1] |= code >> (32 - o);
+      const uint32_t lo = (src[j + c / CW] >> (LB * (c % CW))) & ((1u << LB) - 1u);
+      const uint32_t hi = (src[j + LB + split_hword(B, c)] >> split_hpos(B, c)) & hmask;
+      put_code(out, B, c, lo | (hi << LB));
     }
-    dst[j] = out[0];
-    dst[j + 1] = out[1];
-    dst[j + 2] = out[2];
+    for (int i = 0; i < B; ++i) dst[j + i] = out[i];
   }
 }
 

@@ -17,19 +17,32 @@
 //
 // 2, 4, 8 bits: codes never straddle a 32-bit word; the kernel gets a code
 // with one shift and one mask per word, and wq_r holds MLX's words as they
-// are. 3 bits: MLX's bitstream (32 codes per 3 words, LSB first, codes
-// straddling words) is rewritten per row and per chunk of 32 codes into 3
-// words (split3; merge3 is the exact inverse, so the memory is the same)
-// before the interleave:
-//   word 0 (L0): low 2 bits of codes 0..15, code i at bits 2i (MLX's 2-bit
-//                layout, read by the 2-bit kernel's shift and mask)
-//   word 1 (L1): the same for codes 16..31
-//   word 2 (H):  bit 2 of every code, code h*16 + 4p + k (h = 0, 1;
-//                p, k = 0..3) at bit 8p + (2 + 4h + k) % 8 (split3_hpos)
-// so, for either activation width, one shift of H and & of bit 2 of each
-// lane element gives the high bits of exactly the codes a shift of L0 / L1
-// gave (split3_hshift below), and code = low | high.
-// 5 and 6 bits are refused by the builder (python: ValueError).
+// are. 3, 5, 6 bits: MLX's bitstream (32 codes per B words, LSB first,
+// codes straddling words) is rewritten per row and per chunk of 32 codes
+// into B words of "planes" (split_planes; merge_planes is the exact
+// inverse, so the memory is the same) before the interleave: LB low-plane
+// words in MLX's LB-bit layout (LB = 2 for 3 bits, 4 for 5 and 6), read by
+// the LB-bit kernel's shift and mask, then B - LB high-plane words holding
+// the code bits above LB, placed so that one shift of a high word and one
+// mask line its bits up with exactly the codes a shift of a low word gave
+// (split_hshift below), for either activation width; code = low | high.
+//   3 bits: L0, L1 (low 2 bits of codes 0..15, 16..31, code i of a word at
+//           bits 2i), H: bit 2 of code h*16 + 4p + k (h = 0, 1; p, k =
+//           0..3) at bit 8p + (2 + 4h + k) % 8 (split3_hpos).
+//   5 bits: L0..L3 (low 4 bits of codes 8w..8w+7, code i at bits 4i), H:
+//           bit 4 of code 8w + 2p + k (w, p = 0..3; k = 0, 1) at bit
+//           8p + (4 + 2w + k) % 8.
+//   6 bits: L0..L3 as for 5, H0 (codes 0..15), H1 (codes 16..31): bits 4-5
+//           of code 8w + 2p + k at bits 8p + (4 + 2(2(w%2) + k)) % 8 (and
+//           the next one) of H<w/2> (split56_hpos).
+// Why byte i / 2 for code i of a low word: shift k of a 4-bit word puts
+// code 2e + k in byte e (int8, k = 0, 1) or code 4e + k in half e (int16,
+// k = 0..3): the codes of one shift are 2 (int8) or 4 (int16) indices
+// apart, so with code i's high bits in byte i / 2 they are one byte or
+// one 16-bit half apart, the elements' spacing, and one 32-bit shift moves
+// all of them onto bit 4 of their elements. The bit within the byte tells
+// apart the (w, k) whose codes share a byte: 8 for 5 bits, 4 per high
+// word for 6; the 4 + ... makes shift 0 of word 0 need no shift of H.
 //
 // Plain data only (like table.h): repacked_vnni.cpp includes it under a
 // target pragma.
@@ -50,32 +63,68 @@ constexpr int kRepackRows = 16;
 constexpr int64_t repack_blocks(int64_t n) { return (n + kRepackRows - 1) / kRepackRows; }
 
 constexpr bool repack_supports_bits(int bits) {
-  return bits == 2 || bits == 3 || bits == 4 || bits == 8;
+  return bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
 }
+// Whether a segment's words are rewritten into planes (above).
+constexpr bool repack_splits(int bits) { return bits == 3 || bits == 5 || bits == 6; }
+// Bits of a code in the low plane (the width whose kernel reads it).
+constexpr int split_low_bits(int bits) { return bits == 3 ? 2 : bits == 5 || bits == 6 ? 4 : bits; }
 
-// Bit of word H holding bit 2 of chunk code c (0..31), see above.
+// Bit of word H holding bit 2 of 3-bit chunk code c (0..31), see above.
 constexpr int split3_hpos(int c) {
   return 8 * ((c % 16) / 4) + (2 + 4 * (c / 16) + c % 4) % 8;
 }
-// How far right (negative: left) the kernels shift word H so that bit 2 of
-// each lane element holds the high bit of the code that shift 2k of word
-// L<h> put in that element: the one definition both ISAs' kernels use.
-constexpr int split3_hshift(int h, int k) { return split3_hpos(16 * h + k) - 2; }
-// ... and that one shift serves every element of the word, for byte
-// (int8) and 16-bit (int16) elements.
-constexpr bool split3_hshift_ok(int code_bytes) {
-  const int S = 4 * code_bytes, P = 4 / code_bytes, EB = 8 * code_bytes;
-  for (int h = 0; h < 2; ++h)
+// The high word (0, or 0..1 for 6 bits) holding the hb (1: 5 bits, 2: 6
+// bits) high bits of chunk code c, and their lowest bit there (above).
+constexpr int split56_hword(int hb, int c) { return c * hb / 32; }
+constexpr int split56_hpos(int hb, int c) {
+  return 8 * ((c % 8) / 2) + (4 + hb * (2 * ((c / 8) % (4 / hb)) + c % 2)) % 8;
+}
+// The high plane of chunk code c of a `bits`-bit segment: its word (0 ..
+// bits - LB - 1, after the LB low words) and lowest bit there.
+constexpr int split_hword(int bits, int c) { return bits == 3 ? 0 : split56_hword(bits - 4, c); }
+constexpr int split_hpos(int bits, int c) {
+  return bits == 3 ? split3_hpos(c) : split56_hpos(bits - 4, c);
+}
+// How far right (negative: left) the kernels shift the high word of low
+// word w's codes so that bit LB of each lane element holds the high bits
+// of the code that shift k (by k*LB) of low word w put in that element:
+// the one definition every ISA's kernels use.
+constexpr int split_hshift(int bits, int w, int k) {
+  return split_hpos(bits, w * (32 / split_low_bits(bits)) + k) - split_low_bits(bits);
+}
+// ... and that one shift of one high word serves every element of the
+// word, for byte (int8) and 16-bit (int16) elements; and the placement
+// is a bijection (no two codes' high bits share a bit).
+constexpr bool split_hshift_ok(int bits, int code_bytes) {
+  const int LB = split_low_bits(bits), HB = bits - LB, CW = 32 / LB;
+  const int S = 8 * code_bytes / LB, P = 4 / code_bytes, EB = 8 * code_bytes;
+  for (int w = 0; w < LB; ++w)
     for (int k = 0; k < S; ++k)
-      for (int e = 0; e < P; ++e)
-        if (split3_hpos(16 * h + e * S + k) - e * EB - 2 != split3_hshift(h, k)) return false;
+      for (int e = 0; e < P; ++e) {
+        const int c = w * CW + e * S + k;
+        if (split_hword(bits, c) != split_hword(bits, w * CW)) return false;
+        if (split_hpos(bits, c) - e * EB - LB != split_hshift(bits, w, k)) return false;
+      }
+  uint32_t used[2] = {0, 0};
+  for (int c = 0; c < 32; ++c) {
+    const int pos = split_hpos(bits, c), hw = split_hword(bits, c);
+    if (pos < 0 || pos / 8 != (pos + HB - 1) / 8 || pos / 8 > 3 || hw >= HB)
+      return false;  // within its word, and within one byte (the mask's)
+    const uint32_t field = ((1u << HB) - 1u) << pos;
+    if (used[hw] & field) return false;
+    used[hw] |= field;
+  }
   return true;
 }
-static_assert(split3_hshift_ok(1) && split3_hshift_ok(2), "3-bit high-bit placement");
-// 3-bit words, row-major: MLX's chunks of 3 words -> (L0, L1, H) and back.
-// nwords is a multiple of 3; a row of a 3-bit segment is whole chunks.
-void split3(const uint32_t* src, int64_t nwords, uint32_t* dst);
-void merge3(const uint32_t* src, int64_t nwords, uint32_t* dst);
+static_assert(split_hshift_ok(3, 1) && split_hshift_ok(3, 2), "3-bit high-bit placement");
+static_assert(split_hshift_ok(5, 1) && split_hshift_ok(5, 2), "5-bit high-bit placement");
+static_assert(split_hshift_ok(6, 1) && split_hshift_ok(6, 2), "6-bit high-bit placement");
+// `bits`-bit words (repack_splits), row-major: MLX's chunks of `bits` words
+// -> the planes (above) and back. nwords is a multiple of bits; a row of
+// such a segment is whole chunks (group sizes are multiples of 32).
+void split_planes(int bits, const uint32_t* src, int64_t nwords, uint32_t* dst);
+void merge_planes(int bits, const uint32_t* src, int64_t nwords, uint32_t* dst);
 
 // dst[b, c, r] = src[b*R + r, c] for a row-major [N, cols] matrix of
 // `itemsize`-byte elements; dst has ceil(N/R)*R*cols elements, padding zero.
@@ -136,16 +185,20 @@ const RTable& repacked_int16_table_neon();
 // position p = k*P + e of the word's activations holds column
 // repacked_x_col(B, code_bytes, p) of the word.
 //
-// 3 bits: per chunk of 32 codes the kernels consume L0 then L1 as 2-bit
-// words (codes 0..15, then 16..31), so position p of a chunk's activations
-// holds column 16*(p/16) + repacked_x_col(2, code_bytes, p % 16).
+// 3, 5, 6 bits: per chunk of 32 codes the kernels consume the low words
+// L0, L1, ... in order as LB-bit words (codes 0..CW-1, then CW..2CW-1, ...;
+// CW = 32/LB), so position p of a chunk's activations holds column
+// CW*(p/CW) + repacked_x_col(LB, code_bytes, p % CW).
 constexpr int repacked_x_col(int B, int code_bytes, int p) {
-  if (B == 3) return 16 * (p / 16) + repacked_x_col(2, code_bytes, p % 16);
+  if (repack_splits(B)) {
+    const int LB = split_low_bits(B), CW = 32 / LB;
+    return CW * (p / CW) + repacked_x_col(LB, code_bytes, p % CW);
+  }
   const int P = 4 / code_bytes, S = 8 * code_bytes / B;
   return (p % P) * S + p / P;
 }
-// Activations per group of repacked_x_col positions: 32 for 3 bits, else
-// the codes of one word.
-constexpr int repacked_x_span(int B) { return B == 3 ? 32 : 32 / B; }
+// Activations per group of repacked_x_col positions: 32 (a chunk) where
+// the words are split, else the codes of one word.
+constexpr int repacked_x_span(int B) { return repack_splits(B) ? 32 : 32 / B; }
 
 }  // namespace mixbits

@@ -67,7 +67,7 @@ void check_repacked(const mx::array& x, const std::optional<mx::array>& perm,
     const SegSpec& sg = segs[i];
     const std::string tag = "segment " + std::to_string(i) + ": ";
     if (!repack_supports_bits(sg.bits))
-      fail(tag + "bits " + std::to_string(sg.bits) + " have no repacked layout (2, 3, 4, 8 do)");
+      fail(tag + "bits " + std::to_string(sg.bits) + " have no repacked layout (2, 3, 4, 5, 6, 8 do)");
     if (sg.group_size != 32 && sg.group_size != 64 && sg.group_size != 128)
       fail(tag + "group_size must be 32, 64 or 128");
     if (sg.k <= 0 || sg.k % sg.group_size != 0)
@@ -206,8 +206,8 @@ void eval_repacked(const RepackedKernels& k, const mx::array& x, const int32_t* 
     // MLX's layout in a temporary, then what MixedQMatmul runs. The
     // temporaries are written in full before they are read: no zero fill
     // (at a prompt's 64 rows the un-repack is a tenth to a third of the
-    // call), and 3-bit words are de-interleaved into a scratch that merge3
-    // reads, not copied again.
+    // call), and 3-, 5-, 6-bit words are de-interleaved into a scratch that
+    // merge_planes reads, not copied again.
     const size_t sbytes = shape.sdtype == DType::f32 ? 4 : 2;
     std::vector<std::unique_ptr<uint32_t[]>> wq(segs.size());
     std::vector<std::unique_ptr<char[]>> sc(segs.size()), bi(segs.size());
@@ -219,10 +219,10 @@ void eval_repacked(const RepackedKernels& k, const mx::array& x, const int32_t* 
       wq[i].reset(new uint32_t[nw]);
       sc[i].reset(new char[ns]);
       bi[i].reset(new char[ns]);
-      if (segs[i].bits == 3) {
+      if (repack_splits(segs[i].bits)) {
         std::unique_ptr<uint32_t[]> split(new uint32_t[nw]);
         deinterleave_rows(r.wq, N, r.words, 4, split.get());
-        merge3(split.get(), int64_t(nw), wq[i].get());
+        merge_planes(segs[i].bits, split.get(), int64_t(nw), wq[i].get());
       } else {
         deinterleave_rows(r.wq, N, r.words, 4, wq[i].get());
       }
@@ -337,7 +337,7 @@ std::tuple<mx::array, mx::array, mx::array> repack_segment(const mx::array& wq,
                                                            int group_size) {
   if (!repack_supports_bits(bits))
     throw std::invalid_argument("repack: bits " + std::to_string(bits) +
-                                " have no repacked layout (2, 3, 4, 8 do)");
+                                " have no repacked layout (2, 3, 4, 5, 6, 8 do)");
   if (wq.dtype() != mx::uint32 || wq.ndim() != 2)
     throw std::invalid_argument("repack: wq must be 2-D uint32, got " + shape_str(wq));
   const int N = wq.shape(0);
@@ -355,9 +355,9 @@ std::tuple<mx::array, mx::array, mx::array> repack_segment(const mx::array& wq,
     std::vector<char> copy;
     const void* src = row_major(a, copy);
     std::vector<uint32_t> split;
-    if (bits == 3 && &a == &w) {  // MLX's bitstream -> (L0, L1, H) per chunk (repack.h)
+    if (repack_splits(bits) && &a == &w) {  // MLX's bitstream -> planes per chunk (repack.h)
       split.resize(size_t(N) * cols);
-      split3(static_cast<const uint32_t*>(src), int64_t(split.size()), split.data());
+      split_planes(bits, static_cast<const uint32_t*>(src), int64_t(split.size()), split.data());
       src = split.data();
     }
     std::vector<char> out(size_t(NB) * kRepackRows * cols * a.itemsize());
@@ -373,7 +373,7 @@ std::tuple<mx::array, mx::array, mx::array> unrepack_segment(const mx::array& wq
                                                              int bits) {
   if (!repack_supports_bits(bits))
     throw std::invalid_argument("unrepack: bits " + std::to_string(bits) +
-                                " have no repacked layout (2, 3, 4, 8 do)");
+                                " have no repacked layout (2, 3, 4, 5, 6, 8 do)");
   const int64_t NB = repack_blocks(n);
   for (const mx::array* a : {&wq_r, &scales_r, &biases_r})
     if (a->ndim() != 3 || a->shape(0) != NB || a->shape(2) != kRepackRows)
@@ -388,10 +388,10 @@ std::tuple<mx::array, mx::array, mx::array> unrepack_segment(const mx::array& wq
     const int64_t cols = a.shape(1);
     std::vector<char> out(size_t(n) * cols * a.itemsize());
     deinterleave_rows(src, n, cols, a.itemsize(), out.data());
-    if (bits == 3 && &a == &w) {  // (L0, L1, H) -> MLX's bitstream
+    if (repack_splits(bits) && &a == &w) {  // planes -> MLX's bitstream
       std::vector<uint32_t> split(size_t(n) * cols);
       std::memcpy(split.data(), out.data(), split.size() * 4);
-      merge3(split.data(), int64_t(split.size()), reinterpret_cast<uint32_t*>(out.data()));
+      merge_planes(bits, split.data(), int64_t(split.size()), reinterpret_cast<uint32_t*>(out.data()));
     }
     return from_bytes(std::move(out), {n, int(cols)}, a.dtype());
   };

@@ -4,7 +4,10 @@
 // codes (int16) of that row, multiplied by a broadcast quad (pair) of
 // activations with vpdpbusd (vpdpwssd) into the row's int32 lane. No
 // transpose, no horizontal sum: per group and x row one convert and two
-// FMAs (scales * d, biases * xs) cover 16 rows.
+// FMAs (scales * d, biases * xs) cover 16 rows. 3, 5, 6 bits: per chunk of
+// 32 codes the 2- (3 bits) or 4-bit (5, 6) kernel's shifts of the low-plane
+// words, each ORed with one shift and mask of a high-plane word (repack.h;
+// split_step here, the same decode in avx2_repacked.cpp, neon_repacked.cpp).
 //
 // Same contract as x86.h's kernels (kernel.h): exact integer dots per group,
 // float32 epilogue. Compiled under a target pragma and reached only after
@@ -56,41 +59,42 @@ inline __m512i shift_r(__m512i v) {
   else return v;
 }
 
-// One group of a 3-bit segment: G/32 chunks of (L0, L1, H) words, per
-// chunk and half h the 2-bit kernel's shifts of L<h> with H's high bits
-// ORed in (repack.h).
-template <int G, int MB, int A, class T, int H, int K>
-inline void chunk3_step(__m512i lw, __m512i hw, const T* xq, int ldx, int64_t x0,
-                        __m512i (&acc)[A][MB]) {
-  constexpr int P = 4 / int(sizeof(T));
-  const __m512i m3 = _mm512_set1_epi32(int(code_mask<2, T>()));
-  const __m512i m4 = _mm512_set1_epi32(int(code_mask<1, T>() << 2));
-  __m512i lo = K == 0 ? lw : _mm512_srli_epi32(lw, 2 * K);
-  lo = _mm512_and_si512(lo, m3);
-  const __m512i hi = _mm512_and_si512(shift_r<split3_hshift(H, K)>(hw), m4);
+// Split segments (3, 5, 6 bits; repack.h): per chunk of 32 codes, the
+// LB-bit kernel's shift K of low word W, ORed with high word split_hword's
+// shift by split_hshift masked to bits LB.. of each element.
+template <int B, int MB, int A, class T, int W, int K>
+inline void split_step(const __m512i (&cw)[B], const T* xq, int ldx, int64_t x0,
+                       __m512i (&acc)[A][MB]) {
+  constexpr int P = 4 / int(sizeof(T)), LB = split_low_bits(B), S = 8 * int(sizeof(T)) / LB;
+  const __m512i ml = _mm512_set1_epi32(int(code_mask<LB, T>()));
+  const __m512i mh = _mm512_set1_epi32(int(code_mask<B - LB, T>() << LB));
+  const __m512i lo = _mm512_and_si512(shift_r<LB * K>(cw[W]), ml);
+  const __m512i hw = cw[LB + split_hword(B, W * (32 / LB))];
+  const __m512i hi = _mm512_and_si512(shift_r<split_hshift(B, W, K)>(hw), mh);
   const __m512i c = _mm512_or_si512(lo, hi);
-  constexpr int a = (H * 4 * int(sizeof(T)) + K) % A;
+  constexpr int a = (W * S + K) % A;
   for (int m = 0; m < MB; ++m) {
     int32_t quad;
-    std::memcpy(&quad, xq + int64_t(m) * ldx + x0 + H * 16 + K * P, 4);
+    std::memcpy(&quad, xq + int64_t(m) * ldx + x0 + W * (32 / LB) + K * P, 4);
     acc[a][m] = idot<T>(acc[a][m], c, _mm512_set1_epi32(quad));
   }
 }
 
-template <int G, int MB, int A, class T, int H, int... K>
-inline void chunk3_half(__m512i lw, __m512i hw, const T* xq, int ldx, int64_t x0,
-                        __m512i (&acc)[A][MB], std::integer_sequence<int, K...>) {
-  (chunk3_step<G, MB, A, T, H, K>(lw, hw, xq, ldx, x0, acc), ...);
+// Every step of a chunk, step t = shift t % S of low word t / S.
+template <int B, int MB, int A, class T, int... t>
+inline void split_chunk(const __m512i (&cw)[B], const T* xq, int ldx, int64_t x0,
+                        __m512i (&acc)[A][MB], std::integer_sequence<int, t...>) {
+  constexpr int S = 8 * int(sizeof(T)) / split_low_bits(B);
+  (split_step<B, MB, A, T, t / S, t % S>(cw, xq, ldx, x0, acc), ...);
 }
-
 
 // Blocks [b0, b1) of one segment against MB activation rows.
 template <int B, int G, int MB, class T>
 void blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, int ldy) {
-  constexpr int S = B == 3 ? 1 : 8 * int(sizeof(T)) / B;  // shifts per word
+  constexpr int S = repack_splits(B) ? 1 : 8 * int(sizeof(T)) / B;  // shifts per word
   constexpr int CPW = 32 / B;                // codes per word
   constexpr int WG = G * B / 32;             // words per group
-  constexpr uint32_t kMask = code_mask<B == 3 ? 2 : B, T>();
+  constexpr uint32_t kMask = code_mask<split_low_bits(B), T>();
   // Independent accumulator chains to hide vpdpbusd latency (5 cycles)
   // where MB alone gives too few: A*MB <= 8 of the 32 zmm registers.
   constexpr int A = MB <= 2 ? 4 : MB <= 4 ? 2 : 1;
@@ -106,19 +110,19 @@ void blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, int ldy
       __m512i acc[A][MB];
       for (int a = 0; a < A; ++a)
         for (int m = 0; m < MB; ++m) acc[a][m] = _mm512_setzero_si512();
-      if constexpr (B == 3) {
-        constexpr int S2 = 4 * int(sizeof(T));  // shifts of a 2-bit word
+      if constexpr (repack_splits(B)) {
+        // Steps per chunk: the low words' shifts.
+        constexpr int SC = split_low_bits(B) * (8 * int(sizeof(T)) / split_low_bits(B));
 #pragma GCC unroll 4
         for (int ch = 0; ch < G / 32; ++ch) {
-          const int64_t q = int64_t(g) * (G / 32) + ch;  // chunk: words 3q..3q+2
-          const uint32_t* wp = wb + 3 * q * R;
-          for (int i = 0; i < 3; ++i)
+          const int64_t q = int64_t(g) * (G / 32) + ch;  // chunk: words B*q .. B*q + B-1
+          const uint32_t* wp = wb + B * q * R;
+          __m512i cw[B];
+          for (int i = 0; i < B; ++i) {
             _mm_prefetch((const char*)(wp + i * R) + kPrefetchBytes, _MM_HINT_T0);
-          const __m512i hw = _mm512_loadu_si512((const void*)(wp + 2 * R));
-          chunk3_half<G, MB, A, T, 0>(_mm512_loadu_si512((const void*)wp), hw, xq, x.ldx, q * 32,
-                                      acc, std::make_integer_sequence<int, S2>{});
-          chunk3_half<G, MB, A, T, 1>(_mm512_loadu_si512((const void*)(wp + R)), hw, xq, x.ldx,
-                                      q * 32, acc, std::make_integer_sequence<int, S2>{});
+            cw[i] = _mm512_loadu_si512((const void*)(wp + i * R));
+          }
+          split_chunk<B, MB, A, T>(cw, xq, x.ldx, q * 32, acc, std::make_integer_sequence<int, SC>{});
         }
       } else
 #pragma GCC unroll 8
@@ -178,7 +182,8 @@ RTable make_table() {
   RTable t{};
 #define MIXBITS_R_ROW(B) \
   t.fn[B][0] = seg_kernel<B, 32, T>; t.fn[B][1] = seg_kernel<B, 64, T>; t.fn[B][2] = seg_kernel<B, 128, T>;
-  MIXBITS_R_ROW(2) MIXBITS_R_ROW(3) MIXBITS_R_ROW(4) MIXBITS_R_ROW(8)
+  MIXBITS_R_ROW(2) MIXBITS_R_ROW(3) MIXBITS_R_ROW(4) MIXBITS_R_ROW(5) MIXBITS_R_ROW(6)
+  MIXBITS_R_ROW(8)
 #undef MIXBITS_R_ROW
   return t;
 }

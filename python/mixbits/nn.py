@@ -248,7 +248,7 @@ class _MixedWeight(nn.Module):
         layers, a gradient with respect to x (or anything upstream) through
         one raises (the trainable ``bias`` still gets its gradient), and the
         GPU refuses it: call :meth:`unrepack` first. Segments with bits
-        outside ``REPACK_BITS`` (2, 3, 4, 8) raise a UsageError (a
+        outside ``REPACK_BITS`` (2, 3, 4, 5, 6, 8) raise a UsageError (a
         ValueError); nothing is changed."""
         if "repacked" in self:
             return
@@ -764,8 +764,8 @@ def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
     keep the float contract: the gather kernel has no integer path.
 
     ``repack=True`` (with ``activations="int8"`` or ``"int16"``) then
-    stores every mixbits linear and embedding layer with 2/3/4/8-bit
-    segments in the row-interleaved layout of the CPU's batch-1 integer GEMV
+    stores every mixbits linear and embedding layer (all of 2/3/4/5/6/8-bit
+    segments) in the row-interleaved layout of the CPU's batch-1 integer GEMV
     (:func:`repack_layers`; layers with other bits keep MLX's layout).
     Such a model cannot be saved or differentiated, nor run on the GPU,
     until :func:`unrepack_layers`.

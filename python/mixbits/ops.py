@@ -101,7 +101,8 @@ def promote_x(x, qt):
 def repack(qt: QuantizedTensor) -> RepackedTensor:
     """``qt`` in the row-interleaved layout of the CPU's batch-1 integer GEMV
     (:mod:`mixbits.repack`), built now. 2-D tensors whose segments all have
-    bits in ``REPACK_BITS`` (2, 3, 4, 8); others raise a UsageError (a
+    bits in ``REPACK_BITS`` (2, 3, 4, 5, 6, 8: every width of
+    :data:`mixbits.layout.BITS`); others raise a UsageError (a
     ValueError). :func:`unrepack` is the exact inverse."""
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")

@@ -8,11 +8,14 @@ scales and biases of group ``g`` likewise (``scales_r[b, g, r]``), so one
 matrix whose N is not a multiple of 16 gets zero rows at the end of its
 last block: ``padding_nbytes`` of extra storage, nothing when 16 divides N.
 
-``REPACK_BITS`` = (2, 3, 4, 8). 2-, 4- and 8-bit words are interleaved as
-MLX stores them; 3-bit words (MLX: a bitstream, 32 codes per 3 words) are
-first rewritten per chunk of 32 codes into two words of low 2 bits (the
-2-bit layout) and one word of 3rd bits (same bytes; repack.h).
-:func:`mixbits.ops.repack` refuses 5 and 6 bits with a
+``REPACK_BITS`` = (2, 3, 4, 5, 6, 8). 2-, 4- and 8-bit words are
+interleaved as MLX stores them; 3-, 5- and 6-bit words (MLX: a bitstream,
+32 codes per ``bits`` words) are first rewritten per chunk of 32 codes into
+"planes" (same bytes; repack.h): 3 bits as two words of low 2 bits (the
+2-bit layout) and one word of 3rd bits, 5 and 6 bits as four words of low
+4 bits (the 4-bit layout) and one (5) or two (6) words of the high bits.
+That is every width of :data:`mixbits.layout.BITS`; :func:`mixbits.ops.repack`
+would refuse a width without a layout with a
 :class:`~mixbits.errors.UsageError` (a ValueError), before any kernel runs.
 
 A :class:`RepackedTensor` is an inference layout: :func:`mixbits.qmatmul`
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 REPACK_ROWS = 16
-REPACK_BITS = (2, 3, 4, 8)
+REPACK_BITS = (2, 3, 4, 5, 6, 8)
 
 
 @dataclass(frozen=True)
@@ -98,24 +101,41 @@ class RepackedTensor:
 
 # ------------------------------------------------------------ row lookups
 
-# Bit of a 3-bit chunk's high word holding bit 2 of chunk code c (repack.h,
-# split3_hpos): code 16h + 4p + k sits at bit 8p + (2 + 4h + k) % 8.
-_SPLIT3_HPOS = [8 * ((c % 16) // 4) + (2 + 4 * (c // 16) + c % 4) % 8 for c in range(32)]
+# The planes of a split width (repack.h, split_planes): per chunk of 32
+# codes, LB low-plane words in MLX's LB-bit layout, then the high bits of
+# code c at bit _hpos(bits, c) of high word _hword(bits, c).
+_SPLIT_LOW_BITS = {3: 2, 5: 4, 6: 4}
 
 
-def _merge3(words: mx.array) -> mx.array:
-    """3-bit repacked words (..., 3C) (per chunk of 32 codes: L0, L1, H) back
-    to MLX's bitstream (..., 3C), in MLX ops (lazy: usable under mx.compile)."""
+def _hword(bits: int, c: int) -> int:
+    return 0 if bits == 3 else c * (bits - 4) // 32
+
+
+def _hpos(bits: int, c: int) -> int:
+    if bits == 3:  # split3_hpos
+        return 8 * ((c % 16) // 4) + (2 + 4 * (c // 16) + c % 4) % 8
+    hb = bits - 4  # split56_hpos
+    return 8 * ((c % 8) // 2) + (4 + hb * (2 * ((c // 8) % (4 // hb)) + c % 2)) % 8
+
+
+def _merge_planes(words: mx.array, bits: int) -> mx.array:
+    """Repacked words (..., bits*C) of a split width (3, 5, 6) back to MLX's
+    bitstream (..., bits*C), in MLX ops (lazy: usable under mx.compile)."""
     lead, w = words.shape[:-1], words.shape[-1]
-    chunks = words.reshape(*lead, w // 3, 3)
-    lo = chunks[..., :2, None] >> mx.array([2 * i for i in range(16)], mx.uint32)
-    lo = (lo & 3).reshape(*lead, w // 3, 32)
-    hi = (chunks[..., 2:3] >> mx.array(_SPLIT3_HPOS, mx.uint32)) & 1
-    codes = (lo | (hi << 2)).reshape(*lead, w // 3, 4, 8)
-    # MLX: 8 codes per 3 bytes, LSB first (so 32 codes per 3 little-endian words).
-    v = (codes << mx.array([3 * j for j in range(8)], mx.uint32)).sum(axis=-1).astype(mx.uint32)
-    b = mx.stack([v & 255, (v >> 8) & 255, v >> 16], axis=-1).astype(mx.uint8)
-    return mx.view(b.reshape(*lead, w * 4), mx.uint32)
+    lb = _SPLIT_LOW_BITS[bits]
+    cw = 32 // lb  # codes per low word
+    chunks = words.reshape(*lead, w // bits, bits)
+    lo = chunks[..., :lb, None] >> mx.array([lb * i for i in range(cw)], mx.uint32)
+    lo = (lo & ((1 << lb) - 1)).reshape(*lead, w // bits, 32)
+    hw = mx.take(chunks, mx.array([lb + _hword(bits, c) for c in range(32)]), axis=-1)
+    hi = (hw >> mx.array([_hpos(bits, c) for c in range(32)], mx.uint32)) & ((1 << (bits - lb)) - 1)
+    codes = lo | (hi << lb)  # (..., C, 32)
+    # MLX: LSB first, codes straddling words: bit t of the chunk's bitstream
+    # is bit t % bits of code t // bits; word i gathers bits 32i .. 32i+31.
+    t = mx.arange(32 * bits)
+    bit = (mx.take(codes, t // bits, axis=-1) >> (t % bits).astype(mx.uint32)) & 1
+    bit = bit.reshape(*lead, w // bits, bits, 32) << mx.arange(32).astype(mx.uint32)
+    return bit.sum(axis=-1).astype(mx.uint32).reshape(*lead, w)
 
 
 def gather_rows(seg: RepackedSegment, ids: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -132,6 +152,6 @@ def gather_rows(seg: RepackedSegment, ids: mx.array) -> tuple[mx.array, mx.array
         return mx.take_along_axis(rows, idx, axis=-1).squeeze(-1)
 
     wq = pick(seg.wq_r)
-    if seg.bits == 3:
-        wq = _merge3(wq)
+    if seg.bits in _SPLIT_LOW_BITS:
+        wq = _merge_planes(wq, seg.bits)
     return wq, pick(seg.scales_r), pick(seg.biases_r)

@@ -51,10 +51,11 @@ def add_arguments(p) -> None:
                         "ones apply to M <= 16, as ggml quantizes its activations)")
     p.add_argument("--repack", action="store_true",
                    help="also time mixbits on the row-interleaved layout of the integer GEMV "
-                        "(mixbits.ops.repack; 2/3/4/8-bit kinds, others are marked skipped), "
+                        "(mixbits.ops.repack; every kind: 2/3/4/5/6/8-bit and mixed), "
                         "same contract: the integer kernels with --activations int8/int16 and "
                         "M <= 16, else the float path (on AVX-512 the prefill GEMM reads the "
-                        "blocks in place above 40 rows; elsewhere W is un-repacked per call)")
+                        "2/3/4/8-bit blocks in place above 40 rows; otherwise W is un-repacked "
+                        "per call)")
     p.add_argument("--backend", choices=["auto", "ref", "avx2", "avx512", "neon"], default="auto",
                    help="mixbits' CPU kernels (mixbits.qmatmul's backend=), e.g. avx2 to time "
                         "an AVX2-only CPU's kernels on an AVX-512 host (ggml is not affected)")
