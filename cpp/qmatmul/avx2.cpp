@@ -210,6 +210,9 @@ void run_table(const QmmTable& t, const float* x, int M, const QMatView& w, floa
   for (const SegView& s : w.segs) {
     const int c = group_size_col(s.group_size);
     const PackWFn pack = !t.gemm ? nullptr : w.repacked ? (*t.gemm->pack_r)[s.bits][c] : t.gemm->pack;
+    if (w.repacked && !pack)
+      throw std::logic_error(std::string("qmatmul ") + t.name + ": no repacked reader for " +
+                             std::to_string(s.bits) + "-bit segments");
     ks.push_back({(*t.gemv)[s.bits][c], (*t.dequant)[s.bits][c], pack});
   }
 
@@ -261,7 +264,12 @@ void run_table(const QmmTable& t, const float* x, int M, const QMatView& w, floa
 // kernels would need their own repacked decoders; the caller un-repacks).
 QmmRepacked qmm_repacked_of(const QmmTable& t, QmmRun run) {
   if (!t.gemm || !t.gemm->pack_r) return {};
-  return {run, t.small_m};
+  uint32_t bits = 0;
+  for (int b = 0; b < 9; ++b) {
+    const auto& cols = (*t.gemm->pack_r)[b];
+    if (cols[0] && cols[1] && cols[2]) bits |= 1u << b;
+  }
+  return {run, t.small_m, bits};
 }
 
 }  // namespace

@@ -123,7 +123,8 @@ constexpr PackWFn pack_col[3] = {pack_r16<B, 32>, pack_r16<B, 64>, pack_r16<B, 1
 
 }  // namespace
 
-// repack_supports_bits: 2, 3, 4, 8.
+// 2, 3, 4, 8 bits; 5- and 6-bit repacked segments (split planes) have no
+// packer yet: a view holding one is un-repacked (QmmRepacked::reads).
 extern const PackWCols kPackRepacked512 = {
     {}, {}, {pack_col<2>[0], pack_col<2>[1], pack_col<2>[2]},
     {pack_col<3>[0], pack_col<3>[1], pack_col<3>[2]},

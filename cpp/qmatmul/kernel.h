@@ -74,6 +74,14 @@ void qmm_neon_run(const float* x, int M, const QMatView& w, float* y);
 struct QmmRepacked {
   QmmRun run = nullptr;
   int min_m = 0;
+  // Bit widths whose repacked segments it reads, at every group size (bit
+  // b set: b bits); a view with any other segment is un-repacked instead.
+  uint32_t bits_read = 0;
+  bool reads(const QMatView& w) const {
+    for (const SegView& s : w.segs)
+      if (!(bits_read >> s.bits & 1u)) return false;
+    return true;
+  }
 };
 QmmRepacked select_qmm_repacked(Backend requested);
 #if defined(MIXBITS_HAVE_AVX2)
