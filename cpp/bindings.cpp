@@ -109,6 +109,18 @@ NB_MODULE(_ext, m) {
       "backend"_a,
       "Float-contract calls on a repacked weight with more rows than this read the blocks "
       "in place (the AVX-512 panel packers); None: every such call un-repacks W first.");
+  m.def(
+      "repacked_float_bits",
+      [](int backend) {
+        const mixbits::QmmRepacked r = mixbits::select_qmm_repacked(mixbits::Backend(backend));
+        std::vector<int> bits;
+        for (int b = 0; b < 32; ++b)
+          if (r.run && (r.bits_read >> b & 1u)) bits.push_back(b);
+        return bits;
+      },
+      "backend"_a,
+      "Bit widths whose repacked segments those calls read in place (a weight with a "
+      "segment of another width is un-repacked).");
   m.def("repack_rows", []() { return mixbits::kRepackRows; },
         "Rows interleaved per block of the repacked layout.");
 

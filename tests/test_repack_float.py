@@ -38,6 +38,11 @@ def test_the_in_place_reader_is_what_this_machine_runs():
         pytest.skip("no AVX-512F on this CPU")
     assert min_m("avx512") == 40 and min_m("auto") == 40
     assert min_m("avx2") is None and min_m("ref") is None
+    # ... for every width the layout has (a weight with a width it lacks
+    # would silently take the un-repack path instead).
+    for b in ("avx512", "auto"):
+        assert _ext.repacked_float_bits(ops._backend_id(b)) == list(REPACK_BITS)
+    assert _ext.repacked_float_bits(ops._backend_id("ref")) == []
     assert max(MS) > 40 and min(MS) <= 40
 
 

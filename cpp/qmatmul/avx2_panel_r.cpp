@@ -63,24 +63,29 @@ MIXBITS_AVX512 inline void group_words(const uint32_t* wq, __m512 sv, __m512 bv,
   }
 }
 
-// The same for 3 bits: per chunk of 32 codes the words L0, L1 (low 2 bits
-// of codes 0..15, 16..31, code i at bits 2i) and H (bit 2 of code c at
-// split3_hpos(c)), see repack.h.
-template <int G>
-MIXBITS_AVX512 inline void group_split3(const uint32_t* wq, __m512 sv, __m512 bv, float* dst,
-                                        int pw) {
-  const __m512i m3 = _mm512_set1_epi32(3), m4 = _mm512_set1_epi32(4);
+// The same for the split layouts (3, 5, 6 bits; repack.h): per chunk of 32
+// codes B words, LB low-plane words (LB-bit codes, CW per word, code i of
+// a word at bits LB*i) then B - LB high-plane words (the bits above LB of
+// code c at split_hpos(B, c) of word split_hword(B, c)).
+template <int B, int G>
+MIXBITS_AVX512 inline void group_split(const uint32_t* wq, __m512 sv, __m512 bv, float* dst,
+                                       int pw) {
+  constexpr int LB = split_low_bits(B), HB = B - LB, CW = 32 / LB;
+  const __m512i mlo = _mm512_set1_epi32((1 << LB) - 1);
+  const __m512i mhi = _mm512_set1_epi32(((1 << HB) - 1) << LB);
   for (int ch = 0; ch < G / 32; ++ch) {
-    const uint32_t* w = wq + ch * 3 * kRepackRows;
-    const __m512i l0 = _mm512_loadu_si512(w), l1 = _mm512_loadu_si512(w + kRepackRows);
-    const __m512i h = _mm512_loadu_si512(w + 2 * kRepackRows);
+    const uint32_t* w = wq + ch * B * kRepackRows;
+    __m512i lw[LB], hw[HB];
+    for (int i = 0; i < LB; ++i) lw[i] = _mm512_loadu_si512(w + i * kRepackRows);
+    for (int i = 0; i < HB; ++i) hw[i] = _mm512_loadu_si512(w + (LB + i) * kRepackRows);
 #pragma GCC unroll 32
     for (int c = 0; c < 32; ++c) {
-      // The high bit moved from split3_hpos(c) to bit 2 (either way).
-      const int sh = split3_hpos(c) - 2;
+      // The high bits moved from split_hpos(B, c) to bit LB (either way).
+      const int sh = split_hpos(B, c) - LB;
+      const __m512i h = hw[split_hword(B, c)];
       const __m512i hi =
-          _mm512_and_si512(sh >= 0 ? _mm512_srli_epi32(h, sh) : _mm512_slli_epi32(h, -sh), m4);
-      const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(c < 16 ? l0 : l1, 2 * (c % 16)), m3);
+          _mm512_and_si512(sh >= 0 ? _mm512_srli_epi32(h, sh) : _mm512_slli_epi32(h, -sh), mhi);
+      const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(lw[c / CW], LB * (c % CW)), mlo);
       put(_mm512_or_si512(lo, hi), sv, bv, dst + int64_t(ch * 32 + decode_pos(c)) * pw);
     }
   }
@@ -110,8 +115,8 @@ MIXBITS_AVX512 void pack_r16(const SegView& s, DType sdt, DequantFn, int n, int 
       const __m512 sv = load16(s.scales, at, sdt), bv = load16(s.biases, at, sdt);
       const uint32_t* wq = s.wq + (b * words + int64_t(g) * G * B / 32) * kRepackRows;
       float* pg = panel + int64_t(g * G - c0) * pw;  // g*G - c0: a multiple of 32
-      if constexpr (B == 3)
-        group_split3<G>(wq, sv, bv, pg, pw);
+      if constexpr (repack_splits(B))
+        group_split<B, G>(wq, sv, bv, pg, pw);
       else
         group_words<B, G>(wq, sv, bv, pg, pw);
     }
@@ -123,12 +128,13 @@ constexpr PackWFn pack_col[3] = {pack_r16<B, 32>, pack_r16<B, 64>, pack_r16<B, 1
 
 }  // namespace
 
-// 2, 3, 4, 8 bits; 5- and 6-bit repacked segments (split planes) have no
-// packer yet: a view holding one is un-repacked (QmmRepacked::reads).
+// Every width the repacked layout has (repack_supports_bits).
 extern const PackWCols kPackRepacked512 = {
     {}, {}, {pack_col<2>[0], pack_col<2>[1], pack_col<2>[2]},
     {pack_col<3>[0], pack_col<3>[1], pack_col<3>[2]},
     {pack_col<4>[0], pack_col<4>[1], pack_col<4>[2]},
-    {}, {}, {}, {pack_col<8>[0], pack_col<8>[1], pack_col<8>[2]}};
+    {pack_col<5>[0], pack_col<5>[1], pack_col<5>[2]},
+    {pack_col<6>[0], pack_col<6>[1], pack_col<6>[2]},
+    {}, {pack_col<8>[0], pack_col<8>[1], pack_col<8>[2]}};
 
 }  // namespace mixbits

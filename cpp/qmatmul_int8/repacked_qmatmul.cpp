@@ -200,7 +200,7 @@ void eval_repacked(const RepackedKernels& k, const mx::array& x, const int32_t* 
       return repacked_int_run<int16_t>(*k.table, xf, M, shape, rsegs.data(), y);
     }
     // The float kernel reads the blocks itself (prefill on AVX-512: its
-    // panel packers, 2/3/4/8 bits), bit for bit what it gives on MLX's layout.
+    // panel packers), bit for bit what it gives on MLX's layout.
     if (path == QmmPath::Float && k.fn_r.run && M > k.fn_r.min_m && k.fn_r.reads(shape))
       return k.fn_r.run(xf, M, shape, y);
     // MLX's layout in a temporary, then what MixedQMatmul runs. The
