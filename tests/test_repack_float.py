@@ -19,8 +19,11 @@ from int_contract import rand_qt
 from reference import assert_matmul_close, qmatmul_f64
 
 AVX512 = "avx512" in ops.available_backends()
-# 17, 33: the small-M kernels (un-repacked W); 41 = the first row count the
-# AVX-512 panels take; 64 a prompt; 130: two panels of x rows plus a tail.
+# 17, 33: fewer rows than the float table's small-M kernels take (on
+# MLX's layout); 41 the first row count its panels take; 64 a prompt; 130:
+# two panels of x rows plus a tail. On AVX-512 a repacked weight takes the
+# panels from 17 rows on (16 and fewer: the integer kernels, or under the
+# float contract its un-repacked W, the original layout's bits).
 MS = (17, 33, 41, 64, 130)
 BACKENDS = [b for b in ("auto", "avx512") if b == "auto" or AVX512]
 
@@ -31,32 +34,43 @@ def min_m(backend):
 
 def test_the_in_place_reader_is_what_this_machine_runs():
     """The bitwise tests below reach the packers only where the AVX-512 row
-    has them, above its small-M rows (40): on this x86 host it must."""
+    has them, above the integer contracts' 16 rows: on this x86 host it must."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 only")
     if " avx512f" not in open("/proc/cpuinfo").read():
         pytest.skip("no AVX-512F on this CPU")
-    assert min_m("avx512") == 40 and min_m("auto") == 40
+    assert min_m("avx512") == 16 and min_m("auto") == 16
     assert min_m("avx2") is None and min_m("ref") is None
     # ... for every width the layout has (a weight with a width it lacks
     # would silently take the un-repack path instead).
     for b in ("avx512", "auto"):
         assert _ext.repacked_float_bits(ops._backend_id(b)) == list(REPACK_BITS)
     assert _ext.repacked_float_bits(ops._backend_id("ref")) == []
-    assert max(MS) > 40 and min(MS) <= 40
+    assert min(MS) <= 40 < max(MS)  # both regimes of the original layout
+
+
+# The AVX-512 float row's small_m (avx2_table.h): on MLX's layout, calls of
+# more rows take the panels, which the repacked layout takes at every M.
+PANEL_ROWS = 40
 
 
 def check(x, qt, rt, backend, act="float"):
-    """Repacked == original layout bit for bit, and both near float64."""
+    """Repacked == original layout bit for bit where both run the same
+    kernel (the panels; or, without an in-place reader, the same kernel on
+    un-repacked W), and both near float64."""
     want = mixbits.qmatmul(x, qt, backend=backend, activations=act)
     got = mixbits.qmatmul(x, rt, backend=backend, activations=act)
     assert got.dtype == want.dtype and got.shape == want.shape
+    ref, mag = qmatmul_f64(x, qt)
+    assert_matmul_close(got, ref, mag)
+    rows = int(np.prod(x.shape[:-1]))
+    if min_m(backend) is not None and rows <= PANEL_ROWS:
+        assert_matmul_close(want, ref, mag)  # another summation order, same contract
+        return
     a, b = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
     bad = (a != b) & ~(np.isnan(a) & np.isnan(b))
     assert not bad.any(), (f"{bad.sum()} of {bad.size} outputs differ from the original layout "
                            f"(M={x.shape[-2]}, {backend}); first at {np.argwhere(bad)[0]}")
-    ref, mag = qmatmul_f64(x, qt)
-    assert_matmul_close(got, ref, mag)
 
 
 @pytest.mark.parametrize("bits", REPACK_BITS)

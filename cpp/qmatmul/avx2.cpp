@@ -10,8 +10,8 @@
 //    packed panels and the row's outer-product micro-kernel runs over them
 //    against x packed once per call (avx2_panel.cpp). A repacked view
 //    (QMatView::repacked, a repacked layer's prefill) takes the same
-//    driver with the row's pack_r packers (avx2_panel_r.cpp); it never
-//    reaches the other regimes (select_qmm_repacked's min_m).
+//    driver with the row's pack_r packers (avx2_panel_r.cpp) from
+//    kInt8MaxM + 1 rows on: the other regimes have no reader for it.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -20,6 +20,7 @@
 #include "common/parallel.h"
 #include "qmatmul/avx2_decode.h"
 #include "qmatmul/avx2_table.h"
+#include "qmatmul_int8/kernel.h"
 
 namespace mixbits {
 
@@ -201,9 +202,10 @@ void run_table(const QmmTable& t, const float* x, int M, const QMatView& w, floa
   pr.M = M;
   pr.K = w.K;
   const int K = w.K;
-  // A repacked view is read only by the panel packers: qmm_repacked_of
-  // promised the caller that this M takes them.
-  if (w.repacked && !(M > t.small_m && t.gemm && t.gemm->pack_r))
+  // A repacked view is read only by the panel packers, also below small_m
+  // (the small-M kernels have no reader for it; padding x to the
+  // micro-panel's rows beats un-repacking W on every call).
+  if (w.repacked && !(t.gemm && t.gemm->pack_r))
     throw std::logic_error(std::string("qmatmul ") + t.name + ": no repacked reader for M=" +
                            std::to_string(M));
   std::vector<SegKernels> ks;
@@ -216,7 +218,7 @@ void run_table(const QmmTable& t, const float* x, int M, const QMatView& w, floa
     ks.push_back({(*t.gemv)[s.bits][c], (*t.dequant)[s.bits][c], pack});
   }
 
-  if (M <= t.small_m) {
+  if (M <= t.small_m && !w.repacked) {
     pr.xq.resize(w.segs.size());
     pr.xs.resize(w.segs.size());
     for (size_t si = 0; si < w.segs.size(); ++si) {
@@ -260,8 +262,10 @@ void run_table(const QmmTable& t, const float* x, int M, const QMatView& w, floa
 }
 
 // The row's float kernel for repacked views, where it has panel packers
-// for them: calls above small_m take the panels (below, the small-M
-// kernels would need their own repacked decoders; the caller un-repacks).
+// for them: calls of more than kInt8MaxM rows (prefill; the integer
+// contracts' limit) take the panels. Fewer rows under the float contract
+// un-repack, so they stay bit for bit the small-M kernels' result on MLX's
+// layout: repacking changes no float-contract decode bit.
 QmmRepacked qmm_repacked_of(const QmmTable& t, QmmRun run) {
   if (!t.gemm || !t.gemm->pack_r) return {};
   uint32_t bits = 0;
@@ -269,7 +273,7 @@ QmmRepacked qmm_repacked_of(const QmmTable& t, QmmRun run) {
     const auto& cols = (*t.gemm->pack_r)[b];
     if (cols[0] && cols[1] && cols[2]) bits |= 1u << b;
   }
-  return {run, t.small_m, bits};
+  return {run, kInt8MaxM, bits};
 }
 
 }  // namespace
