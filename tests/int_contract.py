@@ -64,3 +64,26 @@ def rand_qt(rng, n, segs, perm=False, dtype=mx.float16):
     K = sum(k for _, _, k in segs)
     w = mx.array(rng.standard_normal((n, K)).astype(np.float32)).astype(dtype)
     return mixbits.quantize(w, segs, perm=rng.permutation(K) if perm else None)
+
+
+def poison_padding(rng, rt, scale=1.0):
+    """A copy of RepackedTensor ``rt`` whose last block's padding rows hold
+    garbage (random code words; scales and biases normal times ``scale``)
+    instead of the zeros the builder writes: kernels must never store them."""
+    from mixbits.repack import REPACK_ROWS, RepackedTensor
+
+    n = rt.shape[0]
+    assert n % REPACK_ROWS, "no padding rows to poison"
+    pad = slice(n - (n - 1) // REPACK_ROWS * REPACK_ROWS, None)  # lanes past the real rows
+    segs = []
+    for s in rt.segments:
+        arrs = []
+        for a in (s.wq_r, s.scales_r, s.biases_r):
+            words = a.dtype == mx.uint32
+            b = np.array(a if words else a.astype(mx.float32))
+            shape = b[-1, :, pad].shape
+            b[-1, :, pad] = (rng.integers(0, 2**32, shape, dtype=np.uint64) if words
+                             else scale * rng.standard_normal(shape))
+            arrs.append(mx.array(b.astype(np.uint32)) if words else mx.array(b).astype(a.dtype))
+        segs.append(type(s)(s.bits, s.group_size, s.k, *arrs, s.kind))
+    return RepackedTensor(segs, rt.perm, n)

@@ -16,7 +16,7 @@ import mixbits
 from mixbits import _ext, ops
 from mixbits.errors import UsageError
 from mixbits.repack import REPACK_BITS, REPACK_ROWS, RepackedTensor
-from int_contract import CONTRACTS, codes_scales_biases, contract_model, rand_qt
+from int_contract import CONTRACTS, codes_scales_biases, contract_model, poison_padding, rand_qt
 from reference import OUT_EPS, to_f64
 
 R = REPACK_ROWS
@@ -191,16 +191,7 @@ def test_padding_rows_never_reach_the_output(act, kernel):
     rng = np.random.default_rng(12)
     qt = rand_qt(rng, 21, [(4, 64, 256), (2, 32, 64), (3, 32, 64)])  # 21 = 16 + 5: 11 padding rows
     rt = ops.repack(qt)
-    segs = []
-    for s in rt.segments:
-        arrs = []
-        for a in (s.wq_r, s.scales_r, s.biases_r):
-            b = np.array(a.view(mx.uint32) if a.dtype == mx.uint32 else a.astype(mx.float32))
-            b[-1, :, 21 - R:] = (rng.integers(0, 2**32, b[-1, :, 21 - R:].shape, dtype=np.uint64)
-                                 if a.dtype == mx.uint32 else rng.standard_normal(b[-1, :, 21 - R:].shape))
-            arrs.append(mx.array(b.astype(np.uint32)) if a.dtype == mx.uint32 else mx.array(b).astype(a.dtype))
-        segs.append(type(s)(s.bits, s.group_size, s.k, *arrs, s.kind))
-    dirty = RepackedTensor(segs, None, 21)
+    dirty = poison_padding(rng, rt)
     x = mx.array(rng.standard_normal((4, 384)).astype(np.float32))
     np.testing.assert_array_equal(np.array(mixbits.qmatmul(x, dirty, activations=act, backend=kernel)),
                                   np.array(mixbits.qmatmul(x, rt, activations=act, backend=kernel)))

@@ -14,8 +14,8 @@ import pytest
 
 import mixbits
 from mixbits import _ext, ops
-from mixbits.repack import REPACK_BITS, REPACK_ROWS, RepackedTensor
-from int_contract import rand_qt
+from mixbits.repack import REPACK_BITS
+from int_contract import poison_padding, rand_qt
 from reference import assert_matmul_close, qmatmul_f64
 
 AVX512 = "avx512" in ops.available_backends()
@@ -129,20 +129,7 @@ def test_padding_rows_never_reach_the_output():
     nothing: the panels' lanes past N are never stored."""
     rng = np.random.default_rng(23)
     qt = rand_qt(rng, 21, [(4, 64, 256), (2, 32, 64), (3, 32, 64), (8, 32, 64)])
-    rt = ops.repack(qt)
-    segs = []
-    for s in rt.segments:
-        arrs = []
-        for a in (s.wq_r, s.scales_r, s.biases_r):
-            b = np.array(a.view(mx.uint32) if a.dtype == mx.uint32 else a.astype(mx.float32))
-            tail = b[-1, :, 21 - REPACK_ROWS:]
-            b[-1, :, 21 - REPACK_ROWS:] = (rng.integers(0, 2**32, tail.shape, dtype=np.uint64)
-                                           if a.dtype == mx.uint32 else
-                                           1e30 * rng.standard_normal(tail.shape))
-            arrs.append(mx.array(b.astype(np.uint32)) if a.dtype == mx.uint32
-                        else mx.array(b).astype(a.dtype))
-        segs.append(type(s)(s.bits, s.group_size, s.k, *arrs, s.kind))
-    dirty = RepackedTensor(segs, None, 21)
+    dirty = poison_padding(rng, ops.repack(qt), scale=1e30)
     x = mx.array(rng.standard_normal((64, 448)).astype(np.float32))
     np.testing.assert_array_equal(np.array(mixbits.qmatmul(x, dirty)),
                                   np.array(mixbits.qmatmul(x, qt)))
