@@ -54,8 +54,7 @@ def add_arguments(p) -> None:
                         "(mixbits.ops.repack; every kind: 2/3/4/5/6/8-bit and mixed), "
                         "same contract: the integer kernels with --activations int8/int16 and "
                         "M <= 16, else the float path (on AVX-512 the prefill GEMM reads the "
-                        "2/3/4/8-bit blocks in place above 40 rows; otherwise W is un-repacked "
-                        "per call)")
+                        "blocks in place above 16 rows; otherwise W is un-repacked per call)")
     p.add_argument("--backend", choices=["auto", "ref", "avx2", "avx512", "neon"], default="auto",
                    help="mixbits' CPU kernels (mixbits.qmatmul's backend=), e.g. avx2 to time "
                         "an AVX2-only CPU's kernels on an AVX-512 host (ggml is not affected)")
