@@ -218,6 +218,8 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
     block replay, exactly as the exact sweep does (one K x K at a time),
     and every candidate of such a tensor is then rated with the input
     correlations (see :func:`estimate`)."""
+    from tqdm import tqdm
+
     from ..adapter import ModelAdapter, dense_weight
     from .candidates import build_layer
     from .replay import Replayer, token_chunks
@@ -233,7 +235,7 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
     if any(c.calibrated for cs in site_cands.values() for c in cs):
         rp = Replayer(model, token_chunks(tokens, 4), ad)
     out = []
-    for s in sites:
+    for s in tqdm(sites, desc="proxy", unit="tensor", disable=not progress):
         t1 = time.perf_counter()
         original = ad.get(s.path)
         dense, fish = dense_weight(original), mx.array(fisher[s.path])
