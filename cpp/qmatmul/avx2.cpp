@@ -205,13 +205,14 @@ void run_table(const QmmTable& t, const float* x, int M, const QMatView& w, floa
   // A repacked view is read only by the panel packers, also below small_m
   // (the small-M kernels have no reader for it; padding x to the
   // micro-panel's rows beats un-repacking W on every call).
-  if (w.repacked && !(t.gemm && t.gemm->pack_r))
-    throw std::logic_error(std::string("qmatmul ") + t.name + ": no repacked reader for M=" +
-                           std::to_string(M));
+  const PackWCols* pack_r = t.gemm ? t.gemm->pack_r : nullptr;
   std::vector<SegKernels> ks;
   for (const SegView& s : w.segs) {
     const int c = group_size_col(s.group_size);
-    const PackWFn pack = !t.gemm ? nullptr : w.repacked ? (*t.gemm->pack_r)[s.bits][c] : t.gemm->pack;
+    const PackWFn pack = !t.gemm      ? nullptr
+                         : !w.repacked ? t.gemm->pack
+                         : pack_r      ? (*pack_r)[s.bits][c]
+                                       : nullptr;
     if (w.repacked && !pack)
       throw std::logic_error(std::string("qmatmul ") + t.name + ": no repacked reader for " +
                              std::to_string(s.bits) + "-bit segments");

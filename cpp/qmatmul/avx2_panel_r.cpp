@@ -24,6 +24,13 @@
 #include "qmatmul/avx2_table.h"
 #include "qmatmul_int8/repack.h"
 
+// The scale loader the VNNI GEMV uses too, compiled for MIXBITS_AVX512's
+// target so the packers below can inline it.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma,f16c")
+#include "qmatmul_int8/x86_load16.h"
+#pragma GCC pop_options
+
 namespace mixbits {
 namespace {
 
@@ -31,15 +38,6 @@ static_assert(kRepackRows == 16, "a block is one register of float lanes");
 
 // Panel row of column c of a unit-aligned run of columns (decode order).
 constexpr int decode_pos(int c) { return (c & ~31) | ((c & 3) << 3) | ((c >> 2) & 7); }
-
-// The 16 rows' scales (or biases) of one group, as float32: the same
-// conversions as to_f32 (F16C's, and bf16 widened by a shift).
-MIXBITS_AVX512 inline __m512 load16(const void* a, int64_t at, DType t) {
-  if (t == DType::f32) return _mm512_loadu_ps(static_cast<const float*>(a) + at);
-  const __m256i h = _mm256_loadu_si256((const __m256i*)(static_cast<const uint16_t*>(a) + at));
-  if (t == DType::f16) return _mm512_cvtph_ps(h);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 // One panel row: 16 codes dequantized, s*q + b with one rounding.
 MIXBITS_AVX512 inline void put(__m512i q, __m512 sv, __m512 bv, float* row) {
@@ -112,7 +110,7 @@ MIXBITS_AVX512 void pack_r16(const SegView& s, DType sdt, DequantFn, int n, int 
     const int64_t b = (n + r0) / kRepackRows;
     for (int g = c0 / G; g < c1 / G; ++g) {
       const int64_t at = (b * ng + g) * kRepackRows;
-      const __m512 sv = load16(s.scales, at, sdt), bv = load16(s.biases, at, sdt);
+      const __m512 sv = load16_f32(s.scales, at, sdt), bv = load16_f32(s.biases, at, sdt);
       const uint32_t* wq = s.wq + (b * words + int64_t(g) * G * B / 32) * kRepackRows;
       float* pg = panel + int64_t(g * G - c0) * pw;  // g*G - c0: a multiple of 32
       if constexpr (repack_splits(B))

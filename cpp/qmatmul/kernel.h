@@ -35,7 +35,7 @@ struct QMatView {
   DType sdtype = DType::f32;
   std::vector<SegView> segs;
   // The segments' arrays in the row-interleaved layout of
-  // qmatmul_int8/repack.h instead (wq [NB, words, 16], 3-bit words split;
+  // qmatmul_int8/repack.h instead (wq [NB, words, 16], 3/5/6-bit words split;
   // scales, biases [NB, groups, 16]): the same values in 16-row blocks.
   // Only a kernel select_qmm_repacked returned reads such a view.
   bool repacked = false;
@@ -68,9 +68,11 @@ void qmm_neon_run(const float* x, int M, const QMatView& w, float* y);
 #endif
 
 // A float-contract kernel that reads a repacked QMatView in place, for
-// calls of more than min_m rows; its result is bit for bit what `run` gives
-// on MLX's layout of the same weight. run null: the backend has none, and
-// the caller un-repacks W into MLX's layout first.
+// calls of more than min_m rows; it runs the prefill GEMM whatever the row
+// count, so its result is bit for bit what `run` gives on MLX's layout
+// wherever `run` takes that GEMM too (above the row's small_m), and equal
+// to float rounding below. run null: the backend has none, and the caller
+// un-repacks W into MLX's layout first.
 struct QmmRepacked {
   QmmRun run = nullptr;
   int min_m = 0;

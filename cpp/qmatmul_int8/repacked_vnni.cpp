@@ -23,6 +23,7 @@
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+#include "qmatmul_int8/x86_load16.h"
 
 namespace mixbits {
 namespace {
@@ -30,14 +31,6 @@ namespace {
 constexpr int R = kRepackRows;
 // Software prefetch distance along a block's one sequential stream.
 constexpr int kPrefetchBytes = 2048;
-
-// 16 rows' scales (or biases) of one group as float32.
-inline __m512 load16(const void* p, int64_t off, DType t) {
-  if (t == DType::f32) return _mm512_loadu_ps(static_cast<const float*>(p) + off);
-  const __m256i h = _mm256_loadu_si256((const __m256i*)(static_cast<const uint16_t*>(p) + off));
-  if (t == DType::f16) return _mm512_cvtph_ps(h);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bf16
-}
 
 // The lane mask of a B-bit code in every element of a 32-bit word.
 template <int B, class T>
@@ -142,8 +135,8 @@ void blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, int ldy
           }
         }
       }
-      const __m512 s16 = load16(s.scales, sb + int64_t(g) * R, s.sdt);
-      const __m512 b16 = load16(s.biases, sb + int64_t(g) * R, s.sdt);
+      const __m512 s16 = load16_f32(s.scales, sb + int64_t(g) * R, s.sdt);
+      const __m512 b16 = load16_f32(s.biases, sb + int64_t(g) * R, s.sdt);
       for (int m = 0; m < MB; ++m) {
         __m512i iq = acc[0][m];
         for (int a = 1; a < A; ++a) iq = _mm512_add_epi32(iq, acc[a][m]);
