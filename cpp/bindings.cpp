@@ -121,6 +121,21 @@ NB_MODULE(_ext, m) {
       "backend"_a,
       "Bit widths whose repacked segments those calls read in place (a weight with a "
       "segment of another width is un-repacked).");
+  m.def(
+      "repack_planes",
+      [](int bits) -> std::optional<std::tuple<int, std::vector<int>, std::vector<int>>> {
+        if (!mixbits::repack_splits(bits)) return std::nullopt;
+        std::vector<int> word(32), pos(32);
+        for (int c = 0; c < 32; ++c) {
+          word[c] = mixbits::split_hword(bits, c);
+          pos[c] = mixbits::split_hpos(bits, c);
+        }
+        return std::make_tuple(mixbits::split_low_bits(bits), word, pos);
+      },
+      "bits"_a,
+      "For a width whose repacked words are split into planes (3, 5, 6; repack.h): "
+      "(low-plane bits, high word of each of a chunk's 32 codes, its bit there); None "
+      "for widths kept as MLX's words.");
   m.def("repack_rows", []() { return mixbits::kRepackRows; },
         "Rows interleaved per block of the repacked layout.");
 

@@ -29,6 +29,7 @@ original :class:`~mixbits.layout.QuantizedTensor` for everything else
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -101,34 +102,29 @@ class RepackedTensor:
 
 # ------------------------------------------------------------ row lookups
 
-# The planes of a split width (repack.h, split_planes): per chunk of 32
-# codes, LB low-plane words in MLX's LB-bit layout, then the high bits of
-# code c at bit _hpos(bits, c) of high word _hword(bits, c).
-_SPLIT_LOW_BITS = {3: 2, 5: 4, 6: 4}
+@functools.lru_cache(maxsize=None)
+def _planes(bits: int):
+    """The planes of a split width (repack.h, split_planes: the one
+    definition, read from the extension): (LB, high word of chunk code c,
+    its bit there) -- per chunk of 32 codes, LB low-plane words in MLX's
+    LB-bit layout, then the high bits of code c at that bit of high word
+    LB + word. None for widths kept as MLX's words."""
+    from . import _ext
 
-
-def _hword(bits: int, c: int) -> int:
-    return 0 if bits == 3 else c * (bits - 4) // 32
-
-
-def _hpos(bits: int, c: int) -> int:
-    if bits == 3:  # split3_hpos
-        return 8 * ((c % 16) // 4) + (2 + 4 * (c // 16) + c % 4) % 8
-    hb = bits - 4  # split56_hpos
-    return 8 * ((c % 8) // 2) + (4 + hb * (2 * ((c // 8) % (4 // hb)) + c % 2)) % 8
+    return _ext.repack_planes(bits)
 
 
 def _merge_planes(words: mx.array, bits: int) -> mx.array:
     """Repacked words (..., bits*C) of a split width (3, 5, 6) back to MLX's
     bitstream (..., bits*C), in MLX ops (lazy: usable under mx.compile)."""
     lead, w = words.shape[:-1], words.shape[-1]
-    lb = _SPLIT_LOW_BITS[bits]
+    lb, hword, hpos = _planes(bits)
     cw = 32 // lb  # codes per low word
     chunks = words.reshape(*lead, w // bits, bits)
     lo = chunks[..., :lb, None] >> mx.array([lb * i for i in range(cw)], mx.uint32)
     lo = (lo & ((1 << lb) - 1)).reshape(*lead, w // bits, 32)
-    hw = mx.take(chunks, mx.array([lb + _hword(bits, c) for c in range(32)]), axis=-1)
-    hi = (hw >> mx.array([_hpos(bits, c) for c in range(32)], mx.uint32)) & ((1 << (bits - lb)) - 1)
+    hw = mx.take(chunks, mx.array([lb + h for h in hword]), axis=-1)
+    hi = (hw >> mx.array(hpos, mx.uint32)) & ((1 << (bits - lb)) - 1)
     codes = lo | (hi << lb)  # (..., C, 32)
     # MLX: LSB first, codes straddling words: bit t of the chunk's bitstream
     # is bit t % bits of code t // bits; word i gathers bits 32i .. 32i+31.
@@ -152,6 +148,6 @@ def gather_rows(seg: RepackedSegment, ids: mx.array) -> tuple[mx.array, mx.array
         return mx.take_along_axis(rows, idx, axis=-1).squeeze(-1)
 
     wq = pick(seg.wq_r)
-    if seg.bits in _SPLIT_LOW_BITS:
+    if _planes(seg.bits) is not None:
         wq = _merge_planes(wq, seg.bits)
     return wq, pick(seg.scales_r), pick(seg.biases_r)
