@@ -20,7 +20,9 @@
 #include "kl/kl.h"
 #include "qmatmul/qmatmul.h"
 #include "qmatmul/transposed.h"
+#include "qmatmul_int8/kernel.h"
 #include "qmatmul_int8/repacked_qmatmul.h"
+#include "common/cpu.h"
 #include "quant_error/quant_error.h"
 
 namespace nb = nanobind;
@@ -136,6 +138,52 @@ NB_MODULE(_ext, m) {
       "For a width whose repacked words are split into planes (3, 5, 6; repack.h): "
       "(low-plane bits, high word of each of a chunk's 32 codes, its bit there); None "
       "for widths kept as MLX's words.");
+  m.def(
+      "int_quantize_groups",
+      [](nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> x, int group_size,
+         int width, bool simd)
+          -> std::optional<std::tuple<std::vector<int>, std::vector<float>, std::vector<int>,
+                                      std::vector<float>>> {
+        const int64_t n = int64_t(x.shape(0));
+        if (group_size < 1 || n % group_size != 0 || (width != 8 && width != 16))
+          throw nb::value_error("x's length must be a multiple of group_size; width 8 or 16");
+        const int ng = int(n / group_size);
+        std::vector<float> d(ng), xs(ng);
+        std::vector<int32_t> ix(ng);
+        std::vector<int> codes(n);
+        auto run = [&](auto* q) -> bool {
+          using T = std::remove_pointer_t<decltype(q)>;
+          if (!simd) {
+            mixbits::int_quantize_groups_ref<T>(x.data(), ng, group_size, q, d.data(), ix.data(),
+                                                xs.data());
+            return true;
+          }
+#if defined(MIXBITS_HAVE_AVX2)
+          if (mixbits::cpu_has_avx2()) {
+            mixbits::int_quantize_groups_avx2<T>(x.data(), ng, group_size, q, d.data(),
+                                                 ix.data(), xs.data());
+            return true;
+          }
+#endif
+          return false;
+        };
+        bool ok;
+        if (width == 8) {
+          std::vector<int8_t> q(n);
+          ok = run(q.data());
+          std::copy(q.begin(), q.end(), codes.begin());
+        } else {
+          std::vector<int16_t> q(n);
+          ok = run(q.data());
+          std::copy(q.begin(), q.end(), codes.begin());
+        }
+        if (!ok) return std::nullopt;
+        return std::make_tuple(codes, d, std::vector<int>(ix.begin(), ix.end()), xs);
+      },
+      "x"_a, "group_size"_a, "width"_a, "simd"_a,
+      "The integer contracts' quantization of one row of finite float32 x (kernel.h): "
+      "(codes, d, ix, xs) per group, by the scalar definition or (simd=True) this CPU's "
+      "SIMD version; None where this build/CPU has none.");
   m.def("repack_rows", []() { return mixbits::kRepackRows; },
         "Rows interleaved per block of the repacked layout.");
 

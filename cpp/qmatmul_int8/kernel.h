@@ -65,6 +65,19 @@ struct IntActs {
 // one definition every backend uses.
 template <class T>
 void int_quantize(const float* x, int M, const QMatView& w, IntActs<T>& a);
+// Its inner step, one row of one segment: ng groups of G columns of finite
+// x into codes q, d, ix and xs per group. The scalar version is the
+// definition; the SIMD one (G a multiple of 32, else it calls the scalar
+// one) gives the same bits.
+template <class T>
+using IntQuantizeGroupsFn = void (*)(const float* x, int ng, int G, T* q, float* d, int32_t* ix,
+                                     float* xs);
+template <class T>
+void int_quantize_groups_ref(const float* x, int ng, int G, T* q, float* d, int32_t* ix, float* xs);
+#if defined(MIXBITS_HAVE_AVX2)
+template <class T>
+void int_quantize_groups_avx2(const float* x, int ng, int G, T* q, float* d, int32_t* ix, float* xs);
+#endif
 
 // Reference: the contract evaluated in float64 (exact integer sums).
 template <class T>

@@ -2,17 +2,66 @@
 // quantization every backend uses, and the product evaluated exactly
 // (integer sums, float64 for the rest). The oracle the SIMD kernels are
 // tested against, and the fallback on CPUs without them.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 
+#include "common/cpu.h"
 #include "common/parallel.h"
 #include "qmatmul_int8/kernel.h"
 
 namespace mixbits {
 
 template <class T>
-void int_quantize(const float* x, int M, const QMatView& w, IntActs<T>& a) {
+void int_quantize_groups_ref(const float* x, int ng, int G, T* q, float* d, int32_t* ix, float* xs) {
   constexpr float Q = kIntQMax<T>;
+  for (int g = 0; g < ng; ++g, x += G, q += G) {
+    // x is finite here (the callers route inf/NaN rows to the float path),
+    // so a plain comparison is max|x| exactly; std::fmax is a libm call per
+    // element on x86.
+    float amax = 0.0f;
+    for (int i = 0; i < G; ++i) {
+      const float a = std::fabs(x[i]);
+      amax = a > amax ? a : amax;
+    }
+    if (!(amax >= kIntMinAmax<T>)) {  // zero (or negligible) group
+      std::fill(q, q + G, T(0));
+      d[g] = 0.0f;
+      ix[g] = 0;
+      xs[g] = 0.0f;
+      continue;
+    }
+    const float id = Q / amax;
+    int32_t sum = 0;
+    for (int i = 0; i < G; ++i) {
+      // The float32 product then round-half-even: what cvtps_epi32 does
+      // under the default rounding mode. |x * id| <= Q * (1 + 2^-23)^2.
+      float v = std::nearbyint(x[i] * id);
+      v = v < -Q ? -Q : (v > Q ? Q : v);
+      q[i] = T(v);
+      sum += int32_t(v);
+    }
+    d[g] = amax / Q;
+    ix[g] = sum;
+    xs[g] = d[g] * float(sum);
+  }
+}
+
+namespace {
+// The group quantizer this CPU runs, chosen once; every version gives the
+// scalar one's codes and scales bit for bit (tests/test_int_quantize.py).
+template <class T>
+IntQuantizeGroupsFn<T> groups_fn() {
+#if defined(MIXBITS_HAVE_AVX2)
+  if (cpu_has_avx2()) return &int_quantize_groups_avx2<T>;
+#endif
+  return &int_quantize_groups_ref<T>;
+}
+}  // namespace
+
+template <class T>
+void int_quantize(const float* x, int M, const QMatView& w, IntActs<T>& a) {
+  static const IntQuantizeGroupsFn<T> groups = groups_fn<T>();
   const size_t ns = w.segs.size();
   a.xq.resize(ns);
   a.d.resize(ns);
@@ -26,33 +75,9 @@ void int_quantize(const float* x, int M, const QMatView& w, IntActs<T>& a) {
     a.xs[si].resize(size_t(M) * ng);
     a.ix[si].resize(size_t(M) * ng);
     for (int m = 0; m < M; ++m) {
-      const float* xr = x + int64_t(m) * w.K + s.k0;
-      T* q = a.xq[si].data() + int64_t(m) * s.k;
-      for (int g = 0; g < ng; ++g) {
-        float amax = 0.0f;
-        for (int i = 0; i < G; ++i) amax = std::fmax(amax, std::fabs(xr[g * G + i]));
-        const int64_t gi = int64_t(m) * ng + g;
-        if (!(amax >= kIntMinAmax<T>)) {  // zero (or negligible) group
-          for (int i = 0; i < G; ++i) q[g * G + i] = 0;
-          a.d[si][gi] = 0.0f;
-          a.ix[si][gi] = 0;
-          a.xs[si][gi] = 0.0f;
-          continue;
-        }
-        const float d = amax / Q, id = Q / amax;
-        int32_t sum = 0;
-        for (int i = 0; i < G; ++i) {
-          // The float32 product then round-half-even: what cvtps_epi32 does
-          // under the default rounding mode. |x * id| <= Q * (1 + 2^-23)^2.
-          float v = std::nearbyint(xr[g * G + i] * id);
-          v = std::fmin(Q, std::fmax(-Q, v));
-          q[g * G + i] = T(v);
-          sum += int32_t(v);
-        }
-        a.d[si][gi] = d;
-        a.ix[si][gi] = sum;
-        a.xs[si][gi] = d * float(sum);
-      }
+      const int64_t gi = int64_t(m) * ng;
+      groups(x + int64_t(m) * w.K + s.k0, ng, G, a.xq[si].data() + int64_t(m) * s.k,
+             a.d[si].data() + gi, a.ix[si].data() + gi, a.xs[si].data() + gi);
     }
   }
 }
@@ -84,6 +109,8 @@ void qmm_int_ref(const IntActs<T>& a, int M, const QMatView& w, float* y, int n0
 
 template void int_quantize(const float*, int, const QMatView&, IntActs<int8_t>&);
 template void int_quantize(const float*, int, const QMatView&, IntActs<int16_t>&);
+template void int_quantize_groups_ref(const float*, int, int, int8_t*, float*, int32_t*, float*);
+template void int_quantize_groups_ref(const float*, int, int, int16_t*, float*, int32_t*, float*);
 
 namespace {
 template <class T>
