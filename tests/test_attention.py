@@ -39,6 +39,10 @@ SHAPES = [  # B, H, Hk, T, S, D
     (3, 6, 2, 70, 70, 24),     # D not a multiple of the 8/16-lane tiles
     (1, 8, 2, 64, 64, 128),
     (2, 3, 1, 5, 17, 7),
+    # decode steps (T = 1: scores straight from the key rows, 4 keys at a time)
+    (1, 9, 3, 1, 163, 64),     # keys not a multiple of 4
+    (2, 6, 2, 1, 30, 20),      # head dim not a multiple of 8
+    (1, 4, 1, 1, 3, 5),        # fewer keys than one step of 4
 ]
 
 
@@ -119,10 +123,10 @@ def test_half_precision_inputs(dtype, backend):
     with kv_len too; the gradient equals MLX's sdpa's in float32 on the
     same values, rounded to the dtype."""
     rng = np.random.default_rng(11)
-    B, H, Hk, T, S, D = 1, 6, 2, 9, 40, 32
-    q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)).astype(dtype)
-               for s in ((B, H, T, D), (B, Hk, S, D), (B, Hk, S, D)))
-    for n in (None, 20):
+    B, H, Hk, S, D = 1, 6, 2, 40, 32
+    for T, n in ((1, None), (1, 20), (9, None), (9, 20)):  # decode steps read K without transposing it
+        q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)).astype(dtype)
+                   for s in ((B, H, T, D), (B, Hk, S, D), (B, Hk, S, D)))
         kk, vv = (k, v) if n is None else (k[:, :, :n], v[:, :, :n])
         got = causal_attention(q, k, v, 0.2, backend=backend, kv_len=None if n is None else mx.array(n))
         assert got.dtype == dtype

@@ -49,22 +49,36 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
   // attention is small enough for a memset of the block-sized buffers to
   // show).
   auto scratch = [](int64_t n) { return std::unique_ptr<float[]>(new float[size_t(n)]); };
-  auto kt = scratch(B * Hk * D * S);
-  auto vw = scratch(dt == DType::f32 ? 0 : B * Hk * S * D);
-  parallel_for(B * Hk, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> row(static_cast<size_t>(D));
-    for (int64_t i = i0; i < i1; ++i) {
-      float* dst = kt.get() + i * D * S;
-      for (int64_t s = 0; s < S; ++s) {
-        const float* kr = rows_as_f32(k, (i * ld + s) * D, D, dt, row.data());
-        for (int64_t d = 0; d < D; ++d) dst[d * S + s] = kr[d];
+  // A decode step (one query per head) reads each key once, so its scores
+  // come straight from the key rows (gemm_nt): transposing K would cost as
+  // much as the product. Longer queries reuse K^T across their rows.
+  const bool direct = T == 1;
+  const bool widen = dt != DType::f32;
+  auto kt = scratch(direct ? 0 : B * Hk * D * S);
+  auto kw = scratch(direct && widen ? B * Hk * S * D : 0);
+  auto vw = scratch(widen ? B * Hk * S * D : 0);
+  if (!direct || widen)
+    parallel_for(B * Hk, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> row(static_cast<size_t>(D));
+      for (int64_t i = i0; i < i1; ++i) {
+        if (!direct) {
+          float* dst = kt.get() + i * D * S;
+          for (int64_t s = 0; s < S; ++s) {
+            const float* kr = rows_as_f32(k, (i * ld + s) * D, D, dt, row.data());
+            for (int64_t d = 0; d < D; ++d) dst[d * S + s] = kr[d];
+          }
+        } else {
+          rows_as_f32(k, i * ld * D, S * D, dt, kw.get() + i * S * D);
+        }
+        if (widen) rows_as_f32(v, i * ld * D, S * D, dt, vw.get() + i * S * D);
       }
-      if (dt != DType::f32) rows_as_f32(v, i * ld * D, S * D, dt, vw.get() + i * S * D);
-    }
-  });
-  // V rows of KV head bh: the caller's buffer (row stride ld) or the widened copy.
+    });
+  // K and V rows of KV head bh: the caller's buffer (row stride ld) or the widened copy.
+  auto k_rows = [&](int64_t bh) {
+    return widen ? kw.get() + bh * S * D : static_cast<const float*>(k) + bh * ld * D;
+  };
   auto v_rows = [&](int64_t bh) {
-    return dt == DType::f32 ? static_cast<const float*>(v) + bh * ld * D : vw.get() + bh * S * D;
+    return widen ? vw.get() + bh * S * D : static_cast<const float*>(v) + bh * ld * D;
   };
   const int64_t nqb = (T + kQueryBlock - 1) / kQueryBlock;
   const int64_t qb = std::min(kQueryBlock, T);  // rows of a block: 1 in a decode step
@@ -83,7 +97,10 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
         const float* src = rows_as_f32(q, ((b * H + hk * r + g) * T + t0) * D, nt * D, dt, dst);
         for (int64_t i = 0; i < nt * D; ++i) dst[i] = src[i] * scale;
       }
-      kern.gemm(qa.get(), D, kt.get() + bh * D * S, S, sc.get(), e, rows, e, D);
+      if (direct)
+        kern.gemm_nt(qa.get(), D, k_rows(bh), D, sc.get(), e, rows, e, D);
+      else
+        kern.gemm(qa.get(), D, kt.get() + bh * D * S, S, sc.get(), e, rows, e, D);
       for (int64_t row = 0; row < rows; ++row) {
         float* x = sc.get() + row * e;
         const int64_t n = t0 + row % nt + off + 1;  // causal: keys 0 .. t+off

@@ -95,7 +95,55 @@ void gemm(const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
   _mm256_zeroupper();
 }
 
+
+// Scores for one query row against 4 key rows: four 8-lane dot products
+// reduced together (two rounds of hadd, then the two 128-bit halves).
+inline __m128 dot4(const float* a, const float* b, int64_t ldb, int64_t k) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+  int64_t p = 0;
+  for (; p + 8 <= k; p += 8) {
+    const __m256 x = _mm256_loadu_ps(a + p);
+    acc0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + p), acc0);
+    acc1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + ldb + p), acc1);
+    acc2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 2 * ldb + p), acc2);
+    acc3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 3 * ldb + p), acc3);
+  }
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc0, acc1), _mm256_hadd_ps(acc2, acc3));
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  if (p < k) {  // head dims not a multiple of 8
+    alignas(16) float t[4];
+    _mm_store_ps(t, r);
+    for (; p < k; ++p)
+      for (int j = 0; j < 4; ++j) t[j] += a[p] * b[j * ldb + p];
+    r = _mm_load_ps(t);
+  }
+  return r;
+}
+
+inline float dot1(const float* a, const float* b, int64_t k) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t p = 0;
+  for (; p + 8 <= k; p += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + p), _mm256_loadu_ps(b + p), acc);
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  r = _mm_hadd_ps(r, r);
+  r = _mm_hadd_ps(r, r);
+  float s = _mm_cvtss_f32(r);
+  for (; p < k; ++p) s += a[p] * b[p];
+  return s;
+}
+
 }  // namespace
+
+void attn_gemm_nt_avx2(const float* a, int64_t lda, const float* b, int64_t ldb,
+                       float* c, int64_t ldc, int64_t m, int64_t n, int64_t k) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4)  // 4 key rows, read once from memory, for every query row
+    for (int64_t i = 0; i < m; ++i)
+      _mm_storeu_ps(c + i * ldc + j, dot4(a + i * lda, b + j * ldb, ldb, k));
+  for (; j < n; ++j)
+    for (int64_t i = 0; i < m; ++i) c[i * ldc + j] = dot1(a + i * lda, b + j * ldb, k);
+  _mm256_zeroupper();
+}
 
 void attn_gemm_avx2(const float* a, int64_t lda, const float* b, int64_t ldb,
                     float* c, int64_t ldc, int64_t m, int64_t n, int64_t k) {

@@ -10,9 +10,9 @@ std::vector<Backend> available_attn_backends() {
 AttnKernels select_attn(Backend requested) {
   switch (resolve_backend("causal_attention", requested, kAttnBackends)) {
 #if defined(MIXBITS_HAVE_AVX2)
-    case Backend::Avx2: return {attn_gemm_avx2, attn_exp_row_avx2, attn_gemm_tn_acc_avx2};
+    case Backend::Avx2: return {attn_gemm_avx2, attn_exp_row_avx2, attn_gemm_tn_acc_avx2, attn_gemm_nt_avx2};
 #endif
-    default: return {attn_gemm_ref, attn_exp_row_ref, attn_gemm_tn_acc_ref};
+    default: return {attn_gemm_ref, attn_exp_row_ref, attn_gemm_tn_acc_ref, attn_gemm_nt_ref};
   }
 }
 

@@ -32,15 +32,25 @@ using AttnGemmTnAccFn = void (*)(const float* a, int64_t lda, const float* b,
                                  int64_t ldb, float* c, int64_t ldc, int64_t m,
                                  int64_t n, int64_t k);
 
+// C[m x n] = A . B^T with B stored n x k (ldb): a decode step's scores
+// straight from the key rows, where transposing K for the plain GEMM would
+// cost as much as the product itself (one query per head).
+using AttnGemmNtFn = void (*)(const float* a, int64_t lda, const float* b,
+                              int64_t ldb, float* c, int64_t ldc, int64_t m,
+                              int64_t n, int64_t k);
+
 struct AttnKernels {
   AttnGemmFn gemm;
   AttnExpRowFn exp_row;
   AttnGemmTnAccFn gemm_tn_acc;
+  AttnGemmNtFn gemm_nt;
 };
 
 void attn_gemm_ref(const float* a, int64_t lda, const float* b, int64_t ldb,
                    float* c, int64_t ldc, int64_t m, int64_t n, int64_t k);
 float attn_exp_row_ref(float* x, int64_t n, float max);
+void attn_gemm_nt_ref(const float* a, int64_t lda, const float* b, int64_t ldb,
+                      float* c, int64_t ldc, int64_t m, int64_t n, int64_t k);
 void attn_gemm_tn_acc_ref(const float* a, int64_t lda, const float* b,
                           int64_t ldb, float* c, int64_t ldc, int64_t m,
                           int64_t n, int64_t k);
@@ -48,6 +58,8 @@ void attn_gemm_tn_acc_ref(const float* a, int64_t lda, const float* b,
 void attn_gemm_avx2(const float* a, int64_t lda, const float* b, int64_t ldb,
                     float* c, int64_t ldc, int64_t m, int64_t n, int64_t k);
 float attn_exp_row_avx2(float* x, int64_t n, float max);
+void attn_gemm_nt_avx2(const float* a, int64_t lda, const float* b, int64_t ldb,
+                       float* c, int64_t ldc, int64_t m, int64_t n, int64_t k);
 void attn_gemm_tn_acc_avx2(const float* a, int64_t lda, const float* b,
                            int64_t ldb, float* c, int64_t ldc, int64_t m,
                            int64_t n, int64_t k);

@@ -16,6 +16,16 @@ void attn_gemm_ref(const float* a, int64_t lda, const float* b, int64_t ldb,
     }
 }
 
+void attn_gemm_nt_ref(const float* a, int64_t lda, const float* b, int64_t ldb,
+                      float* c, int64_t ldc, int64_t m, int64_t n, int64_t k) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double s = 0;
+      for (int64_t p = 0; p < k; ++p) s += double(a[i * lda + p]) * b[j * ldb + p];
+      c[i * ldc + j] = float(s);
+    }
+}
+
 float attn_exp_row_ref(float* x, int64_t n, float max) {
   double s = 0;
   for (int64_t i = 0; i < n; ++i) {
