@@ -139,66 +139,9 @@ def set_activations(model, act: str) -> None:
         m.activations = act
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=4)
-    ap.add_argument("--impl", nargs="+", default=["mlx", "mixbits"],
-                    choices=["mlx", "mixbits", "mixbits-int8", "mixbits-int16", "mixbits-int8-repacked",
-                             "mixbits-int16-repacked", "mixbits-int8-repacked-linears",
-                             "mixbits-int16-repacked-linears"],
-                    help="mixbits-int8/-int16: the patched model with that activations= contract; "
-                         "-repacked: that contract with the linear layers and the tied head's table in the "
-                         "row-interleaved layout (mixbits.nn.repack_layers); -repacked-linears: the same "
-                         "with the tied head left in MLX's layout")
-    ap.add_argument("--out", default=str(RESULTS / "decode.json"))
-    ap.add_argument("--llama-bench", metavar="PATH",
-                    help="llama.cpp's llama-bench (bench/ggml/build_llama_bench.sh): run it on the same GGUF, "
-                         "one thread, before and after our implementations")
-    ap.add_argument("--llama-reps", type=int, default=10,
-                    help="llama-bench --repetitions per test (its CPU time: this run minus a -r 1 run)")
-    a = ap.parse_args(argv)
-    llama = gguf = None
-    if a.llama_bench is not None:  # one clear error before anything is timed
-        if a.llama_reps < 2:
-            raise SystemExit("error: --llama-reps must be at least 2 (CPU time is a difference of two runs)")
-        try:
-            llama = llama_bench.check_executable(a.llama_bench)
-            llama_version = llama_bench.check_runs(llama)
-        except llama_bench.LlamaBenchError as e:
-            raise SystemExit(f"error: {e}") from None
-        from mixbits.models import smollm2
-
-        gguf = str(smollm2.fetch())
-    flags = cpu_flags()
-    print(f"load average {os.getloadavg()}; CPU flags: {' '.join(flags)}; "
-          f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}", flush=True)
-    setup_cpu_one_thread()
-    rows, llama_runs = [], []
-
-    def run_llama(when: str) -> None:
-        if llama is None:
-            return
-        try:
-            m = llama_bench.measure(llama, gguf, PROMPT, a.steps, a.llama_reps)
-        except llama_bench.LlamaBenchError as e:
-            raise SystemExit(f"error: {e}") from None
-        pf, dc = m["prefill"], m["decode"]
-        row = {"impl": "llama.cpp", "when": when, "prompt": pf["test"]["n_prompt"],
-               "prefill_tps": pf["cpu_tps"], "prefill_wall_tps": pf["test"]["wall_median_tps"],
-               "decode_tps": dc["cpu_tps"], "decode_wall_tps": dc["test"]["wall_median_tps"],
-               "decode_wall_best_tps": dc["test"]["wall_best_tps"],
-               "prefill_llama_avg_ts": pf["test"]["avg_ts"], "decode_llama_avg_ts": dc["test"]["avg_ts"],
-               "decode_depth": dc["test"]["n_depth"], "decode_steps": dc["test"]["n_gen"],
-               "cpu_over_wall": {"prefill": pf["cpu_over_wall"], "decode": dc["cpu_over_wall"]},
-               "load_average": os.getloadavg()[0]}
-        rows.append(row)
-        llama_runs.append({"when": when, **m})
-        print(f"{'llama.cpp':14} prefill {row['prefill_tps']:7.1f} tok/s CPU ({row['prefill_wall_tps']:.1f} wall)"
-              f"   decode {row['decode_tps']:6.1f} tok/s CPU ({row['decode_wall_tps']:.1f} wall; tg{a.steps} "
-              f"at depth {PROMPT}) [{when}, load {row['load_average']:.2f}]", flush=True)
-
-    run_llama("before")
+def one_round(rnd: int, rows: list, run_llama, a) -> None:
+    """llama.cpp, then every implementation, then llama.cpp again."""
+    run_llama("before", rnd + 1)
     for impl in a.impl:
         model, tok = load_smollm2(patch=impl.startswith("mixbits"))
         if "-" in impl:
@@ -219,7 +162,7 @@ def main(argv=None):
                    decode_plain_best_tps=d["plain_best"], decode_compiled_best_tps=d["compiled_best"],
                    decode_plain_wall_tps=d["plain_wall"], decode_compiled_wall_tps=d["compiled_wall"],
                    compiled_over_plain=d["compiled"] / d["plain"] if d["compiled"] else None,
-                   first_step_s=d["first_step_s"], load_average=os.getloadavg()[0])
+                   first_step_s=d["first_step_s"], load_average=os.getloadavg()[0], round=rnd + 1)
         rows.append(row)
         fmt = lambda v, f: "refused" if v is None else format(v, f)  # noqa: E731
         print(f"{impl:14} prefill {row['prefill_tps']:7.1f} tok/s CPU ({pf_wall:.1f} wall)   decode plain "
@@ -228,13 +171,116 @@ def main(argv=None):
               f"fastest token {row['decode_plain_best_tps']:.1f} / {fmt(row['decode_compiled_best_tps'], '.1f')} "
               f"tok/s; first compiled step {fmt(row['first_step_s'], '.2f')} s)", flush=True)
         del model
-    run_llama("after")
-    res = {"model": "SmolLM2-135M Q4_1 (GGUF)", "steps": a.steps, "reps": a.reps,
+    run_llama("after", rnd + 1)
+
+
+def round_ratios(rows: list) -> dict:
+    """Per implementation: each round's CPU-time rate over llama.cpp's in
+    that round (the mean of its before/after runs), for prefill and the
+    compiled decode; median and range over the rounds."""
+    out = {}
+    by_round = {}
+    for r in rows:
+        by_round.setdefault(r.get("round", 1), []).append(r)
+    for rnd, rs in sorted(by_round.items()):
+        ll = [r for r in rs if r["impl"] == "llama.cpp" and r["prefill_tps"] and r["decode_tps"]]
+        if not ll:
+            continue
+        ref = {k: statistics.mean(r[k] for r in ll) for k in ("prefill_tps", "decode_tps")}
+        for r in rs:
+            if r["impl"] == "llama.cpp" or r.get("decode_compiled_tps") is None:
+                continue
+            d = out.setdefault(r["impl"], {"prefill": [], "decode_compiled": []})
+            d["prefill"].append(r["prefill_tps"] / ref["prefill_tps"])
+            d["decode_compiled"].append(r["decode_compiled_tps"] / ref["decode_tps"])
+    for d in out.values():
+        for k in list(d):
+            v = d[k]
+            d[k] = {"per_round": [round(x, 3) for x in v], "median": round(statistics.median(v), 3),
+                    "min": round(min(v), 3), "max": round(max(v), 3)}
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--impl", nargs="+", default=["mlx", "mixbits"],
+                    choices=["mlx", "mixbits", "mixbits-int8", "mixbits-int16", "mixbits-int8-repacked",
+                             "mixbits-int16-repacked", "mixbits-int8-repacked-linears",
+                             "mixbits-int16-repacked-linears"],
+                    help="mixbits-int8/-int16: the patched model with that activations= contract; "
+                         "-repacked: that contract with the linear layers and the tied head's table in the "
+                         "row-interleaved layout (mixbits.nn.repack_layers); -repacked-linears: the same "
+                         "with the tied head left in MLX's layout")
+    ap.add_argument("--out", default=str(RESULTS / "decode.json"))
+    ap.add_argument("--llama-bench", metavar="PATH",
+                    help="llama.cpp's llama-bench (bench/ggml/build_llama_bench.sh): run it on the same GGUF, "
+                         "one thread, before and after our implementations")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat the whole comparison (llama.cpp, ours, llama.cpp) this many times and report "
+                         "each round's ratio to llama.cpp: on a shared host single runs move by 20-30%%")
+    ap.add_argument("--llama-reps", type=int, default=10,
+                    help="llama-bench --repetitions per test (its CPU time: this run minus a -r 1 run)")
+    a = ap.parse_args(argv)
+    if a.rounds < 1:
+        raise SystemExit("error: --rounds must be at least 1")
+    llama = gguf = None
+    if a.llama_bench is not None:  # one clear error before anything is timed
+        if a.llama_reps < 2:
+            raise SystemExit("error: --llama-reps must be at least 2 (CPU time is a difference of two runs)")
+        try:
+            llama = llama_bench.check_executable(a.llama_bench)
+            llama_version = llama_bench.check_runs(llama)
+        except llama_bench.LlamaBenchError as e:
+            raise SystemExit(f"error: {e}") from None
+        from mixbits.models import smollm2
+
+        gguf = str(smollm2.fetch())
+    flags = cpu_flags()
+    print(f"load average {os.getloadavg()}; CPU flags: {' '.join(flags)}; "
+          f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}", flush=True)
+    setup_cpu_one_thread()
+    rows, llama_runs = [], []
+
+    def run_llama(when: str, rnd: int) -> None:
+        if llama is None:
+            return
+        try:
+            m = llama_bench.measure(llama, gguf, PROMPT, a.steps, a.llama_reps)
+        except llama_bench.LlamaBenchError as e:
+            raise SystemExit(f"error: {e}") from None
+        pf, dc = m["prefill"], m["decode"]
+        row = {"impl": "llama.cpp", "when": when, "prompt": pf["test"]["n_prompt"],
+               "prefill_tps": pf["cpu_tps"], "prefill_wall_tps": pf["test"]["wall_median_tps"],
+               "decode_tps": dc["cpu_tps"], "decode_wall_tps": dc["test"]["wall_median_tps"],
+               "decode_wall_best_tps": dc["test"]["wall_best_tps"],
+               "prefill_llama_avg_ts": pf["test"]["avg_ts"], "decode_llama_avg_ts": dc["test"]["avg_ts"],
+               "decode_depth": dc["test"]["n_depth"], "decode_steps": dc["test"]["n_gen"],
+               "cpu_over_wall": {"prefill": pf["cpu_over_wall"], "decode": dc["cpu_over_wall"]},
+               "load_average": os.getloadavg()[0], "round": rnd}
+        rows.append(row)
+        llama_runs.append({"when": when, "round": rnd, **m})
+        num = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731  (CPU time lost in the noise)
+        print(f"{'llama.cpp':14} prefill {num(row['prefill_tps']):>7} tok/s CPU ({row['prefill_wall_tps']:.1f} wall)"
+              f"   decode {num(row['decode_tps']):>6} tok/s CPU ({row['decode_wall_tps']:.1f} wall; tg{a.steps} "
+              f"at depth {PROMPT}) [{when}, round {rnd}, load {row['load_average']:.2f}]", flush=True)
+
+    for rnd in range(a.rounds):
+        one_round(rnd, rows, run_llama, a)
+    res = {"model": "SmolLM2-135M Q4_1 (GGUF)", "steps": a.steps, "reps": a.reps, "rounds": a.rounds,
            "clock": "prefill_tps/decode_*_tps: CPU time (ours: time.process_time; llama.cpp: getrusage of its "
                     "processes, -r R run minus -r 1 run); *_wall_tps: wall clock (ours: time.perf_counter; "
                     "llama.cpp: its samples_ns); 1 thread (mixbits set_max_threads(1), OPENBLAS_NUM_THREADS=1, "
                     "llama-bench -t 1)",
            "load_average": os.getloadavg()[0], "cpu_flags": flags, "rows": rows}
+    ratios = round_ratios(rows)
+    if ratios:
+        res["vs_llama_cpp_cpu"] = ratios
+        for impl, d in ratios.items():
+            print(f"{impl}: CPU-time rate / llama.cpp's per round: prefill {d['prefill']['per_round']} "
+                  f"(median {d['prefill']['median']}), compiled decode {d['decode_compiled']['per_round']} "
+                  f"(median {d['decode_compiled']['median']})", flush=True)
     if llama is None:
         res["llama_cpp_reference"] = ("75-81 tok/s decode, 1 thread, same GGUF, measured earlier on this kind "
                                       "of host (not in this run; pass --llama-bench to run it)")
