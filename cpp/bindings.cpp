@@ -383,4 +383,7 @@ NB_MODULE(_ext, m) {
         "reps"_a = 5,
         "Benchmark probe: best multithreaded stream-read rate over a buffer "
         "of nbytes, in GB/s.", nb::call_guard<nb::gil_scoped_release>());
+  m.def("int8_dot_ns", &mixbits::int8_dot_ns, "reps"_a = 5,
+        "Benchmark probe: ns per 512-bit vpdpbusd (64 byte multiply-adds), one thread; "
+        "0.0 without AVX512-VNNI.", nb::call_guard<nb::gil_scoped_release>());
 }

@@ -126,6 +126,36 @@ def test_comparison_table_with_repacked_times():
     assert bench.m8_over_m1([r], "mixbits_repacked") == {}  # no M=8 row
 
 
+def test_dot_floor():
+    """M = 8 rows of a 4096 x 4096 weight need 4096 * 4096 * 8 / 64 dots."""
+    rows = []
+    for m, t in ((1, 0.0004), (8, 0.0012)):
+        r = bench.Row(bench.Case(4096, 4096, m, "2bit"), 2.5, 5 << 20)
+        r.times["mixbits_repacked"] = {"best_s": t}
+        rows.append(r)
+    f = bench.dot_floor(rows, 0.25, "mixbits_repacked")["4096x4096-2bit"]
+    floor_s = 4096 * 4096 * 8 / 64 * 0.25e-9  # 0.524 ms
+    assert f["m8_floor_ms"] == pytest.approx(floor_s * 1e3, rel=1e-3)
+    assert f["best_m8_over_m1"] == pytest.approx(floor_s / 0.0004, rel=1e-3)
+    assert f["m8_over_floor"] == pytest.approx(0.0012 / floor_s, rel=1e-3)
+    assert bench.dot_floor(rows[:1], 0.25, "mixbits_repacked") == {}  # no M=8 row
+
+
+def test_int8_dot_probe():
+    """The vpdpbusd probe: 0 without AVX512-VNNI, else a plausible time (a
+    512-bit dot issues at most a few per cycle, and takes well under 10 ns)."""
+    from mixbits import _ext
+
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    ns = _ext.int8_dot_ns(2)
+    if " avx512_vnni" in flags:
+        assert 0.05 < ns < 10
+    else:
+        assert ns == 0.0
+    with pytest.raises(ValueError):
+        _ext.int8_dot_ns(0)
+
+
 @pytest.mark.parametrize("text", ["", "[]", '{"results": [{"type": "q4_0"}]}'])
 def test_parse_bad_output(text):
     with pytest.raises(bench_ggml.HarnessError):

@@ -8,7 +8,12 @@
 #include <memory>
 #include <stdexcept>
 
+#include "common/cpu.h"
 #include "common/parallel.h"
+
+#if defined(MIXBITS_HAVE_AVX2)
+#include <immintrin.h>
+#endif
 
 namespace mixbits {
 
@@ -27,6 +32,27 @@ uint64_t read_words(const uint64_t* p, int64_t n) {
   for (int j = 0; j < 8; ++j) s += a[j];
   return s;
 }
+
+#if defined(MIXBITS_HAVE_AVX2)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vnni")
+// 12 independent vpdpbusd chains (latency 4-5 cycles, so 12 keep one or two
+// pipes busy); the empty asm keeps the operand live in a register each
+// iteration so the loop is not folded.
+__attribute__((noinline)) int vnni_chain(long iters) {
+  __m512i a = _mm512_set1_epi32(0x01020304), b = _mm512_set1_epi32(0x05060708);
+  __m512i acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_epi32(i);
+  for (long it = 0; it < iters; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+    asm volatile("" : "+v"(a));
+  }
+  for (int i = 1; i < 12; ++i) acc[0] = _mm512_add_epi32(acc[0], acc[i]);
+  return _mm512_reduce_add_epi32(acc[0]);
+}
+#pragma GCC pop_options
+#endif
 
 struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }
@@ -58,6 +84,25 @@ double read_bandwidth_gbps(int64_t nbytes, int reps) {
   }
   if (sink.load() == 42) std::abort();  // keeps the reads observable
   return double(nwords * 8) / best / 1e9;
+}
+
+double int8_dot_ns(int reps) {
+  if (reps < 1) throw std::invalid_argument("probe: reps must be >= 1");
+#if defined(MIXBITS_HAVE_AVX2)
+  if (!cpu_isa().avx512vnni) return 0.0;
+  constexpr long kIters = 2000000;  // x 12 instructions: ~10 ms at one per cycle
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    const int sink = vnni_chain(kIters);
+    auto t1 = std::chrono::steady_clock::now();
+    if (sink == 42) std::abort();  // keeps the chain observable
+    best = std::min(best, std::chrono::duration<double>(t1 - t0).count());
+  }
+  return best / (kIters * 12.0) * 1e9;
+#else
+  return 0.0;
+#endif
 }
 
 }  // namespace mixbits

@@ -327,6 +327,26 @@ def m8_over_m1(rows: list[Row], impl: str = "mixbits") -> dict:
             for (n, k, kind, m) in t if m == 1 and t[(n, k, kind, 1)] and t.get((n, k, kind, 8))}
 
 
+def dot_floor(rows: list[Row], dot_ns: float, impl: str) -> dict:
+    """Per weight measured at M = 1 and 8 under activations="int8": the time
+    M = 8 rows need for their vpdpbusd alone (one per 64 weight x activation
+    products, at the probe's rate), that floor over the measured M = 1
+    time (the smallest t(M=8)/t(M=1) any kernel with one dot per 64
+    products could reach, decoding and memory for free), and the measured
+    M = 8 time over the floor."""
+    t = {(r.case.n, r.case.k, r.case.kind, r.case.m): r.best(impl) for r in rows}
+    out = {}
+    for (n, k, kind, m), t1 in t.items():
+        t8 = t.get((n, k, kind, 8))
+        if m != 1 or not t1 or not t8:
+            continue
+        floor = n * k * 8 / 64 * dot_ns * 1e-9
+        out[f"{n}x{k}-{kind}"] = {"m8_floor_ms": round(floor * 1e3, 4),
+                                  "best_m8_over_m1": round(floor / t1, 3),
+                                  "m8_over_floor": round(t8 / floor, 3)}
+    return out
+
+
 def format_repacked_table(rows: list[Row], probe: float) -> str:
     """The row-interleaved layout next to the original one (--repack)."""
     hdr = (f"{'N x K':>12} {'M':>4} {'kind':>5} {'orig ms':>9} {'repacked ms':>11} "
@@ -398,6 +418,7 @@ def run(args) -> int:
     print(f"read-bandwidth probe: {probe['dram']:.1f} GB/s over 1 GiB, "
           f"{probe['32MiB']:.1f} GB/s over 32 MiB; {len(todo)} cases", flush=True)
     rows: list[Row] = []
+    extra_floor: dict = {}
     by_weight: dict = {}
     for c in todo:
         key = (c.n, c.k, c.kind)
@@ -442,13 +463,23 @@ def run(args) -> int:
         ratios_r = m8_over_m1(rows, "mixbits_repacked")
         print("\nrepacked M=8 time / M=1 time: " +
               ", ".join(f"{k} {v:.2f}" for k, v in ratios_r.items()))
+        from mixbits import _ext
+
+        dot_ns = float(_ext.int8_dot_ns()) if args.activations == "int8" else 0.0
+        floors = dot_floor(rows, dot_ns, "mixbits_repacked") if dot_ns else {}
+        if floors:
+            print(f"\nvpdpbusd probe: {dot_ns:.3f} ns per 64 products (one thread); repacked M=8 against "
+                  "its dot-count floor -- floor ms, floor / t(M=1) (the best M8/M1 possible), t(M=8) / floor: "
+                  + ", ".join(f"{w} {f['m8_floor_ms']:.3f} {f['best_m8_over_m1']:.2f} {f['m8_over_floor']:.2f}"
+                              for w, f in floors.items()))
+            extra_floor = {"int8_dot_ns": dot_ns, "repacked_m8_dot_floor": floors}
         notes.append("mixbits_repacked: the same weights in the row-interleaved layout "
                      "(mixbits.ops.repack), same contract; repacking is not timed (done once)")
     for n in notes:
         print("note:", n)
     notes.append("weights of every shape here fit in this CPU's last-level cache, so a "
                  "repeated call can read them faster than the 1 GiB DRAM probe (>100%).")
-    extra = None
+    extra = dict(extra_floor) if extra_floor else None
     if harness is not None:
         threads = args.threads or os.cpu_count() or 1
         parsed = bench_ggml.run_harness(harness, list(dict.fromkeys((c.n, c.k) for c in todo)),
@@ -460,8 +491,8 @@ def run(args) -> int:
         notes.append("ggml: the faster of its plain and CPU_REPACK weight layouts per case "
                      f"({'median CPU time' if args.clock == 'cpu' else 'best wall time'}); "
                      f"{threads} thread(s); activation quantization inside the op is timed")
-        extra = {"ggml": {"info": parsed["info"], "command": parsed["command"],
-                          "results": parsed["rows"], "comparison": recs}}
+        extra = {**(extra or {}), "ggml": {"info": parsed["info"], "command": parsed["command"],
+                                           "results": parsed["rows"], "comparison": recs}}
     save_json(args.json, probe, rows, notes, extra)
     print(f"saved {args.json}")
     return 0
