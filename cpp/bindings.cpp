@@ -22,6 +22,7 @@
 #include "qmatmul/transposed.h"
 #include "qmatmul_int8/kernel.h"
 #include "qmatmul_int8/repacked_qmatmul.h"
+#include "common/convert.h"
 #include "common/cpu.h"
 #include "quant_error/quant_error.h"
 
@@ -184,6 +185,51 @@ NB_MODULE(_ext, m) {
       "The integer contracts' quantization of one row of finite float32 x (kernel.h): "
       "(codes, d, ix, xs) per group, by the scalar definition or (simd=True) this CPU's "
       "SIMD version; None where this build/CPU has none.");
+  m.def(
+      "narrow_from_f32",
+      [](nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> x, int dtype,
+         bool simd) -> std::optional<std::vector<int>> {
+        if (dtype != 1 && dtype != 2) throw nb::value_error("dtype: 1 (float16) or 2 (bfloat16)");
+        const int64_t n = int64_t(x.shape(0));
+        std::vector<uint16_t> h(size_t(n) + 1);
+        if (!simd) {
+          for (int64_t i = 0; i < n; ++i)
+            h[size_t(i)] = dtype == 1 ? mixbits::f32_to_f16(x.data()[i]) : mixbits::f32_to_bf16(x.data()[i]);
+        } else {
+#if defined(MIXBITS_HAVE_AVX2)
+          if (!mixbits::cpu_has_avx2()) return std::nullopt;
+          mixbits::narrow_from_f32_avx2(x.data(), n, mixbits::DType(dtype), h.data(), 0);
+#else
+          return std::nullopt;
+#endif
+        }
+        return std::vector<int>(h.begin(), h.begin() + n);
+      },
+      "x"_a, "dtype"_a, "simd"_a,
+      "float32 values as float16 (dtype 1) / bfloat16 (2) bit patterns: half.h's scalar "
+      "conversion, or (simd=True) common/convert.h's SIMD one; None where the build/CPU has none.");
+  m.def(
+      "widen_to_f32",
+      [](nb::ndarray<const uint16_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> h, int dtype,
+         bool simd) -> std::optional<std::vector<float>> {
+        if (dtype != 1 && dtype != 2) throw nb::value_error("dtype: 1 (float16) or 2 (bfloat16)");
+        const int64_t n = int64_t(h.shape(0));
+        std::vector<float> out(size_t(n) + 1);
+        if (!simd) {
+          for (int64_t i = 0; i < n; ++i)
+            out[size_t(i)] = dtype == 1 ? mixbits::f16_to_f32(h.data()[i]) : mixbits::bf16_to_f32(h.data()[i]);
+        } else {
+#if defined(MIXBITS_HAVE_AVX2)
+          if (!mixbits::cpu_has_avx2()) return std::nullopt;
+          mixbits::widen_to_f32_avx2(h.data(), 0, n, mixbits::DType(dtype), out.data());
+#else
+          return std::nullopt;
+#endif
+        }
+        out.resize(size_t(n));
+        return out;
+      },
+      "bits"_a, "dtype"_a, "simd"_a, "The inverse direction of narrow_from_f32.");
   m.def("repack_rows", []() { return mixbits::kRepackRows; },
         "Rows interleaved per block of the repacked layout.");
 

@@ -8,6 +8,7 @@
 #include <memory>
 #include <stdexcept>
 
+#include "common/convert.h"
 #include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
@@ -31,7 +32,7 @@ constexpr int64_t kQueryBlock = 32;
 // for float32 (no copy), else widened into `tmp`.
 const float* rows_as_f32(const void* p, int64_t off, int64_t n, DType dt, float* tmp) {
   if (dt == DType::f32) return static_cast<const float*>(p) + off;
-  for (int64_t i = 0; i < n; ++i) tmp[i] = load_as_f32(p, off + i, dt);
+  widen_to_f32(p, off, n, dt, tmp);
   return tmp;
 }
 
@@ -114,10 +115,7 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
           const float f = inv[g * nt + t];
           float* src = o.get() + (g * nt + t) * D;
           for (int64_t d = 0; d < D; ++d) src[d] *= f;
-          if (dt == DType::f32)
-            std::copy(src, src + D, static_cast<float*>(out) + dst + t * D);
-          else
-            for (int64_t d = 0; d < D; ++d) store_from_f32(out, dst + t * D + d, src[d], dt);
+          narrow_from_f32(src, D, dt, out, dst + t * D);
         }
       }
     }

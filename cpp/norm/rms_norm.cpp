@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/convert.h"
 #include "common/grads.h"
 #include "common/inputs.h"
 #include "common/mlx_args.h"
@@ -24,22 +25,26 @@ namespace {
 }
 
 // One row: the float32 sum of squares in 8 interleaved partial sums (they
-// vectorize), the scaling in float32, and MLX's two roundings.
-void rms_norm_row(const void* x, const void* w, void* y, int64_t row, int64_t D,
-                  DType xt, DType wt, DType yt, float eps) {
-  float part[8] = {};
+// vectorize), the scaling in float32, and MLX's two roundings (x * inv to
+// y's dtype, then times the weight). Half-precision rows are widened and
+// narrowed in bulk (common/convert.h): per-element conversions were most of
+// a float16 model's norm. xs, ws: D floats of scratch each.
+void rms_norm_row(const void* x, const float* ws, void* y, int64_t row, int64_t D, DType xt,
+                  DType yt, float eps, float* xs) {
   const int64_t base = row * D;
-  for (int64_t i = 0; i < D; ++i) {
-    const float v = load_as_f32(x, base + i, xt);
-    part[i % 8] += v * v;
-  }
+  widen_to_f32(x, base, D, xt, xs);
+  float part[8] = {};
+  for (int64_t i = 0; i < D; ++i) part[i % 8] += xs[i] * xs[i];
   const float ss = ((part[0] + part[1]) + (part[2] + part[3])) +
                    ((part[4] + part[5]) + (part[6] + part[7]));
   const float inv = 1.0f / std::sqrt(ss / float(D) + eps);
-  for (int64_t i = 0; i < D; ++i) {
-    store_from_f32(y, base + i, load_as_f32(x, base + i, xt) * inv, yt);
-    store_from_f32(y, base + i, load_as_f32(y, base + i, yt) * load_as_f32(w, i, wt), yt);
+  for (int64_t i = 0; i < D; ++i) xs[i] *= inv;
+  if (yt != DType::f32) {  // the first rounding, to y's dtype
+    narrow_from_f32(xs, D, yt, y, base);
+    widen_to_f32(y, base, D, yt, xs);
   }
+  for (int64_t i = 0; i < D; ++i) xs[i] *= ws[i];
+  narrow_from_f32(xs, D, yt, y, base);
 }
 
 mx::array mlx_rms_norm(const mx::array& x, const mx::array& w, float eps, mx::Stream s) {
@@ -82,9 +87,12 @@ void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     const DType xt = to_dtype(inputs[0].dtype()), wt = to_dtype(inputs[1].dtype()),
                 yt = to_dtype(o.dtype());
     void* y = o.data<void>();
+    std::vector<float> ws(static_cast<size_t>(D));
+    widen_to_f32(w, 0, D, wt, ws.data());
     // 64 rows per task: a decode token (one row) runs inline.
     parallel_for(rows, 64, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) rms_norm_row(x, w, y, r, D, xt, wt, yt, eps);
+      std::vector<float> xs(static_cast<size_t>(D));
+      for (int64_t r = r0; r < r1; ++r) rms_norm_row(x, ws.data(), y, r, D, xt, yt, eps, xs.data());
     });
   });
 }

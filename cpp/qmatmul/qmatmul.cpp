@@ -10,6 +10,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "common/convert.h"
 #include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
@@ -226,8 +227,8 @@ void qmatmul_cpu_eval(const mx::array& x, const int32_t* perm, int K, int N, boo
           for (int k = 0; k < K; ++k) dst[k] = load(int64_t(k) * kstride);
         }
       };
-      if (xt == DType::f32 && !perm && kstride == 1) {
-        std::memcpy(dst, row, sizeof(float) * K);
+      if (!perm && kstride == 1) {
+        widen_to_f32(row, 0, K, xt, dst);  // a copy for float32
       } else if (xt == DType::f32) {
         const float* r = static_cast<const float*>(row);
         gather([r](int64_t i) { return r[i]; });
@@ -279,7 +280,7 @@ void qmatmul_cpu_eval(const mx::array& x, const int32_t* perm, int K, int N, boo
   if (ot != DType::f32) {
     void* o = out.data<void>();
     parallel_for(M * N, 1 << 14, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) store_from_f32(o, i, y[i], ot);
+      narrow_from_f32(y + i0, i1 - i0, ot, o, i0);
     });
   }
 }

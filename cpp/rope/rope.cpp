@@ -5,7 +5,9 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
+#include "common/convert.h"
 #include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
@@ -22,25 +24,48 @@ namespace {
   throw std::invalid_argument("rope: " + msg);
 }
 
-// Rows [r0, r1) of x viewed as [rows, D]; row r is at position
-// offset + r % L. Pairs (i, i + dims/2), or (2i, 2i + 1) when traditional,
-// rotate by pos * scale * base^(-i / (dims/2)).
-void rope_rows(const void* x, void* y, int64_t r0, int64_t r1, int64_t L, int64_t D,
-               int dims, bool traditional, const std::vector<float>& inv_freq,
-               float pos0_scaled, float scale, DType t) {
-  const int half = dims / 2;
-  for (int64_t r = r0; r < r1; ++r) {
-    const float pos = pos0_scaled + float(r % L) * scale;
-    const int64_t base = r * D;
+// The rotation's cosines and sines, [L, dims/2] each: row r of x is at
+// position offset + r % L, and every head's row at a position turns by the
+// same angles, so they are computed once per position (not per row).
+// Angle i at position p: (pos0_scaled + p * scale) * inv_freq[i].
+struct RopeAngles {
+  std::vector<float> c, s;
+};
+
+RopeAngles rope_angles(int64_t L, int half, const std::vector<float>& inv_freq,
+                       float pos0_scaled, float scale) {
+  RopeAngles a{std::vector<float>(size_t(L) * half), std::vector<float>(size_t(L) * half)};
+  for (int64_t p = 0; p < L; ++p) {
+    const float pos = pos0_scaled + float(p) * scale;
     for (int i = 0; i < half; ++i) {
       const float theta = pos * inv_freq[size_t(i)];
-      const float c = std::cos(theta), s = std::sin(theta);
-      const int64_t a = traditional ? 2 * i : i, b = traditional ? 2 * i + 1 : i + half;
-      const float xa = load_as_f32(x, base + a, t), xb = load_as_f32(x, base + b, t);
-      store_from_f32(y, base + a, xa * c - xb * s, t);
-      store_from_f32(y, base + b, xb * c + xa * s, t);
+      a.c[size_t(p * half + i)] = std::cos(theta);
+      a.s[size_t(p * half + i)] = std::sin(theta);
     }
-    for (int64_t d = dims; d < D; ++d) store_from_f32(y, base + d, load_as_f32(x, base + d, t), t);
+  }
+  return a;
+}
+
+// Rows [r0, r1) of x viewed as [rows, D]. Pairs (i, i + dims/2), or
+// (2i, 2i + 1) when traditional, rotate by the row's angles; features past
+// dims pass through. A half-precision row is widened and narrowed in bulk
+// (common/convert.h); xs and ys: D floats of scratch.
+void rope_rows(const void* x, void* y, int64_t r0, int64_t r1, int64_t L, int64_t D,
+               int dims, bool traditional, const RopeAngles& ang, DType t, float* xs,
+               float* ys) {
+  const int half = dims / 2;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t base = r * D;
+    const float* c = ang.c.data() + (r % L) * half;
+    const float* s = ang.s.data() + (r % L) * half;
+    widen_to_f32(x, base, D, t, xs);
+    for (int i = 0; i < half; ++i) {
+      const int64_t a = traditional ? 2 * i : i, b = traditional ? 2 * i + 1 : i + half;
+      ys[a] = xs[a] * c[i] - xs[b] * s[i];
+      ys[b] = xs[b] * c[i] + xs[a] * s[i];
+    }
+    for (int64_t d = dims; d < D; ++d) ys[d] = xs[d];
+    narrow_from_f32(ys, D, t, y, base);
   }
 }
 
@@ -95,9 +120,11 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     const float pos0 = float(inputs[1].data<int32_t>()[0]) * scale;
     const DType t = to_dtype(o.dtype());
     void* y = o.data<void>();
+    const RopeAngles ang = rope_angles(L, half, inv_freq, pos0, scale);
     // 64 rows per task: one decode token's heads run inline.
     parallel_for(rows, 64, [&](int64_t r0, int64_t r1) {
-      rope_rows(x, y, r0, r1, L, D, dims, traditional, inv_freq, pos0, scale, t);
+      std::vector<float> xs(static_cast<size_t>(D)), ys(static_cast<size_t>(D));
+      rope_rows(x, y, r0, r1, L, D, dims, traditional, ang, t, xs.data(), ys.data());
     });
   });
 }
