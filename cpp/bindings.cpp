@@ -185,48 +185,28 @@ NB_MODULE(_ext, m) {
       "The integer contracts' quantization of one row of finite float32 x (kernel.h): "
       "(codes, d, ix, xs) per group, by the scalar definition or (simd=True) this CPU's "
       "SIMD version; None where this build/CPU has none.");
+  // The bulk half-precision conversions: simd=False the scalar definition,
+  // True the version the kernels run on this CPU (F16C / NEON, else the same).
   m.def(
       "narrow_from_f32",
       [](nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> x, int dtype,
-         bool simd) -> std::optional<std::vector<int>> {
+         bool simd) {
         if (dtype != 1 && dtype != 2) throw nb::value_error("dtype: 1 (float16) or 2 (bfloat16)");
-        const int64_t n = int64_t(x.shape(0));
-        std::vector<uint16_t> h(size_t(n) + 1);
-        if (!simd) {
-          for (int64_t i = 0; i < n; ++i)
-            h[size_t(i)] = dtype == 1 ? mixbits::f32_to_f16(x.data()[i]) : mixbits::f32_to_bf16(x.data()[i]);
-        } else {
-#if defined(MIXBITS_HAVE_AVX2)
-          if (!mixbits::cpu_has_avx2()) return std::nullopt;
-          mixbits::narrow_from_f32_avx2(x.data(), n, mixbits::DType(dtype), h.data(), 0);
-#else
-          return std::nullopt;
-#endif
-        }
-        return std::vector<int>(h.begin(), h.begin() + n);
+        std::vector<uint16_t> h(x.shape(0));
+        (simd ? mixbits::narrow_from_f32 : mixbits::narrow_from_f32_ref)(
+            x.data(), int64_t(x.shape(0)), mixbits::DType(dtype), h.data(), 0);
+        return std::vector<int>(h.begin(), h.end());
       },
       "x"_a, "dtype"_a, "simd"_a,
-      "float32 values as float16 (dtype 1) / bfloat16 (2) bit patterns: half.h's scalar "
-      "conversion, or (simd=True) common/convert.h's SIMD one; None where the build/CPU has none.");
+      "float32 values as float16 (dtype 1) / bfloat16 (2) bit patterns (common/convert.h).");
   m.def(
       "widen_to_f32",
       [](nb::ndarray<const uint16_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> h, int dtype,
-         bool simd) -> std::optional<std::vector<float>> {
+         bool simd) {
         if (dtype != 1 && dtype != 2) throw nb::value_error("dtype: 1 (float16) or 2 (bfloat16)");
-        const int64_t n = int64_t(h.shape(0));
-        std::vector<float> out(size_t(n) + 1);
-        if (!simd) {
-          for (int64_t i = 0; i < n; ++i)
-            out[size_t(i)] = dtype == 1 ? mixbits::f16_to_f32(h.data()[i]) : mixbits::bf16_to_f32(h.data()[i]);
-        } else {
-#if defined(MIXBITS_HAVE_AVX2)
-          if (!mixbits::cpu_has_avx2()) return std::nullopt;
-          mixbits::widen_to_f32_avx2(h.data(), 0, n, mixbits::DType(dtype), out.data());
-#else
-          return std::nullopt;
-#endif
-        }
-        out.resize(size_t(n));
+        std::vector<float> out(h.shape(0));
+        (simd ? mixbits::widen_to_f32 : mixbits::widen_to_f32_ref)(
+            h.data(), 0, int64_t(h.shape(0)), mixbits::DType(dtype), out.data());
         return out;
       },
       "bits"_a, "dtype"_a, "simd"_a, "The inverse direction of narrow_from_f32.");

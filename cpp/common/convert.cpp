@@ -6,9 +6,7 @@
 
 namespace mixbits {
 
-namespace {
-
-void widen_ref(const void* src, int64_t off, int64_t n, DType dt, float* dst) {
+void widen_to_f32_ref(const void* src, int64_t off, int64_t n, DType dt, float* dst) {
   if (dt == DType::f32) {
     std::memcpy(dst, static_cast<const float*>(src) + off, sizeof(float) * size_t(n));
     return;
@@ -20,7 +18,7 @@ void widen_ref(const void* src, int64_t off, int64_t n, DType dt, float* dst) {
     for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(p[i]);
 }
 
-void narrow_ref(const float* src, int64_t n, DType dt, void* dst, int64_t off) {
+void narrow_from_f32_ref(const float* src, int64_t n, DType dt, void* dst, int64_t off) {
   if (dt == DType::f32) {
     std::memcpy(static_cast<float*>(dst) + off, src, sizeof(float) * size_t(n));
     return;
@@ -32,12 +30,14 @@ void narrow_ref(const float* src, int64_t n, DType dt, void* dst, int64_t off) {
     for (int64_t i = 0; i < n; ++i) p[i] = f32_to_bf16(src[i]);
 }
 
+namespace {
+
 using WidenFn = void (*)(const void*, int64_t, int64_t, DType, float*);
 using NarrowFn = void (*)(const float*, int64_t, DType, void*, int64_t);
 
 struct Converters {
-  WidenFn widen = widen_ref;
-  NarrowFn narrow = narrow_ref;
+  WidenFn widen = widen_to_f32_ref;
+  NarrowFn narrow = narrow_from_f32_ref;
 };
 
 const Converters& converters() {
@@ -45,6 +45,8 @@ const Converters& converters() {
     Converters k;
 #if defined(MIXBITS_HAVE_AVX2)
     if (cpu_has_avx2()) k = {widen_to_f32_avx2, narrow_from_f32_avx2};
+#elif defined(MIXBITS_HAVE_NEON) && defined(__aarch64__)
+    k = {widen_to_f32_neon, narrow_from_f32_neon};
 #endif
     return k;
   }();
