@@ -35,6 +35,11 @@ NB_MODULE(_ext, m) {
   m.def("backend_names", &mixbits::backend_names,
         "Backend names indexed by the enum value the ops' backend= takes.");
 
+  // activations= arguments: qmatmul.h's Activations enum values; Python's
+  // mixbits.ops.ACTIVATIONS maps names to them with this list.
+  m.def("activation_names", &mixbits::activation_names,
+        "Numeric contract names indexed by the enum value the ops' activations= takes.");
+
   m.def(
       "qmatmul",
       [](const mx::array& x, const std::optional<mx::array>& perm,
@@ -51,7 +56,8 @@ NB_MODULE(_ext, m) {
       "activations"_a = 0,
       "y = x @ W.T for a mixed-segment quantized W. segments: (bits, "
       "group_size, k) per segment; packed: wq, scales, biases per segment; "
-      "activations: 0 float, 1 int8, 2 int16 (x quantized per group, M <= 16).");
+      "activations: an index of activation_names() (x quantized per group for the "
+      "integer contracts: int8/int16 up to 16 rows, int8-all at every M).");
 
   m.def(
       "repacked_qmatmul_group",

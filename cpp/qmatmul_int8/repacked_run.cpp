@@ -12,9 +12,6 @@
 
 namespace mixbits {
 
-namespace {
-}  // namespace
-
 const RTable* select_repacked(bool int16, Backend backend) {
 #if defined(MIXBITS_HAVE_AVX2)
   // As for the original layout: avx512 (and auto) run the widest integer
@@ -56,10 +53,15 @@ void repacked_int_run(const RTable& t, const float* xf, int M, const QMatView& s
   }
   const int N = shape.N;
   const int64_t NB = repack_blocks(N);
+  // Many rows: the table's GEMM, if it has one for every segment, in one
+  // pass (its result is the passes' bit for bit).
+  bool gemm = t.gemm_min_m > 0 && M >= t.gemm_min_m;
+  for (const SegView& s : shape.segs) gemm = gemm && t.gemm[s.bits][group_size_col(s.group_size)];
+  const int pass = gemm ? M : kRepackMaxMB;
   parallel_for(NB, 4, [&](int64_t b0, int64_t b1) {
     const int64_t n0 = b0 * kRepackRows, n1 = std::min<int64_t>(N, b1 * kRepackRows);
-    for (int m0 = 0; m0 < M; m0 += kRepackMaxMB) {
-      const int mb = std::min(kRepackMaxMB, M - m0);
+    for (int m0 = 0; m0 < M; m0 += pass) {
+      const int mb = std::min(pass, M - m0);
       for (int m = 0; m < mb; ++m)
         std::fill(y + int64_t(m0 + m) * N + n0, y + int64_t(m0 + m) * N + n1, 0.0f);
       for (size_t si = 0; si < nseg; ++si) {
@@ -67,8 +69,8 @@ void repacked_int_run(const RTable& t, const float* xf, int M, const QMatView& s
         const int ng = s.k / s.group_size;
         const RX xv{a.xq[si].data() + int64_t(m0) * s.k, s.k, a.d[si].data() + int64_t(m0) * ng,
                     a.xs[si].data() + int64_t(m0) * ng, ng, a.ix[si].data() + int64_t(m0) * ng};
-        t.fn[s.bits][group_size_col(s.group_size)](rsegs[si], xv, mb, int(b0), int(b1), N,
-                                             y + int64_t(m0) * N, N);
+        (gemm ? t.gemm : t.fn)[s.bits][group_size_col(s.group_size)](
+            rsegs[si], xv, mb, int(b0), int(b1), N, y + int64_t(m0) * N, N);
       }
     }
   });

@@ -46,9 +46,11 @@ def add_arguments(p) -> None:
     p.add_argument("--min-time", type=float, default=0.3,
                    help="seconds of repetitions per measurement (default 0.3)")
     p.add_argument("--no-baselines", action="store_true", help="time mixbits only")
-    p.add_argument("--activations", choices=["float", "int8", "int16"], default="float",
-                   help="mixbits' numeric contract (mixbits.qmatmul's activations=; the integer "
-                        "ones apply to M <= 16, as ggml quantizes its activations)")
+    from mixbits.ops import ACTIVATIONS
+
+    p.add_argument("--activations", choices=list(ACTIVATIONS), default="float",
+                   help="mixbits' numeric contract (mixbits.qmatmul's activations=; int8/int16 "
+                        "apply to M <= 16, int8-all at every M, as ggml quantizes its activations)")
     p.add_argument("--repack", action="store_true",
                    help="also time mixbits on the row-interleaved layout of the integer GEMV "
                         "(mixbits.ops.repack; every kind: 2/3/4/5/6/8-bit and mixed), "
