@@ -44,12 +44,16 @@ void repacked_int_run(const RTable& t, const float* xf, int M, const QMatView& s
   const size_t nseg = shape.segs.size();
   for (size_t si = 0; si < nseg; ++si) {
     const int B = shape.segs[si].bits, cpw = repacked_x_span(B);
+    int col[32];  // the unit's gather, computed once (O(M*K) moves follow)
+    for (int p = 0; p < cpw; ++p) col[p] = repacked_x_col(B, sizeof(T), p);
     std::vector<T>& v = a.xq[si];
-    T tmp[32];
-    for (size_t u = 0; u < v.size(); u += cpw) {
-      for (int p = 0; p < cpw; ++p) tmp[p] = v[u + repacked_x_col(B, sizeof(T), p)];
-      std::copy(tmp, tmp + cpw, v.begin() + u);
-    }
+    parallel_for(int64_t(v.size() / cpw), 1024, [&](int64_t u0, int64_t u1) {
+      T tmp[32];
+      for (int64_t u = u0 * cpw; u < u1 * cpw; u += cpw) {
+        for (int p = 0; p < cpw; ++p) tmp[p] = v[u + col[p]];
+        std::copy(tmp, tmp + cpw, v.begin() + u);
+      }
+    });
   }
   const int N = shape.N;
   const int64_t NB = repack_blocks(N);
