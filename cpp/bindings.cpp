@@ -20,6 +20,7 @@
 #include "kl/kl.h"
 #include "qmatmul/qmatmul.h"
 #include "qmatmul/transposed.h"
+#include "qmatmul_int8/kernel.h"
 #include "qmatmul_int8/repacked_qmatmul.h"
 #include "quant_error/quant_error.h"
 
@@ -142,6 +143,21 @@ NB_MODULE(_ext, m) {
       "For a width whose repacked words are split into planes (3, 5, 6; repack.h): "
       "(low-plane bits, high word of each of a chunk's 32 codes, its bit there); None "
       "for widths kept as MLX's words.");
+  m.def(
+      "repacked_gemm_min_m",
+      [](int backend) -> std::optional<int> {
+        const mixbits::RTable* t = mixbits::select_repacked(false, mixbits::Backend(backend));
+        const int m = t ? mixbits::repacked_gemm_min_m(*t) : 0;
+        if (m <= 0) return std::nullopt;
+        return m;
+      },
+      "backend"_a,
+      "activations='int8-all' calls of at least this many rows on a repacked weight run the "
+      "blocked int8 GEMM; None: they never do (no GEMM on this CPU/backend, or off by default: "
+      "the GEMV in passes of 8 rows).");
+  m.def("set_repacked_gemm_min_m", &mixbits::set_repacked_gemm_min_m, "n"_a,
+        "Override the rows from which that GEMM runs, for this process (0: never; < 0: the "
+        "default); for tests and crossover measurements.");
   m.def("repack_rows", []() { return mixbits::kRepackRows; },
         "Rows interleaved per block of the repacked layout.");
 

@@ -1,8 +1,9 @@
 """activations="int8-all": the int8 contract (cpp/qmatmul_int8/kernel.h,
 bench/INT8.md) at every number of rows, on MLX's layout (the <= 16-row
-kernels over row chunks) and on the repacked one (AVX512-VNNI: the blocked
-GEMM of repacked_vnni_gemm.cpp from kRepackGemmMinM rows; other ISAs: the
-GEMV in passes). Expected values come from the independent numpy model
+kernels over row chunks) and on the repacked one (the GEMV in passes of 8
+rows; on AVX512-VNNI also the blocked GEMM of repacked_vnni_gemm.cpp, off
+by default -- measured no faster here -- and forced on by the `route`
+fixture). Expected values come from the independent numpy model
 (tests/int_contract.py); int8-all must also equal int8 bit for bit at
 M <= 16, and a call of many rows must equal the same rows called 16 at a
 time bit for bit (the contract quantizes each row on its own, and the GEMM
@@ -15,6 +16,7 @@ import pytest
 
 import mixbits
 from mixbits import _ext, ops
+from mixbits._backends import BACKENDS as BACKEND_IDS
 from int_contract import contract_model, poison_padding, rand_qt
 from reference import OUT_EPS, to_f64
 
@@ -44,12 +46,29 @@ def in_chunks(x, w, **kw):
     return np.concatenate(parts, 0)
 
 
+def _has_gemm():
+    _ext.set_repacked_gemm_min_m(1)
+    try:
+        return _ext.repacked_gemm_min_m(0) == 1
+    finally:
+        _ext.set_repacked_gemm_min_m(-1)
+
+
+# The repacked int8 calls' two kernels: the GEMV's passes (default) and,
+# where the CPU has it, the blocked GEMM forced from 1 row.
+@pytest.fixture(params=["passes"] + (["gemm"] if _has_gemm() else []))
+def route(request):
+    _ext.set_repacked_gemm_min_m(1 if request.param == "gemm" else 0)
+    yield request.param
+    _ext.set_repacked_gemm_min_m(-1)
+
+
 # ---------------------------------------------------------------- contract
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("gs", [32, 64, 128])
-def test_every_width_and_group_size(bits, gs):
+def test_every_width_and_group_size(bits, gs, route):
     """Both layouts compute the contract at every M; N = 37 (a padded last
     block), K = 1280 (two full K-chunks of 512 columns and a half one)."""
     rng = np.random.default_rng(bits * 1000 + gs)
@@ -69,7 +88,7 @@ def test_every_width_and_group_size(bits, gs):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_random_shapes(seed):
+def test_random_shapes(seed, route):
     """N not a multiple of 16, several groups, random M above 16."""
     rng = np.random.default_rng(100 + seed)
     bits = int(rng.choice([2, 3, 4, 5, 6, 8]))
@@ -87,7 +106,7 @@ def test_random_shapes(seed):
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-def test_mixed_segments_perm_and_dtypes(dtype):
+def test_mixed_segments_perm_and_dtypes(dtype, route):
     rng = np.random.default_rng(7)
     segs = [(8, 32, 64), (6, 64, 128), (5, 32, 96), (4, 64, 576), (3, 128, 256), (2, 128, 256),
             (2, 32, 96), (3, 32, 64)]
@@ -104,7 +123,7 @@ def test_mixed_segments_perm_and_dtypes(dtype):
                                       in_chunks(x2, rt, activations="int8"))
 
 
-def test_float32_scales():
+def test_float32_scales(route):
     rng = np.random.default_rng(17)
     qt = rand_qt(rng, 50, [(4, 64, 640), (3, 32, 128)], dtype=mx.float32)
     rt = ops.repack(qt)
@@ -112,7 +131,7 @@ def test_float32_scales():
     check_model(mixbits.qmatmul(x, rt, activations=ACT), x, qt)
 
 
-def test_layouts_agree():
+def test_layouts_agree(route):
     """Repacked and original layouts: the same contract, different float
     epilogues, so equal to float rounding (not bit for bit)."""
     rng = np.random.default_rng(21)
@@ -137,6 +156,20 @@ def test_every_backend_gives_the_contract(backend):
         y = mixbits.qmatmul(x, w, activations=ACT, backend=backend)
         check_model(y, x, qt)
         np.testing.assert_array_equal(np.array(y), in_chunks(x, w, activations="int8", backend=backend))
+
+
+def test_default_route():
+    """Off by default on every CPU (repack.h, kRepackGemmMinM: measured no
+    faster than the passes); the override is process-wide and restorable."""
+    for b in BACKENDS:
+        assert _ext.repacked_gemm_min_m(BACKEND_IDS[b]) is None, b
+    if _has_gemm():
+        _ext.set_repacked_gemm_min_m(40)
+        try:
+            assert _ext.repacked_gemm_min_m(0) == 40
+        finally:
+            _ext.set_repacked_gemm_min_m(-1)
+        assert _ext.repacked_gemm_min_m(0) is None
 
 
 # ---------------------------------------------------------------- int8 below 17 rows
@@ -184,7 +217,7 @@ def test_inf_nan_take_the_float_path():
             np.testing.assert_array_equal(i8, f)  # same bits, NaN and inf included
 
 
-def test_zero_rows_and_tiny_groups():
+def test_zero_rows_and_tiny_groups(route):
     rng = np.random.default_rng(5)
     qt = rand_qt(rng, 23, [(4, 64, 512), (2, 32, 256)])
     rt = ops.repack(qt)
@@ -199,7 +232,7 @@ def test_zero_rows_and_tiny_groups():
         assert np.all(np.array(y)[[0, 2]] == 0.0)
 
 
-def test_padding_rows_never_reach_the_output():
+def test_padding_rows_never_reach_the_output(route):
     rng = np.random.default_rng(12)
     qt = rand_qt(rng, 21, [(4, 64, 256), (2, 32, 64), (3, 32, 64)])  # 11 padding rows
     rt = ops.repack(qt)
@@ -209,7 +242,7 @@ def test_padding_rows_never_reach_the_output():
                                   np.array(mixbits.qmatmul(x, rt, activations=ACT)))
 
 
-def test_threads_do_not_change_the_result():
+def test_threads_do_not_change_the_result(route):
     rng = np.random.default_rng(6)
     qt = rand_qt(rng, 301, [(4, 64, 512), (2, 32, 256), (3, 64, 256)])
     rt = ops.repack(qt)

@@ -162,10 +162,20 @@ using RFn = void (*)(const RSeg&, const RX&, int mb, int b0, int b1, int N, floa
 // codes of a block decoded once per K-chunk and reused for every x row
 // (int8-all prompts); bit for bit fn's result over passes of kRepackMaxMB
 // rows (exact integer dots, the same float epilogue in the same order).
-// Null where the ISA has none: calls then run fn in passes.
+// Null where the ISA has none: calls then run fn in passes (as they do
+// below gemm_min_m, and at every M where it is 0).
 constexpr int kRepackMaxMB = 8;
-// Rows from which the VNNI table's gemm takes a call (repacked_vnni_gemm.cpp).
-constexpr int kRepackGemmMinM = 17;
+// Rows from which the VNNI table's gemm takes a call by default; 0: none.
+// Measured on this Xeon (AVX512-VNNI, one thread, CPU time, GEMM and GEMV
+// passes alternating in one run, 4096x4096 and SmolLM2's 1536x576 /
+// 576x1536, 2/4/8 bits, M = 8..128): the passes were as fast or faster at
+// every M (passes/GEMM 0.71-1.10, median 0.88). Both issue the same
+// vpdpbusd per 64 MACs, the one 512-bit port's limit; the passes' decode
+// is one shift and one AND per 8 dots, no more than the GEMM's stores,
+// reloads and tile traffic. So the passes run every M here; the GEMM stays
+// for CPUs where that balance differs (unmeasured), behind this constant
+// and set_repacked_gemm_min_m.
+constexpr int kRepackGemmMinM = 0;
 struct RTable {
   RFn fn[9][3];
   RFn gemm[9][3];

@@ -5,12 +5,25 @@
 // blocks of 16 rows split over threads. RepackedQMatmul (repacked_qmatmul.cpp)
 // calls these.
 #include <algorithm>
+#include <atomic>
 
 #include "common/cpu.h"
 #include "common/parallel.h"
 #include "qmatmul_int8/kernel.h"
 
 namespace mixbits {
+
+namespace {
+std::atomic<int> g_gemm_min_m{-1};  // -1: each table's own
+}  // namespace
+
+int repacked_gemm_min_m(const RTable& t) {
+  if (!t.gemm[4][1]) return 0;
+  const int o = g_gemm_min_m.load(std::memory_order_relaxed);
+  return o >= 0 ? o : t.gemm_min_m;
+}
+
+void set_repacked_gemm_min_m(int n) { g_gemm_min_m.store(n < 0 ? -1 : n); }
 
 const RTable* select_repacked(bool int16, Backend backend) {
 #if defined(MIXBITS_HAVE_AVX2)
@@ -59,7 +72,8 @@ void repacked_int_run(const RTable& t, const float* xf, int M, const QMatView& s
   const int64_t NB = repack_blocks(N);
   // Many rows: the table's GEMM, if it has one for every segment, in one
   // pass (its result is the passes' bit for bit).
-  bool gemm = t.gemm_min_m > 0 && M >= t.gemm_min_m;
+  const int gemm_min_m = repacked_gemm_min_m(t);
+  bool gemm = gemm_min_m > 0 && M >= gemm_min_m;
   for (const SegView& s : shape.segs) gemm = gemm && t.gemm[s.bits][group_size_col(s.group_size)];
   const int pass = gemm ? M : kRepackMaxMB;
   parallel_for(NB, 4, [&](int64_t b0, int64_t b1) {

@@ -16,6 +16,11 @@
 // y += acc). The float accumulators of up to kMS rows live in a tile while
 // the chunks go by.
 //
+// Off by default (repack.h, kRepackGemmMinM): on the Xeon this was
+// written on it was no faster than the GEMV's passes, which already issue
+// one vpdpbusd per 64 MACs and decode with one shift and one AND per 8 of
+// them; set_repacked_gemm_min_m turns it on (tests, measurements).
+//
 // Compiled under a target pragma and reached only where cpu_isa() saw
 // AVX512-VNNI; plain-data headers only (see table.h).
 #if defined(MIXBITS_HAVE_AVX2)
@@ -51,6 +56,12 @@ constexpr int kMB = 8;
 struct Chunk {
   __m512i codes[kKC / 4];  // vector v: x columns 4v .. 4v+3 of the chunk
   __m512 sc[kKC / 32], bi[kKC / 32];  // per group of the chunk (G >= 32)
+  // The words that follow this chunk's (the next chunk of the block, or
+  // the next block's first: [NB, words, 16] is one stream), prefetched
+  // while the x rows go by, so the next decode does not wait for memory
+  // (at tens of rows the weight stream is what bounds the call).
+  const char* next;
+  int next_bytes_per_group;
 };
 
 // Groups [g0, g0 + gc) of block wb (its words), into c.codes.
@@ -84,8 +95,8 @@ inline void decode(const uint32_t* wb, int g0, int gc, Chunk& c) {
 // the chunk's groups at d, xs, row m at + m * ldg) against a decoded chunk
 // of gc groups; tile rows m hold the rows' float accumulators.
 template <int G, int MB>
-inline void rows(const Chunk& c, int gc, const T* xq, int ldx, const float* d, const float* xs,
-                 int ldg, __m512* tile) {
+__attribute__((always_inline)) inline void rows(const Chunk& c, int gc, const T* xq, int ldx, const float* d, const float* xs,
+                 int ldg, __m512* tile, bool prefetch) {
   constexpr int VG = G / 4;  // code vectors per group
   __m512 accf[MB];
   for (int m = 0; m < MB; ++m) accf[m] = tile[m];
@@ -94,7 +105,10 @@ inline void rows(const Chunk& c, int gc, const T* xq, int ldx, const float* d, c
     for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_si512();
     const __m512i* cv = c.codes + g * VG;
     const T* xg = xq + g * G;
-#pragma GCC unroll 4
+    if (prefetch)
+      for (int l = 0; l < c.next_bytes_per_group; l += 64)
+        _mm_prefetch(c.next + g * c.next_bytes_per_group + l, _MM_HINT_T0);
+#pragma GCC unroll 2
     for (int v = 0; v < VG; ++v) {
       const __m512i w = _mm512_load_si512((const void*)(cv + v));
       for (int m = 0; m < MB; ++m) {
@@ -119,7 +133,7 @@ inline void tile_rows(const Chunk& c, int gc, const RX& x, int64_t col0, int g0,
   auto pass = [&]<int MB>(int m) {
     rows<G, MB>(c, gc, static_cast<const T*>(x.xq) + int64_t(m) * x.ldx + col0, x.ldx,
                 x.d + int64_t(m) * x.ldg + g0, x.xs + int64_t(m) * x.ldg + g0, x.ldg,
-                tile + (m - m0));
+                tile + (m - m0), m == m0);
   };
   int m = m0;
   for (; m + kMB <= m1; m += kMB) pass.template operator()<kMB>(m);
@@ -147,6 +161,8 @@ void gemm(const RSeg& s, const RX& x, int mb, int b0, int b1, int N, float* y, i
       for (int g0 = 0; g0 < ng; g0 += KG) {
         const int gc = ng - g0 < KG ? ng - g0 : KG;
         decode<B, G>(wb, g0, gc, c);
+        c.next = reinterpret_cast<const char*>(wb + int64_t(g0 + gc) * (G * B / 32) * R);
+        c.next_bytes_per_group = G * B / 32 * R * 4;
         for (int g = 0; g < gc; ++g) {
           c.sc[g] = load16_f32(s.scales, sb + int64_t(g0 + g) * R, s.sdt);
           c.bi[g] = load16_f32(s.biases, sb + int64_t(g0 + g) * R, s.sdt);

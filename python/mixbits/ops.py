@@ -61,8 +61,10 @@ def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None,
     model's output does not notice). Calls with more rows, or with an
     inf/NaN in x, run the float path. ``activations="int8-all"`` is int8's
     contract at every number of rows (prompts too; identical to ``"int8"``
-    up to 16 rows; on a repacked weight with AVX512-VNNI larger calls run
-    a blocked integer GEMM). Every value: :data:`ACTIVATIONS`.
+    up to 16 rows, and above them the same rows called 16 at a time, bit
+    for bit). Fast on a repacked weight (the integer kernels in passes of 8
+    rows); on MLX's layout it runs the batch kernels over row chunks.
+    Every value: :data:`ACTIVATIONS`.
 
     ``qt`` may also be a :class:`~mixbits.repack.RepackedTensor` (see
     :func:`repack`): same results and contracts, CPU only; the integer
