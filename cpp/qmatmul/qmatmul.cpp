@@ -294,6 +294,16 @@ void qmatmul_cpu_eval(const mx::array& x, const int32_t* perm, int K, int N, int
   // activations='int8'/'int16' have exactly the float path's IEEE behaviour.
   std::atomic<bool> has_inf{false}, has_nan{false};
   parallel_for(M * K, 1 << 16, [&](int64_t i0, int64_t i1) {
+    // First whether the range has any inf/NaN (all exponent bits set), in
+    // integer ops a compiler vectorizes; the rare range that does is
+    // scanned element by element.
+    uint32_t special = 0;
+    for (int64_t i = i0; i < i1; ++i) {
+      uint32_t b;
+      std::memcpy(&b, xf.data() + i, 4);
+      special |= uint32_t((b & 0x7f800000u) == 0x7f800000u);
+    }
+    if (!special) return;
     for (int64_t i = i0; i < i1; ++i)
       if (!std::isfinite(xf[i])) {
         (std::isinf(xf[i]) ? has_inf : has_nan).store(true, std::memory_order_relaxed);

@@ -15,6 +15,20 @@ namespace mixbits {
 
 namespace {
 std::atomic<int> g_gemm_min_m{-1};  // -1: each table's own
+// dst[u*CPW + p] = src[u*CPW + col[p]] for units [u0, u1) (pointers in
+// locals: byte stores through a captured vector would make the compiler
+// reload everything per element).
+template <int CPW, class T>
+void gather_units(const T* src, T* dst, const int* col, int64_t u0, int64_t u1) {
+  int c[CPW];
+  for (int p = 0; p < CPW; ++p) c[p] = col[p];
+  for (int64_t u = u0; u < u1; ++u) {
+    const T* s = src + u * CPW;
+    T* d = dst + u * CPW;
+    for (int p = 0; p < CPW; ++p) d[p] = s[c[p]];
+  }
+}
+
 }  // namespace
 
 int repacked_gemm_min_m(const RTable& t) {
@@ -58,15 +72,22 @@ void repacked_int_run(const RTable& t, const float* xf, int M, const QMatView& s
   for (size_t si = 0; si < nseg; ++si) {
     const int B = shape.segs[si].bits, cpw = repacked_x_span(B);
     int col[32];  // the unit's gather, computed once (O(M*K) moves follow)
-    for (int p = 0; p < cpw; ++p) col[p] = repacked_x_col(B, sizeof(T), p);
+    bool identity = true;
+    for (int p = 0; p < cpw; ++p) identity &= (col[p] = repacked_x_col(B, sizeof(T), p)) == p;
+    if (identity) continue;  // 8-bit int8 words: natural order
     std::vector<T>& v = a.xq[si];
+    std::vector<T> out(v.size());
+    const T* src = v.data();
+    T* dst = out.data();
     parallel_for(int64_t(v.size() / cpw), 1024, [&](int64_t u0, int64_t u1) {
-      T tmp[32];
-      for (int64_t u = u0 * cpw; u < u1 * cpw; u += cpw) {
-        for (int p = 0; p < cpw; ++p) tmp[p] = v[u + col[p]];
-        std::copy(tmp, tmp + cpw, v.begin() + u);
+      switch (cpw) {  // a fixed unit length (32 / B, or 32): the loop over it unrolls
+        case 4: return gather_units<4>(src, dst, col, u0, u1);
+        case 8: return gather_units<8>(src, dst, col, u0, u1);
+        case 16: return gather_units<16>(src, dst, col, u0, u1);
+        case 32: return gather_units<32>(src, dst, col, u0, u1);
       }
     });
+    v.swap(out);
   }
   const int N = shape.N;
   const int64_t NB = repack_blocks(N);
