@@ -27,7 +27,8 @@ constexpr float kRoundHalfEven = 12582912.0f;
 // floats) so that the compiler vectorizes them: at a prompt's hundreds of
 // rows the quantization is O(M*K) next to the kernels' O(M*N*K)/64.
 template <class T>
-inline float quantize_group(const float* x, int G, T* q, int32_t& sum) {
+__attribute__((always_inline)) inline float quantize_group(const float* x, int G, T* q,
+                                                           int32_t& sum) {
   constexpr float Q = kIntQMax<T>;
   uint32_t abits = 0;
   for (int i = 0; i < G; ++i) {
@@ -57,6 +58,34 @@ inline float quantize_group(const float* x, int G, T* q, int32_t& sum) {
   return amax / Q;
 }
 
+// One row's groups of a segment. The same source compiled for AVX-512 and
+// AVX2 besides the baseline on x86 (GCC/clang target_clones: the loader
+// picks one per CPU, once), so the loops above run 16 or 8 lanes wide
+// where the CPU has them: the same operations, so the same codes.
+#if defined(MIXBITS_HAVE_AVX2) && defined(__GNUC__)
+#define MIXBITS_QUANTIZE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define MIXBITS_QUANTIZE_CLONES
+#endif
+template <class T>
+__attribute__((always_inline)) inline void quantize_row(const float* xr, int G, int ng, T* q,
+                                                        float* d, int32_t* ix, float* xs) {
+  for (int g = 0; g < ng; ++g) {
+    int32_t sum;
+    d[g] = quantize_group<T>(xr + g * G, G, q + g * G, sum);
+    ix[g] = sum;
+    xs[g] = d[g] * float(sum);
+  }
+}
+MIXBITS_QUANTIZE_CLONES void quantize_row_i8(const float* xr, int G, int ng, int8_t* q, float* d,
+                                             int32_t* ix, float* xs) {
+  quantize_row(xr, G, ng, q, d, ix, xs);
+}
+MIXBITS_QUANTIZE_CLONES void quantize_row_i16(const float* xr, int G, int ng, int16_t* q,
+                                              float* d, int32_t* ix, float* xs) {
+  quantize_row(xr, G, ng, q, d, ix, xs);
+}
+
 }  // namespace
 
 template <class T>
@@ -82,14 +111,11 @@ void int_quantize(const float* x, int M, const QMatView& w, IntActs<T>& a) {
       for (int64_t m = m0; m < m1; ++m) {
         const float* xr = x + m * w.K + s.k0;
         T* q = a.xq[si].data() + m * s.k;
-        for (int g = 0; g < ng; ++g) {
-          const int64_t gi = m * ng + g;
-          int32_t sum;
-          const float d = quantize_group<T>(xr + g * G, G, q + g * G, sum);
-          a.d[si][gi] = d;
-          a.ix[si][gi] = sum;
-          a.xs[si][gi] = d * float(sum);
-        }
+        const int64_t g0 = m * ng;
+        if constexpr (sizeof(T) == 1)
+          quantize_row_i8(xr, G, ng, q, &a.d[si][g0], &a.ix[si][g0], &a.xs[si][g0]);
+        else
+          quantize_row_i16(xr, G, ng, q, &a.d[si][g0], &a.ix[si][g0], &a.xs[si][g0]);
       }
     }
   });
