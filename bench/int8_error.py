@@ -3,10 +3,14 @@ and its ratio to the documented bound (bench/INT8.md). Writes
 bench/results/int8_error.json.
 
     python bench/int8_error.py
+    # int8-all at a prompt's rows, on the repacked layout:
+    python bench/int8_error.py --activations int8-all --m 128 --repack \
+        --out bench/results/int8_all_error.json
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -23,7 +27,7 @@ def dequant64(qt):
     return np.concatenate(parts, 1)
 
 
-def one(bits, gs, xkind, rng, n=512, k=4096, m=16):
+def one(bits, gs, xkind, rng, n=512, k=4096, m=16, act="int8", repack=False):
     w = rng.standard_normal((n, k)).astype(np.float32)
     qt = mixbits.quantize(mx.array(w).astype(mx.float16), [(bits, gs, k)])
     if xkind == "gaussian":
@@ -36,7 +40,8 @@ def one(bits, gs, xkind, rng, n=512, k=4096, m=16):
     x = x.astype(np.float32)
     W = dequant64(qt)
     y64 = x.astype(np.float64) @ W.T
-    y = np.array(mixbits.qmatmul(mx.array(x), qt, activations="int8"), np.float64)
+    w_run = mixbits.ops.repack(qt) if repack else qt
+    y = np.array(mixbits.qmatmul(mx.array(x), w_run, activations=act), np.float64)
     yf = np.array(mixbits.qmatmul(mx.array(x), qt), np.float64)
     err = np.abs(y - y64)
     g = np.abs(x).reshape(m, -1, gs).max(-1)
@@ -55,9 +60,16 @@ def one(bits, gs, xkind, rng, n=512, k=4096, m=16):
     }
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--activations", default="int8", choices=["int8", "int8-all"])
+    ap.add_argument("--m", type=int, default=16, help="x rows (int8 runs the float path above 16)")
+    ap.add_argument("--repack", action="store_true", help="run on the repacked layout")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "int8_error.json"))
+    a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
-    rows = [one(b, g, xk, rng) for xk in ("gaussian", "student-t3", "outlier-channels")
+    rows = [one(b, g, xk, rng, m=a.m, act=a.activations, repack=a.repack)
+            for xk in ("gaussian", "student-t3", "outlier-channels")
             for b in (2, 4, 8) for g in (32, 64, 128)]
     hdr = f"{'x':>16} {'bits':>4} {'g':>4} {'med err/Σ|wx|':>14} {'max err/Σ|wx|':>14} {'med err/rms y':>14} {'p99 err/rms y':>14} {'max err/bound':>13}"
     print(hdr)
@@ -65,8 +77,8 @@ def main():
         print(f"{r['x']:>16} {r['bits']:>4} {r['group_size']:>4} {r['rel_to_sum_abs_median']:14.2e} "
               f"{r['rel_to_sum_abs_max']:14.2e} {r['rel_to_rms_y_median']:14.2e} {r['rel_to_rms_y_p99']:14.2e} "
               f"{r['err_over_bound_max']:13.3f}")
-    out = Path(__file__).parent / "results" / "int8_error.json"
-    out.write_text(json.dumps({"rows": rows, "M": 16, "N": 512}, indent=1) + "\n")
+    Path(a.out).write_text(json.dumps({"rows": rows, "M": a.m, "N": 512, "activations": a.activations,
+                                       "repacked": a.repack}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,12 @@ does not depend on the chunk it came in). The float run uses the same
 chunks. Writes bench/results/int8_kl.json.
 
     python bench/int8_kl.py [--n-seq 8] [--seq-len 256] [--contracts int8,int16]
+
+Prefill with activations="int8-all" (the int8 contract at every M): each
+sequence in one call of --chunk rows, float run likewise:
+
+    python bench/int8_kl.py --contracts int8-all --chunk 256 --by-kind 0 \
+        --out bench/results/int8_all_prefill_kl.json
 """
 
 from __future__ import annotations
@@ -28,13 +34,13 @@ from mixbits.measure import calib
 CHUNK = 16
 
 
-def logits_chunked(model, ids):
+def logits_chunked(model, ids, chunk=CHUNK):
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
     out = []
-    for i in range(0, ids.shape[1], CHUNK):
-        y = model(ids[:, i:i + CHUNK], cache=cache).astype(mx.float32)
+    for i in range(0, ids.shape[1], chunk):
+        y = model(ids[:, i:i + chunk], cache=cache).astype(mx.float32)
         mx.eval(y)
         out.append(y)
     return mx.concatenate(out, axis=1)
@@ -67,6 +73,9 @@ def main(argv=None):
     ap.add_argument("--contracts", default="int8,int16", help="integer contracts to compare with float")
     ap.add_argument("--by-kind", type=int, default=2, metavar="N",
                     help="also the mean KL with int8 on one kind of layer only, over the first N sequences")
+    ap.add_argument("--chunk", type=int, default=CHUNK,
+                    help="rows per model call (16: decode's numerics; the sequence length: one "
+                         "prefill call, which only int8-all runs on the integer kernels)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "int8_kl.json"))
     a = ap.parse_args(argv)
     mx.set_default_device(mx.cpu)
@@ -83,7 +92,7 @@ def main(argv=None):
         for act in ("float", *contracts):
             set_activations(model, act)
             t0 = time.perf_counter()
-            res[act] = logits_chunked(model, ids)[0]
+            res[act] = logits_chunked(model, ids, a.chunk)[0]
             t[act] += time.perf_counter() - t0
         for c in contracts:
             kl = np.array(mixbits.kl_divergence(res["float"], res[c]), np.float64)
@@ -114,7 +123,7 @@ def main(argv=None):
     out = {
         "model": "smollm2 (mixbits.load, patched: {} layers)".format(len(replaced)),
         "tokens": {"n_seq": a.n_seq, "seq_len": a.seq_len, "source": "calib.load_texts(None, 'auto')"},
-        "chunk_rows": CHUNK,
+        "chunk_rows": a.chunk,
         "kl_vs_float": {c: summary(c) for c in contracts},
         "mean_kl_int8_on_one_kind_only": {"n_seq": a.by_kind, **by_kind},
         "goal_mean_kl": 1e-3,

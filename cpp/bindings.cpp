@@ -38,6 +38,11 @@ NB_MODULE(_ext, m) {
   m.def("backend_names", &mixbits::backend_names,
         "Backend names indexed by the enum value the ops' backend= takes.");
 
+  // activations= arguments: qmatmul.h's Activations enum values; Python's
+  // mixbits.ops.ACTIVATIONS maps names to them with this list.
+  m.def("activation_names", &mixbits::activation_names,
+        "Numeric contract names indexed by the enum value the ops' activations= takes.");
+
   m.def(
       "qmatmul",
       [](const mx::array& x, const std::optional<mx::array>& perm,
@@ -54,7 +59,8 @@ NB_MODULE(_ext, m) {
       "activations"_a = 0,
       "y = x @ W.T for a mixed-segment quantized W. segments: (bits, "
       "group_size, k) per segment; packed: wq, scales, biases per segment; "
-      "activations: 0 float, 1 int8, 2 int16 (x quantized per group, M <= 16).");
+      "activations: an index of activation_names() (x quantized per group for the "
+      "integer contracts: int8/int16 up to 16 rows, int8-all at every M).");
 
   m.def(
       "repacked_qmatmul_group",
@@ -140,51 +146,28 @@ NB_MODULE(_ext, m) {
       "(low-plane bits, high word of each of a chunk's 32 codes, its bit there); None "
       "for widths kept as MLX's words.");
   m.def(
-      "int_quantize_groups",
+      "int_quantize_row",
       [](nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> x, int group_size,
-         int width, bool simd)
-          -> std::optional<std::tuple<std::vector<int>, std::vector<float>, std::vector<int>,
-                                      std::vector<float>>> {
+         int width) {
         const int64_t n = int64_t(x.shape(0));
         if (group_size < 1 || n % group_size != 0 || (width != 8 && width != 16))
           throw nb::value_error("x's length must be a multiple of group_size; width 8 or 16");
-        const int ng = int(n / group_size);
-        std::vector<float> d(ng), xs(ng);
-        std::vector<int32_t> ix(ng);
-        std::vector<int> codes(n);
-        auto run = [&](auto* q) -> bool {
-          using T = std::remove_pointer_t<decltype(q)>;
-          if (!simd) {
-            mixbits::int_quantize_groups_ref<T>(x.data(), ng, group_size, q, d.data(), ix.data(),
-                                                xs.data());
-            return true;
-          }
-#if defined(MIXBITS_HAVE_AVX2)
-          if (mixbits::cpu_has_avx2()) {
-            mixbits::int_quantize_groups_avx2<T>(x.data(), ng, group_size, q, d.data(),
-                                                 ix.data(), xs.data());
-            return true;
-          }
-#endif
-          return false;
+        // One row, one segment: what int_quantize reads of a weight's view.
+        mixbits::QMatView v;
+        v.N = 1;
+        v.K = int(n);
+        v.segs.push_back({4, group_size, 0, int(n), nullptr, nullptr, nullptr});
+        auto run = [&](auto tag) {
+          mixbits::IntActs<decltype(tag)> a;
+          mixbits::int_quantize(x.data(), 1, v, a);
+          return std::make_tuple(std::vector<int>(a.xq[0].begin(), a.xq[0].end()), a.d[0],
+                                 std::vector<int>(a.ix[0].begin(), a.ix[0].end()), a.xs[0]);
         };
-        bool ok;
-        if (width == 8) {
-          std::vector<int8_t> q(n);
-          ok = run(q.data());
-          std::copy(q.begin(), q.end(), codes.begin());
-        } else {
-          std::vector<int16_t> q(n);
-          ok = run(q.data());
-          std::copy(q.begin(), q.end(), codes.begin());
-        }
-        if (!ok) return std::nullopt;
-        return std::make_tuple(codes, d, std::vector<int>(ix.begin(), ix.end()), xs);
+        return width == 8 ? run(int8_t{}) : run(int16_t{});
       },
-      "x"_a, "group_size"_a, "width"_a, "simd"_a,
-      "The integer contracts' quantization of one row of finite float32 x (kernel.h): "
-      "(codes, d, ix, xs) per group, by the scalar definition or (simd=True) this CPU's "
-      "SIMD version; None where this build/CPU has none.");
+      "x"_a, "group_size"_a, "width"_a,
+      "The integer contracts' quantization (kernel.h's int_quantize) of one row of finite "
+      "float32 x: (codes, d, ix, xs) per group.");
   // The bulk half-precision conversions: simd=False the scalar definition,
   // True the version the kernels run on this CPU (F16C / NEON, else the same).
   m.def(
@@ -210,6 +193,21 @@ NB_MODULE(_ext, m) {
         return out;
       },
       "bits"_a, "dtype"_a, "simd"_a, "The inverse direction of narrow_from_f32.");
+  m.def(
+      "repacked_gemm_min_m",
+      [](int backend) -> std::optional<int> {
+        const mixbits::RTable* t = mixbits::select_repacked(false, mixbits::Backend(backend));
+        const int m = t ? mixbits::repacked_gemm_min_m(*t) : 0;
+        if (m <= 0) return std::nullopt;
+        return m;
+      },
+      "backend"_a,
+      "activations='int8-all' calls of at least this many rows on a repacked weight run the "
+      "blocked int8 GEMM; None: they never do (no GEMM on this CPU/backend, or off by default: "
+      "the GEMV in passes of 8 rows).");
+  m.def("set_repacked_gemm_min_m", &mixbits::set_repacked_gemm_min_m, "n"_a,
+        "Override the rows from which that GEMM runs, for this process (0: never; < 0: the "
+        "default); for tests and crossover measurements.");
   m.def("repack_rows", []() { return mixbits::kRepackRows; },
         "Rows interleaved per block of the repacked layout.");
 

@@ -258,8 +258,8 @@ def test_smollm2_compiled_generation_and_cli(capsys):
 
 @pytest.mark.parametrize("argv, why", [
     (["--activations", "int8"], "add --patch"),
-    (["--repack", "--patch"], "add --activations int8 or int16"),
-    (["--repack", "--patch", "--activations", "float"], "add --activations int8 or int16"),
+    (["--repack", "--patch"], "add an integer --activations"),
+    (["--repack", "--patch", "--activations", "float"], "add an integer --activations"),
 ])
 def test_generate_refuses_contract_options_before_loading(argv, why, capsys, monkeypatch):
     from mixbits.cli import main

@@ -2,6 +2,7 @@
 // that gathers x through the permutation and hands raw views to a backend.
 #include "qmatmul/qmatmul.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -27,24 +28,56 @@ namespace {
   throw std::invalid_argument("qmatmul: " + msg);
 }
 
-// The integer contract's kernel for the backend; null for float activations.
+}  // namespace
+
+const std::vector<std::string>& activation_names() {
+  static const std::vector<std::string> names{"float", "int8", "int16", "int8-all"};
+  return names;
+}
+
+bool activations_valid(Activations act) {
+  return int(act) >= 0 && size_t(act) < activation_names().size();
+}
+
+const char* activation_name(Activations act) {
+  return activations_valid(act) ? activation_names()[size_t(act)].c_str() : "?";
+}
+
+int activation_code_bits(Activations act) {
+  return act == Activations::Int16 ? 16 : act == Activations::Int8 || act == Activations::Int8All ? 8 : 0;
+}
+
+std::string activations_refusal(Activations act) {
+  std::string names;
+  for (size_t i = 0; i < activation_names().size(); ++i)
+    names += (i ? ", " : "") + std::to_string(i) + " (" + activation_names()[i] + ")";
+  return "activations must be one of " + names + ", got " + std::to_string(int(act));
+}
+
+int activation_int_max_m(Activations act) {
+  if (activation_code_bits(act) == 0) return 0;
+  return act == Activations::Int8All ? std::numeric_limits<int>::max() : kInt8MaxM;
+}
+
 QmmRun select_qmm_int(Activations act, Backend backend) {
-  switch (act) {
-    case Activations::Int8: return select_qmm_int8(backend);
-    case Activations::Int16: return select_qmm_int16(backend);
+  switch (activation_code_bits(act)) {
+    case 8: return select_qmm_int8(backend);
+    case 16: return select_qmm_int16(backend);
     default: return nullptr;
   }
 }
 
-}  // namespace
+void run_int_rows(QmmRun fn, const float* x, int M, const QMatView& w, float* y) {
+  for (int m0 = 0; m0 < M; m0 += kInt8MaxM)
+    fn(x + int64_t(m0) * w.K, std::min(kInt8MaxM, M - m0), w, y + int64_t(m0) * w.N);
+}
 
 mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm,
                         const std::vector<mx::array>& packed,
                         const std::vector<SegSpec>& segs, Backend backend,
                         mx::StreamOrDevice s, Activations act) {
   if (segs.empty()) fail("at least one segment is required");
-  if (act != Activations::Float && act != Activations::Int8 && act != Activations::Int16)
-    fail("activations must be 0 (float), 1 (int8) or 2 (int16), got " + std::to_string(int(act)));
+  if (!activations_valid(act)) fail(activations_refusal(act));
   if (packed.size() != 3 * segs.size())
     fail("expected 3 arrays (wq, scales, biases) per segment, got " +
          std::to_string(packed.size()) + " for " +
@@ -113,7 +146,7 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
     if (backend != Backend::Auto)
       fail("backend= chooses a CPU kernel; on the GPU leave it unset");
     if (act != Activations::Float)
-      fail(std::string("activations='") + (act == Activations::Int8 ? "int8" : "int16") +
+      fail(std::string("activations='") + activation_name(act) +
            "' is a CPU contract; the GPU kernels take float x");
     const std::string why = metal_host::qmm_gpu_refusal(
         int64_t(x.size()) / int64_t(K), N, K);
@@ -165,7 +198,8 @@ void MixedQMatmul::eval_cpu(const std::vector<mx::array>& inputs,
   enc.dispatch([inputs, out = mx::array::unsafe_weak_copy(out),
                 segs = segs_, has_perm = has_perm_,
                 fn = select_qmm(backend_),
-                fn8 = select_qmm_int(act_, backend_)]() mutable {
+                fn8 = select_qmm_int(act_, backend_),
+                int_max_m = activation_int_max_m(act_)]() mutable {
     const int first = has_perm ? 2 : 1;
     // perm and the weights in row-major order (their own buffers unless a
     // caller passed a strided view; x is read through its strides).
@@ -183,15 +217,15 @@ void MixedQMatmul::eval_cpu(const std::vector<mx::array>& inputs,
     }
     w.K = k0;
     const int32_t* perm = has_perm ? static_cast<const int32_t*>(dense(1)) : nullptr;
-    qmatmul_cpu_eval(inputs[0], perm, w.K, w.N, fn8 != nullptr, out,
+    qmatmul_cpu_eval(inputs[0], perm, w.K, w.N, fn8 ? int_max_m : 0, out,
                      [&](QmmPath path, const float* xf, int M, float* y) {
-                       (path == QmmPath::Int ? fn8 : path == QmmPath::IeeeRef ? qmm_ref_run : fn)(
-                           xf, M, w, y);
+                       if (path == QmmPath::Int) return run_int_rows(fn8, xf, M, w, y);
+                       (path == QmmPath::IeeeRef ? qmm_ref_run : fn)(xf, M, w, y);
                      });
   });
 }
 
-void qmatmul_cpu_eval(const mx::array& x, const int32_t* perm, int K, int N, bool has_int,
+void qmatmul_cpu_eval(const mx::array& x, const int32_t* perm, int K, int N, int int_max_m,
                       mx::array& out, const QmmPathFn& run) {
   const int64_t M = x.size() / K;
   if (M == 0 || N == 0) return;
@@ -261,13 +295,23 @@ void qmatmul_cpu_eval(const mx::array& x, const int32_t* perm, int K, int N, boo
   // activations='int8'/'int16' have exactly the float path's IEEE behaviour.
   std::atomic<bool> has_inf{false}, has_nan{false};
   parallel_for(M * K, 1 << 16, [&](int64_t i0, int64_t i1) {
+    // First whether the range has any inf/NaN (all exponent bits set), in
+    // integer ops a compiler vectorizes; the rare range that does is
+    // scanned element by element.
+    uint32_t special = 0;
+    for (int64_t i = i0; i < i1; ++i) {
+      uint32_t b;
+      std::memcpy(&b, xf.data() + i, 4);
+      special |= uint32_t((b & 0x7f800000u) == 0x7f800000u);
+    }
+    if (!special) return;
     for (int64_t i = i0; i < i1; ++i)
       if (!std::isfinite(xf[i])) {
         (std::isinf(xf[i]) ? has_inf : has_nan).store(true, std::memory_order_relaxed);
         if (has_inf.load(std::memory_order_relaxed)) return;
       }
   });
-  const bool int8 = has_int && M <= kInt8MaxM && !has_inf.load() && !has_nan.load();
+  const bool int8 = M <= int_max_m && !has_inf.load() && !has_nan.load();
   if (!perm_ok) {
     // Never silent garbage: a broken permutation poisons the output.
     std::fill(y, y + M * N, std::numeric_limits<float>::quiet_NaN());

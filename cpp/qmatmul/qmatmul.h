@@ -1,6 +1,7 @@
 // MLX primitive for y = x · Wᵀ with W a mixed-segment quantized matrix.
 #pragma once
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "mlx/ops.h"
@@ -21,8 +22,32 @@ struct SegSpec {
 
 // The CPU matmul's numeric contracts (DESIGN.md): float activations
 // (float tolerance vs dequantize + matmul) or x quantized to int8 or int16
-// per group with integer dots (cpp/qmatmul_int8/kernel.h; M <= kInt8MaxM).
-enum class Activations : int { Float = 0, Int8 = 1, Int16 = 2 };
+// per group with integer dots (cpp/qmatmul_int8/kernel.h). Int8 and Int16
+// apply to calls of at most kInt8MaxM rows (larger ones take the float
+// path); Int8All is Int8's contract at every M (prompts too: the opt-in of
+// issue 16), so at M <= kInt8MaxM it is Int8 bit for bit.
+enum class Activations : int { Float = 0, Int8 = 1, Int16 = 2, Int8All = 3 };
+// Names indexed by the enum's values: the one list Python's
+// mixbits.ops.ACTIVATIONS (and every --activations choice) is built from.
+const std::vector<std::string>& activation_names();
+// The name of `act`, or "?" for a value outside the enum.
+const char* activation_name(Activations act);
+// Whether `act` is one of the enum's values.
+bool activations_valid(Activations act);
+// The integer code width of the contract: 8, 16, or 0 for the float one.
+int activation_code_bits(Activations act);
+// The most rows a call may have and still run the integer contract (0 for
+// the float contract; larger calls run the float path).
+int activation_int_max_m(Activations act);
+// The refusal of an out-of-range value (the message lists the names).
+std::string activations_refusal(Activations act);
+// The integer contract's kernel on MLX's layout for the backend (throws if
+// the backend is unavailable); null for the float contract.
+QmmRun select_qmm_int(Activations act, Backend backend);
+// fn over any number of rows: chunks of at most kInt8MaxM, the rows every
+// original-layout integer kernel takes (the same result: the contract
+// quantizes each row on its own).
+void run_int_rows(QmmRun fn, const float* x, int M, const QMatView& w, float* y);
 
 // Inputs: x, [perm], then (wq, scales, biases) per segment.
 class MixedQMatmul : public mx::UnaryPrimitive {
@@ -71,11 +96,12 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
 // RepackedQMatmul in qmatmul_int8/repacked_qmatmul.cpp), run inside the
 // primitive's dispatched task once W is readable: gathers x through `perm`
 // (may be null) into float32, scans it for inf/NaN, calls `run` with the
-// path the contract takes (Int only if has_int, M <= kInt8MaxM and x is
-// finite; IeeeRef when x has an inf), and converts y to out's dtype.
+// path the contract takes (Int only if M <= int_max_m, i.e. never for 0,
+// and x is finite; IeeeRef when x has an inf), and converts y to out's
+// dtype.
 enum class QmmPath { Int, Float, IeeeRef };
 using QmmPathFn = std::function<void(QmmPath path, const float* xf, int M, float* y)>;
-void qmatmul_cpu_eval(const mx::array& x, const int32_t* perm, int K, int N, bool has_int,
+void qmatmul_cpu_eval(const mx::array& x, const int32_t* perm, int K, int N, int int_max_m,
                       mx::array& out, const QmmPathFn& run);
 
 // Graph helpers shared by the gradients of MixedQMatmul and of the gather

@@ -65,19 +65,6 @@ struct IntActs {
 // one definition every backend uses.
 template <class T>
 void int_quantize(const float* x, int M, const QMatView& w, IntActs<T>& a);
-// Its inner step, one row of one segment: ng groups of G columns of finite
-// x into codes q, d, ix and xs per group. The scalar version is the
-// definition; the SIMD one (G a multiple of 32, else it calls the scalar
-// one) gives the same bits.
-template <class T>
-using IntQuantizeGroupsFn = void (*)(const float* x, int ng, int G, T* q, float* d, int32_t* ix,
-                                     float* xs);
-template <class T>
-void int_quantize_groups_ref(const float* x, int ng, int G, T* q, float* d, int32_t* ix, float* xs);
-#if defined(MIXBITS_HAVE_AVX2)
-template <class T>
-void int_quantize_groups_avx2(const float* x, int ng, int G, T* q, float* d, int32_t* ix, float* xs);
-#endif
 
 // Reference: the contract evaluated in float64 (exact integer sums).
 template <class T>
@@ -105,6 +92,14 @@ QmmRun select_qmm_int16(Backend requested);
 // build and CPU run for int8 (int16 = false) or int16 codes under
 // `backend`, or null where calls on a repacked weight un-repack it.
 const RTable* select_repacked(bool int16, Backend backend);
+// Rows from which int8 calls on a repacked weight take the table's GEMM
+// (t.gemm_min_m unless overridden); 0: never (no GEMM, or not by default).
+// set_repacked_gemm_min_m(n) overrides the tables' value for the process
+// (n = 0: never, n < 0: restore): for tests (the GEMM against the GEMV's
+// passes, bit for bit) and for measuring the crossover in one run, as
+// set_max_threads; never read from the environment.
+int repacked_gemm_min_m(const RTable& t);
+void set_repacked_gemm_min_m(int n);
 // The contract on repacked segments: x quantized once, its codes put in
 // repacked_x_col order, blocks of 16 rows over threads; rsegs[i] is
 // shape.segs[i] repacked (shape's wq/scales/biases are not read).

@@ -158,14 +158,35 @@ using RFn = void (*)(const RSeg&, const RX&, int mb, int b0, int b1, int N, floa
 
 // Activation rows per kernel pass, and the kernels by [bits][group size
 // index 0: g32, 1: g64, 2: g128]; null where bits are not repacked.
+// gemm: the same contribution for any number of rows (mb unbounded), the
+// codes of a block decoded once per K-chunk and reused for every x row
+// (int8-all prompts); bit for bit fn's result over passes of kRepackMaxMB
+// rows (exact integer dots, the same float epilogue in the same order).
+// Null where the ISA has none: calls then run fn in passes (as they do
+// below gemm_min_m, and at every M where it is 0).
 constexpr int kRepackMaxMB = 8;
+// Rows from which the VNNI table's gemm takes a call by default; 0: none.
+// Measured on this Xeon (AVX512-VNNI, one thread, CPU time, GEMM and GEMV
+// passes alternating in one run, 4096x4096 and SmolLM2's 1536x576 /
+// 576x1536, 2/4/8 bits, M = 8..128): the passes were as fast or faster at
+// every M (passes/GEMM 0.71-1.10, median 0.88). Both issue the same
+// vpdpbusd per 64 MACs, the one 512-bit port's limit; the passes' decode
+// is one shift and one AND per 8 dots, no more than the GEMM's stores,
+// reloads and tile traffic. So the passes run every M here; the GEMM stays
+// for CPUs where that balance differs (unmeasured), behind this constant
+// and set_repacked_gemm_min_m.
+constexpr int kRepackGemmMinM = 0;
 struct RTable {
   RFn fn[9][3];
+  RFn gemm[9][3];
+  int gemm_min_m;  // calls of at least this many rows take gemm
 };
 #if defined(MIXBITS_HAVE_AVX2)
 // AVX512-VNNI (+VL, BW); call only where cpu_isa().avx512vnni.
 const RTable& repacked_int8_table_vnni();
 const RTable& repacked_int16_table_vnni();
+// The int8 prefill GEMM's kernels (repacked_vnni_gemm.cpp) into t.gemm.
+void repacked_int8_gemm_vnni(RTable& t);
 // AVX2 (avx2_repacked.cpp): the same layout as two 8-row halves per block.
 const RTable& repacked_int8_table_avx2();
 const RTable& repacked_int16_table_avx2();

@@ -29,8 +29,8 @@ namespace {
 // The repacked kernel table for (act, backend) on this CPU, or null where
 // calls take the un-repacked path (see the class comment).
 const RTable* repacked_table(Activations act, Backend backend) {
-  if (act == Activations::Float) return nullptr;
-  return select_repacked(act == Activations::Int16, backend);
+  if (activation_code_bits(act) == 0) return nullptr;
+  return select_repacked(activation_code_bits(act) == 16, backend);
 }
 
 }  // namespace
@@ -53,8 +53,7 @@ void check_repacked(const mx::array& x, const std::optional<mx::array>& perm,
                     const std::vector<mx::array>& packed_r, const std::vector<SegSpec>& segs,
                     int n, Activations act) {
   if (segs.empty()) fail("at least one segment is required");
-  if (act != Activations::Float && act != Activations::Int8 && act != Activations::Int16)
-    fail("activations must be 0 (float), 1 (int8) or 2 (int16), got " + std::to_string(int(act)));
+  if (!activations_valid(act)) fail(activations_refusal(act));
   if (packed_r.size() != 3 * segs.size())
     fail("expected 3 arrays (wq, scales, biases) per segment");
   if (n <= 0) fail("n (output rows) must be positive, got " + std::to_string(n));
@@ -100,8 +99,7 @@ mx::Stream repacked_stream(mx::StreamOrDevice s, Backend backend, Activations ac
   if (stream.device == mx::Device::gpu)
     fail("repacked weights are a CPU layout; unrepack the layer to run it on the GPU");
   select_qmm(backend);
-  if (act == Activations::Int8) select_qmm_int8(backend);
-  if (act == Activations::Int16) select_qmm_int16(backend);
+  select_qmm_int(act, backend);
   return stream;
 }
 
@@ -192,10 +190,10 @@ void eval_repacked(const RepackedKernels& k, const mx::array& x, const int32_t* 
     k0 += segs[i].k;
   }
   shape.K = k0;
-  qmatmul_cpu_eval(x, perm, shape.K, N, k.fn_int != nullptr, out,
+  qmatmul_cpu_eval(x, perm, shape.K, N, k.fn_int ? activation_int_max_m(k.act) : 0, out,
                    [&](QmmPath path, const float* xf, int M, float* y) {
     if (path == QmmPath::Int && k.table) {
-      if (k.act == Activations::Int8)
+      if (activation_code_bits(k.act) == 8)
         return repacked_int_run<int8_t>(*k.table, xf, M, shape, rsegs.data(), y);
       return repacked_int_run<int16_t>(*k.table, xf, M, shape, rsegs.data(), y);
     }
@@ -232,16 +230,14 @@ void eval_repacked(const RepackedKernels& k, const mx::array& x, const int32_t* 
       w.segs[i].scales = sc[i].get();
       w.segs[i].biases = bi[i].get();
     }
-    (path == QmmPath::Int ? k.fn_int : path == QmmPath::IeeeRef ? qmm_ref_run : k.fn)(xf, M, w, y);
+    if (path == QmmPath::Int) return run_int_rows(k.fn_int, xf, M, w, y);
+    (path == QmmPath::IeeeRef ? qmm_ref_run : k.fn)(xf, M, w, y);
   });
 }
 
 RepackedKernels kernels_for(Activations act, Backend backend) {
-  return {act, select_qmm(backend),
-          act == Activations::Int8    ? select_qmm_int8(backend)
-          : act == Activations::Int16 ? select_qmm_int16(backend)
-                                      : nullptr,
-          repacked_table(act, backend), select_qmm_repacked(backend)};
+  return {act, select_qmm(backend), select_qmm_int(act, backend), repacked_table(act, backend),
+          select_qmm_repacked(backend)};
 }
 
 }  // namespace

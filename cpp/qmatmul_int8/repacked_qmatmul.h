@@ -17,8 +17,8 @@ namespace mixbits {
 namespace mx = mlx::core;
 
 // Inputs: x, [perm], then (wq_r, scales_r, biases_r) per segment.
-// Evaluation: activations int8/int16 with at most kInt8MaxM finite rows run
-// the repacked kernels where select_repacked (kernel.h) has a table: x86
+// Evaluation: activations int8/int16 with at most kInt8MaxM finite rows
+// (int8-all: any number of finite rows) run the repacked kernels where select_repacked (kernel.h) has a table: x86
 // with AVX512-VNNI or AVX2 (backend auto, avx512, avx2), arm64 NEON (auto,
 // neon). Float-contract calls (float activations, or more rows) above
 // select_qmm_repacked's min_m run the float kernel on the blocks in place

@@ -24,6 +24,7 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
 #include "qmatmul_int8/x86_load16.h"
+#include "qmatmul_int8/x86_repacked_codes.h"
 
 namespace mixbits {
 namespace {
@@ -32,39 +33,13 @@ constexpr int R = kRepackRows;
 // Software prefetch distance along a block's one sequential stream.
 constexpr int kPrefetchBytes = 2048;
 
-// The lane mask of a B-bit code in every element of a 32-bit word.
-template <int B, class T>
-constexpr uint32_t code_mask() {
-  const uint32_t m = (1u << B) - 1u;
-  return sizeof(T) == 1 ? m * 0x01010101u : m * 0x00010001u;
-}
-
-template <class T>
-inline __m512i idot(__m512i acc, __m512i w, __m512i x) {
-  if constexpr (sizeof(T) == 1) return _mm512_dpbusd_epi32(acc, w, x);  // u8 codes x s8 x
-  else return _mm512_dpwssd_epi32(acc, w, x);  // codes <= 255 are valid s16
-}
-
-template <int D>
-inline __m512i shift_r(__m512i v) {
-  if constexpr (D > 0) return _mm512_srli_epi32(v, D);
-  else if constexpr (D < 0) return _mm512_slli_epi32(v, -D);
-  else return v;
-}
-
-// Split segments (3, 5, 6 bits; repack.h): per chunk of 32 codes, the
-// LB-bit kernel's shift K of low word W, ORed with high word split_hword's
-// shift by split_hshift masked to bits LB.. of each element.
+// Split segments (3, 5, 6 bits; repack.h): per chunk of 32 codes, step
+// (W, K)'s codes (split_code) times the x rows' quads.
 template <int B, int MB, int A, class T, int W, int K>
 inline void split_step(const __m512i (&cw)[B], const T* xq, int ldx, int64_t x0,
                        __m512i (&acc)[A][MB]) {
   constexpr int P = 4 / int(sizeof(T)), LB = split_low_bits(B), S = 8 * int(sizeof(T)) / LB;
-  const __m512i ml = _mm512_set1_epi32(int(code_mask<LB, T>()));
-  const __m512i mh = _mm512_set1_epi32(int(code_mask<B - LB, T>() << LB));
-  const __m512i lo = _mm512_and_si512(shift_r<LB * K>(cw[W]), ml);
-  const __m512i hw = cw[LB + split_hword(B, W * (32 / LB))];
-  const __m512i hi = _mm512_and_si512(shift_r<split_hshift(B, W, K)>(hw), mh);
-  const __m512i c = _mm512_or_si512(lo, hi);
+  const __m512i c = split_code<B, T, W, K>(cw);
   constexpr int a = (W * S + K) % A;
   for (int m = 0; m < MB; ++m) {
     int32_t quad;
@@ -87,13 +62,11 @@ void blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, int ldy
   constexpr int S = repack_splits(B) ? 1 : 8 * int(sizeof(T)) / B;  // shifts per word
   constexpr int CPW = 32 / B;                // codes per word
   constexpr int WG = G * B / 32;             // words per group
-  constexpr uint32_t kMask = code_mask<split_low_bits(B), T>();
   // Independent accumulator chains to hide vpdpbusd latency (5 cycles)
   // where MB alone gives too few: A*MB <= 8 of the 32 zmm registers.
   constexpr int A = MB <= 2 ? 4 : MB <= 4 ? 2 : 1;
   const T* xq = static_cast<const T*>(x.xq);
   const int ng = s.ngroups;
-  const __m512i mask = _mm512_set1_epi32(int(kMask));
   for (int b = b0; b < b1; ++b) {
     const uint32_t* wb = s.wq + int64_t(b) * s.words * R;
     const int64_t sb = int64_t(b) * ng * R;
@@ -125,8 +98,7 @@ void blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, int ldy
         _mm_prefetch((const char*)(wb + int64_t(j) * R) + kPrefetchBytes, _MM_HINT_T0);
 #pragma GCC unroll 8
         for (int k = 0; k < S; ++k) {
-          __m512i c = k == 0 ? w : _mm512_srli_epi32(w, k * B);
-          if constexpr (kMask != 0xFFFFFFFFu) c = _mm512_and_si512(c, mask);
+          const __m512i c = word_code<B, T>(w, k);
           const int a = (jw * S + k) % A;
           for (int m = 0; m < MB; ++m) {
             int32_t quad;
@@ -184,7 +156,11 @@ RTable make_table() {
 }  // namespace
 
 const RTable& repacked_int8_table_vnni() {
-  static const RTable t = make_table<int8_t>();
+  static const RTable t = [] {
+    RTable r = make_table<int8_t>();
+    repacked_int8_gemm_vnni(r);
+    return r;
+  }();
   return t;
 }
 const RTable& repacked_int16_table_vnni() {

@@ -760,10 +760,11 @@ def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
 
     ``activations`` sets every mixbits linear layer's (and tied head's)
     numeric contract, replaced or already mixbits: ``"float"`` (default),
-    ``"int8"`` or ``"int16"`` (see :func:`mixbits.qmatmul`). Expert stacks
+    ``"int8"``, ``"int16"`` or ``"int8-all"`` (int8 at every M: prompts
+    too; see :func:`mixbits.qmatmul`). Expert stacks
     keep the float contract: the gather kernel has no integer path.
 
-    ``repack=True`` (with ``activations="int8"`` or ``"int16"``) then
+    ``repack=True`` (with an integer ``activations``) then
     stores every mixbits linear and embedding layer (all of 2/3/4/5/6/8-bit
     segments) in the row-interleaved layout of the CPU's batch-1 integer GEMV
     (:func:`repack_layers`; layers with other bits keep MLX's layout).

@@ -32,8 +32,9 @@ def _check_x(x, K: int, name: str = "x") -> None:
         raise ValueError(f"{name} has last dimension {x.shape[-1:]} but the weight has K={K}")
 
 
-# The CPU matmul's numeric contracts by name (the C++ Activations enum).
-ACTIVATIONS = {"float": 0, "int8": 1, "int16": 2}
+# The CPU matmul's numeric contracts by name -> the C++ Activations enum
+# value; the extension's list is the one definition (cpp/qmatmul/qmatmul.h).
+ACTIVATIONS = {name: i for i, name in enumerate(_ext.activation_names())}
 
 
 def activations_id(activations) -> int:
@@ -58,7 +59,12 @@ def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None,
     with the quantized x, so ``|error| <= sum_g (max|x_g|/(2Q)) * sum_{i in g}
     |w_i|`` (bench/INT8.md: int8 is the faster, int16 the one whose error a
     model's output does not notice). Calls with more rows, or with an
-    inf/NaN in x, run the float path.
+    inf/NaN in x, run the float path. ``activations="int8-all"`` is int8's
+    contract at every number of rows (prompts too; identical to ``"int8"``
+    up to 16 rows, and above them the same rows called 16 at a time, bit
+    for bit). Fast on a repacked weight (the integer kernels in passes of 8
+    rows); on MLX's layout it runs the batch kernels over row chunks.
+    Every value: :data:`ACTIVATIONS`.
 
     ``qt`` may also be a :class:`~mixbits.repack.RepackedTensor` (see
     :func:`repack`): same results and contracts, CPU only; the integer

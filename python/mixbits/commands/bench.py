@@ -46,15 +46,21 @@ def add_arguments(p) -> None:
     p.add_argument("--min-time", type=float, default=0.3,
                    help="seconds of repetitions per measurement (default 0.3)")
     p.add_argument("--no-baselines", action="store_true", help="time mixbits only")
-    p.add_argument("--activations", choices=["float", "int8", "int16"], default="float",
-                   help="mixbits' numeric contract (mixbits.qmatmul's activations=; the integer "
-                        "ones apply to M <= 16, as ggml quantizes its activations)")
+    from mixbits.ops import ACTIVATIONS
+
+    p.add_argument("--activations", choices=list(ACTIVATIONS), default="float",
+                   help="mixbits' numeric contract (mixbits.qmatmul's activations=; int8/int16 "
+                        "apply to M <= 16, int8-all at every M, as ggml quantizes its activations)")
     p.add_argument("--repack", action="store_true",
                    help="also time mixbits on the row-interleaved layout of the integer GEMV "
                         "(mixbits.ops.repack; every kind: 2/3/4/5/6/8-bit and mixed), "
                         "same contract: the integer kernels with --activations int8/int16 and "
                         "M <= 16, else the float path (on AVX-512 the prefill GEMM reads the "
                         "blocks in place above 16 rows; otherwise W is un-repacked per call)")
+    p.add_argument("--vs-float", action="store_true",
+                   help="with --activations other than float: also time the float contract "
+                        "(mixbits.qmatmul's default, MLX's layout) on the same weights in the "
+                        "same run, and print float time / integer time")
     p.add_argument("--backend", choices=["auto", "ref", "avx2", "avx512", "neon"], default="auto",
                    help="mixbits' CPU kernels (mixbits.qmatmul's backend=), e.g. avx2 to time "
                         "an AVX2-only CPU's kernels on an AVX-512 host (ggml is not affected)")
@@ -175,6 +181,9 @@ def runners(wt: Weights, x, activations: str = "float", backend: str = "auto"):
     def run_repacked():
         mx.eval(mixbits.qmatmul(x, wt.repacked(), activations=activations, backend=backend))
 
+    def run_float():
+        mx.eval(mixbits.qmatmul(x, qt, backend=backend))
+
     def run_mlx():
         xs = x if qt.perm is None else mx.take(x, qt.perm, axis=-1)
         y, k0 = None, 0
@@ -191,8 +200,8 @@ def runners(wt: Weights, x, activations: str = "float", backend: str = "auto"):
     def run_numpy():
         xn @ wt.dense().T
 
-    return {"mixbits": run_mixbits, "mixbits_repacked": run_repacked, "mlx": run_mlx,
-            "numpy": run_numpy}
+    return {"mixbits": run_mixbits, "mixbits_repacked": run_repacked, "mixbits_float": run_float,
+            "mlx": run_mlx, "numpy": run_numpy}
 
 
 CLOCK = time.perf_counter  # time.process_time with --clock cpu
@@ -258,6 +267,12 @@ class Row:
             out["repacked_gbps"] = self.weight_bytes / tr / 1e9
             out["repacked_pct_probe"] = 100.0 * self.weight_bytes / tr / 1e9 / probe
             out["speedup_repacked_vs_mixbits"] = t / tr
+        if self.best("mixbits_float"):
+            tf = self.best("mixbits_float")
+            out["float_ms"] = tf * 1e3
+            out["float_over_mixbits"] = tf / t
+            if self.best("mixbits_repacked"):
+                out["float_over_repacked"] = tf / self.best("mixbits_repacked")
         if self.best("mlx"):
             out["mlx_ms"] = self.best("mlx") * 1e3
             out["speedup_vs_mlx"] = self.best("mlx") / t
@@ -363,6 +378,27 @@ def format_repacked_table(rows: list[Row], probe: float) -> str:
     return "\n".join(lines)
 
 
+def format_float_table(rows: list[Row], probe: float) -> str:
+    """The float contract next to the integer one (--vs-float)."""
+    rep = any("repacked_ms" in r.derived(probe) for r in rows)
+    hdr = (f"{'N x K':>12} {'M':>4} {'kind':>5} {'float ms':>9} {'int ms':>9} {'float/int':>9}"
+           + (f" {'int rep ms':>10} {'float/rep':>9}" if rep else ""))
+    lines = ["float contract (MLX layout) vs the integer one, same weights, same run", hdr,
+             "-" * len(hdr)]
+    for r in rows:
+        d = r.derived(probe)
+        if "float_ms" not in d:
+            continue
+        line = (f"{r.case.n:>6}x{r.case.k:<5} {r.case.m:>4} {r.case.kind:>5} {d['float_ms']:9.3f} "
+                f"{d['mixbits_ms']:9.3f} {d['float_over_mixbits']:9.2f}")
+        if rep:
+            fr = d.get("float_over_repacked")
+            line += (f" {d.get('repacked_ms', float('nan')):10.3f} "
+                     f"{f'{fr:.2f}' if fr else '-':>9}")
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def _parse_list(s, conv):
     return [conv(v) for v in s.split(",")] if s else None
 
@@ -404,9 +440,13 @@ def run(args) -> int:
             raise SystemExit(f"--backend {args.backend}: not available on this CPU "
                              f"(available: {', '.join(ops.available_backends())})")
         notes.append(f"mixbits ran backend={args.backend!r} (forced)")
+    if args.vs_float and args.activations == "float":
+        raise SystemExit("--vs-float compares an integer --activations with the float one: "
+                         "pass e.g. --activations int8-all")
     if args.activations != "float":
         notes.append(f"mixbits ran activations={args.activations!r} (x quantized per group; "
-                     "M <= 16 only, larger M takes the float path)")
+                     + ("every M)" if args.activations == "int8-all"
+                        else "M <= 16 only, larger M takes the float path)"))
     if any(k in os.environ for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")):
         notes.append("OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE set: numpy may be slowed; "
                      "run as `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE mixbits bench`")
@@ -434,6 +474,8 @@ def run(args) -> int:
             row.times["mixbits_repacked"] = (
                 time_call(fns["mixbits_repacked"], args.min_time) if wt.repacked() is not None
                 else {"skipped": "bits without a repacked layout"})
+        if args.vs_float:
+            row.times["mixbits_float"] = time_call(fns["mixbits_float"], args.min_time)
         if not args.no_baselines:
             est = mlx_estimate(fns["mlx"]) if c.m == 1 else None
             if c.m > 1:
@@ -465,7 +507,7 @@ def run(args) -> int:
               ", ".join(f"{k} {v:.2f}" for k, v in ratios_r.items()))
         from mixbits import _ext
 
-        dot_ns = float(_ext.int8_dot_ns()) if args.activations == "int8" else 0.0
+        dot_ns = float(_ext.int8_dot_ns()) if args.activations in ("int8", "int8-all") else 0.0
         floors = dot_floor(rows, dot_ns, "mixbits_repacked") if dot_ns else {}
         if floors:
             print(f"\nvpdpbusd probe: {dot_ns:.3f} ns per 64 products (one thread); repacked M=8 against "
@@ -475,6 +517,11 @@ def run(args) -> int:
             extra_floor = {"int8_dot_ns": dot_ns, "repacked_m8_dot_floor": floors}
         notes.append("mixbits_repacked: the same weights in the row-interleaved layout "
                      "(mixbits.ops.repack), same contract; repacking is not timed (done once)")
+    if args.vs_float:
+        print()
+        print(format_float_table(rows, probe["dram"]))
+        notes.append("mixbits_float: the float contract (activations='float', MLX's layout) on "
+                     "the same weights and x, timed right after the integer calls")
     for n in notes:
         print("note:", n)
     notes.append("weights of every shape here fit in this CPU's last-level cache, so a "

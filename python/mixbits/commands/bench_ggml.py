@@ -122,11 +122,13 @@ def comparison(rows, best: dict) -> list[dict]:
     and ggml/mixbits ratios for the pairs of similar bpw (>1: mixbits faster)."""
     mix = {(r.case.n, r.case.k, r.case.m, r.case.kind): (r.best("mixbits"), r.bpw) for r in rows}
     rep = {(r.case.n, r.case.k, r.case.m, r.case.kind): r.best("mixbits_repacked") for r in rows}
+    flt = {(r.case.n, r.case.k, r.case.m, r.case.kind): r.best("mixbits_float") for r in rows}
     out = []
     for n, k, m in dict.fromkeys((r.case.n, r.case.k, r.case.m) for r in rows):
         rec = {"n": n, "k": k, "m": m, "mixbits_ms": {}, "mixbits_bpw": {}, "ggml_ms": {},
                "ggml_layout": {}, "ggml_bpw": {}, "ratio_ggml_over_mixbits": {},
-               "repacked_ms": {}, "ratio_ggml_over_repacked": {}}
+               "repacked_ms": {}, "ratio_ggml_over_repacked": {}, "float_ms": {},
+               "ratio_ggml_over_float": {}}
         for kind, gtypes in GGML_FOR_KIND.items():
             t_mix = mix.get((n, k, m, kind))
             if t_mix and t_mix[0]:
@@ -135,6 +137,9 @@ def comparison(rows, best: dict) -> list[dict]:
             t_rep = rep.get((n, k, m, kind))
             if t_rep:
                 rec["repacked_ms"][kind] = t_rep * 1e3
+            t_flt = flt.get((n, k, m, kind))
+            if t_flt:
+                rec["float_ms"][kind] = t_flt * 1e3
             for g in gtypes:
                 b = best.get((g, n, k, m))
                 if not b:
@@ -147,6 +152,8 @@ def comparison(rows, best: dict) -> list[dict]:
                     rec["ratio_ggml_over_mixbits"][f"{g}/{kind}"] = b[0] * 1e3 / rec["mixbits_ms"][kind]
                 if kind in rec["repacked_ms"]:
                     rec["ratio_ggml_over_repacked"][f"{g}/{kind}"] = b[0] * 1e3 / rec["repacked_ms"][kind]
+                if kind in rec["float_ms"]:
+                    rec["ratio_ggml_over_float"][f"{g}/{kind}"] = b[0] * 1e3 / rec["float_ms"][kind]
         out.append(rec)
     return out
 
@@ -158,12 +165,15 @@ def format_comparison(recs: list[dict]) -> str:
     """One line per (N, K, M); with repacked times (bench --repack) each
     pair also shows mixbits' repacked-layout time and ggml / that."""
     rep = any(r.get("repacked_ms") for r in recs)
+    flt = any(r.get("float_ms") for r in recs)
     hdr = f"{'N x K':>12} {'M':>4}" + "".join(
         f" {k + ' ms':>9}" + (f" {'rep ms':>8}" if rep else "") + f" {g + ' ms':>9} {'x':>5}"
-        + (f" {'xrep':>5}" if rep else "") for k, g in PAIRS)
+        + (f" {'xrep':>5}" if rep else "") + (f" {'xflt':>5}" if flt else "") for k, g in PAIRS)
     lines = ["ggml / mixbits (x = ggml time / mixbits time; > 1: mixbits faster; "
              "R = ggml's repacked layout" + ("; rep/xrep: mixbits' row-interleaved layout"
-                                             if rep else "") + ")", hdr, "-" * len(hdr)]
+                                             if rep else "")
+             + ("; xflt: ggml / mixbits' float contract" if flt else "") + ")", hdr,
+             "-" * len(hdr)]
     for r in recs:
         cells = []
         for kind, g in PAIRS:
@@ -177,6 +187,9 @@ def format_comparison(recs: list[dict]) -> str:
             if rep:
                 xr = r["ratio_ggml_over_repacked"].get(f"{g}/{kind}")
                 cell += f" {f'{xr:.2f}' if xr else '-':>5}"
+            if flt:
+                xf = r.get("ratio_ggml_over_float", {}).get(f"{g}/{kind}")
+                cell += f" {f'{xf:.2f}' if xf else '-':>5}"
             cells.append(cell)
         lines.append(f"{r['n']:>6}x{r['k']:<5} {r['m']:>4}" + "".join(cells))
     return "\n".join(lines)

@@ -17,9 +17,12 @@ def add_arguments(p) -> None:
     p.add_argument("--compiled", action="store_true",
                    help="decode through mixbits.decode (the model's forward compiled with mx.compile, checked "
                         "against the plain step once); models it cannot compile fall back to the plain loop")
-    p.add_argument("--activations", choices=["float", "int8", "int16"], default=None,
+    from mixbits.ops import ACTIVATIONS
+
+    p.add_argument("--activations", choices=list(ACTIVATIONS), default=None,
                    help="with --patch: the CPU matmuls' numeric contract (mixbits.patch activations=; "
-                        "int8/int16 quantize x per group for batch-1 calls, bench/INT8.md)")
+                        "int8/int16 quantize x per group for calls of up to 16 rows, int8-all at every M, "
+                        "bench/INT8.md)")
     p.add_argument("--repack", action="store_true",
                    help="with --patch and --activations int8/int16: store the layers (and a tied head) "
                         "row-interleaved for the batch-1 integer GEMV (mixbits.patch repack=True)")
@@ -34,8 +37,9 @@ def run(args) -> int:
     if (args.activations is not None or args.repack) and not args.patch:
         print("--activations/--repack apply to mixbits layers: add --patch", file=sys.stderr)
         return 2
-    if args.repack and args.activations not in ("int8", "int16"):
-        print("--repack is the integer GEMV's layout: add --activations int8 or int16", file=sys.stderr)
+    if args.repack and args.activations in (None, "float"):
+        print("--repack is the integer kernels' layout: add an integer --activations (e.g. int8)",
+              file=sys.stderr)
         return 2
     import mixbits
 
