@@ -5,12 +5,12 @@ gives at the same storage budgets.
 Run:  python bench/grad_cost.py [N_SEQ] > bench/results/smollm2/grad_vs_exact.log
 (prints the record so far after each method; the last block is the result)
 Calibration: N_SEQ x 256 Botchan tokens; held out: the next N_SEQ x 256.
-The tables stay in the temporary directory printed first, for
-bench/grad_cost_heldout.py.
+The three tables are saved as bench/results/smollm2/grad_tables/{exact,grad,two}.json
+(per-tensor KL tables, for bench/grad_cost_heldout.py); the directory must
+not hold them yet (move an old run's away first).
 """
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +29,8 @@ model, tok, _ = load("smollm2")
 mixbits.patch(model)
 toks = token_sequences(tok, load_texts(None, "auto"), 2 * n_seq, 256)
 cal, held = toks[:n_seq], toks[n_seq:]
-tmp = Path(tempfile.mkdtemp())
+tmp = Path(__file__).parent / "results" / "smollm2" / "grad_tables"
+tmp.mkdir(parents=True, exist_ok=True)
 print(f"tables in {tmp}", flush=True)
 ev = JointEvaluator(model, held, chunk=4)
 out = {"what": f"SmolLM2-135M, all tensors x {len(cands)} candidates ({' '.join(cands)}), "

@@ -5,11 +5,11 @@ copied from the exact table), build the table `proxy_sweep(method=
 "two-stage")` would write at each BUDGET:ROUNDS, and score the allocations
 (3.5 and 4.5 bpw) by joint KL on 8 x 256 design tokens: Botchan sequences
 10..17, apart from grad_cost.py's (0: calibration, 1: held out) and
-grad_cost_heldout.py's (2..9), which report the result.
+grad_cost_heldout.py's (every other sequence), which report the result.
 
 Run:  python bench/two_stage_design.py EXACT.json GRAD.json 0.15:2 0.13:4 ...
-(the tables: grad_cost.py's exact.json and grad.json, left in its temporary
-directory). Prints, per setting: share of pairs and of cost units measured,
+(the tables: grad_cost.py's exact.json and grad.json, saved in
+bench/results/smollm2/grad_tables/). Prints, per setting: share of pairs and of cost units measured,
 joint KL and summed exact-table KL of each allocation, change vs exact.
 """
 import json

@@ -5,6 +5,7 @@ rule (per-kind calibration, boundary pairs first, cost budget, resume) on
 synthetic tables whose right answer is known."""
 
 import json
+import math
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -279,3 +280,40 @@ def test_grad_table_is_half_fisher_weighted_error_per_token():
             d = np.array(dense_weight(build_layer(orig, c, None)), np.float64) - w
             want = 0.5 * float(np.sum(fisher[s.path].astype(np.float64) * d * d)) / n
             assert got["kl"] == pytest.approx(want, rel=1e-5), (s.path, c.name)
+
+
+def test_proxy_sigma_is_the_robust_spread_of_the_measured_log_ratios():
+    """exact = proxy x kind factor x exp(e), e = +-0.2 about the kind's
+    median: the kind scale takes out the factor, and the spread is
+    1.4826 x median |e| = 1.4826 x 0.2; with fewer than 8 measured pairs
+    the prior SIGMA0 is used."""
+    rng = np.random.default_rng(1)
+    k = {"2b_g64": 0.5, "3b_g64": 2.0, "4b_g64": 1.0}
+    proxy = {f"t{i}": list(rng.uniform(0.1, 1, 3)) for i in range(9)}
+    tab = _table(proxy)
+    e = [0.0, 0.2, -0.2]  # per kind, three tensors each: medians 0, |e| median 0.2
+    measured = {f"t{i}": {kind: proxy[f"t{i}"][b] * f * math.exp(e[(i + b) % 3])
+                          for b, (kind, f) in enumerate(k.items())} for i in range(3)}
+    assert two_stage.proxy_sigma(tab["entries"], measured) == pytest.approx(1.4826 * 0.2)
+    few = {"t0": measured["t0"]}
+    assert two_stage.proxy_sigma(tab["entries"], few) == two_stage.SIGMA0
+
+
+def test_decisions_weigh_distance_by_the_unmeasured_error():
+    """Three tensors with the same trades off the boundary ('m' sets nu):
+    the one whose choice is already measured is half as uncertain (one
+    noisy side, not two), so it ranks sqrt(2) farther; one with every
+    candidate measured is no decision."""
+    proxy = {"m": [1.0, 0.6, 0.3], "a": [1.0, 0.5, 0.3], "b": [1.0, 0.5, 0.3], "c": [1.0, 0.5, 0.3]}
+    tab = _table(proxy)
+    free = {d[1]: d for d in decisions(tab, (3.5,))}
+    assert set(free) == {"m", "a", "b", "c"}
+    a_choice = free["a"][2]
+    exact = {"a": {a_choice: proxy["a"][int(a_choice[0]) - 2]},
+             "c": {f"{b}b_g64": kl for b, kl in zip((2, 3, 4), proxy["c"])}}
+    got = {d[1]: d for d in decisions(tab, (3.5,), exact, sigma=0.5)}
+    assert "c" not in got
+    # free: sigma 1, two unmeasured sides -> d / sqrt(2)
+    assert got["b"][0] == pytest.approx(free["b"][0] / 0.5) and got["b"][0] > 0
+    assert got["a"][0] == pytest.approx(free["a"][0] * math.sqrt(2) / 0.5)
+    assert [d[1] for d in decisions(tab, (3.5,), exact, sigma=0.5)] == ["m", "b", "a"]

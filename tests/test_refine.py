@@ -70,6 +70,20 @@ def test_joint_kl_of_empty_assignment_is_zero_and_grows_with_damage(setup):
         ev.joint_kl({"model.layers.9.mlp.up_proj": "2b_g64"})
 
 
+def test_sequence_kls_are_each_sequence_scored_alone(setup):
+    """Per-sequence joint KLs (3 sequences in chunks of 2 and 1) equal each
+    sequence's joint KL on an evaluator of that sequence alone, in order,
+    and their mean is the joint KL."""
+    model, toks, _ = setup
+    ev = JointEvaluator(model, toks, chunk=2)
+    a = {p: "2b_g64" for p in list(ev.sites)[:4]}
+    per = ev.sequence_kls(a)
+    alone = [JointEvaluator(model, toks[i:i + 1], chunk=1).joint_kl(a)[0] for i in range(len(toks))]
+    assert per.shape == (len(toks),) and len(set(np.round(alone, 6))) == len(toks)
+    np.testing.assert_allclose(per, alone, rtol=1e-4)
+    assert per.mean() == pytest.approx(ev.joint_kl(a)[0], rel=1e-9)
+
+
 def test_compare_strategies_table(setup):
     from mixbits.measure.compare import compare, entry_bpw, format_rows, mixed_rule, nearest_uniform
 

@@ -68,6 +68,16 @@ class JointEvaluator:
         """(mean, standard error) of per-token KL with ``assignment``
         (tensor path -> candidate name; others stay as loaded), on all
         calibration chunks or the first ``chunks`` of them."""
+        v = self.token_kls(assignment, chunks).ravel()
+        return float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else 0.0
+
+    def sequence_kls(self, assignment: dict[str, str], chunks: int | None = None) -> np.ndarray:
+        """Mean per-token KL of each sequence [n_seq] with ``assignment`` (as
+        :meth:`joint_kl`; their mean is joint_kl's, sequences being equal in length)."""
+        return self.token_kls(assignment, chunks).mean(axis=1)
+
+    def token_kls(self, assignment: dict[str, str], chunks: int | None = None) -> np.ndarray:
+        """Per-token KL [n_seq, seq_len] with ``assignment`` (as :meth:`joint_kl`)."""
         unknown = sorted(set(assignment) - set(self.sites))
         if unknown:
             raise ValueError(f"assignment names unknown tensors: {unknown[:5]}")
@@ -79,10 +89,9 @@ class JointEvaluator:
             for ci, i in enumerate(starts):
                 logits = self.model(mx.array(self.tokens[i : i + self.chunk]))
                 kl = kl_per_token(self.ref_logits[ci], logits)
-                parts.append(np.array(kl, dtype=np.float64).ravel())
+                parts.append(np.array(kl, dtype=np.float64).reshape(logits.shape[0], -1))
         finally:
             for path in assignment:
                 self.adapter.set(path, self.originals[path])
         self.evaluations += 1
-        v = np.concatenate(parts)
-        return float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else 0.0
+        return np.concatenate(parts)

@@ -2,19 +2,23 @@
 (``two-stage``), in the layout the exact sweep writes.
 
 Two-stage spends a fixed share of an exact sweep's cost (``budget``) where
-the allocator's decisions depend on it, in ``rounds`` rounds (default 2):
+the allocator's decisions depend on it, in ``rounds`` rounds (default 3):
 
 1. Calibrate. Each candidate kind gets its own scale, the median
    exact/proxy ratio (in logs) of its exactly measured pairs; a kind with no
-   measured pair takes the median over all pairs (1 before any).
+   measured pair takes the median over all pairs (1 before any). The
+   proxy's error sigma is the robust spread of the same logs
+   (:func:`proxy_sigma`; SIGMA0 before MIN_PAIRS pairs).
 2. Solve. For each target bpw, the knapsack on the table (exact values where
    measured, calibrated proxy elsewhere). At the optimum the multiplier nu
-   prices a bit in KL; a tensor's choice j and its rival k (the other
-   candidate whose KL-per-bit trade with j is nearest nu) are the decision a
-   proxy error could flip, the likelier the closer |log(rate / nu)| is to 0.
-3. Measure, nearest the boundary first, the pairs (tensor, j) and
-   (tensor, k) not measured yet -- not the tensor's other candidates --
-   until the round's share of the budget is spent; then back to 1.
+   prices a bit in KL; the trade between a tensor's choice j and another
+   candidate k lies |log(rate / nu)| from the boundary, which a proxy error
+   of that size could cross: in units of the error, divided by sigma x
+   sqrt(how many of j, k are still proxy values). The nearest such k is the
+   rival; a trade measured on both sides is settled.
+3. Measure, nearest the boundary (in those units) first, the pairs
+   (tensor, j) and (tensor, k) not measured yet -- not the tensor's other
+   candidates -- until the round's share of the budget is spent; then back to 1.
 
 Cost is counted in forwards: an exact pair replays the model from its
 tensor's block to the output, ``blocks - block + 1`` block forwards (the +1
@@ -30,10 +34,10 @@ held-out design tokens; bench/README.md has the numbers): the old rule --
 20% of tensors nearest the boundary, all their candidates, one global
 scale -- spent 0.25 of the exact cost for +7% joint KL at 3.5 bpw. Pairs
 instead of whole tensors and a cost budget buy more decisions for the same
-cost. Scales per (kind, tensor role), ranking by the bits at stake or by
-stake per cost, skipping negligible pairs and 4 rounds were tried and did
-not beat it beyond the noise of the joint KL; it still leaves +3% at 3.5
-bpw on the design tokens (0.15 budget).
+cost. Ranking in units of the observed proxy error (half-measured trades
+are less uncertain) with 3 rounds took the design tokens' 3.5 bpw gap from
++3.3% (raw distance, 2 rounds) to +0.1% at the same 0.15 budget; on 265
+held-out sequences see bench/README.md.
 
 Every candidate records its ``source`` ("exact" or "grad"); the exact
 stage checkpoints each measured tensor to ``<out>.exact.json``, and a
@@ -53,7 +57,8 @@ from ..atomic import write_json_atomic
 from .refine import table_problem
 from .sweep import TABLE_FORMAT, TABLE_VERSION, SweepConfig, select_sites, table_meta
 
-ROUNDS = 2
+ROUNDS = 3
+SIGMA0, MIN_PAIRS = 0.3, 8  # the proxy's error in log KL before 8 pairs are measured
 
 
 def kind_scales(entries: list[dict], exact: dict[str, dict[str, float]]) -> tuple[dict, float]:
@@ -85,27 +90,48 @@ def merge(entries: list[dict], exact: dict[str, dict[str, float]]) -> list[dict]
     return out
 
 
-def decisions(table: dict, targets) -> list[tuple[float, str, str, str]]:
+def proxy_sigma(entries: list[dict], exact: dict[str, dict[str, float]]) -> float:
+    """The proxy's observed error: robust standard deviation (1.4826 x
+    median absolute deviation) of log(exact / (proxy x kind scale)) over
+    the measured pairs; SIGMA0 with fewer than MIN_PAIRS of them."""
+    scales, overall = kind_scales(entries, exact)
+    r = [math.log(exact[e["path"]][c["kind"]] / (c["kl"] * scales.get(c["kind"], overall)))
+         for e in entries for c in e["candidates"]
+         if exact.get(e["path"], {}).get(c["kind"], 0) > 0 and c["kl"] > 0]
+    if len(r) < MIN_PAIRS:
+        return SIGMA0
+    return max(1.4826 * float(np.median(np.abs(np.array(r) - np.median(r)))), 1e-6)
+
+
+def decisions(table: dict, targets, exact: dict[str, dict[str, float]] | None = None,
+              sigma: float = 1.0) -> list[tuple[float, str, str, str]]:
     """(distance, path, chosen kind, rival kind) for every tensor at every
-    target bpw, nearest the allocator's decision boundary first: distance
-    = |log(rate / nu)| of the trade between the tensor's choice and its
-    rival, the other candidate whose KL-per-bit trade is nearest nu."""
+    target bpw, nearest the allocator's decision boundary first. The trade
+    between the tensor's choice j and a candidate k is |log(rate / nu)|
+    away from the boundary, in units of its error: ``sigma`` (the proxy's
+    error in log KL) x sqrt(how many of j and k are not in ``exact``); the
+    rival is the nearest k in those units. A trade both of whose sides
+    are measured has no error and is never a rival; a tensor without one
+    is left out."""
     prob = table_problem(table)
+    exact = exact or {}
     out = []
     for bpw in targets:
         sol = solve(prob, prob.budget_from_bpw(bpw))
         nu = max(float(sol.nu), 1e-30)
         for i, (w, c) in enumerate(zip(prob.weights, prob.costs)):
             j = int(sol.choice[i])
+            kinds = [x["kind"] for x in table["entries"][i]["candidates"]]
+            ex = exact.get(prob.names[i], {})
             best = None
             for k in range(len(w)):
-                if w[k] != w[j]:
+                unmeasured = (kinds[j] not in ex) + (kinds[k] not in ex)
+                if w[k] != w[j] and unmeasured:
                     rate = max(abs(c[k] - c[j]) / abs(w[k] - w[j]), 1e-30)
-                    d = abs(math.log(rate / nu))
+                    d = abs(math.log(rate / nu)) / (sigma * math.sqrt(unmeasured))
                     if best is None or d < best[0]:
                         best = (d, k)
             if best is not None:
-                kinds = [x["kind"] for x in table["entries"][i]["candidates"]]
                 out.append((best[0], prob.names[i], kinds[j], kinds[best[1]]))
     out.sort()
     return out
@@ -127,7 +153,7 @@ def plan(entries: list[dict], exact: dict[str, dict[str, float]], targets, quota
     calibrated with ``exact``, while their cost fits in ``quota``."""
     table = {"entries": merge(entries, exact)}
     new: list[tuple[str, str]] = []
-    for _, path, kj, kk in decisions(table, targets):
+    for _, path, kj, kk in decisions(table, targets, exact, proxy_sigma(entries, exact)):
         add = [(path, k) for k in (kj, kk) if k not in exact.get(path, {}) and (path, k) not in new]
         c = cost[path] * len(add)
         if c > quota:
