@@ -145,7 +145,7 @@ def one_round(rnd: int, rows: list, run_llama, a) -> None:
     for impl in a.impl:
         model, tok = load_smollm2(patch=impl.startswith("mixbits"))
         if "-" in impl:
-            set_activations(model, impl.split("-")[1])
+            set_activations(model, impl.split("-")[1].replace("int8all", "int8-all"))
         if "-repacked" in impl:
             import mixbits
 
@@ -208,11 +208,12 @@ def main(argv=None):
     ap.add_argument("--impl", nargs="+", default=["mlx", "mixbits"],
                     choices=["mlx", "mixbits", "mixbits-int8", "mixbits-int16", "mixbits-int8-repacked",
                              "mixbits-int16-repacked", "mixbits-int8-repacked-linears",
-                             "mixbits-int16-repacked-linears"],
+                             "mixbits-int16-repacked-linears", "mixbits-int8all-repacked"],
                     help="mixbits-int8/-int16: the patched model with that activations= contract; "
                          "-repacked: that contract with the linear layers and the tied head's table in the "
                          "row-interleaved layout (mixbits.nn.repack_layers); -repacked-linears: the same "
-                         "with the tied head left in MLX's layout")
+                         "with the tied head left in MLX's layout; mixbits-int8all-repacked: "
+                         "activations='int8-all' (the int8 contract for prompts too), repacked")
     ap.add_argument("--out", default=str(RESULTS / "decode.json"))
     ap.add_argument("--llama-bench", metavar="PATH",
                     help="llama.cpp's llama-bench (bench/ggml/build_llama_bench.sh): run it on the same GGUF, "
