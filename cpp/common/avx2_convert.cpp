@@ -2,17 +2,12 @@
 // half.h's scalar conversions, which round the same way.
 #include <immintrin.h>
 
-#include <cstring>
 
 #include "common/convert.h"
 
 namespace mixbits {
 
 void widen_to_f32_avx2(const void* src, int64_t off, int64_t n, DType dt, float* dst) {
-  if (dt == DType::f32) {
-    std::memcpy(dst, static_cast<const float*>(src) + off, sizeof(float) * size_t(n));
-    return;
-  }
   const uint16_t* p = static_cast<const uint16_t*>(src) + off;
   int64_t i = 0;
   if (dt == DType::f16) {
@@ -30,10 +25,6 @@ void widen_to_f32_avx2(const void* src, int64_t off, int64_t n, DType dt, float*
 }
 
 void narrow_from_f32_avx2(const float* src, int64_t n, DType dt, void* dst, int64_t off) {
-  if (dt == DType::f32) {
-    std::memcpy(static_cast<float*>(dst) + off, src, sizeof(float) * size_t(n));
-    return;
-  }
   uint16_t* p = static_cast<uint16_t*>(dst) + off;
   int64_t i = 0;
   if (dt == DType::f16) {

@@ -7,10 +7,6 @@
 namespace mixbits {
 
 void widen_to_f32_ref(const void* src, int64_t off, int64_t n, DType dt, float* dst) {
-  if (dt == DType::f32) {
-    std::memcpy(dst, static_cast<const float*>(src) + off, sizeof(float) * size_t(n));
-    return;
-  }
   const uint16_t* p = static_cast<const uint16_t*>(src) + off;
   if (dt == DType::f16)
     for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(p[i]);
@@ -19,10 +15,6 @@ void widen_to_f32_ref(const void* src, int64_t off, int64_t n, DType dt, float* 
 }
 
 void narrow_from_f32_ref(const float* src, int64_t n, DType dt, void* dst, int64_t off) {
-  if (dt == DType::f32) {
-    std::memcpy(static_cast<float*>(dst) + off, src, sizeof(float) * size_t(n));
-    return;
-  }
   uint16_t* p = static_cast<uint16_t*>(dst) + off;
   if (dt == DType::f16)
     for (int64_t i = 0; i < n; ++i) p[i] = f32_to_f16(src[i]);
@@ -55,12 +47,19 @@ const Converters& converters() {
 
 }  // namespace
 
+// float32 is a copy on every CPU; the per-ISA versions take half types only.
 void widen_to_f32(const void* src, int64_t off, int64_t n, DType dt, float* dst) {
-  converters().widen(src, off, n, dt, dst);
+  if (dt == DType::f32)
+    std::memcpy(dst, static_cast<const float*>(src) + off, sizeof(float) * size_t(n));
+  else
+    converters().widen(src, off, n, dt, dst);
 }
 
 void narrow_from_f32(const float* src, int64_t n, DType dt, void* dst, int64_t off) {
-  converters().narrow(src, n, dt, dst, off);
+  if (dt == DType::f32)
+    std::memcpy(static_cast<float*>(dst) + off, src, sizeof(float) * size_t(n));
+  else
+    converters().narrow(src, n, dt, dst, off);
 }
 
 }  // namespace mixbits

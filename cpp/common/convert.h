@@ -15,7 +15,8 @@ void widen_to_f32(const void* src, int64_t off, int64_t n, DType dt, float* dst)
 // dst[off .. off + n) = src[0..n) rounded to dt.
 void narrow_from_f32(const float* src, int64_t n, DType dt, void* dst, int64_t off);
 
-// The scalar versions (the definition the SIMD ones are checked against).
+// The scalar versions (the definition the SIMD ones are checked against);
+// these and the SIMD ones take float16 / bfloat16 only.
 void widen_to_f32_ref(const void* src, int64_t off, int64_t n, DType dt, float* dst);
 void narrow_from_f32_ref(const float* src, int64_t n, DType dt, void* dst, int64_t off);
 

@@ -5,17 +5,12 @@
 #if defined(__aarch64__)
 #include <arm_neon.h>
 
-#include <cstring>
 
 #include "common/convert.h"
 
 namespace mixbits {
 
 void widen_to_f32_neon(const void* src, int64_t off, int64_t n, DType dt, float* dst) {
-  if (dt == DType::f32) {
-    std::memcpy(dst, static_cast<const float*>(src) + off, sizeof(float) * size_t(n));
-    return;
-  }
   const uint16_t* p = static_cast<const uint16_t*>(src) + off;
   int64_t i = 0;
   if (dt == DType::f16) {
@@ -28,10 +23,6 @@ void widen_to_f32_neon(const void* src, int64_t off, int64_t n, DType dt, float*
 }
 
 void narrow_from_f32_neon(const float* src, int64_t n, DType dt, void* dst, int64_t off) {
-  if (dt == DType::f32) {
-    std::memcpy(static_cast<float*>(dst) + off, src, sizeof(float) * size_t(n));
-    return;
-  }
   uint16_t* p = static_cast<uint16_t*>(dst) + off;
   int64_t i = 0;
   if (dt == DType::f16) {
