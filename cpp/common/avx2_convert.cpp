@@ -2,7 +2,6 @@
 // half.h's scalar conversions, which round the same way.
 #include <immintrin.h>
 
-
 #include "common/convert.h"
 
 namespace mixbits {
