@@ -1,25 +1,14 @@
-// F16C versions of common/convert.h, 8 values per step; the tails use
-// half.h's scalar conversions, which round the same way.
+// F16C versions of common/convert.h, 8 values per step (widening:
+// common/x86_half.h); the tails round as half.h's scalar conversions do.
 #include <immintrin.h>
 
 #include "common/convert.h"
+#include "common/x86_half.h"
 
 namespace mixbits {
 
 void widen_to_f32_avx2(const void* src, int64_t off, int64_t n, DType dt, float* dst) {
-  const uint16_t* p = static_cast<const uint16_t*>(src) + off;
-  int64_t i = 0;
-  if (dt == DType::f16) {
-    for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
-    for (; i < n; ++i) dst[i] = f16_to_f32(p[i]);
-  } else {
-    for (; i + 8 <= n; i += 8) {
-      const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)));
-      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
-    }
-    for (; i < n; ++i) dst[i] = bf16_to_f32(p[i]);
-  }
+  widen_half_f16c(static_cast<const uint16_t*>(src) + off, n, dt, dst);
   _mm256_zeroupper();
 }
 

@@ -22,6 +22,7 @@
 #include <cstring>
 
 #include "common/half.h"
+#include "common/x86_half.h"
 #include "qmatmul/kernel.h"
 
 // 16-lane functions: compiled for AVX-512F inside files built for AVX2, run
@@ -136,27 +137,10 @@ inline float hsum(__m256 v) {
 
 // n scales or biases from element `off` of src, as float32.
 inline void to_f32(const void* src, int64_t off, int n, DType t, float* dst) {
-  int i = 0;
-  if (t == DType::f32) {
+  if (t == DType::f32)
     std::memcpy(dst, static_cast<const float*>(src) + off, sizeof(float) * n);
-    return;
-  }
-  const uint16_t* p = static_cast<const uint16_t*>(src) + off;
-  if (t == DType::f16) {
-    for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(dst + i,
-                       _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + i))));
-    // The tail (n % 8 values) one at a time with F16C's scalar convert: a
-    // padded vector here cost two libc memcpy calls per call (~7% of a
-    // 576x576 GEMV, which converts 18 groups per row).
-    for (; i < n; ++i) dst[i] = _cvtsh_ss(p[i]);
-  } else {
-    for (; i + 8 <= n; i += 8) {
-      __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + i)));
-      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
-    }
-    for (; i < n; ++i) dst[i] = bf16_to_f32(p[i]);
-  }
+  else
+    widen_half_f16c(static_cast<const uint16_t*>(src) + off, n, t, dst);
 }
 
 inline float dot(const float* a, const float* b, int n) {

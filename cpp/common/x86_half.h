@@ -1,0 +1,31 @@
+// Float16 / bfloat16 -> float32 with F16C, 8 per step: the one loop the
+// bulk conversion (avx2_convert.cpp) and the float kernels' scale loads
+// (qmatmul/avx2_decode.h's to_f32, inlined in their hot loops) share.
+// Only for files built with -mavx2 -mf16c. The tail (n % 8 values) uses
+// F16C's scalar convert: a padded vector there cost two libc memcpy calls
+// per call (~7% of a 576x576 GEMV, which converts 18 groups per row).
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "common/half.h"
+
+namespace mixbits {
+
+inline void widen_half_f16c(const uint16_t* p, int64_t n, DType t, float* dst) {
+  int64_t i = 0;
+  if (t == DType::f16) {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+    for (; i < n; ++i) dst[i] = _cvtsh_ss(p[i]);
+  } else {
+    for (; i + 8 <= n; i += 8) {
+      const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+    }
+    for (; i < n; ++i) dst[i] = bf16_to_f32(p[i]);
+  }
+}
+
+}  // namespace mixbits
