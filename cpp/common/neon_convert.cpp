@@ -5,7 +5,6 @@
 #if defined(__aarch64__)
 #include <arm_neon.h>
 
-
 #include "common/convert.h"
 
 namespace mixbits {
