@@ -49,6 +49,15 @@ inline __m512i word_code(__m512i w, int k) {
   else return c;
 }
 
+// 2 and 4 bits, int8: shift k's codes left where they are, masked: each
+// byte holds code << (k * B) (<= 192 for 2 bits, 240 for 4), so a dot with
+// it is 2^(k*B) times the dot with the codes, exactly; the caller shifts
+// the int32 sum back.
+template <int B>
+inline __m512i word_code_in_place(__m512i w, int k) {
+  return _mm512_and_si512(w, _mm512_set1_epi32(int(code_mask<B, int8_t>() << (k * B))));
+}
+
 // Split segments (3, 5, 6 bits; repack.h): step K of low word W of a chunk
 // of 32 codes (cw: its B words of 16 rows), i.e. the LB-bit kernel's shift
 // K of low word W ORed with high word split_hword's shift by split_hshift,
