@@ -34,8 +34,8 @@ constexpr int R = kRepackRows;
 // one per 64-byte word. Into L2, 16 KiB ahead: a weight larger than L2
 // streams from L3 or DRAM, and there the 2 KiB-ahead L1 prefetch arrived
 // too late for the kernel's pace (one thread, EPYC Zen 4, M=1, in one run:
-// 4-bit 11008x4096 0.88 -> 0.60 ms, 4096x11008 0.89 -> 0.61, 8-bit
-// 11008x4096 2.14 -> 1.63, 5-bit 1.71 -> 1.26; 8-row calls unchanged).
+// 4-bit 11008x4096 0.98 -> 0.60 ms, 4096x11008 1.07 -> 0.71, 8-bit
+// 11008x4096 2.91 -> 2.28, 5-bit 1.71 -> 1.26; 8-row calls unchanged).
 // 2-bit keeps the near L1 prefetch: four shifts per word make it
 // compute-bound, and there the L2 hint cost 5-10% at 4096x4096.
 template <int B>
