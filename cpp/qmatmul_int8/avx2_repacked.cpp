@@ -22,13 +22,13 @@
 #include <utility>
 
 #include "qmatmul_int8/repack.h"
+#include "qmatmul_int8/x86_prefetch.h"
 
 namespace mixbits {
 namespace {
 
 constexpr int R = kRepackRows;
 constexpr int H = 8;  // rows per 256-bit half
-constexpr int kPrefetchBytes = 2048;
 
 // 8 rows' scales (or biases) of one group as float32.
 inline __m256 load8(const void* p, int64_t off, DType t) {
@@ -124,7 +124,7 @@ void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, in
           for (int ch = 0; ch < G / 32; ++ch) {
             const int64_t q = int64_t(g) * (G / 32) + ch;  // chunk: words B*q .. B*q + B-1
             const uint32_t* wp = wb + B * q * R;
-            _mm_prefetch((const char*)wp + kPrefetchBytes, _MM_HINT_T0);
+            prefetch_words<B>(wp);
             __m256i cw[B];
             for (int i = 0; i < B; ++i) cw[i] = _mm256_loadu_si256((const __m256i*)(wp + i * R));
             split_chunk<B, MB, T>(cw, xq, x.ldx, q * 32, acc, std::make_integer_sequence<int, SC>{});
@@ -133,7 +133,7 @@ void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, in
         for (int jw = 0; jw < WG; ++jw) {
           const int j = g * WG + jw;
           const __m256i w = _mm256_loadu_si256((const __m256i*)(wb + int64_t(j) * R));
-          _mm_prefetch((const char*)(wb + int64_t(j) * R) + kPrefetchBytes, _MM_HINT_T0);
+          prefetch_words<B>(wb + int64_t(j) * R);
 #pragma GCC unroll 8
           for (int k = 0; k < S; ++k) {
             __m256i c = k == 0 ? w : _mm256_srli_epi32(w, k * B);

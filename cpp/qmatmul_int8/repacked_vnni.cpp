@@ -24,25 +24,13 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
 #include "qmatmul_int8/x86_load16.h"
+#include "qmatmul_int8/x86_prefetch.h"
 #include "qmatmul_int8/x86_repacked_codes.h"
 
 namespace mixbits {
 namespace {
 
 constexpr int R = kRepackRows;
-// Software prefetch along a block's one sequential stream of code words,
-// one per 64-byte word. Into L2, 16 KiB ahead: a weight larger than L2
-// streams from L3 or DRAM, and there the 2 KiB-ahead L1 prefetch arrived
-// too late for the kernel's pace (one thread, EPYC Zen 4, M=1, in one run:
-// 4-bit 11008x4096 0.98 -> 0.60 ms, 4096x11008 1.07 -> 0.71, 8-bit
-// 11008x4096 2.91 -> 2.28, 5-bit 1.71 -> 1.26; 8-row calls unchanged).
-// 2-bit keeps the near L1 prefetch: four shifts per word make it
-// compute-bound, and there the L2 hint cost 5-10% at 4096x4096.
-template <int B>
-inline void prefetch_words(const uint32_t* p) {
-  if constexpr (B == 2) _mm_prefetch((const char*)p + 2048, _MM_HINT_T0);
-  else _mm_prefetch((const char*)p + 16384, _MM_HINT_T1);
-}
 
 // Split segments (3, 5, 6 bits; repack.h): per chunk of 32 codes, step
 // (W, K)'s codes (split_code) times the x rows' quads.
