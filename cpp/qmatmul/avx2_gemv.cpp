@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "common/x86_prefetch.h"
 #include "qmatmul/avx2_decode.h"
 #include "qmatmul/avx2_table.h"
 
@@ -52,6 +53,7 @@ void gemv_rows(const SegView& s, DType sdt, const float* xq, const float* xs,
         const int c = g * G + u * kUnit;
         const float* xp = xq + c;
         for (int r = 0; r < R; ++r) {
+          prefetch_row_unit<B>(rowp[r] + c * B / 8);
           const __m256i win = load_unit<B>(rowp[r] + c * B / 8);
           auto step = [&]<int K>() {
             __m256 wf = extract<B, K>(win);

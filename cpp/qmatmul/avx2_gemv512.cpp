@@ -4,6 +4,7 @@
 // avx2_decode.h), in passes of at most 4 x rows.
 #include <vector>
 
+#include "common/x86_prefetch.h"
 #include "qmatmul/avx2_decode.h"
 #include "qmatmul/avx2_table.h"
 
@@ -45,6 +46,7 @@ MIXBITS_AVX512 void gemv_rows512(const SegView& s, DType sdt, const float* xq,
         // feeds R FMAs.
         __m512 v0[R], v1[R];
         for (int r = 0; r < R; ++r) {
+          prefetch_row_unit<B>(rowp[r] + c * B / 8);
           const __m512i w2 = load_unit2<B>(rowp[r] + c * B / 8);
           v0[r] = extract_pair<B, 0>(w2);
           v1[r] = extract_pair<B, 1>(w2);

@@ -22,7 +22,7 @@
 #include <utility>
 
 #include "qmatmul_int8/repack.h"
-#include "qmatmul_int8/x86_prefetch.h"
+#include "common/x86_prefetch.h"
 
 namespace mixbits {
 namespace {

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/x86_prefetch.h"
 #include "qmatmul_int8/table.h"
 
 namespace mixbits {
@@ -196,15 +197,7 @@ void rows(const I8Seg& s, const I8X& x, int n0, int n1, float* y, int ldy, float
         typename D::XV xv[MB];
         for (int m = 0; m < MB; ++m) xv[m] = D::load_x(xq + int64_t(m) * x.ldx + c);
         for (int r = 0; r < R; ++r) {
-          // Each row's bytes 16 KiB ahead into L2, once per 64-byte line
-          // (the R rows are contiguous, so this runs ahead over the rows of
-          // the next passes). Without it, weights streaming from L3 or DRAM
-          // waited on their loads: one thread, M = 1, Zen 4, alternating
-          // runs, 4-bit 11008x4096 2.3-3.3 -> 1.2-1.5 ms, 8-bit 3.2-3.9 ->
-          // 1.6-2.5, 3-bit 3.2-3.6 -> 2.2, 2-bit 1.2-2.2 -> 0.9-1.0;
-          // 4096x4096 (in cache) unchanged.
-          if (((c * B / 8) & 63) < 4 * B)
-            _mm_prefetch((const char*)(rowp[r] + c * B / 8) + 16384, _MM_HINT_T1);
+          prefetch_row_unit<B>(rowp[r] + c * B / 8);  // common/x86_prefetch.h
           const __m256i wv = decode<B>(rowp[r] + c * B / 8);
           for (int m = 0; m < MB; ++m) acci[r][m] = D::template dot<B>(acci[r][m], wv, xv[m]);
         }
