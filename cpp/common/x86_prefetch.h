@@ -29,13 +29,14 @@
 namespace mixbits {
 namespace {
 
-constexpr int kPrefetchAhead = 16384;
+constexpr int kPrefetchAhead = 16384;  // into L2
+constexpr int kPrefetchNear = 2048;    // into L1: the repacked 2-bit kernels
 
 // A repacked block's code word (qmatmul_int8/repack.h: one sequential
 // stream of 64-byte words per block), one call per word.
 template <int B>
 inline void prefetch_words(const uint32_t* p) {
-  if constexpr (B == 2) _mm_prefetch((const char*)p + 2048, _MM_HINT_T0);
+  if constexpr (B == 2) _mm_prefetch((const char*)p + kPrefetchNear, _MM_HINT_T0);
   else _mm_prefetch((const char*)p + kPrefetchAhead, _MM_HINT_T1);
 }
 

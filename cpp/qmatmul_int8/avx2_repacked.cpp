@@ -21,8 +21,8 @@
 #include <cstring>
 #include <utility>
 
-#include "qmatmul_int8/repack.h"
 #include "common/x86_prefetch.h"
+#include "qmatmul_int8/repack.h"
 
 namespace mixbits {
 namespace {

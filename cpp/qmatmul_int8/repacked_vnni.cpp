@@ -23,8 +23,8 @@
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
-#include "qmatmul_int8/x86_load16.h"
 #include "common/x86_prefetch.h"
+#include "qmatmul_int8/x86_load16.h"
 #include "qmatmul_int8/x86_repacked_codes.h"
 
 namespace mixbits {

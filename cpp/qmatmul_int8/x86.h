@@ -197,7 +197,7 @@ void rows(const I8Seg& s, const I8X& x, int n0, int n1, float* y, int ldy, float
         typename D::XV xv[MB];
         for (int m = 0; m < MB; ++m) xv[m] = D::load_x(xq + int64_t(m) * x.ldx + c);
         for (int r = 0; r < R; ++r) {
-          prefetch_row_unit<B>(rowp[r] + c * B / 8);  // common/x86_prefetch.h
+          prefetch_row_unit<B>(rowp[r] + c * B / 8);
           const __m256i wv = decode<B>(rowp[r] + c * B / 8);
           for (int m = 0; m < MB; ++m) acci[r][m] = D::template dot<B>(acci[r][m], wv, xv[m]);
         }
