@@ -217,14 +217,15 @@ NB_MODULE(_ext, m) {
          const std::vector<mx::array>& packed,
          const std::vector<std::tuple<int, int, int>>& segs,
          const std::optional<mx::array>& lhs,
-         const std::optional<mx::array>& rhs, bool sorted, int backend) {
+         const std::optional<mx::array>& rhs, bool sorted, int backend, int activations) {
         std::vector<mixbits::SegSpec> specs;
         for (auto [b, g, k] : segs) specs.push_back({b, g, k});
         return mixbits::mixed_gather_qmm(x, perm, packed, specs, lhs, rhs,
-                                         sorted, mixbits::Backend(backend));
+                                         sorted, mixbits::Backend(backend), {},
+                                         mixbits::Activations(activations));
       },
       "x"_a, "perm"_a.none(), "packed"_a, "segments"_a, "lhs_indices"_a.none(),
-      "rhs_indices"_a.none(), "sorted_indices"_a = false, "backend"_a = 0,
+      "rhs_indices"_a.none(), "sorted_indices"_a = false, "backend"_a = 0, "activations"_a = 0,
       "out[i] = x[lhs[i]] @ W[rhs[i]].T over the batches of x and of a "
       "mixed-segment W with leading batch dims (mx.gather_qmm's meaning).");
 
@@ -288,13 +289,14 @@ NB_MODULE(_ext, m) {
       "batched_qmatmul",
       [](const mx::array& x, const std::optional<mx::array>& perm,
          const std::vector<mx::array>& packed,
-         const std::vector<std::tuple<int, int, int>>& segs, int backend) {
+         const std::vector<std::tuple<int, int, int>>& segs, int backend, int activations) {
         std::vector<mixbits::SegSpec> specs;
         for (auto [b, g, k] : segs) specs.push_back({b, g, k});
         return mixbits::mixed_batched_qmm(x, perm, packed, specs,
-                                          mixbits::Backend(backend));
+                                          mixbits::Backend(backend), {},
+                                          mixbits::Activations(activations));
       },
-      "x"_a, "perm"_a.none(), "packed"_a, "segments"_a, "backend"_a = 0,
+      "x"_a, "perm"_a.none(), "packed"_a, "segments"_a, "backend"_a = 0, "activations"_a = 0,
       "x @ W.T with W's leading batch dims broadcast against x's, as "
       "mx.quantized_matmul(..., transpose=True).");
 

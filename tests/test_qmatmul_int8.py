@@ -173,8 +173,13 @@ def test_argument_checks():
     np.testing.assert_array_equal(np.array(y), np.array(mixbits.qmatmul(x + 1, qt, activations="int8")))
     stack = QuantizedTensor([Segment(4, 64, 128, mx.stack([s.wq] * 2), mx.stack([s.scales] * 2),
                                      mx.stack([s.biases] * 2))])
-    with pytest.raises(ValueError, match="2-D weights"):
-        mixbits.qmatmul(mx.zeros((2, 1, 128)), stack, activations="int8")
+    # a stack takes the contract per matrix (tests/test_gather_int8.py)
+    xb = mx.array(rng.standard_normal((2, 1, 128)).astype(np.float32))
+    np.testing.assert_array_equal(np.array(mixbits.qmatmul(xb, stack, activations="int8")[1]),
+                                  np.array(mixbits.qmatmul(xb[1], qt, activations="int8")))
+    with pytest.raises(ValueError, match="activations must be one of"):  # the C++ gather checks too
+        mixbits._ext.gather_qmatmul(xb, None, stack.arrays(), stack.specs, None, mx.array([0]),
+                                    activations=4)
 
 
 def test_layer_attribute_and_patch(act):

@@ -125,7 +125,8 @@ mx::array mixed_gather_qmm(const mx::array& x,
                            const std::vector<SegSpec>& segs,
                            std::optional<mx::array> lhs,
                            std::optional<mx::array> rhs, bool sorted,
-                           Backend backend, mx::StreamOrDevice s) {
+                           Backend backend, mx::StreamOrDevice s, Activations act) {
+  if (!activations_valid(act)) fail(activations_refusal(act));
   auto [N, K] = check_weights(packed, segs);
   if (x.ndim() < 2)
     fail("Input must have at least two dimensions but got input with shape " +
@@ -153,6 +154,9 @@ mx::array mixed_gather_qmm(const mx::array& x,
   if (stream.device == mx::Device::gpu) {
     if (backend != Backend::Auto)
       fail("backend= chooses a CPU kernel; on the GPU leave it unset");
+    if (act != Activations::Float)
+      fail(std::string("activations='") + activation_name(act) +
+           "' is a CPU contract; the GPU kernels take float x");
     if (!gpu_kernel_runs(x, packed[0], li)) {
       // Dense weights and MLX's gather_mm, which MLX also differentiates
       // itself; float32 as on the CPU path (MLX's CPU gather_mm has no other
@@ -163,7 +167,8 @@ mx::array mixed_gather_qmm(const mx::array& x,
       return mx::astype(y, x.dtype(), stream);
     }
   } else {
-    select_qmm(backend);  // throws now, not inside the graph, if unavailable
+    select_qmm(backend);  // throw now, not inside the graph, if unavailable
+    select_qmm_int(act, backend);
   }
 
   // Both evaluations read every input as a dense row-major buffer (the
@@ -180,7 +185,7 @@ mx::array mixed_gather_qmm(const mx::array& x,
   out_shape.push_back(N);
   return mx::array(std::move(out_shape), x.dtype(),
                    std::make_shared<MixedGatherQMM>(stream, segs, bool(perm),
-                                                    backend, sorted),
+                                                    backend, sorted, act),
                    std::move(inputs));
 }
 
@@ -188,7 +193,7 @@ mx::array mixed_batched_qmm(const mx::array& x,
                             const std::optional<mx::array>& perm,
                             const std::vector<mx::array>& packed,
                             const std::vector<SegSpec>& segs, Backend backend,
-                            mx::StreamOrDevice s) {
+                            mx::StreamOrDevice s, Activations act) {
   if (!packed.empty() && packed[0].ndim() > 2 && x.ndim() < 3)
     // MLX silently multiplies by the first matrix of the batch here; a
     // refusal is kinder than a result that ignores the rest of w.
@@ -197,7 +202,7 @@ mx::array mixed_batched_qmm(const mx::array& x,
         shape_str(batch_of(packed[0])) + " but x has shape " + shape_str(x) +
         "; give x batch dimensions (e.g. x[None]) to broadcast against them.");
   return mixed_gather_qmm(x, perm, packed, segs, std::nullopt, std::nullopt,
-                          false, backend, s);
+                          false, backend, s, act);
 }
 
 std::vector<mx::Shape> MixedGatherQMM::output_shapes(
@@ -212,7 +217,7 @@ std::vector<mx::Shape> MixedGatherQMM::output_shapes(
 bool MixedGatherQMM::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const MixedGatherQMM&>(other);
   return segs_ == o.segs_ && has_perm_ == o.has_perm_ &&
-         backend_ == o.backend_ && sorted_ == o.sorted_;
+         backend_ == o.backend_ && sorted_ == o.sorted_ && act_ == o.act_;
 }
 
 void MixedGatherQMM::eval_cpu(const std::vector<mx::array>& inputs,
@@ -223,7 +228,9 @@ void MixedGatherQMM::eval_cpu(const std::vector<mx::array>& inputs,
   enc.set_output_array(out);
 
   enc.dispatch([inputs, out = mx::array::unsafe_weak_copy(out), segs = segs_,
-                has_perm = has_perm_, fn = select_qmm(backend_)]() mutable {
+                has_perm = has_perm_, fn = select_qmm(backend_),
+                fn_int = select_qmm_int(act_, backend_),
+                int_max_m = activation_int_max_m(act_)]() mutable {
     const mx::array& x = inputs[0];
     const int first = has_perm ? 2 : 1;
     const mx::array& li = inputs[inputs.size() - 2];
@@ -284,10 +291,17 @@ void MixedGatherQMM::eval_cpu(const std::vector<mx::array>& inputs,
         }
       });
       // Infinite inputs take the unfused reference, as in MixedQMatmul (the
-      // SIMD backends' folded bias would turn inf into NaN).
-      bool has_inf = false;
-      for (float v : xf) has_inf |= std::isinf(v);
-      (has_inf ? qmm_ref_run : fn)(xf.data(), int(rows), w, yf.data());
+      // SIMD backends' folded bias would turn inf into NaN); the integer
+      // contract is for finite rows, at most int_max_m of this expert's.
+      bool has_inf = false, has_nan = false;
+      for (float v : xf) {
+        has_inf |= std::isinf(v);
+        has_nan |= std::isnan(v);
+      }
+      if (fn_int && rows <= int_max_m && !has_inf && !has_nan)
+        run_int_rows(fn_int, xf.data(), int(rows), w, yf.data());
+      else
+        (has_inf ? qmm_ref_run : fn)(xf.data(), int(rows), w, yf.data());
       parallel_for(rows, 64, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
           const int64_t dst = (ps[r / M] * M + r % M) * N;

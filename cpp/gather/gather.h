@@ -17,12 +17,13 @@ namespace mixbits {
 class MixedGatherQMM : public mx::UnaryPrimitive {
  public:
   MixedGatherQMM(mx::Stream s, std::vector<SegSpec> segs, bool has_perm,
-                 Backend backend, bool sorted)
+                 Backend backend, bool sorted, Activations act = Activations::Float)
       : mx::UnaryPrimitive(s),
         segs_(std::move(segs)),
         has_perm_(has_perm),
         backend_(backend),
-        sorted_(sorted) {}
+        sorted_(sorted),
+        act_(act) {}
 
   MIXBITS_EVAL_UNARY()
 
@@ -31,7 +32,8 @@ class MixedGatherQMM : public mx::UnaryPrimitive {
   // them and on the GPU where the Metal ones apply (gather_qmm_t_gpu_runs),
   // else dequantize + gather_mm; wrt every segment's scales/biases through MLX
   // ops (segmented_mm, dequantize); no gradient wrt the packed weights,
-  // the permutation or the indices.
+  // the permutation or the indices. An integer contract's node has the
+  // float product's derivatives, as MixedQMatmul's.
   MIXBITS_GRADS()
 
   MIXBITS_NAME_AND_EQUIVALENT(MixedGatherQMM)
@@ -42,6 +44,7 @@ class MixedGatherQMM : public mx::UnaryPrimitive {
   bool has_perm_;
   Backend backend_;
   bool sorted_;
+  Activations act_;
 };
 
 // Validates as MLX's gather_qmm does (std::invalid_argument -> ValueError)
@@ -50,6 +53,11 @@ class MixedGatherQMM : public mx::UnaryPrimitive {
 // gathered GEMV (cpp/gather/metal.cpp); only where that kernel cannot run
 // (an MLX without Metal, counts past 32 bits, an empty batch) is the
 // product composed from MLX ops (dequantize + gather_mm).
+// `act` (CPU only, as mixed_qmatmul's): an integer contract runs each
+// expert's rows on the integer kernels when that expert has at most
+// activation_int_max_m(act) of them in the call, so a (row, expert) pair
+// gets exactly mixed_qmatmul(row, W[expert], act)'s result; an expert with
+// more rows, or rows with an inf or NaN, takes the float path.
 mx::array mixed_gather_qmm(const mx::array& x,
                            const std::optional<mx::array>& perm,
                            const std::vector<mx::array>& packed,
@@ -57,7 +65,8 @@ mx::array mixed_gather_qmm(const mx::array& x,
                            std::optional<mx::array> lhs,
                            std::optional<mx::array> rhs, bool sorted,
                            Backend backend = Backend::Auto,
-                           mx::StreamOrDevice s = {});
+                           mx::StreamOrDevice s = {},
+                           Activations act = Activations::Float);
 
 // x · Wᵀ for a W with leading batch dimensions, broadcast against x's as
 // mx.quantized_matmul(..., transpose=True) does (x needs at least 3 dims).
@@ -66,6 +75,7 @@ mx::array mixed_batched_qmm(const mx::array& x,
                             const std::vector<mx::array>& packed,
                             const std::vector<SegSpec>& segs,
                             Backend backend = Backend::Auto,
-                            mx::StreamOrDevice s = {});
+                            mx::StreamOrDevice s = {},
+                            Activations act = Activations::Float);
 
 }  // namespace mixbits

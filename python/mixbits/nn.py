@@ -130,7 +130,8 @@ class _MixedWeight(nn.Module):
     # The CPU matmul's numeric contract for this layer's products (a plain
     # attribute, not a parameter: saving and loading are unchanged).
     # "int8"/"int16" quantize x per group for calls of at most 16 rows; see
-    # mixbits.qmatmul. MixedQuantizedSwitchLinear accepts "float" only.
+    # mixbits.qmatmul (and mixbits.gather_qmatmul for an expert stack: per
+    # expert's rows).
     _activations = "float"
 
     @property
@@ -506,23 +507,10 @@ class MixedQuantizedSwitchLinear(_MixedWeight):
     def num_experts(self) -> int:
         return self._triplets()[0][0].shape[0]
 
-    @property
-    def activations(self) -> str:
-        return "float"
-
-    @activations.setter
-    def activations(self, value: str) -> None:
-        from .ops import activations_id
-
-        activations_id(value)
-        if value != "float":
-            # gather_qmatmul has one numeric contract; the integer ones exist
-            # for 2-D weights only (mixbits.qmatmul).
-            raise ValueError(f"MixedQuantizedSwitchLinear runs the float contract only, got activations={value!r}")
-
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         qt = self.quantized_tensor()
-        y = gather_qmatmul(promote_x(x, qt), qt, rhs_indices=indices, sorted_indices=sorted_indices)
+        y = gather_qmatmul(promote_x(x, qt), qt, rhs_indices=indices, sorted_indices=sorted_indices,
+                           activations=self._activations)
         if "bias" in self:
             y = y + mx.expand_dims(self["bias"][indices], -2)
         return y
@@ -761,8 +749,8 @@ def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
     ``activations`` sets every mixbits linear layer's (and tied head's)
     numeric contract, replaced or already mixbits: ``"float"`` (default),
     ``"int8"``, ``"int16"`` or ``"int8-all"`` (int8 at every M: prompts
-    too; see :func:`mixbits.qmatmul`). Expert stacks
-    keep the float contract: the gather kernel has no integer path.
+    too; see :func:`mixbits.qmatmul`), expert stacks included (on each
+    expert's rows: :func:`mixbits.gather_qmatmul`).
 
     ``repack=True`` (with an integer ``activations``) then
     stores every mixbits linear and embedding layer (all of 2/3/4/5/6/8-bit
@@ -800,7 +788,7 @@ def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
     for path, new in planned:
         _set_module(model, path, new)
     for _, m in model.named_modules():
-        if isinstance(m, (MixedQuantizedLinear, MixedQuantizedEmbedding)):
+        if isinstance(m, _MixedWeight):
             m.activations = activations
     if repack:
         repack_layers(model)

@@ -52,7 +52,7 @@ def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None,
     With a permutation this is ``x[..., perm] @ qt.dequantize().T``. The
     output has x's dtype; accumulation is float32.
 
-    ``activations="int8"`` or ``"int16"`` (CPU, 2-D weights) opt into an
+    ``activations="int8"`` or ``"int16"`` (CPU) opt into an
     integer contract where x has at most 16 rows: x is quantized per weight
     group to Q = 127 or 32767 levels (scale max|x|/Q) and multiplied with
     integer dots; the result is the exact product of the dequantized weights
@@ -64,7 +64,8 @@ def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None,
     up to 16 rows, and above them the same rows called 16 at a time, bit
     for bit). Fast on a repacked weight (the integer kernels in passes of 8
     rows); on MLX's layout it runs the batch kernels over row chunks.
-    Every value: :data:`ACTIVATIONS`.
+    Every value: :data:`ACTIVATIONS`. A weight with batch dims takes them
+    per matrix, as :func:`gather_qmatmul` does per expert.
 
     ``qt`` may also be a :class:`~mixbits.repack.RepackedTensor` (see
     :func:`repack`): same results and contracts, CPU only; the integer
@@ -86,10 +87,9 @@ def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None,
     act = activations_id(activations)
     _check_x(x, qt.shape[1])
     if qt.batch_shape:
-        if act:
-            raise ValueError(f"activations={activations!r} is for 2-D weights; batched weights take 'float'")
-        # A stack of matrices: batch dims broadcast as in mx.quantized_matmul.
-        return _ext.batched_qmatmul(x, qt.perm, qt.arrays(), qt.specs, _backend_id(backend))
+        # A stack of matrices: batch dims broadcast as in mx.quantized_matmul;
+        # an integer contract as in gather_qmatmul (per matrix's rows).
+        return _ext.batched_qmatmul(x, qt.perm, qt.arrays(), qt.specs, _backend_id(backend), act)
     return _ext.qmatmul(x, qt.perm, qt.arrays(), qt.specs, _backend_id(backend), act)
 
 
@@ -215,6 +215,7 @@ def gather_qmatmul(
     sorted_indices: bool = False,
     *,
     backend: str | None = None,
+    activations: str = "float",
 ) -> mx.array:
     """``mx.gather_qmm(x, ..., transpose=True)`` for a mixed-segment stack
     of matrices: ``qt`` holds segments with leading batch dims ``(E, ...)``
@@ -226,7 +227,18 @@ def gather_qmatmul(
     when building the graph either). ``sorted_indices`` (as MLX: rhs sorted by expert) is a
     speed hint: the CPU kernel groups rows by expert whether or not they are sorted; on the
     GPU it picks the tiled gathered kernel from 64 rows (weight tiles read once per 32
-    rows), which stays correct, only slower, if the indices are not in fact sorted."""
+    rows), which stays correct, only slower, if the indices are not in fact sorted.
+
+    ``activations`` (CPU): :func:`qmatmul`'s contracts, per expert. The
+    CPU kernel multiplies each expert's rows (the x rows of the pairs that
+    chose it) in one call, and that call takes the integer contract as
+    :func:`qmatmul` would on those rows: ``"int8"``/``"int16"`` where the
+    expert has at most 16 rows (a decode step's top-k experts), the float
+    path where it has more (a prompt) or where a row holds an inf or NaN;
+    ``"int8-all"`` at any number. Each pair's output is the contract's
+    value for its row (each row is quantized on its own) to float rounding,
+    and bit for bit :func:`qmatmul` of that expert's rows, in pair order,
+    on its matrix."""
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
     if not isinstance(x, mx.array):
@@ -235,12 +247,13 @@ def gather_qmatmul(
         raise TypeError(f"sorted_indices must be a bool, got {type(sorted_indices).__name__}")
     lhs = _check_indices("lhs_indices", lhs_indices)
     rhs = _check_indices("rhs_indices", rhs_indices)
+    act = activations_id(activations)
     if lhs is None and rhs is None:
         # As MLX: without indices this is the (batched) quantized matmul.
-        return qmatmul(x, qt, backend=backend)
+        return qmatmul(x, qt, backend=backend, activations=activations)
     _check_x(x, qt.shape[1])
     return _ext.gather_qmatmul(x, qt.perm, qt.arrays(), qt.specs, lhs, rhs,
-                               bool(sorted_indices), _backend_id(backend))
+                               bool(sorted_indices), _backend_id(backend), act)
 
 
 def gather_quantized_matmul(
