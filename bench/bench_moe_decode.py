@@ -1,7 +1,8 @@
 """Decode of a mixture-of-experts model on the CPU, one thread, CPU time:
 MLX's own quantized layers next to mixbits' (``mixbits.patch``) with the
-float contract and with the int8 one, whose expert stacks run the integer
-kernels on each chosen expert's rows (``mixbits.gather_qmatmul``).
+float contract, with the int8 one, whose expert stacks run the integer
+kernels on each chosen expert's rows (``mixbits.gather_qmatmul``), and
+with int8 on repacked weights (``repack=True``: experts included).
 
     OPENBLAS_NUM_THREADS=1 python bench/bench_moe_decode.py [--steps 32] [--reps 4]
 
@@ -11,7 +12,7 @@ qwen3_moe class with random weights at the shape of a small real one
 by mlx-lm to 4-bit g64 (the router gates at 8 bits). Speed depends on the
 shapes, not on the values. Each round: a fresh model call over a 16-token
 prompt, then ``--steps`` greedy steps of ``model(token, cache)``; the
-three models take turns round by round so host load hits all alike.
+models take turns round by round so host load hits all alike.
 Reports the median ms per token and per-token expert weight bytes.
 Saves bench/results/moe_decode.json.
 """
@@ -81,9 +82,10 @@ def main(argv=None) -> dict:
     _ext.set_max_threads(1)
 
     models = {"mlx": build()}
-    for name, act in (("mixbits-float", "float"), ("mixbits-int8", "int8")):
+    for name, act, rp in (("mixbits-float", "float", False), ("mixbits-int8", "int8", False),
+                          ("mixbits-int8-repacked", "int8", True)):
         models[name] = build()  # the same weights (same seed)
-        mixbits.patch(models[name], activations=act)
+        mixbits.patch(models[name], activations=act, repack=rp)
     from mixbits.nn import MixedQuantizedSwitchLinear
 
     experts = [m for _, m in models["mixbits-float"].named_modules() if isinstance(m, MixedQuantizedSwitchLinear)]
@@ -102,7 +104,7 @@ def main(argv=None) -> dict:
            "speedup_vs_mlx": {k: med["mlx"] / v for k, v in med.items()}}
     print(f"expert weights read per token: {expert_mb:.1f} MB (top-{SHAPE['num_experts_per_tok']})")
     for k in models:
-        print(f"{k:>14}: {med[k]:7.2f} ms/token  ({' '.join(f'{t:.2f}' for t in times[k])})  "
+        print(f"{k:>22}: {med[k]:7.2f} ms/token  ({' '.join(f'{t:.2f}' for t in times[k])})  "
               f"x{med['mlx'] / med[k]:.2f} vs mlx")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))

@@ -22,6 +22,7 @@
 #include "qmatmul/transposed.h"
 #include "qmatmul_int8/kernel.h"
 #include "qmatmul_int8/repacked_qmatmul.h"
+#include "gather/repacked.h"
 #include "common/convert.h"
 #include "common/cpu.h"
 #include "quant_error/quant_error.h"
@@ -100,6 +101,22 @@ NB_MODULE(_ext, m) {
         "w"_a, "weight"_a, "bits"_a, "group_size"_a,
         "sum(weight * (s*q + b - w)**2) over one segment's rows, as a float64 "
         "(evaluated now); w and weight float32 (R, k).");
+  m.def(
+      "repacked_gather_qmatmul",
+      [](const mx::array& x, const std::optional<mx::array>& perm,
+         const std::vector<mx::array>& packed_r,
+         const std::vector<std::tuple<int, int, int>>& segs, int n,
+         const std::optional<mx::array>& lhs, const std::optional<mx::array>& rhs, int backend,
+         int activations) {
+        std::vector<mixbits::SegSpec> specs;
+        for (auto [b, g, k] : segs) specs.push_back({b, g, k});
+        return mixbits::repacked_gather_qmm(x, perm, packed_r, specs, n, lhs, rhs,
+                                            mixbits::Backend(backend), {},
+                                            mixbits::Activations(activations));
+      },
+      "x"_a, "perm"_a.none(), "packed_r"_a, "segments"_a, "n"_a, "lhs_indices"_a.none(),
+      "rhs_indices"_a.none(), "backend"_a = 0, "activations"_a = 1,
+      "gather_qmatmul on an expert stack whose experts are row-interleaved.");
   m.def("repack_segment", &mixbits::repack_segment, "wq"_a, "scales"_a, "biases"_a,
         "bits"_a, "group_size"_a,
         "One segment in MLX's layout -> (wq_r, scales_r, biases_r), 16 rows "

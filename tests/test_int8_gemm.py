@@ -297,8 +297,13 @@ def test_refusals():
     s = qt.segments[0]
     stack = mixbits.QuantizedTensor([mixbits.layout.Segment(
         4, 64, 128, mx.stack([s.wq] * 2), mx.stack([s.scales] * 2), mx.stack([s.biases] * 2))])
-    with pytest.raises(ValueError, match="2-D weights"):
-        mixbits.qmatmul(mx.zeros((2, 20, 128)), stack, activations=ACT)
+    # a stack takes the contract per matrix (tests/test_gather_int8.py)
+    xb = mx.array(np.random.default_rng(1).standard_normal((2, 20, 128)).astype(np.float32))
+    np.testing.assert_array_equal(np.array(mixbits.qmatmul(xb, stack, activations=ACT)[0]),
+                                  np.array(mixbits.qmatmul(xb[0], qt, activations=ACT)))
+    for bad in (4, -1):
+        with pytest.raises(ValueError, match="int8-all"):
+            _ext.gather_qmatmul(xb, None, stack.arrays(), stack.specs, None, mx.array([0]), activations=bad)
     y = mixbits.quantized_matmul(x + 1, s.wq, s.scales, s.biases, 64, 4, activations=ACT)
     np.testing.assert_array_equal(np.array(y), np.array(mixbits.qmatmul(x + 1, qt, activations=ACT)))
 

@@ -270,10 +270,11 @@ def test_refusals(monkeypatch):
             ops.repack(qt)
     qt = rand_qt(rng, 8, [(4, 64, 128)])
     s = qt.segments[0]
-    stack = mixbits.QuantizedTensor([mixbits.layout.Segment(4, 64, 128, mx.stack([s.wq] * 2),
-                                                           mx.stack([s.scales] * 2), mx.stack([s.biases] * 2))])
-    with pytest.raises(ValueError, match="2-D"):
-        ops.repack(stack)
+    deep = mixbits.QuantizedTensor([mixbits.layout.Segment(4, 64, 128, mx.stack([s.wq] * 2)[None],
+                                                          mx.stack([s.scales] * 2)[None],
+                                                          mx.stack([s.biases] * 2)[None])])
+    with pytest.raises(ValueError, match="2-D tensor or a stack with one batch dim"):
+        ops.repack(deep)  # a stack of stacks (one batch dim: tests/test_repack_stacks.py)
     with pytest.raises(TypeError):
         ops.repack(object())
     with pytest.raises(TypeError):

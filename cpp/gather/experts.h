@@ -3,7 +3,9 @@
 // and the pairs grouped by expert, so both read the stack the same way.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 #include "common/mlx_args.h"
@@ -61,5 +63,22 @@ ByExpert sort_by_expert(const uint32_t* ridx, int64_t P, int64_t Bw, Keep keep) 
     if (keep(p)) g.order[fill[ridx[p]]++] = p;
   return g;
 }
+
+// MLX's indices_or_default: integral indices as uint32, or every batch of
+// `batch` in order ("[gather_qmm]" std::invalid_argument otherwise).
+mx::array indices_or_default(const std::optional<mx::array>& idx, const mx::Shape& batch,
+                             mx::StreamOrDevice s);
+
+// The CPU evaluation of a gathered product, for any weight layout:
+// inputs are x [Bx..., M, K], [perm [K]], the weight arrays, then lhs and
+// rhs (uint32, one shape); `out` is lhs.shape + [M, N], allocated. Pairs
+// with an index (or a perm entry) out of range get NaN rows; the others are
+// grouped by expert, their x rows gathered (through perm) into a float32
+// block, and run(e, path, xf, rows, y) multiplies expert e's rows, on the
+// path qmatmul_cpu_eval would take for them (Int: at most int_max_m finite
+// rows; IeeeRef: an inf; else Float).
+using ExpertRun = std::function<void(int64_t e, QmmPath path, const float* xf, int rows, float* y)>;
+void gather_cpu_eval(const std::vector<mx::array>& inputs, bool has_perm, int N, int64_t Bw,
+                     int int_max_m, mx::array& out, const ExpertRun& run);
 
 }  // namespace mixbits

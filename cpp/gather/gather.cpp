@@ -84,8 +84,8 @@ std::pair<int, int64_t> check_weights(const std::vector<mx::array>& packed,
   return {N, K};
 }
 
-// MLX's indices_or_default: integral indices as uint32, or every batch of
-// `of` in order.
+}  // namespace
+
 mx::array indices_or_default(const std::optional<mx::array>& idx,
                              const mx::Shape& batch, mx::StreamOrDevice s) {
   if (idx) {
@@ -98,6 +98,8 @@ mx::array indices_or_default(const std::optional<mx::array>& idx,
     fail("the batch has more than 2^31 - 1 matrices");
   return mx::reshape(mx::arange(int(total), mx::uint32, s), batch, s);
 }
+
+namespace {
 
 // Whether MixedGatherQMM::eval_gpu (cpp/gather/metal.cpp) can run this
 // problem: this build has the Metal kernels (not so with an MLX built for
@@ -220,6 +222,85 @@ bool MixedGatherQMM::is_equivalent(const mx::Primitive& other) const {
          backend_ == o.backend_ && sorted_ == o.sorted_ && act_ == o.act_;
 }
 
+void gather_cpu_eval(const std::vector<mx::array>& inputs, bool has_perm, int N, int64_t Bw,
+                     int int_max_m, mx::array& out, const ExpertRun& run) {
+  const mx::array& x = inputs[0];
+  const mx::array& li = inputs[inputs.size() - 2];
+  const mx::array& ri = inputs[inputs.size() - 1];
+  const int M = x.shape(-2), K = x.shape(-1);
+  const int64_t P = li.size();
+  const int64_t Bx = prod(x.shape(), 0, x.ndim() - 2);
+  if (P == 0 || M == 0 || N == 0) return;
+  const uint32_t* lidx = li.data<uint32_t>();
+  const uint32_t* ridx = ri.data<uint32_t>();
+  const int32_t* perm = has_perm ? inputs[1].data<int32_t>() : nullptr;
+  const DType xt = to_dtype(x.dtype()), ot = to_dtype(out.dtype());
+  void* o = out.data<void>();
+
+  // An index or permutation entry out of range poisons its output rows
+  // with NaN (never a read out of bounds, never silent garbage).
+  bool perm_ok = true;
+  if (perm)
+    for (int k = 0; k < K; ++k) perm_ok &= perm[k] >= 0 && perm[k] < K;
+  auto good = [&](int64_t p) { return perm_ok && lidx[p] < Bx && ridx[p] < Bw; };
+  std::vector<int64_t> bad;
+  for (int64_t p = 0; p < P; ++p)
+    if (!good(p)) bad.push_back(p);
+  // Output matrices per expert.
+  const ByExpert g = sort_by_expert(ridx, P, Bw, good);
+  const auto& start = g.start;
+  const auto& order = g.order;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t p : bad)
+    for (int64_t i = 0; i < int64_t(M) * N; ++i)
+      store_from_f32(o, p * M * N + i, nan, ot);
+
+  // Rows per backend call: all of an expert's rows (one decode of its
+  // weights) up to a cap that bounds the float32 staging buffers.
+  const int64_t per_call = std::max<int64_t>(1, 8192 / std::max(M, 1));
+  struct Call { int64_t expert, first, count; };  // a slice of `order`
+  std::vector<Call> calls;
+  for (int64_t e = 0; e < Bw; ++e)
+    for (int64_t c0 = start[e]; c0 < start[e + 1]; c0 += per_call)
+      calls.push_back({e, c0, std::min(per_call, start[e + 1] - c0)});
+  std::vector<float> xf, yf;
+  for (const auto& [e, c0, cnt] : calls) {
+    // This expert's rows: x[lhs[p]] for each of its p, gathered through
+    // the permutation into one dense float32 block.
+    const int64_t rows = cnt * M;
+    xf.resize(size_t(rows) * K);
+    yf.resize(size_t(rows) * N);
+    const int64_t* ps = order.data() + c0;
+    parallel_for(rows, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t src = (int64_t(lidx[ps[r / M]]) * M + r % M) * K;
+        float* dst = xf.data() + r * K;
+        for (int k = 0; k < K; ++k)
+          dst[k] = load_as_f32(x.data<void>(), src + (perm ? perm[k] : k), xt);
+      }
+    });
+    // Infinite inputs take the unfused reference, as in MixedQMatmul (the
+    // SIMD backends' folded bias would turn inf into NaN); the integer
+    // contract is for finite rows, at most int_max_m of this expert's.
+    bool has_inf = false, has_nan = false;
+    for (float v : xf) {
+      has_inf |= std::isinf(v);
+      has_nan |= std::isnan(v);
+    }
+    const QmmPath path = rows <= int_max_m && !has_inf && !has_nan ? QmmPath::Int
+                         : has_inf                                  ? QmmPath::IeeeRef
+                                                                    : QmmPath::Float;
+    run(e, path, xf.data(), int(rows), yf.data());
+    parallel_for(rows, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t dst = (ps[r / M] * M + r % M) * N;
+        for (int n = 0; n < N; ++n)
+          store_from_f32(o, dst + n, yf[r * N + n], ot);
+      }
+    });
+  }
+}
+
 void MixedGatherQMM::eval_cpu(const std::vector<mx::array>& inputs,
                               mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -231,85 +312,16 @@ void MixedGatherQMM::eval_cpu(const std::vector<mx::array>& inputs,
                 has_perm = has_perm_, fn = select_qmm(backend_),
                 fn_int = select_qmm_int(act_, backend_),
                 int_max_m = activation_int_max_m(act_)]() mutable {
-    const mx::array& x = inputs[0];
     const int first = has_perm ? 2 : 1;
-    const mx::array& li = inputs[inputs.size() - 2];
-    const mx::array& ri = inputs[inputs.size() - 1];
     const mx::array& wq0 = inputs[first];
-    const int M = x.shape(-2), K = x.shape(-1), N = wq0.shape(-2);
-    const int64_t P = li.size();
-    const int64_t Bx = prod(x.shape(), 0, x.ndim() - 2);
+    const int K = inputs[0].shape(-1), N = wq0.shape(-2);
     const int64_t Bw = prod(wq0.shape(), 0, wq0.ndim() - 2);
-    if (P == 0 || M == 0 || N == 0) return;
-    const uint32_t* lidx = li.data<uint32_t>();
-    const uint32_t* ridx = ri.data<uint32_t>();
-    const int32_t* perm = has_perm ? inputs[1].data<int32_t>() : nullptr;
-    const DType xt = to_dtype(x.dtype()), ot = to_dtype(out.dtype());
-    void* o = out.data<void>();
-
-    // An index or permutation entry out of range poisons its output rows
-    // with NaN (never a read out of bounds, never silent garbage).
-    bool perm_ok = true;
-    if (perm)
-      for (int k = 0; k < K; ++k) perm_ok &= perm[k] >= 0 && perm[k] < K;
-    auto good = [&](int64_t p) { return perm_ok && lidx[p] < Bx && ridx[p] < Bw; };
-    std::vector<int64_t> bad;
-    for (int64_t p = 0; p < P; ++p)
-      if (!good(p)) bad.push_back(p);
-    // Output matrices per expert.
-    const ByExpert g = sort_by_expert(ridx, P, Bw, good);
-    const auto& start = g.start;
-    const auto& order = g.order;
-    const float nan = std::numeric_limits<float>::quiet_NaN();
-    for (int64_t p : bad)
-      for (int64_t i = 0; i < int64_t(M) * N; ++i)
-        store_from_f32(o, p * M * N + i, nan, ot);
-
-    // Rows per backend call: all of an expert's rows (one decode of its
-    // weights) up to a cap that bounds the float32 staging buffers.
-    const int64_t per_call = std::max<int64_t>(1, 8192 / std::max(M, 1));
-    struct Call { int64_t expert, first, count; };  // a slice of `order`
-    std::vector<Call> calls;
-    for (int64_t e = 0; e < Bw; ++e)
-      for (int64_t c0 = start[e]; c0 < start[e + 1]; c0 += per_call)
-        calls.push_back({e, c0, std::min(per_call, start[e + 1] - c0)});
-    std::vector<float> xf, yf;
-    for (const auto& [e, c0, cnt] : calls) {
-      const QMatView w = expert_view(inputs, first, segs, e, N, K);
-      // This expert's rows: x[lhs[p]] for each of its p, gathered through
-      // the permutation into one dense float32 block.
-      const int64_t rows = cnt * M;
-      xf.resize(size_t(rows) * K);
-      yf.resize(size_t(rows) * N);
-      const int64_t* ps = order.data() + c0;
-      parallel_for(rows, 16, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) {
-          const int64_t src = (int64_t(lidx[ps[r / M]]) * M + r % M) * K;
-          float* dst = xf.data() + r * K;
-          for (int k = 0; k < K; ++k)
-            dst[k] = load_as_f32(x.data<void>(), src + (perm ? perm[k] : k), xt);
-        }
-      });
-      // Infinite inputs take the unfused reference, as in MixedQMatmul (the
-      // SIMD backends' folded bias would turn inf into NaN); the integer
-      // contract is for finite rows, at most int_max_m of this expert's.
-      bool has_inf = false, has_nan = false;
-      for (float v : xf) {
-        has_inf |= std::isinf(v);
-        has_nan |= std::isnan(v);
-      }
-      if (fn_int && rows <= int_max_m && !has_inf && !has_nan)
-        run_int_rows(fn_int, xf.data(), int(rows), w, yf.data());
-      else
-        (has_inf ? qmm_ref_run : fn)(xf.data(), int(rows), w, yf.data());
-      parallel_for(rows, 64, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) {
-          const int64_t dst = (ps[r / M] * M + r % M) * N;
-          for (int n = 0; n < N; ++n)
-            store_from_f32(o, dst + n, yf[r * N + n], ot);
-        }
-      });
-    }
+    gather_cpu_eval(inputs, has_perm, N, Bw, fn_int ? int_max_m : 0, out,
+                    [&](int64_t e, QmmPath path, const float* xf, int rows, float* y) {
+                      const QMatView w = expert_view(inputs, first, segs, e, N, K);
+                      if (path == QmmPath::Int) return run_int_rows(fn_int, xf, rows, w, y);
+                      (path == QmmPath::IeeeRef ? qmm_ref_run : fn)(xf, rows, w, y);
+                    });
   });
 }
 

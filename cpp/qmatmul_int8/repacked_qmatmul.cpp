@@ -47,11 +47,11 @@ mx::array from_bytes(std::vector<char>&& bytes, mx::Shape shape, mx::Dtype dtype
                    [owned](void*) { delete owned; });
 }
 
-// The checks of one repacked weight against x (std::invalid_argument
-// naming the argument), shared by the single and the grouped node.
+}  // namespace
+
 void check_repacked(const mx::array& x, const std::optional<mx::array>& perm,
                     const std::vector<mx::array>& packed_r, const std::vector<SegSpec>& segs,
-                    int n, Activations act) {
+                    int n, Activations act, const mx::Shape& batch) {
   if (segs.empty()) fail("at least one segment is required");
   if (!activations_valid(act)) fail(activations_refusal(act));
   if (packed_r.size() != 3 * segs.size())
@@ -71,16 +71,18 @@ void check_repacked(const mx::array& x, const std::optional<mx::array>& perm,
       fail(tag + "group_size must be 32, 64 or 128");
     if (sg.k <= 0 || sg.k % sg.group_size != 0)
       fail(tag + "column count is not a positive multiple of group_size");
-    const mx::Shape wshape{int(NB), int(int64_t(sg.k) * sg.bits / 32), kRepackRows};
-    const mx::Shape gshape{int(NB), sg.k / sg.group_size, kRepackRows};
+    mx::Shape wshape = batch, gshape = batch;
+    for (int d : {int(NB), int(int64_t(sg.k) * sg.bits / 32), kRepackRows}) wshape.push_back(d);
+    for (int d : {int(NB), sg.k / sg.group_size, kRepackRows}) gshape.push_back(d);
     const mx::array& wq = packed_r[3 * i];
     if (wq.dtype() != mx::uint32 || wq.shape() != wshape)
-      fail(tag + "wq must be uint32 of shape (blocks, words, 16), got " + shape_str(wq));
+      fail(tag + "wq must be uint32 of shape (" + (batch.empty() ? "" : "experts, ") +
+           "blocks, words, 16), got " + shape_str(wq));
     for (int j = 1; j < 3; ++j) {
       const mx::array& a = packed_r[3 * i + j];
       if (a.dtype() != sdt || !is_float_dtype(a.dtype()) || a.shape() != gshape)
-        fail(tag + (j == 1 ? "scales" : "biases") +
-             " must be (blocks, groups, 16) in segment 0's float dtype, got " + shape_str(a));
+        fail(tag + (j == 1 ? "scales" : "biases") + " must be (" + (batch.empty() ? "" : "experts, ") +
+             "blocks, groups, 16) in segment 0's float dtype, got " + shape_str(a));
     }
     K += sg.k;
   }
@@ -92,8 +94,6 @@ void check_repacked(const mx::array& x, const std::optional<mx::array>& perm,
     fail("perm must be int32 or uint32 of shape (K,)");
 }
 
-// The stream, after the checks every repacked node makes of it and of the
-// backend (std::invalid_argument now, not inside the graph).
 mx::Stream repacked_stream(mx::StreamOrDevice s, Backend backend, Activations act) {
   auto stream = mx::to_stream(s);
   if (stream.device == mx::Device::gpu)
@@ -102,8 +102,6 @@ mx::Stream repacked_stream(mx::StreamOrDevice s, Backend backend, Activations ac
   select_qmm_int(act, backend);
   return stream;
 }
-
-}  // namespace
 
 mx::array repacked_qmatmul(const mx::array& x, const std::optional<mx::array>& perm,
                            const std::vector<mx::array>& packed_r,
@@ -158,40 +156,37 @@ bool RepackedQMatmul::is_equivalent(const mx::Primitive& other) const {
          act_ == o.act_;
 }
 
-namespace {
-
-// What one repacked node computes, inside the dispatched task: y = x · Wᵀ
-// for W's 3 arrays per segment at `packed` (row-interleaved), into `out`.
-struct RepackedKernels {
-  Activations act;
-  QmmRun fn, fn_int;
-  const RTable* table;
-  QmmRepacked fn_r;  // the float contract on the repacked arrays, where fn has it
-};
-
-void eval_repacked(const RepackedKernels& k, const mx::array& x, const int32_t* perm,
-                   const mx::array* packed, const std::vector<SegSpec>& segs, int N,
-                   mx::array& out) {
-  std::vector<std::vector<char>> copies(3 * segs.size());
-  auto dense = [&](size_t i) { return row_major(packed[i], copies[i]); };
-  // The segments (a repacked view) and their arrays for the integer kernels.
-  QMatView shape;
-  shape.N = N;
-  shape.sdtype = to_dtype(packed[1].dtype());
-  shape.repacked = true;
-  std::vector<RSeg> rsegs;
+RepackedView repacked_view(const std::vector<SegSpec>& segs, int N, DType sdtype,
+                           const std::vector<const void*>& arrays, int64_t matrix) {
+  RepackedView v;
+  v.shape.N = N;
+  v.shape.sdtype = sdtype;
+  v.shape.repacked = true;
+  const int64_t NB = repack_blocks(N);
+  const size_t sbytes = sdtype == DType::f32 ? 4 : 2;
   int k0 = 0;
   for (size_t i = 0; i < segs.size(); ++i) {
-    rsegs.push_back({static_cast<const uint32_t*>(dense(3 * i)), dense(3 * i + 1),
-                     dense(3 * i + 2), shape.sdtype, int(int64_t(segs[i].k) * segs[i].bits / 32),
-                     segs[i].k / segs[i].group_size});
-    shape.segs.push_back({segs[i].bits, segs[i].group_size, k0, segs[i].k, rsegs[i].wq,
-                          rsegs[i].scales, rsegs[i].biases});
+    const int words = int(int64_t(segs[i].k) * segs[i].bits / 32);
+    const int ngroups = segs[i].k / segs[i].group_size;
+    const int64_t wstep = matrix * NB * words * kRepackRows;
+    const int64_t sstep = matrix * NB * ngroups * kRepackRows * int64_t(sbytes);
+    v.rsegs.push_back({static_cast<const uint32_t*>(arrays[3 * i]) + wstep,
+                       static_cast<const char*>(arrays[3 * i + 1]) + sstep,
+                       static_cast<const char*>(arrays[3 * i + 2]) + sstep, sdtype, words, ngroups});
+    v.shape.segs.push_back({segs[i].bits, segs[i].group_size, k0, segs[i].k, v.rsegs[i].wq,
+                            v.rsegs[i].scales, v.rsegs[i].biases});
     k0 += segs[i].k;
   }
-  shape.K = k0;
-  qmatmul_cpu_eval(x, perm, shape.K, N, k.fn_int ? activation_int_max_m(k.act) : 0, out,
-                   [&](QmmPath path, const float* xf, int M, float* y) {
+  v.shape.K = k0;
+  return v;
+}
+
+void run_repacked(const RepackedKernels& k, QmmPath path, const float* xf, int M,
+                  const RepackedView& v, float* y) {
+  const QMatView& shape = v.shape;
+  const std::vector<RSeg>& rsegs = v.rsegs;
+  const int N = shape.N;
+  {
     if (path == QmmPath::Int && k.table) {
       if (activation_code_bits(k.act) == 8)
         return repacked_int_run<int8_t>(*k.table, xf, M, shape, rsegs.data(), y);
@@ -207,20 +202,21 @@ void eval_repacked(const RepackedKernels& k, const mx::array& x, const int32_t* 
     // call), and 3-, 5-, 6-bit words are de-interleaved into a scratch that
     // merge_planes reads, not copied again.
     const size_t sbytes = shape.sdtype == DType::f32 ? 4 : 2;
-    std::vector<std::unique_ptr<uint32_t[]>> wq(segs.size());
-    std::vector<std::unique_ptr<char[]>> sc(segs.size()), bi(segs.size());
+    const size_t nseg = rsegs.size();
+    std::vector<std::unique_ptr<uint32_t[]>> wq(nseg);
+    std::vector<std::unique_ptr<char[]>> sc(nseg), bi(nseg);
     QMatView w = shape;
     w.repacked = false;
-    for (size_t i = 0; i < segs.size(); ++i) {
+    for (size_t i = 0; i < nseg; ++i) {
       const RSeg& r = rsegs[i];
       const size_t nw = size_t(N) * r.words, ns = size_t(N) * r.ngroups * sbytes;
       wq[i].reset(new uint32_t[nw]);
       sc[i].reset(new char[ns]);
       bi[i].reset(new char[ns]);
-      if (repack_splits(segs[i].bits)) {
+      if (repack_splits(shape.segs[i].bits)) {
         std::unique_ptr<uint32_t[]> split(new uint32_t[nw]);
         deinterleave_rows(r.wq, N, r.words, 4, split.get());
-        merge_planes(segs[i].bits, split.get(), int64_t(nw), wq[i].get());
+        merge_planes(shape.segs[i].bits, split.get(), int64_t(nw), wq[i].get());
       } else {
         deinterleave_rows(r.wq, N, r.words, 4, wq[i].get());
       }
@@ -232,12 +228,29 @@ void eval_repacked(const RepackedKernels& k, const mx::array& x, const int32_t* 
     }
     if (path == QmmPath::Int) return run_int_rows(k.fn_int, xf, M, w, y);
     (path == QmmPath::IeeeRef ? qmm_ref_run : k.fn)(xf, M, w, y);
-  });
+  }
 }
 
 RepackedKernels kernels_for(Activations act, Backend backend) {
   return {act, select_qmm(backend), select_qmm_int(act, backend), repacked_table(act, backend),
           select_qmm_repacked(backend)};
+}
+
+namespace {
+
+// What one repacked node computes, inside the dispatched task: y = x · Wᵀ
+// for W's 3 arrays per segment at `packed` (row-interleaved), into `out`.
+void eval_repacked(const RepackedKernels& k, const mx::array& x, const int32_t* perm,
+                   const mx::array* packed, const std::vector<SegSpec>& segs, int N,
+                   mx::array& out) {
+  std::vector<std::vector<char>> copies(3 * segs.size());
+  std::vector<const void*> arrays;
+  for (size_t i = 0; i < 3 * segs.size(); ++i) arrays.push_back(row_major(packed[i], copies[i]));
+  const RepackedView v = repacked_view(segs, N, to_dtype(packed[1].dtype()), arrays, 0);
+  qmatmul_cpu_eval(x, perm, v.shape.K, N, k.fn_int ? activation_int_max_m(k.act) : 0, out,
+                   [&](QmmPath path, const float* xf, int M, float* y) {
+                     run_repacked(k, path, xf, M, v, y);
+                   });
 }
 
 }  // namespace

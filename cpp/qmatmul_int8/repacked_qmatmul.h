@@ -102,6 +102,40 @@ std::vector<mx::array> repacked_qmatmul_group(const mx::array& x,
                                               mx::StreamOrDevice s = {},
                                               Activations act = Activations::Int8);
 
+// The checks of one repacked weight (with leading `batch` dims: a stack of
+// them, e.g. experts) against x (std::invalid_argument naming the
+// argument); every repacked node makes them before it is built.
+void check_repacked(const mx::array& x, const std::optional<mx::array>& perm,
+                    const std::vector<mx::array>& packed_r, const std::vector<SegSpec>& segs,
+                    int n, Activations act, const mx::Shape& batch = {});
+// The stream after the device and backend checks every repacked node makes
+// (std::invalid_argument now, not inside the graph).
+mx::Stream repacked_stream(mx::StreamOrDevice s, Backend backend, Activations act);
+
+// The kernels a repacked node runs for (act, backend), chosen once per node.
+struct RepackedKernels {
+  Activations act;
+  QmmRun fn, fn_int;
+  const RTable* table;
+  QmmRepacked fn_r;  // the float contract on the repacked arrays, where fn has it
+};
+RepackedKernels kernels_for(Activations act, Backend backend);
+
+// Matrix `matrix` of repacked segment arrays (3 per segment, dense, with
+// any leading stack dims flattened): its shape view and kernel segments.
+struct RepackedView {
+  QMatView shape;
+  std::vector<RSeg> rsegs;
+};
+RepackedView repacked_view(const std::vector<SegSpec>& segs, int N, DType sdtype,
+                           const std::vector<const void*>& arrays, int64_t matrix);
+// y = x · Wᵀ for M rows of dense float32 x (already permuted) on the path
+// qmatmul_cpu_eval chose: the repacked integer kernels, the float kernel on
+// the blocks where one reads them, else W un-repacked into a temporary and
+// what MixedQMatmul runs (see RepackedQMatmul).
+void run_repacked(const RepackedKernels& k, QmmPath path, const float* xf, int M,
+                  const RepackedView& v, float* y);
+
 // One segment (MLX layout: wq [N, k*bits/32], scales/biases [N, k/gs]) to
 // the row-interleaved layout, evaluated now (a layer does this once).
 // Refuses bit widths repack_supports_bits does not accept.

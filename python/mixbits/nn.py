@@ -501,14 +501,18 @@ class MixedQuantizedSwitchLinear(_MixedWeight):
 
     @property
     def output_dims(self) -> int:
+        if "repacked" in self:
+            return self._repacked_rows
         return self._triplets()[0][0].shape[-2]
 
     @property
     def num_experts(self) -> int:
+        if "repacked" in self:
+            return self["repacked"][0]["weight"].shape[0]
         return self._triplets()[0][0].shape[0]
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        qt = self.quantized_tensor()
+        qt = self.matmul_tensor()
         y = gather_qmatmul(promote_x(x, qt), qt, rhs_indices=indices, sorted_indices=sorted_indices,
                            activations=self._activations)
         if "bias" in self:
@@ -686,12 +690,12 @@ def weight_layers(model: nn.Module) -> dict:
     return {p: m for p, m in model.named_modules() if isinstance(m, _LINEAR_KINDS + _EMBED_KINDS)}
 
 
-_REPACKABLE = (MixedQuantizedLinear, MixedQuantizedEmbedding)
+_REPACKABLE = (MixedQuantizedLinear, MixedQuantizedEmbedding, MixedQuantizedSwitchLinear)
 
 
 def repack_layers(model: nn.Module) -> list[str]:
-    """Repack (:meth:`MixedQuantizedLinear.repack`) every mixbits linear
-    and embedding layer (a tied head's table) of ``model`` whose segments
+    """Repack (:meth:`MixedQuantizedLinear.repack`) every mixbits linear,
+    embedding (a tied head's table) and expert-stack layer of ``model`` whose segments
     all have bits in ``REPACK_BITS``; the others keep MLX's layout and the
     kernels they had. Returns the repacked paths.
 
@@ -753,7 +757,7 @@ def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
     expert's rows: :func:`mixbits.gather_qmatmul`).
 
     ``repack=True`` (with an integer ``activations``) then
-    stores every mixbits linear and embedding layer (all of 2/3/4/5/6/8-bit
+    stores every mixbits linear, embedding and expert-stack layer (all of 2/3/4/5/6/8-bit
     segments) in the row-interleaved layout of the CPU's batch-1 integer GEMV
     (:func:`repack_layers`; layers with other bits keep MLX's layout).
     Such a model cannot be saved or differentiated, nor run on the GPU,

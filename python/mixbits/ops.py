@@ -10,7 +10,7 @@ from . import _ext
 from ._backends import BACKENDS, backend_id, names
 from .errors import UsageError
 from .layout import BITS, FLOAT_DTYPES, GROUP_SIZES, QuantizedTensor, Segment, check_int
-from .repack import REPACK_BITS, RepackedSegment, RepackedTensor
+from .repack import REPACK_BITS, REPACK_ROWS, RepackedSegment, RepackedTensor
 
 def available_backends() -> list[str]:
     """CPU backends of the quantized matmul usable on this machine."""
@@ -80,6 +80,8 @@ def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None,
     if isinstance(qt, RepackedTensor):
         act = activations_id(activations)
         _check_x(x, qt.shape[1])
+        if qt.batch_shape:  # a repacked stack: as the batched product below
+            return gather_qmatmul(x, qt, backend=backend, activations=activations)
         return _ext.repacked_qmatmul(x, qt.perm, qt.arrays(), qt.specs, qt.shape[0],
                                      _backend_id(backend), act)
     if not isinstance(qt, QuantizedTensor):
@@ -106,27 +108,47 @@ def promote_x(x, qt):
     return x
 
 
+def _stacked(fn, arrays, n: int):
+    """``fn`` (one matrix's arrays and its ``n`` rows -> arrays) over a
+    stack of matrices (leading dim E): one call on the stack seen as one
+    tall matrix of E*n rows when every matrix is whole blocks of 16 rows
+    (blocks then never straddle two matrices), else one call per matrix."""
+    e = arrays[0].shape[0]
+    if n % REPACK_ROWS == 0:
+        flat = fn([a.reshape(e * a.shape[1], *a.shape[2:]) for a in arrays], e * n)
+        return [a.reshape(e, a.shape[0] // e, *a.shape[1:]) for a in flat]
+    per = [fn([a[i] for a in arrays], n) for i in range(e)]
+    return [mx.stack([p[j] for p in per]) for j in range(len(per[0]))]
+
+
 def repack(qt: QuantizedTensor) -> RepackedTensor:
     """``qt`` in the row-interleaved layout of the CPU's batch-1 integer GEMV
-    (:mod:`mixbits.repack`), built now. 2-D tensors whose segments all have
-    bits in ``REPACK_BITS`` (2, 3, 4, 5, 6, 8: every width of
+    (:mod:`mixbits.repack`), built now. 2-D tensors, and stacks of them
+    with one batch dim (an expert stack: each expert repacked on its own,
+    arrays ``(E, blocks, ·, 16)``), whose segments all have bits in
+    ``REPACK_BITS`` (2, 3, 4, 5, 6, 8: every width of
     :data:`mixbits.layout.BITS`); others raise a UsageError (a
     ValueError). :func:`unrepack` is the exact inverse."""
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
-    if qt.batch_shape:
-        raise UsageError(f"repack takes a 2-D tensor, got batch dims {qt.batch_shape}")
+    if len(qt.batch_shape) > 1:
+        raise UsageError(f"repack takes a 2-D tensor or a stack with one batch dim, got batch dims {qt.batch_shape}")
     bad = [s.bits for s in qt.segments if s.bits not in REPACK_BITS]
     if bad:
         raise UsageError(
             f"repack: bits {sorted(set(bad))} have no repacked layout; "
             f"supported: {list(REPACK_BITS)}"
         )
-    segs = []
+    n, segs = qt.shape[0], []
     for s in qt.segments:
-        wq_r, sc_r, bi_r = _ext.repack_segment(s.wq, s.scales, s.biases, s.bits, s.group_size)
+        def one(a, rows, s=s):
+            return list(_ext.repack_segment(*a, s.bits, s.group_size))
+        if qt.batch_shape:
+            wq_r, sc_r, bi_r = _stacked(one, [s.wq, s.scales, s.biases], n)
+        else:
+            wq_r, sc_r, bi_r = one([s.wq, s.scales, s.biases], n)
         segs.append(RepackedSegment(s.bits, s.group_size, s.k, wq_r, sc_r, bi_r, s.kind))
-    return RepackedTensor(segs, qt.perm, qt.shape[0])
+    return RepackedTensor(segs, qt.perm, n)
 
 
 def repacked_kernels_available() -> bool:
@@ -144,9 +166,14 @@ def unrepack(rt: RepackedTensor) -> QuantizedTensor:
     GPU read."""
     if not isinstance(rt, RepackedTensor):
         raise TypeError(f"rt must be a mixbits.repack.RepackedTensor, got {type(rt).__name__}")
-    segs = []
+    n, segs = rt.shape[0], []
     for s in rt.segments:
-        wq, sc, bi = _ext.unrepack_segment(s.wq_r, s.scales_r, s.biases_r, rt.shape[0], s.bits)
+        def one(a, rows, s=s):
+            return list(_ext.unrepack_segment(*a, rows, s.bits))
+        if rt.batch_shape:
+            wq, sc, bi = _stacked(one, [s.wq_r, s.scales_r, s.biases_r], n)
+        else:
+            wq, sc, bi = one([s.wq_r, s.scales_r, s.biases_r], n)
         segs.append(Segment(s.bits, s.group_size, s.k, wq, sc, bi, s.kind))
     return QuantizedTensor(segs, rt.perm)
 
@@ -238,9 +265,14 @@ def gather_qmatmul(
     ``"int8-all"`` at any number. Each pair's output is the contract's
     value for its row (each row is quantized on its own) to float rounding,
     and bit for bit :func:`qmatmul` of that expert's rows, in pair order,
-    on its matrix."""
-    if not isinstance(qt, QuantizedTensor):
-        raise TypeError(f"qt must be a mixbits.QuantizedTensor, got {type(qt).__name__}")
+    on its matrix.
+
+    ``qt`` may be a repacked stack (:func:`repack` of one): each expert's
+    rows then run as :func:`qmatmul` runs them on that expert's repacked
+    matrix (the repacked integer GEMV in a decode step), CPU only; it has
+    no gradient (:func:`unrepack` it first)."""
+    if not isinstance(qt, (QuantizedTensor, RepackedTensor)):
+        raise TypeError(f"qt must be a mixbits.QuantizedTensor or RepackedTensor, got {type(qt).__name__}")
     if not isinstance(x, mx.array):
         raise TypeError(f"x must be an mlx.core.array, got {type(x).__name__}")
     if not isinstance(sorted_indices, (bool, np.bool_)):
@@ -248,6 +280,12 @@ def gather_qmatmul(
     lhs = _check_indices("lhs_indices", lhs_indices)
     rhs = _check_indices("rhs_indices", rhs_indices)
     act = activations_id(activations)
+    if isinstance(qt, RepackedTensor):
+        if not qt.batch_shape:
+            raise ValueError("gather_qmatmul takes a stack of matrices; this RepackedTensor holds one")
+        _check_x(x, qt.shape[1])
+        return _ext.repacked_gather_qmatmul(x, qt.perm, qt.arrays(), qt.specs, qt.shape[0], lhs, rhs,
+                                            _backend_id(backend), act)
     if lhs is None and rhs is None:
         # As MLX: without indices this is the (batched) quantized matmul.
         return qmatmul(x, qt, backend=backend, activations=activations)

@@ -59,13 +59,19 @@ class RepackedSegment:
 
 class RepackedTensor:
     """A 2-D mixed-segment quantized matrix of ``n`` output rows in the
-    repacked layout; built by :func:`mixbits.ops.repack`, which checked
-    every array."""
+    repacked layout, or a stack of them (``batch_shape``: an expert stack);
+    built by :func:`mixbits.ops.repack`, which checked every array."""
 
     def __init__(self, segments, perm, n: int):
         self.segments = list(segments)
         self.perm = perm
         self.shape = (n, sum(s.k for s in self.segments))
+
+    @property
+    def batch_shape(self) -> tuple:
+        """Leading dims of a stack of matrices (an expert stack: ``(E,)``;
+        each matrix repacked on its own); ``()`` for one matrix."""
+        return tuple(self.segments[0].wq_r.shape[:-3])
 
     @property
     def specs(self) -> list[tuple[int, int, int]]:
@@ -92,12 +98,13 @@ class RepackedTensor:
         cost over the original."""
         n = self.shape[0]
         pad = -n % REPACK_ROWS
-        return sum(a.nbytes * pad // (a.shape[0] * REPACK_ROWS) for a in self.arrays())
+        return sum(a.nbytes * pad // (a.shape[-3] * REPACK_ROWS) for a in self.arrays())
 
     def __repr__(self) -> str:
         segs = ", ".join(f"{b}b/g{g}x{k}" for b, g, k in self.specs)
         p = ", perm" if self.perm is not None else ""
-        return f"RepackedTensor(shape={self.shape}, [{segs}]{p}, rows={REPACK_ROWS})"
+        b = f", batch={self.batch_shape}" if self.batch_shape else ""
+        return f"RepackedTensor(shape={self.shape}{b}, [{segs}]{p}, rows={REPACK_ROWS})"
 
 
 # ------------------------------------------------------------ row lookups

@@ -1,0 +1,109 @@
+// RepackedGatherQMM: checks, graph node and CPU evaluation: the gathered
+// driver of gather.cpp (gather_cpu_eval) with each expert's rows run as
+// RepackedQMatmul runs a matrix (run_repacked).
+#include "gather/repacked.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "common/inputs.h"
+#include "common/mlx_args.h"
+#include "gather/experts.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "qmatmul_int8/repacked_qmatmul.h"
+
+namespace mixbits {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) {
+  throw std::invalid_argument("[gather_qmm] repacked stack: " + msg);
+}
+
+[[noreturn]] void no_grad() {
+  throw std::invalid_argument(
+      "[gather_qmm] a repacked expert stack has no gradient; unrepack the layer first");
+}
+
+}  // namespace
+
+mx::array repacked_gather_qmm(const mx::array& x, const std::optional<mx::array>& perm,
+                              const std::vector<mx::array>& packed_r,
+                              const std::vector<SegSpec>& segs, int n,
+                              std::optional<mx::array> lhs, std::optional<mx::array> rhs,
+                              Backend backend, mx::StreamOrDevice s, Activations act) {
+  if (packed_r.empty() || packed_r[0].ndim() < 4)
+    fail("expected (experts..., blocks, words, 16) arrays, 3 per segment");
+  const mx::Shape batch(packed_r[0].shape().begin(), packed_r[0].shape().end() - 3);
+  if (x.ndim() < 2)
+    fail("x must have at least two dimensions (..., M, K), got shape " + shape_str(x));
+  check_repacked(x, perm, packed_r, segs, n, act, batch);
+  auto stream = repacked_stream(s, backend, act);
+  auto li = indices_or_default(lhs, mx::Shape(x.shape().begin(), x.shape().end() - 2), stream);
+  auto ri = indices_or_default(rhs, batch, stream);
+  auto bc = mx::broadcast_arrays({li, ri}, stream);  // MLX's shape errors
+  std::vector<mx::array> inputs{dense_input(x, stream)};
+  if (perm) inputs.push_back(dense_input(*perm, stream));
+  for (const auto& a : packed_r) inputs.push_back(dense_input(a, stream));
+  inputs.push_back(dense_input(bc[0], stream));
+  inputs.push_back(dense_input(bc[1], stream));
+  mx::Shape out_shape = bc[0].shape();
+  out_shape.push_back(x.shape(-2));
+  out_shape.push_back(n);
+  return mx::array(std::move(out_shape), x.dtype(),
+                   std::make_shared<RepackedGatherQMM>(stream, segs, bool(perm), n, backend, act),
+                   std::move(inputs));
+}
+
+std::vector<mx::Shape> RepackedGatherQMM::output_shapes(const std::vector<mx::array>& inputs) {
+  mx::Shape s = inputs[inputs.size() - 2].shape();
+  s.push_back(inputs[0].shape(-2));
+  s.push_back(n_);
+  return {s};
+}
+
+bool RepackedGatherQMM::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const RepackedGatherQMM&>(other);
+  return segs_ == o.segs_ && has_perm_ == o.has_perm_ && n_ == o.n_ && backend_ == o.backend_ &&
+         act_ == o.act_;
+}
+
+void RepackedGatherQMM::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  enc.dispatch([inputs, out = mx::array::unsafe_weak_copy(out), segs = segs_,
+                has_perm = has_perm_, N = n_, k = kernels_for(act_, backend_)]() mutable {
+    const int first = has_perm ? 2 : 1;
+    const mx::array& wq0 = inputs[first];
+    const int64_t Bw = prod(wq0.shape(), 0, wq0.ndim() - 3);
+    std::vector<const void*> arrays;
+    for (size_t i = 0; i < 3 * segs.size(); ++i) arrays.push_back(inputs[first + i].data<void>());
+    const DType sdt = to_dtype(inputs[first + 1].dtype());
+    gather_cpu_eval(inputs, has_perm, N, Bw, k.fn_int ? activation_int_max_m(k.act) : 0, out,
+                    [&](int64_t e, QmmPath path, const float* xf, int rows, float* y) {
+                      run_repacked(k, path, xf, rows, repacked_view(segs, N, sdt, arrays, e), y);
+                    });
+  });
+}
+
+void RepackedGatherQMM::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[gather_qmm] repacked expert stacks are a CPU layout");
+}
+
+std::vector<mx::array> RepackedGatherQMM::vjp(const std::vector<mx::array>&,
+                                              const std::vector<mx::array>&,
+                                              const std::vector<int>&,
+                                              const std::vector<mx::array>&) {
+  no_grad();
+}
+
+std::vector<mx::array> RepackedGatherQMM::jvp(const std::vector<mx::array>&,
+                                              const std::vector<mx::array>&,
+                                              const std::vector<int>&) {
+  no_grad();
+}
+
+}  // namespace mixbits

@@ -1,0 +1,54 @@
+// The gathered product on a repacked expert stack: out[i] = x[lhs[i]] ·
+// W[rhs[i]]ᵀ (mx.gather_qmm's meaning, as MixedGatherQMM) with every expert
+// of W row-interleaved (qmatmul_int8/repack.h), so a decode step's chosen
+// experts run the repacked integer GEMV. CPU only, as RepackedQMatmul.
+#pragma once
+#include <optional>
+#include <vector>
+
+#include "common/primitive.h"
+#include "qmatmul/qmatmul.h"
+
+namespace mixbits {
+
+// Inputs: x [Bx..., M, K], [perm [K]], (wq_r, scales_r, biases_r) per
+// segment with a common stack shape [Bw..., blocks, ·, 16], then lhs and
+// rhs (uint32, one shape). Each expert's rows take the path RepackedQMatmul
+// takes for them (gather_cpu_eval), so a pair's output is bit for bit
+// RepackedQMatmul's on that expert's rows.
+class RepackedGatherQMM : public mx::UnaryPrimitive {
+ public:
+  RepackedGatherQMM(mx::Stream s, std::vector<SegSpec> segs, bool has_perm, int n,
+                    Backend backend, Activations act)
+      : mx::UnaryPrimitive(s),
+        segs_(std::move(segs)),
+        has_perm_(has_perm),
+        n_(n),
+        backend_(backend),
+        act_(act) {}
+
+  MIXBITS_EVAL_UNARY()
+  // Refused (std::invalid_argument), as RepackedQMatmul's: an inference
+  // layout; differentiate through the original one.
+  MIXBITS_GRADS()
+  MIXBITS_NAME_AND_EQUIVALENT(RepackedGatherQMM)
+  MIXBITS_OUTPUT_SHAPES()
+
+ private:
+  std::vector<SegSpec> segs_;
+  bool has_perm_;
+  int n_;
+  Backend backend_;
+  Activations act_;
+};
+
+// Validates (check_repacked per expert's shape; indices as
+// mixed_gather_qmm) and builds the node; n: each expert's output rows.
+mx::array repacked_gather_qmm(const mx::array& x, const std::optional<mx::array>& perm,
+                              const std::vector<mx::array>& packed_r,
+                              const std::vector<SegSpec>& segs, int n,
+                              std::optional<mx::array> lhs, std::optional<mx::array> rhs,
+                              Backend backend = Backend::Auto, mx::StreamOrDevice s = {},
+                              Activations act = Activations::Int8);
+
+}  // namespace mixbits
