@@ -33,11 +33,12 @@ def expert(qt, e):
                             for s in qt.segments], qt.perm)
 
 
-def per_expert(x, qt, rhs, act, backend="auto"):
+def per_expert(x, qt, rhs, act, backend="auto", layout=lambda w: w):
     """out[t, j] for x as mlx-lm's MoE layers pass it ((T, 1, M, K)), as the
     CPU kernel computes it: per expert, qmatmul of the rows of the pairs
-    that chose it (in pair order) on that expert's 2-D matrix. (The SIMD
-    kernels' rounding depends on how many rows a call has, so this is the
+    that chose it (in pair order) on that expert's 2-D matrix, stored as
+    ``layout`` returns it (e.g. mixbits.ops.repack). (The SIMD kernels'
+    rounding depends on how many rows a call has, so this is the
     bit-for-bit reference; the contract itself is checked against the
     independent numpy model.)"""
     T, J = rhs.shape
@@ -47,7 +48,7 @@ def per_expert(x, qt, rhs, act, backend="auto"):
     for e in np.unique(flat):
         pairs = np.flatnonzero(flat == e)
         rows = mx.concatenate([x[int(p) // J, 0] for p in pairs])
-        y = np.array(mixbits.qmatmul(rows, expert(qt, int(e)), backend=backend, activations=act))
+        y = np.array(mixbits.qmatmul(rows, layout(expert(qt, int(e))), backend=backend, activations=act))
         for i, p in enumerate(pairs):
             out[p // J, p % J] = y[i * M:(i + 1) * M]
     return out

@@ -14,25 +14,9 @@ from int_contract import contract_model
 from mixbits.errors import UsageError
 from mixbits.ops import repack, repacked_kernels_available, unrepack
 from mixbits.nn import MixedQuantizedSwitchLinear, repacked_layers, unrepack_layers
-from test_gather_int8 import SEGS, expert, rand_stack
+from test_gather_int8 import expert, per_expert, rand_stack
 
 ACTS = ["int8", "int16", "int8-all", "float"]
-
-
-def per_expert_repacked(x, qt, rhs, act):
-    """Per expert, qmatmul of the rows of the pairs that chose it (pair
-    order) on that expert's matrix, repacked on its own."""
-    T, J = rhs.shape
-    M, N = x.shape[2], qt.shape[0]
-    out = np.zeros((T, J, M, N), np.float32)
-    flat = rhs.reshape(-1)
-    for e in np.unique(flat):
-        pairs = np.flatnonzero(flat == e)
-        rows = mx.concatenate([x[int(p) // J, 0] for p in pairs])
-        y = np.array(mixbits.qmatmul(rows, repack(expert(qt, int(e))), activations=act))
-        for i, p in enumerate(pairs):
-            out[p // J, p % J] = y[i * M:(i + 1) * M]
-    return out
 
 
 @pytest.mark.parametrize("N", [37, 48])  # padded last blocks; whole blocks (one tall repack)
@@ -63,7 +47,7 @@ def test_gather_on_a_repacked_stack(act, N):
     x = mx.array(rng.standard_normal((T, 1, 1, qt.shape[1])).astype(np.float32))
     rhs = rng.integers(0, 5, (T, 2)).astype(np.uint32)
     got = np.array(mixbits.gather_qmatmul(x, rt, rhs_indices=mx.array(rhs), activations=act))
-    np.testing.assert_array_equal(got, per_expert_repacked(x, qt, rhs, act))
+    np.testing.assert_array_equal(got, per_expert(x, qt, rhs, act, layout=repack))
     if act in ("int8", "int16"):  # the contract, independently
         y_star, *_, mag2, _ = contract_model(x[0, 0], expert(qt, int(rhs[0, 0])), act)
         np.testing.assert_array_less(np.abs(got[0, 0] - y_star), 4e-6 * mag2 + 1e-30)

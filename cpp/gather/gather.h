@@ -55,9 +55,9 @@ class MixedGatherQMM : public mx::UnaryPrimitive {
 // product composed from MLX ops (dequantize + gather_mm).
 // `act` (CPU only, as mixed_qmatmul's): an integer contract runs each
 // expert's rows on the integer kernels when that expert has at most
-// activation_int_max_m(act) of them in the call, so a (row, expert) pair
-// gets exactly mixed_qmatmul(row, W[expert], act)'s result; an expert with
-// more rows, or rows with an inf or NaN, takes the float path.
+// activation_int_max_m(act) of them in the call, so its pairs get exactly
+// mixed_qmatmul(those rows, W[expert], act)'s result; an expert with more
+// rows, or rows with an inf or NaN, takes the float path.
 mx::array mixed_gather_qmm(const mx::array& x,
                            const std::optional<mx::array>& perm,
                            const std::vector<mx::array>& packed,

@@ -21,11 +21,6 @@ namespace {
   throw std::invalid_argument("[gather_qmm] repacked stack: " + msg);
 }
 
-[[noreturn]] void no_grad() {
-  throw std::invalid_argument(
-      "[gather_qmm] a repacked expert stack has no gradient; unrepack the layer first");
-}
-
 }  // namespace
 
 mx::array repacked_gather_qmm(const mx::array& x, const std::optional<mx::array>& perm,
@@ -90,20 +85,20 @@ void RepackedGatherQMM::eval_cpu(const std::vector<mx::array>& inputs, mx::array
 }
 
 void RepackedGatherQMM::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("[gather_qmm] repacked expert stacks are a CPU layout");
+  refuse_repacked_gpu();
 }
 
 std::vector<mx::array> RepackedGatherQMM::vjp(const std::vector<mx::array>&,
                                               const std::vector<mx::array>&,
                                               const std::vector<int>&,
                                               const std::vector<mx::array>&) {
-  no_grad();
+  refuse_repacked_grad();
 }
 
 std::vector<mx::array> RepackedGatherQMM::jvp(const std::vector<mx::array>&,
                                               const std::vector<mx::array>&,
                                               const std::vector<int>&) {
-  no_grad();
+  refuse_repacked_grad();
 }
 
 }  // namespace mixbits

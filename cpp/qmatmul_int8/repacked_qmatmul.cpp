@@ -186,49 +186,56 @@ void run_repacked(const RepackedKernels& k, QmmPath path, const float* xf, int M
   const QMatView& shape = v.shape;
   const std::vector<RSeg>& rsegs = v.rsegs;
   const int N = shape.N;
-  {
-    if (path == QmmPath::Int && k.table) {
-      if (activation_code_bits(k.act) == 8)
-        return repacked_int_run<int8_t>(*k.table, xf, M, shape, rsegs.data(), y);
-      return repacked_int_run<int16_t>(*k.table, xf, M, shape, rsegs.data(), y);
-    }
-    // The float kernel reads the blocks itself (prefill on AVX-512: its
-    // panel packers), bit for bit what it gives on MLX's layout.
-    if (path == QmmPath::Float && k.fn_r.run && M > k.fn_r.min_m && k.fn_r.reads(shape))
-      return k.fn_r.run(xf, M, shape, y);
-    // MLX's layout in a temporary, then what MixedQMatmul runs. The
-    // temporaries are written in full before they are read: no zero fill
-    // (at a prompt's 64 rows the un-repack is a tenth to a third of the
-    // call), and 3-, 5-, 6-bit words are de-interleaved into a scratch that
-    // merge_planes reads, not copied again.
-    const size_t sbytes = shape.sdtype == DType::f32 ? 4 : 2;
-    const size_t nseg = rsegs.size();
-    std::vector<std::unique_ptr<uint32_t[]>> wq(nseg);
-    std::vector<std::unique_ptr<char[]>> sc(nseg), bi(nseg);
-    QMatView w = shape;
-    w.repacked = false;
-    for (size_t i = 0; i < nseg; ++i) {
-      const RSeg& r = rsegs[i];
-      const size_t nw = size_t(N) * r.words, ns = size_t(N) * r.ngroups * sbytes;
-      wq[i].reset(new uint32_t[nw]);
-      sc[i].reset(new char[ns]);
-      bi[i].reset(new char[ns]);
-      if (repack_splits(shape.segs[i].bits)) {
-        std::unique_ptr<uint32_t[]> split(new uint32_t[nw]);
-        deinterleave_rows(r.wq, N, r.words, 4, split.get());
-        merge_planes(shape.segs[i].bits, split.get(), int64_t(nw), wq[i].get());
-      } else {
-        deinterleave_rows(r.wq, N, r.words, 4, wq[i].get());
-      }
-      deinterleave_rows(r.scales, N, r.ngroups, sbytes, sc[i].get());
-      deinterleave_rows(r.biases, N, r.ngroups, sbytes, bi[i].get());
-      w.segs[i].wq = wq[i].get();
-      w.segs[i].scales = sc[i].get();
-      w.segs[i].biases = bi[i].get();
-    }
-    if (path == QmmPath::Int) return run_int_rows(k.fn_int, xf, M, w, y);
-    (path == QmmPath::IeeeRef ? qmm_ref_run : k.fn)(xf, M, w, y);
+  if (path == QmmPath::Int && k.table) {
+    if (activation_code_bits(k.act) == 8)
+      return repacked_int_run<int8_t>(*k.table, xf, M, shape, rsegs.data(), y);
+    return repacked_int_run<int16_t>(*k.table, xf, M, shape, rsegs.data(), y);
   }
+  // The float kernel reads the blocks itself (prefill on AVX-512: its
+  // panel packers), bit for bit what it gives on MLX's layout.
+  if (path == QmmPath::Float && k.fn_r.run && M > k.fn_r.min_m && k.fn_r.reads(shape))
+    return k.fn_r.run(xf, M, shape, y);
+  // MLX's layout in a temporary, then what MixedQMatmul runs. The
+  // temporaries are written in full before they are read: no zero fill
+  // (at a prompt's 64 rows the un-repack is a tenth to a third of the
+  // call), and 3-, 5-, 6-bit words are de-interleaved into a scratch that
+  // merge_planes reads, not copied again.
+  const size_t sbytes = shape.sdtype == DType::f32 ? 4 : 2;
+  const size_t nseg = rsegs.size();
+  std::vector<std::unique_ptr<uint32_t[]>> wq(nseg);
+  std::vector<std::unique_ptr<char[]>> sc(nseg), bi(nseg);
+  QMatView w = shape;
+  w.repacked = false;
+  for (size_t i = 0; i < nseg; ++i) {
+    const RSeg& r = rsegs[i];
+    const size_t nw = size_t(N) * r.words, ns = size_t(N) * r.ngroups * sbytes;
+    wq[i].reset(new uint32_t[nw]);
+    sc[i].reset(new char[ns]);
+    bi[i].reset(new char[ns]);
+    if (repack_splits(shape.segs[i].bits)) {
+      std::unique_ptr<uint32_t[]> split(new uint32_t[nw]);
+      deinterleave_rows(r.wq, N, r.words, 4, split.get());
+      merge_planes(shape.segs[i].bits, split.get(), int64_t(nw), wq[i].get());
+    } else {
+      deinterleave_rows(r.wq, N, r.words, 4, wq[i].get());
+    }
+    deinterleave_rows(r.scales, N, r.ngroups, sbytes, sc[i].get());
+    deinterleave_rows(r.biases, N, r.ngroups, sbytes, bi[i].get());
+    w.segs[i].wq = wq[i].get();
+    w.segs[i].scales = sc[i].get();
+    w.segs[i].biases = bi[i].get();
+  }
+  if (path == QmmPath::Int) return run_int_rows(k.fn_int, xf, M, w, y);
+  (path == QmmPath::IeeeRef ? qmm_ref_run : k.fn)(xf, M, w, y);
+}
+
+void refuse_repacked_grad() {
+  throw std::invalid_argument(
+      "repacked qmatmul: a repacked weight has no gradient; unrepack the layer first");
+}
+
+void refuse_repacked_gpu() {
+  throw std::runtime_error("repacked qmatmul: repacked weights are a CPU layout");
 }
 
 RepackedKernels kernels_for(Activations act, Backend backend) {
@@ -303,41 +310,37 @@ void RepackedQMatmulGroup::eval_cpu(const std::vector<mx::array>& inputs,
 }
 
 void RepackedQMatmulGroup::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("repacked qmatmul: repacked weights are a CPU layout");
+  refuse_repacked_gpu();
 }
 
 std::vector<mx::array> RepackedQMatmulGroup::vjp(const std::vector<mx::array>&,
                                                  const std::vector<mx::array>&,
                                                  const std::vector<int>&,
                                                  const std::vector<mx::array>&) {
-  throw std::invalid_argument(
-      "repacked qmatmul: a repacked weight has no gradient; unrepack the layer first");
+  refuse_repacked_grad();
 }
 
 std::vector<mx::array> RepackedQMatmulGroup::jvp(const std::vector<mx::array>&,
                                                  const std::vector<mx::array>&,
                                                  const std::vector<int>&) {
-  throw std::invalid_argument(
-      "repacked qmatmul: a repacked weight has no gradient; unrepack the layer first");
+  refuse_repacked_grad();
 }
 
 void RepackedQMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("repacked qmatmul: repacked weights are a CPU layout");
+  refuse_repacked_gpu();
 }
 
 std::vector<mx::array> RepackedQMatmul::vjp(const std::vector<mx::array>&,
                                             const std::vector<mx::array>&,
                                             const std::vector<int>&,
                                             const std::vector<mx::array>&) {
-  throw std::invalid_argument(
-      "repacked qmatmul: a repacked weight has no gradient; unrepack the layer first");
+  refuse_repacked_grad();
 }
 
 std::vector<mx::array> RepackedQMatmul::jvp(const std::vector<mx::array>&,
                                             const std::vector<mx::array>&,
                                             const std::vector<int>&) {
-  throw std::invalid_argument(
-      "repacked qmatmul: a repacked weight has no gradient; unrepack the layer first");
+  refuse_repacked_grad();
 }
 
 std::tuple<mx::array, mx::array, mx::array> repack_segment(const mx::array& wq,

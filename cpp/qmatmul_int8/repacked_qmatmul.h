@@ -112,6 +112,11 @@ void check_repacked(const mx::array& x, const std::optional<mx::array>& perm,
 // (std::invalid_argument now, not inside the graph).
 mx::Stream repacked_stream(mx::StreamOrDevice s, Backend backend, Activations act);
 
+// What every repacked node answers to a derivative (std::invalid_argument)
+// and to the GPU (std::runtime_error): an inference layout of the CPU.
+[[noreturn]] void refuse_repacked_grad();
+[[noreturn]] void refuse_repacked_gpu();
+
 // The kernels a repacked node runs for (act, backend), chosen once per node.
 struct RepackedKernels {
   Activations act;
