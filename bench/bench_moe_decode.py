@@ -2,7 +2,9 @@
 MLX's own quantized layers next to mixbits' (``mixbits.patch``) with the
 float contract, with the int8 one, whose expert stacks run the integer
 kernels on each chosen expert's rows (``mixbits.gather_qmatmul``), and
-with int8 on repacked weights (``repack=True``: experts included).
+with int8 on repacked weights (``repack=True``: experts included), and
+that model again through ``mixbits.decode.Decoder`` (the model's own
+forward under ``mx.compile``).
 
     OPENBLAS_NUM_THREADS=1 python bench/bench_moe_decode.py [--steps 32] [--reps 4]
 
@@ -68,6 +70,25 @@ def decode_ms(model, steps: int) -> float:
     return 1e3 * (time.process_time() - t0) / steps
 
 
+def compiled_ms(model, steps: int) -> float:
+    """decode_ms through the compiled step (mixbits.decode.Decoder): the
+    same prompt, the same greedy steps, the logits the plain step gives
+    (Decoder checks its first step against the model's own forward)."""
+    from mixbits.decode import Decoder
+
+    d = Decoder(model)
+    ids = mx.array([[(7 * i) % SHAPE["vocab_size"] for i in range(PROMPT)]])
+    tok = mx.argmax(d.prefill(ids, capacity=PROMPT + steps + 1)[0, -1])
+    mx.eval(tok)
+    tok = mx.argmax(d.step(tok.reshape(1, 1))[0, -1])  # traced (and verified) here, untimed
+    mx.eval(tok)
+    t0 = time.process_time()
+    for _ in range(steps - 1):
+        tok = mx.argmax(d.step(tok.reshape(1, 1))[0, -1])
+        mx.eval(tok)
+    return 1e3 * (time.process_time() - t0) / (steps - 1)
+
+
 def main(argv=None) -> dict:
     import mixbits
     from mixbits import _ext
@@ -91,19 +112,21 @@ def main(argv=None) -> dict:
     experts = [m for _, m in models["mixbits-float"].named_modules() if isinstance(m, MixedQuantizedSwitchLinear)]
     per_token = sum(sum(a.nbytes for a in m.quantized_tensor().arrays()) // m.num_experts for m in experts)
     expert_mb = per_token * SHAPE["num_experts_per_tok"] / 1e6
-    times = {k: [] for k in models}
-    for m in models.values():
-        decode_ms(m, 2)  # warm
+    runs = {k: (decode_ms, m) for k, m in models.items()}
+    runs["mixbits-int8-repacked-compiled"] = (compiled_ms, models["mixbits-int8-repacked"])
+    times = {k: [] for k in runs}
+    for f, m in runs.values():
+        f(m, 2)  # warm (and MLX's one-off build of the compiled step's fused kernels)
     for _ in range(a.reps):
-        for k, m in models.items():
-            times[k].append(decode_ms(m, a.steps))
+        for k, (f, m) in runs.items():
+            times[k].append(f(m, a.steps))
     med = {k: statistics.median(v) for k, v in times.items()}
     out = {"machine": machine_info(), "shape": SHAPE, "prompt": PROMPT, "steps": a.steps, "reps": a.reps,
            "clock": "time.process_time, 1 thread", "expert_mb_per_token": expert_mb,
            "ms_per_token": times, "median_ms_per_token": med,
            "speedup_vs_mlx": {k: med["mlx"] / v for k, v in med.items()}}
     print(f"expert weights read per token: {expert_mb:.1f} MB (top-{SHAPE['num_experts_per_tok']})")
-    for k in models:
+    for k in runs:
         print(f"{k:>22}: {med[k]:7.2f} ms/token  ({' '.join(f'{t:.2f}' for t in times[k])})  "
               f"x{med['mlx'] / med[k]:.2f} vs mlx")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
