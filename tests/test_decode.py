@@ -71,6 +71,26 @@ def test_compiled_steps_match_the_plain_forward(arch):
     assert offset == len(prompt) + len(tokens)
 
 
+@pytest.mark.parametrize("arch, activations, repack", [("llama", "int8", True), ("qwen3_moe", "int8", True),
+                                                      ("qwen3_moe", "int16", True), ("qwen3_moe", "int8", False)])
+def test_compiled_steps_on_the_integer_contracts(arch, activations, repack):
+    """The integer contracts (experts too, repacked or not; what
+    bench_moe_decode.py times) through the compiled step: the plain
+    forward's logits at every step, within the tolerance Decoder's own
+    check uses (int8 rounding turns an ulp of x into a code step, so this
+    is looser than the float test's; on this host these agree exactly)."""
+    mx.set_default_device(mx.cpu)
+    model, cfg = tiny_models.build(arch)
+    nn.quantize(model, group_size=32, bits=4)
+    assert mixbits.patch(model, activations=activations, repack=repack)
+    prompt, tokens = _ids(cfg, 11, 1), _ids(cfg, 12, 2)
+    plain = _plain_logits(model, prompt, tokens)
+    compiled, _ = _compiled_logits(model, prompt, tokens)
+    for i, (p, c) in enumerate(zip(plain, compiled)):
+        err = mx.abs(c - p).max().item()
+        assert err <= 1e-3 * (1 + mx.abs(p).max().item()), f"{arch} {activations} step {i}: max |diff| {err}"
+
+
 @pytest.mark.parametrize("arch, full_layers, dtype", [("llama", None, mx.float32), ("gemma3_text", [1, 3], mx.float32),
                                                      ("llama", None, mx.float16), ("qwen3", None, mx.bfloat16)])
 def test_compiled_attention_runs_the_kernel_on_the_filled_prefix(arch, full_layers, dtype, monkeypatch):
