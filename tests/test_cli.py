@@ -51,3 +51,28 @@ def test_bench_times_the_chosen_contract(tmp_path, capsys, monkeypatch):
                  "--min-time", "0.01", "--activations", "int16", "--json", str(out)]) == 0
     assert seen and set(seen) == {"int16"}
     assert any("int16" in n for n in json.loads(out.read_text())["notes"])
+
+
+def test_bench_with_an_integer_contract_runs_on_the_cpu_from_a_gpu_default(tmp_path, monkeypatch):
+    """mixbits bench --activations int8 where the default device is the GPU
+    (a Mac): every timed call runs with the CPU as the default device, and
+    the JSON's notes say so."""
+    import json
+
+    import mlx.core as mx
+
+    import mixbits
+    import mixbits._backends as backends
+
+    device = [mx.gpu]
+    monkeypatch.setattr(backends, "on_cpu", lambda: device[0] == mx.cpu)
+    monkeypatch.setattr(mx, "default_device", lambda: device[0])
+    monkeypatch.setattr(mx, "set_default_device", lambda d: device.__setitem__(0, d))
+    seen = []
+    real = mixbits.qmatmul
+    monkeypatch.setattr(mixbits, "qmatmul", lambda x, qt, **kw: seen.append(device[0]) or real(x, qt, **kw))
+    out = tmp_path / "b.json"
+    assert main(["bench", "--shapes", "64x128", "--m", "1", "--kinds", "4bit", "--no-baselines",
+                 "--min-time", "0.01", "--activations", "int8", "--json", str(out)]) == 0
+    assert seen and set(seen) == {mx.cpu}
+    assert any("runs on the CPU" in n for n in json.loads(out.read_text())["notes"])

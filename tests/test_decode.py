@@ -289,6 +289,55 @@ def test_generate_refuses_contract_options_before_loading(argv, why, capsys, mon
     assert why in capsys.readouterr().err
 
 
+class _FakeGPUDefault:
+    """MLX's default device as a Mac has it (the GPU), on any host: what
+    mixbits._backends sees and what it sets, recorded."""
+
+    def __init__(self, monkeypatch):
+        import mixbits._backends as backends
+
+        self.device, self.set = mx.gpu, []
+        monkeypatch.setattr(backends, "on_cpu", lambda: self.device == mx.cpu)
+        monkeypatch.setattr(mx, "default_device", lambda: self.device)
+        monkeypatch.setattr(mx, "set_default_device", self._set)
+
+    def _set(self, d):
+        self.set.append(d)
+        self.device = d
+
+
+@pytest.mark.parametrize("activations, moved", [("int8", True), ("int16", True), ("float", False), (None, False)])
+def test_an_integer_contract_moves_a_gpu_default_to_the_cpu(activations, moved, monkeypatch):
+    from mixbits._backends import cpu_for_contract
+
+    fake = _FakeGPUDefault(monkeypatch)
+    note = cpu_for_contract(activations)
+    assert fake.set == ([mx.cpu] if moved else [])
+    assert (note is not None) == moved
+    if moved:
+        assert "runs on the CPU" in note and activations in note
+    fake.device = mx.cpu  # already on the CPU: nothing to move, nothing to say
+    assert cpu_for_contract(activations) is None and fake.set == ([mx.cpu] if moved else [])
+
+
+def test_generate_with_an_integer_contract_runs_on_the_cpu_from_a_gpu_default(capsys, monkeypatch):
+    """mixbits generate --activations int8 where the default device is the
+    GPU (a Mac): the CPU is set before the model loads, and said."""
+    from mixbits.cli import main
+
+    fake = _FakeGPUDefault(monkeypatch)
+    devices_at_load = []
+
+    def load(*a, **k):
+        devices_at_load.append(fake.device)
+        raise FileNotFoundError("stop here")
+
+    monkeypatch.setattr(mixbits, "load", load)
+    assert main(["generate", "--model", "smollm2", "--prompt", "x", "--patch", "--activations", "int8"]) == 2
+    assert devices_at_load == [mx.cpu]
+    assert "the integer contracts are CPU kernels, so this runs on the CPU" in capsys.readouterr().err
+
+
 def test_a_decoder_reused_for_a_second_sequence_starts_afresh():
     model, cfg = _patched("llama")
     d = Decoder(model)

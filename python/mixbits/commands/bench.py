@@ -50,7 +50,8 @@ def add_arguments(p) -> None:
 
     p.add_argument("--activations", choices=list(ACTIVATIONS), default="float",
                    help="mixbits' numeric contract (mixbits.qmatmul's activations=; int8/int16 "
-                        "apply to M <= 16, int8-all at every M, as ggml quantizes its activations)")
+                        "apply to M <= 16, int8-all at every M, as ggml quantizes its activations; "
+                        "CPU kernels: an integer contract runs on the CPU)")
     p.add_argument("--repack", action="store_true",
                    help="also time mixbits on the row-interleaved layout of the integer GEMV "
                         "(mixbits.ops.repack; every kind: 2/3/4/5/6/8-bit and mixed), "
@@ -443,6 +444,12 @@ def run(args) -> int:
     if args.vs_float and args.activations == "float":
         raise SystemExit("--vs-float compares an integer --activations with the float one: "
                          "pass e.g. --activations int8-all")
+    from mixbits._backends import cpu_for_contract
+
+    moved = cpu_for_contract(args.activations)
+    if moved:
+        notes.append(moved)
+        print("note:", moved, file=sys.stderr)
     if args.activations != "float":
         notes.append(f"mixbits ran activations={args.activations!r} (x quantized per group; "
                      + ("every M)" if args.activations == "int8-all"

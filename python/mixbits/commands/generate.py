@@ -22,7 +22,7 @@ def add_arguments(p) -> None:
     p.add_argument("--activations", choices=list(ACTIVATIONS), default=None,
                    help="with --patch: the CPU matmuls' numeric contract (mixbits.patch activations=; "
                         "int8/int16 quantize x per group for calls of up to 16 rows, int8-all at every M, "
-                        "bench/INT8.md)")
+                        "bench/INT8.md); CPU kernels: an integer contract runs on the CPU")
     p.add_argument("--repack", action="store_true",
                    help="with --patch and --activations int8/int16: store the layers (and a tied head) "
                         "row-interleaved for the batch-1 integer GEMV (mixbits.patch repack=True)")
@@ -46,8 +46,12 @@ def run(args) -> int:
     if args.repack and not mixbits.ops.repacked_kernels_available():
         print("--repack: this CPU has no kernel for the repacked layout; leave it off", file=sys.stderr)
         return 2
+    from mixbits._backends import cpu_for_contract
     from mixbits.models import greedy_generate
 
+    moved = cpu_for_contract(args.activations)
+    if moved:
+        print(moved, file=sys.stderr)
     try:
         model, tokenizer, _ = mixbits.load(args.model, patch=args.patch)
     except FileNotFoundError as e:
