@@ -282,17 +282,9 @@ void gather_cpu_eval(const std::vector<mx::array>& inputs, bool has_perm, int N,
           widen_to_f32(x.data<void>(), src, K, xt, dst);
       }
     });
-    // Infinite inputs take the unfused reference, as in MixedQMatmul (the
-    // SIMD backends' folded bias would turn inf into NaN); the integer
-    // contract is for finite rows, at most int_max_m of this expert's.
-    bool has_inf = false, has_nan = false;
-    for (float v : xf) {
-      has_inf |= std::isinf(v);
-      has_nan |= std::isnan(v);
-    }
-    const QmmPath path = rows <= int_max_m && !has_inf && !has_nan ? QmmPath::Int
-                         : has_inf                                  ? QmmPath::IeeeRef
-                                                                    : QmmPath::Float;
+    // The path qmatmul would take for these rows (qmm_path): the integer
+    // contract for at most int_max_m finite rows of this expert's.
+    const QmmPath path = qmm_path(xf.data(), int64_t(xf.size()), rows, int_max_m);
     run(e, path, xf.data(), int(rows), yf.data());
     // Rows converted in bulk (convert.h): per element, the dtype dispatch
     // was 5.6% of an MoE decode token's CPU time (bench_moe_decode.py).

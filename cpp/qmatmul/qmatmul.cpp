@@ -225,6 +225,38 @@ void MixedQMatmul::eval_cpu(const std::vector<mx::array>& inputs,
   });
 }
 
+QmmPath qmm_path(const float* xf, int64_t n, int64_t rows, int int_max_m) {
+  // The SIMD backends fold the bias (y = s*sum(q*x) + b*sum(x)): with an
+  // infinite x that gives inf - inf = NaN for the whole row, where MLX's
+  // dequantize-then-multiply gives +-inf (NaN only where the weight is 0).
+  // Such rows are rare, so the whole call then takes the unfused scalar
+  // reference, which has MLX's IEEE semantics. The scan is O(M*K), noise
+  // next to the O(M*N*K) product, once the compiler vectorizes it.
+  // The integer contracts are defined for finite x only (amax of a group with
+  // an inf or NaN means nothing): such calls take the float path, so
+  // activations='int8'/'int16' have exactly the float path's IEEE behaviour.
+  std::atomic<bool> has_inf{false}, has_nan{false};
+  parallel_for(n, 1 << 16, [&](int64_t i0, int64_t i1) {
+    // First whether the range has any inf/NaN (all exponent bits set), in
+    // integer ops a compiler vectorizes; the rare range that does is
+    // scanned element by element.
+    uint32_t special = 0;
+    for (int64_t i = i0; i < i1; ++i) {
+      uint32_t b;
+      std::memcpy(&b, xf + i, 4);
+      special |= uint32_t((b & 0x7f800000u) == 0x7f800000u);
+    }
+    if (!special) return;
+    for (int64_t i = i0; i < i1; ++i)
+      if (!std::isfinite(xf[i])) {
+        (std::isinf(xf[i]) ? has_inf : has_nan).store(true, std::memory_order_relaxed);
+        if (has_inf.load(std::memory_order_relaxed)) return;
+      }
+  });
+  if (rows <= int_max_m && !has_inf.load() && !has_nan.load()) return QmmPath::Int;
+  return has_inf.load() ? QmmPath::IeeeRef : QmmPath::Float;
+}
+
 void qmatmul_cpu_eval(const mx::array& x, const int32_t* perm, int K, int N, int int_max_m,
                       mx::array& out, const QmmPathFn& run) {
   const int64_t M = x.size() / K;
@@ -284,42 +316,14 @@ void qmatmul_cpu_eval(const mx::array& x, const int32_t* perm, int K, int N, int
     yf.resize(size_t(M) * N);
     y = yf.data();
   }
-  // The SIMD backends fold the bias (y = s*sum(q*x) + b*sum(x)): with an
-  // infinite x that gives inf - inf = NaN for the whole row, where MLX's
-  // dequantize-then-multiply gives +-inf (NaN only where the weight is 0).
-  // Such rows are rare, so the whole call then takes the unfused scalar
-  // reference, which has MLX's IEEE semantics. The scan is O(M*K), noise
-  // next to the O(M*N*K) product.
-  // The integer contracts are defined for finite x only (amax of a group with
-  // an inf or NaN means nothing): such calls take the float path, so
-  // activations='int8'/'int16' have exactly the float path's IEEE behaviour.
-  std::atomic<bool> has_inf{false}, has_nan{false};
-  parallel_for(M * K, 1 << 16, [&](int64_t i0, int64_t i1) {
-    // First whether the range has any inf/NaN (all exponent bits set), in
-    // integer ops a compiler vectorizes; the rare range that does is
-    // scanned element by element.
-    uint32_t special = 0;
-    for (int64_t i = i0; i < i1; ++i) {
-      uint32_t b;
-      std::memcpy(&b, xf.data() + i, 4);
-      special |= uint32_t((b & 0x7f800000u) == 0x7f800000u);
-    }
-    if (!special) return;
-    for (int64_t i = i0; i < i1; ++i)
-      if (!std::isfinite(xf[i])) {
-        (std::isinf(xf[i]) ? has_inf : has_nan).store(true, std::memory_order_relaxed);
-        if (has_inf.load(std::memory_order_relaxed)) return;
-      }
-  });
-  const bool int8 = M <= int_max_m && !has_inf.load() && !has_nan.load();
+  const QmmPath path = qmm_path(xf.data(), int64_t(M) * K, M, int_max_m);
   if (!perm_ok) {
     // Never silent garbage: a broken permutation poisons the output.
     std::fill(y, y + M * N, std::numeric_limits<float>::quiet_NaN());
   } else {
     // The backend splits the outputs over threads; each worker runs all M
     // rows on its slice, so every weight is decoded once per call.
-    run(int8 ? QmmPath::Int : has_inf.load() ? QmmPath::IeeeRef : QmmPath::Float, xf.data(),
-        int(M), y);
+    run(path, xf.data(), int(M), y);
   }
   if (ot != DType::f32) {
     void* o = out.data<void>();

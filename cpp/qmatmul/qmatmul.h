@@ -100,6 +100,10 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
 // and x is finite; IeeeRef when x has an inf), and converts y to out's
 // dtype.
 enum class QmmPath { Int, Float, IeeeRef };
+// The path for `rows` rows of float32 x (xf[0..n)): Int if rows <= int_max_m
+// and x is finite, IeeeRef if x has an inf, else Float. The one definition,
+// for qmatmul_cpu_eval and each expert's rows in gather_cpu_eval.
+QmmPath qmm_path(const float* xf, int64_t n, int64_t rows, int int_max_m);
 using QmmPathFn = std::function<void(QmmPath path, const float* xf, int M, float* y)>;
 void qmatmul_cpu_eval(const mx::array& x, const int32_t* perm, int K, int N, int int_max_m,
                       mx::array& out, const QmmPathFn& run);
