@@ -160,3 +160,53 @@ def test_int8_dot_probe():
 def test_parse_bad_output(text):
     with pytest.raises(bench_ggml.HarnessError):
         bench_ggml.parse_output(text)
+
+
+def test_cold_runs_both_libraries_on_rotating_copies(tmp_path, monkeypatch):
+    """--cold: every mixbits call takes the next copy of the weight (the
+    same values in other memory, enough copies to fill COLD_MB), and the
+    ggml harness is asked for the same (--cold-mb)."""
+    import shlex
+
+    import mlx.core as mx
+    import numpy as np
+
+    import mixbits
+
+    wt = bench.Weights(64, 128, "4bit")
+    copies = wt.copies()
+    assert len(copies) == min(bench.MAX_COPIES, -(-(bench.COLD_MB << 20) // wt.nbytes)) > 1
+    x = bench.make_x(bench.Case(64, 128, 1, "4bit"))
+    want = np.array(mixbits.qmatmul(x, wt.qt))
+    for c in copies[1:3]:
+        assert c is not wt.qt and c.segments[0].wq is not wt.qt.segments[0].wq
+        for a, b in zip(c.arrays(), wt.qt.arrays()):
+            assert a.dtype == b.dtype and np.array_equal(np.array(a), np.array(b))
+        np.testing.assert_array_equal(np.array(mixbits.qmatmul(x, c)), want)
+    packed = wt.copies(repacked=True)
+    assert len(packed) == len(copies) and all(type(p).__name__ == "RepackedTensor" for p in packed)
+
+    seen = []
+    real = mixbits.qmatmul
+    monkeypatch.setattr(mixbits, "qmatmul", lambda x, t, **kw: seen.append(t) or real(x, t, **kw))
+    fns = bench.runners(wt, x, cold=True)
+    for _ in range(len(copies) + 1):
+        fns["mixbits"]()
+    assert [id(t) for t in seen] == [id(c) for c in copies] + [id(copies[0])]
+    seen.clear()
+    fns["mixbits_repacked"]()
+    fns["mixbits_repacked"]()
+    assert [id(t) for t in seen] == [id(packed[0]), id(packed[1])]
+
+    # the harness gets --cold-mb; a stand-in records its argv and prints a minimal result
+    argv_file = tmp_path / "argv"
+    fake = tmp_path / "ggml_mm"
+    fake.write_text("#!/bin/sh\n"
+                    f"echo \"$@\" > {shlex.quote(str(argv_file))}\n"
+                    "echo '{\"ggml_version\": \"x\", \"ggml_source\": \"x\", \"cpu\": {}, \"threads\": 1, "
+                    "\"min_time_s\": 0.1, \"repack_buffer\": \"\", \"results\": []}'\n")
+    os.chmod(fake, 0o755)
+    bench_ggml.run_harness(str(fake), [(64, 128)], [1], 1, 0.1, cold_mb=bench.COLD_MB)
+    assert f"--cold-mb {bench.COLD_MB}" in argv_file.read_text()
+    bench_ggml.run_harness(str(fake), [(64, 128)], [1], 1, 0.1)
+    assert "--cold-mb" not in argv_file.read_text()

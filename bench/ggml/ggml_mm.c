@@ -6,6 +6,7 @@
 //   ggml_mm --info
 //   ggml_mm [--types q4_0,q4_K,...] [--shapes 4096x4096,...] [--m 1,8,128]
 //           [--threads 1] [--min-time 0.3] [--max-reps 200] [--layout plain,repack]
+//           [--cold-mb 0]
 //
 // Per (shape, type) the weight is filled from Gaussian floats (scaled by
 // 1/sqrt(K)) quantized with ggml_quantize_chunk, i.e. ggml's own quantizer.
@@ -18,6 +19,13 @@
 // Each measurement: 2 warm-up calls, then repetitions until --min-time of
 // wall time and at least 3; it reports median and minimum of CPU time
 // (clock_gettime(CLOCK_PROCESS_CPUTIME_ID)) and of wall time (CLOCK_MONOTONIC).
+// With --cold-mb C > 0 the weight is held in enough copies (same values,
+// distinct memory; at most 64) to fill C MiB, and consecutive calls take
+// the copies in turn: each call's weight was last read C MiB of other
+// weights ago, so it comes from DRAM as in a decode step that reads every
+// layer once (`mixbits bench --cold` passes the same C and does the same).
+// No cache flush: that would also evict the callers' code and data, which
+// a decode step keeps warm.
 // Output: one JSON object on stdout.
 
 #define _POSIX_C_SOURCE 200809L
@@ -123,6 +131,7 @@ int main(int argc, char ** argv) {
     const char * ms_s = "1,2,4,8,16,128";
     const char * layouts_s = "plain,repack";
     int n_threads = 1, max_reps = 200, info_only = 0;
+    long cold_mb = 0;
     double min_time = 0.3;
     for (int i = 1; i < argc; i++) {
         const char * a = argv[i];
@@ -136,10 +145,12 @@ int main(int argc, char ** argv) {
         else if (!strcmp(a, "--threads")) n_threads = atoi(v);
         else if (!strcmp(a, "--min-time")) min_time = atof(v);
         else if (!strcmp(a, "--max-reps")) max_reps = atoi(v);
+        else if (!strcmp(a, "--cold-mb")) cold_mb = atol(v);
         else { fprintf(stderr, "unknown option %s\n", a); return 2; }
         i++;
     }
     if (max_reps < 3) max_reps = 3;
+    if (cold_mb < 0) { fprintf(stderr, "--cold-mb must be >= 0\n"); return 2; }
     ggml_cpu_init();
     print_info();
     if (info_only) { printf("}\n"); return 0; }
@@ -165,8 +176,8 @@ int main(int argc, char ** argv) {
     ggml_backend_buffer_type_t cpu_buft = ggml_backend_get_default_buffer_type(be);
     ggml_backend_buffer_type_t rp_buft = repack_buft(dev);
 
-    printf(", \"threads\": %d, \"min_time_s\": %g, \"repack_buffer\": \"%s\", \"results\": [",
-           n_threads, min_time, rp_buft ? ggml_backend_buft_name(rp_buft) : "");
+    printf(", \"threads\": %d, \"min_time_s\": %g, \"cold_mb\": %ld, \"repack_buffer\": \"%s\", \"results\": [",
+           n_threads, min_time, cold_mb, rp_buft ? ggml_backend_buft_name(rp_buft) : "");
     int first = 1;
     double * cpu_t = malloc(sizeof(double) * (size_t) max_reps);
     double * wall_t = malloc(sizeof(double) * (size_t) max_reps);
@@ -184,6 +195,11 @@ int main(int argc, char ** argv) {
                 continue;
             }
             const size_t row = ggml_row_size(type, K);
+            int n_copies = 1;
+            if (cold_mb > 0) {
+                const size_t want = ((size_t) cold_mb << 20) / (row * (size_t) N) + 1;
+                n_copies = want > MAX_LIST ? MAX_LIST : (int) want;
+            }
             void * wq = malloc(row * (size_t) N);
             double tq = now(CLOCK_MONOTONIC);
             ggml_quantize_chunk(type, wf, wq, 0, N, K, NULL);
@@ -198,19 +214,27 @@ int main(int argc, char ** argv) {
                 const int repack = li == 1;
                 if ((repack && !want_repack) || (!repack && !want_plain)) continue;
                 if (repack && !rp_buft) continue;
-                struct ggml_init_params wp = {ggml_tensor_overhead() * 2, NULL, true};
+                struct ggml_init_params wp = {ggml_tensor_overhead() * (size_t) (n_copies + 1), NULL, true};
                 struct ggml_context * wctx = ggml_init(wp);
-                struct ggml_tensor * w = ggml_new_tensor_2d(wctx, type, K, N);
+                struct ggml_tensor * ws[MAX_LIST];
+                for (int c = 0; c < n_copies; c++) ws[c] = ggml_new_tensor_2d(wctx, type, K, N);
                 ggml_backend_buffer_t wbuf = ggml_backend_alloc_ctx_tensors_from_buft(wctx, repack ? rp_buft : cpu_buft);
                 int weight_set = 0;
                 for (int mi = 0; mi < n_ms; mi++) {
                     const long M = ms[mi];
-                    struct ggml_init_params p = {ggml_tensor_overhead() * 8 + ggml_graph_overhead(), NULL, true};
+                    struct ggml_init_params p = {(ggml_tensor_overhead() + ggml_graph_overhead()) * (size_t) (n_copies + 2),
+                                                 NULL, true};
                     struct ggml_context * ctx = ggml_init(p);
                     struct ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, K, M);
-                    struct ggml_tensor * y = ggml_mul_mat(ctx, w, x);
-                    struct ggml_cgraph * gf = ggml_new_graph(ctx);
-                    ggml_build_forward_expand(gf, y);
+                    // one graph per weight copy, all on the same x
+                    struct ggml_cgraph * gfs[MAX_LIST];
+                    struct ggml_tensor * y = NULL;
+                    for (int c = 0; c < n_copies; c++) {
+                        struct ggml_tensor * yc = ggml_mul_mat(ctx, ws[c], x);
+                        gfs[c] = ggml_new_graph(ctx);
+                        ggml_build_forward_expand(gfs[c], yc);
+                        if (c == 0) y = yc;
+                    }
                     ggml_backend_buffer_t xbuf = ggml_backend_alloc_ctx_tensors(ctx, be);
                     const char * layout = repack ? "repack" : "plain";
                     if (!ggml_backend_supports_op(be, y) || (repack && !ggml_backend_dev_supports_op(dev, y))) {
@@ -222,7 +246,7 @@ int main(int argc, char ** argv) {
                         continue;
                     }
                     if (!weight_set) {  // the repack buffer converts the layout here
-                        ggml_backend_tensor_set(w, wq, 0, row * (size_t) N);
+                        for (int c = 0; c < n_copies; c++) ggml_backend_tensor_set(ws[c], wq, 0, row * (size_t) N);
                         weight_set = 1;
                     }
                     float * xf = malloc(sizeof(float) * (size_t) K * (size_t) M);
@@ -231,12 +255,13 @@ int main(int argc, char ** argv) {
                     ggml_backend_tensor_set(x, xf, 0, sizeof(float) * (size_t) K * (size_t) M);
 
                     // warm-up (also sizes the backend's work buffer once)
-                    for (int r = 0; r < 2; r++) ggml_backend_graph_compute(be, gf);
+                    for (int r = 0; r < 2; r++)
+                        for (int c = 0; c < n_copies; c++) ggml_backend_graph_compute(be, gfs[c]);
                     int reps = 0;
                     const double start = now(CLOCK_MONOTONIC);
                     while (reps < max_reps && (reps < 3 || now(CLOCK_MONOTONIC) - start < min_time)) {
                         const double c0 = now(CLOCK_PROCESS_CPUTIME_ID), w0 = now(CLOCK_MONOTONIC);
-                        ggml_backend_graph_compute(be, gf);
+                        ggml_backend_graph_compute(be, gfs[reps % n_copies]);
                         const double w1 = now(CLOCK_MONOTONIC), c1 = now(CLOCK_PROCESS_CPUTIME_ID);
                         cpu_t[reps] = c1 - c0;
                         wall_t[reps] = w1 - w0;
@@ -257,11 +282,11 @@ int main(int argc, char ** argv) {
                             num += d * d; den += s * s;
                         }
                     printf("%s\n{\"type\": \"%s\", \"layout\": \"%s\", \"n\": %ld, \"k\": %ld, \"m\": %ld, "
-                           "\"bpw\": %.4f, \"weight_bytes\": %zu, \"reps\": %d, "
+                           "\"bpw\": %.4f, \"weight_bytes\": %zu, \"copies\": %d, \"reps\": %d, "
                            "\"cpu_median_s\": %.9g, \"cpu_min_s\": %.9g, \"wall_median_s\": %.9g, \"wall_min_s\": %.9g, "
                            "\"rel_err_vs_dequant\": %.3g, \"quantize_s\": %.3g}",
                            first ? "" : ",", ggml_type_name(type), layout, N, K, M,
-                           8.0 * (double) row / (double) K, row * (size_t) N, reps,
+                           8.0 * (double) row / (double) K, row * (size_t) N, n_copies, reps,
                            cpu_t[reps / 2], cpu_t[0], wall_t[reps / 2], wall_t[0],
                            den > 0 ? sqrt(num / den) : 0.0, tq);
                     first = 0;

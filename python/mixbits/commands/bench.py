@@ -21,6 +21,7 @@ import os
 import platform
 import sys
 import time
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 SHAPES_FULL = [(4096, 4096), (11008, 4096), (4096, 11008), (1536, 576), (49152, 576)]
@@ -77,6 +78,11 @@ def add_arguments(p) -> None:
                         "bench/ggml/build.sh): q2_K/q3_K/q4_K/q4_0/q8_0 next to mixbits "
                         "2/3/4/8-bit; default shapes 4096x4096,11008x4096,4096x11008, "
                         "M 1,2,4,8,16,128")
+    p.add_argument("--cold", action="store_true",
+                   help=f"hold each weight in copies filling {COLD_MB} MiB and take them in turn, "
+                        "so every call reads its weight from DRAM as a decode step does (a "
+                        "repeated call on one weight finds it in the caches); ggml's harness "
+                        "does the same (--cold-mb)")
     p.add_argument("--json", default="qmatmul_bench.json",
                    help="where to save the results (default ./qmatmul_bench.json)")
 
@@ -146,6 +152,32 @@ class Weights:
             mx.eval(self._repacked.arrays())
         return self._repacked
 
+    def copies(self, repacked: bool = False) -> list:
+        """The weight (or its repacked layout) and enough copies of it --
+        the same values in distinct memory -- to fill COLD_MB (at most
+        MAX_COPIES in all): taken in turn, each call reads its weight from
+        DRAM, not from the caches the previous calls warmed."""
+        import math
+
+        import mlx.core as mx
+        import numpy as np
+
+        key = "_copies_r" if repacked else "_copies"
+        if getattr(self, key, None) is None:
+            t = self.repacked() if repacked else self.qt
+            n = min(MAX_COPIES, max(1, math.ceil((COLD_MB << 20) / self.nbytes)))
+            out = [t]
+            for _ in range(n - 1):
+                # through numpy: a new buffer with the same bits (an MLX op
+                # could share the buffer or, for float scales, turn -0 to +0)
+                segs = [dataclasses.replace(sg, **{f: mx.array(np.array(getattr(sg, f), copy=True))
+                                                   for f in _ARRAY_FIELDS[type(sg).__name__]})
+                        for sg in t.segments]
+                out.append(type(t)(segs, t.perm, t.shape[0]) if repacked else type(t)(segs, t.perm))
+            mx.eval([a for c in out for a in c.arrays()])
+            setattr(self, key, out)
+        return getattr(self, key)
+
     def dense(self):
         """float32 [N, K] in stored (permuted) order, for numpy."""
         import mlx.core as mx
@@ -167,23 +199,31 @@ def make_x(case: Case, seed: int = 1):
     return x
 
 
-def runners(wt: Weights, x, activations: str = "float", backend: str = "auto"):
-    """name -> zero-argument callable doing one full evaluation."""
+def runners(wt: Weights, x, activations: str = "float", backend: str = "auto", cold: bool = False):
+    """name -> zero-argument callable doing one full evaluation. ``cold``:
+    mixbits' calls take the weight's copies in turn (Weights.copies)."""
+    import itertools
+
     import mlx.core as mx
     import numpy as np
 
     import mixbits
 
     qt = wt.qt
+    plain = itertools.cycle(wt.copies() if cold else [qt])
+    packed = None  # built on first use: repacked() may be None (bits without the layout)
 
     def run_mixbits():
-        mx.eval(mixbits.qmatmul(x, qt, activations=activations, backend=backend))
+        mx.eval(mixbits.qmatmul(x, next(plain), activations=activations, backend=backend))
 
     def run_repacked():
-        mx.eval(mixbits.qmatmul(x, wt.repacked(), activations=activations, backend=backend))
+        nonlocal packed
+        if packed is None:
+            packed = itertools.cycle(wt.copies(repacked=True) if cold else [wt.repacked()])
+        mx.eval(mixbits.qmatmul(x, next(packed), activations=activations, backend=backend))
 
     def run_float():
-        mx.eval(mixbits.qmatmul(x, qt, backend=backend))
+        mx.eval(mixbits.qmatmul(x, next(plain), backend=backend))
 
     def run_mlx():
         xs = x if qt.perm is None else mx.take(x, qt.perm, axis=-1)
@@ -206,6 +246,12 @@ def runners(wt: Weights, x, activations: str = "float", backend: str = "auto"):
 
 
 CLOCK = time.perf_counter  # time.process_time with --clock cpu
+# --cold: each weight's copies fill this much, several times the last-level
+# cache of the CPUs this bench targets (32 MiB L3 on the EPYC host of
+# bench/README.md); ggml_mm --cold-mb takes the same number.
+COLD_MB = 256
+MAX_COPIES = 64
+_ARRAY_FIELDS = {"Segment": ("wq", "scales", "biases"), "RepackedSegment": ("wq_r", "scales_r", "biases_r")}
 
 
 def time_call(fn, min_time: float = 0.3, max_reps: int = 200, min_reps: int = 3) -> dict:
@@ -458,6 +504,10 @@ def run(args) -> int:
         notes.append("OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE set: numpy may be slowed; "
                      "run as `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE mixbits bench`")
         print("note:", notes[-1], file=sys.stderr)
+    if args.cold:
+        notes.append(f"--cold: each weight held in copies filling {COLD_MB} MiB (at most "
+                     f"{MAX_COPIES}), taken in turn by consecutive calls, so each call read its "
+                     "weight from DRAM (ggml's harness likewise); numpy and MLX time one copy")
     probe = {"dram": probe_gbps(PROBE_BYTES), "32MiB": probe_gbps(32 << 20)}
     if hasattr(os, "getloadavg"):
         print(f"load average before: {os.getloadavg()[0]:.2f} "
@@ -474,7 +524,7 @@ def run(args) -> int:
             gc.collect()
             by_weight[key] = Weights(c.n, c.k, c.kind)
         wt = by_weight[key]
-        fns = runners(wt, make_x(c), args.activations, args.backend)
+        fns = runners(wt, make_x(c), args.activations, args.backend, cold=args.cold)
         row = Row(c, wt.bpw, wt.nbytes)
         row.times["mixbits"] = time_call(fns["mixbits"], args.min_time)
         if args.repack:
@@ -531,13 +581,15 @@ def run(args) -> int:
                      "the same weights and x, timed right after the integer calls")
     for n in notes:
         print("note:", n)
-    notes.append("weights of every shape here fit in this CPU's last-level cache, so a "
-                 "repeated call can read them faster than the 1 GiB DRAM probe (>100%).")
+    if not args.cold:
+        notes.append("a repeated call finds (part of) its weights in the caches, so it can read "
+                     "them faster than the 1 GiB DRAM probe (>100%); --cold times DRAM reads")
     extra = dict(extra_floor) if extra_floor else None
     if harness is not None:
         threads = args.threads or os.cpu_count() or 1
         parsed = bench_ggml.run_harness(harness, list(dict.fromkeys((c.n, c.k) for c in todo)),
-                                        sorted({c.m for c in todo}), threads, args.min_time)
+                                        sorted({c.m for c in todo}), threads, args.min_time,
+                                        cold_mb=COLD_MB if args.cold else 0)
         recs = bench_ggml.comparison(rows, bench_ggml.best_times(parsed, args.clock))
         print()
         print(bench_ggml.cpu_flags_line(parsed["info"]))

@@ -102,11 +102,15 @@ def best_times(parsed: dict, clock: str) -> dict:
     return best
 
 
-def run_harness(path: str, shapes, ms, threads: int, min_time: float) -> dict:
+def run_harness(path: str, shapes, ms, threads: int, min_time: float, cold_mb: int = 0) -> dict:
+    """The harness's results; ``cold_mb`` > 0: it holds each weight in
+    copies filling that many MiB, taken in turn (``mixbits bench --cold``)."""
     types = sorted({t for ts in GGML_FOR_KIND.values() for t in ts})
     cmd = [path, "--types", ",".join(types), "--shapes", ",".join(f"{n}x{k}" for n, k in shapes),
            "--m", ",".join(str(m) for m in ms), "--threads", str(threads),
            "--min-time", str(min_time)]
+    if cold_mb > 0:
+        cmd += ["--cold-mb", str(cold_mb)]
     print("ggml:", " ".join(cmd), flush=True)
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
