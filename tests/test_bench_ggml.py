@@ -173,6 +173,7 @@ def test_cold_runs_both_libraries_on_rotating_copies(tmp_path, monkeypatch):
 
     import mixbits
 
+    mx.set_default_device(mx.cpu)  # the repacked layout's kernels are CPU kernels
     wt = bench.Weights(64, 128, "4bit")
     copies = wt.copies()
     assert len(copies) == min(bench.MAX_COPIES, -(-(bench.COLD_MB << 20) // wt.nbytes)) > 1

@@ -320,6 +320,14 @@ def test_an_integer_contract_moves_a_gpu_default_to_the_cpu(activations, moved, 
     assert cpu_for_contract(activations) is None and fake.set == ([mx.cpu] if moved else [])
 
 
+def test_the_repacked_layout_moves_a_gpu_default_to_the_cpu(monkeypatch):
+    from mixbits._backends import cpu_for_contract
+
+    fake = _FakeGPUDefault(monkeypatch)
+    note = cpu_for_contract("float", repack=True)  # bench --repack times the float contract on it too
+    assert fake.set == [mx.cpu] and "--repack" in note and "runs on the CPU" in note
+
+
 def test_generate_with_an_integer_contract_runs_on_the_cpu_from_a_gpu_default(capsys, monkeypatch):
     """mixbits generate --activations int8 where the default device is the
     GPU (a Mac): the CPU is set before the model loads, and said."""

@@ -34,18 +34,20 @@ def on_cpu() -> bool:
     return mx.default_device().type == mx.cpu
 
 
-def cpu_for_contract(activations: str | None, option: str = "--activations") -> str | None:
-    """For the commands: the integer contracts (and the repacked layout that
-    needs one) exist as CPU kernels only, so a command asked for one runs
-    on the CPU. Where MLX's default device is the GPU (a Mac), this moves
-    it to the CPU before any model loads and returns the line to tell the
-    user; otherwise None."""
-    if activations in (None, "float") or on_cpu():
+def cpu_for_contract(activations: str | None, repack: bool = False,
+                     option: str = "--activations") -> str | None:
+    """For the commands: the integer contracts and the repacked layout exist
+    as CPU kernels only, so a command asked for either runs on the CPU.
+    Where MLX's default device is the GPU (a Mac), this moves it to the CPU
+    before any model loads and returns the line to tell the user;
+    otherwise None."""
+    integer = activations not in (None, "float")
+    if not (integer or repack) or on_cpu():
         return None
     was = mx.default_device()
     mx.set_default_device(mx.cpu)
-    return (f"{option} {activations}: the integer contracts are CPU kernels, so this runs on the CPU "
-            f"(MLX's default device was {was}); leave {option} off to run there")
+    what = f"{option} {activations}: the integer contracts are" if integer else "--repack: the repacked layout is"
+    return (f"{what} CPU kernels, so this runs on the CPU (MLX's default device was {was})")
 
 
 def require_cpu(op: str) -> None:

@@ -492,7 +492,7 @@ def run(args) -> int:
                          "pass e.g. --activations int8-all")
     from mixbits._backends import cpu_for_contract
 
-    moved = cpu_for_contract(args.activations)
+    moved = cpu_for_contract(args.activations, repack=args.repack)
     if moved:
         notes.append(moved)
         print("note:", moved, file=sys.stderr)
