@@ -33,6 +33,21 @@
                                     const std::vector<mlx::core::array>& tangents, \
                                     const std::vector<int>& argnums) override;
 
+// vjp and jvp defined here as a call to REFUSE, a [[noreturn]] function
+// that throws (a primitive with no derivative, e.g. an inference layout).
+#define MIXBITS_GRADS_REFUSED(REFUSE)                                             \
+  std::vector<mlx::core::array> vjp(const std::vector<mlx::core::array>&,        \
+                                    const std::vector<mlx::core::array>&,        \
+                                    const std::vector<int>&,                     \
+                                    const std::vector<mlx::core::array>&) override { \
+    REFUSE();                                                                     \
+  }                                                                               \
+  std::vector<mlx::core::array> jvp(const std::vector<mlx::core::array>&,        \
+                                    const std::vector<mlx::core::array>&,        \
+                                    const std::vector<int>&) override {          \
+    REFUSE();                                                                     \
+  }
+
 // name() (the class name, as MLX prints it) and is_equivalent.
 #define MIXBITS_NAME_AND_EQUIVALENT(NAME)                                         \
   const char* name() const override { return #NAME; }                             \

@@ -88,17 +88,4 @@ void RepackedGatherQMM::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   refuse_repacked_gpu();
 }
 
-std::vector<mx::array> RepackedGatherQMM::vjp(const std::vector<mx::array>&,
-                                              const std::vector<mx::array>&,
-                                              const std::vector<int>&,
-                                              const std::vector<mx::array>&) {
-  refuse_repacked_grad();
-}
-
-std::vector<mx::array> RepackedGatherQMM::jvp(const std::vector<mx::array>&,
-                                              const std::vector<mx::array>&,
-                                              const std::vector<int>&) {
-  refuse_repacked_grad();
-}
-
 }  // namespace mixbits

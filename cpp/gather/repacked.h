@@ -8,6 +8,7 @@
 
 #include "common/primitive.h"
 #include "qmatmul/qmatmul.h"
+#include "qmatmul_int8/repacked_qmatmul.h"
 
 namespace mixbits {
 
@@ -28,9 +29,7 @@ class RepackedGatherQMM : public mx::UnaryPrimitive {
         act_(act) {}
 
   MIXBITS_EVAL_UNARY()
-  // Refused (std::invalid_argument), as RepackedQMatmul's: an inference
-  // layout; differentiate through the original one.
-  MIXBITS_GRADS()
+  MIXBITS_GRADS_REFUSED(refuse_repacked_grad)  // as RepackedQMatmul's
   MIXBITS_NAME_AND_EQUIVALENT(RepackedGatherQMM)
   MIXBITS_OUTPUT_SHAPES()
 

@@ -313,34 +313,8 @@ void RepackedQMatmulGroup::eval_gpu(const std::vector<mx::array>&, std::vector<m
   refuse_repacked_gpu();
 }
 
-std::vector<mx::array> RepackedQMatmulGroup::vjp(const std::vector<mx::array>&,
-                                                 const std::vector<mx::array>&,
-                                                 const std::vector<int>&,
-                                                 const std::vector<mx::array>&) {
-  refuse_repacked_grad();
-}
-
-std::vector<mx::array> RepackedQMatmulGroup::jvp(const std::vector<mx::array>&,
-                                                 const std::vector<mx::array>&,
-                                                 const std::vector<int>&) {
-  refuse_repacked_grad();
-}
-
 void RepackedQMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   refuse_repacked_gpu();
-}
-
-std::vector<mx::array> RepackedQMatmul::vjp(const std::vector<mx::array>&,
-                                            const std::vector<mx::array>&,
-                                            const std::vector<int>&,
-                                            const std::vector<mx::array>&) {
-  refuse_repacked_grad();
-}
-
-std::vector<mx::array> RepackedQMatmul::jvp(const std::vector<mx::array>&,
-                                            const std::vector<mx::array>&,
-                                            const std::vector<int>&) {
-  refuse_repacked_grad();
 }
 
 std::tuple<mx::array, mx::array, mx::array> repack_segment(const mx::array& wq,

@@ -16,6 +16,11 @@ namespace mixbits {
 
 namespace mx = mlx::core;
 
+// What every repacked node answers to a derivative (std::invalid_argument)
+// and to the GPU (std::runtime_error): an inference layout of the CPU.
+[[noreturn]] void refuse_repacked_grad();
+[[noreturn]] void refuse_repacked_gpu();
+
 // Inputs: x, [perm], then (wq_r, scales_r, biases_r) per segment.
 // Evaluation: activations int8/int16 with at most kInt8MaxM finite rows
 // (int8-all: any number of finite rows) run the repacked kernels where select_repacked (kernel.h) has a table: x86
@@ -41,9 +46,9 @@ class RepackedQMatmul : public mx::UnaryPrimitive {
         act_(act) {}
 
   MIXBITS_EVAL_UNARY()
-  // Refused with a message (std::invalid_argument): a repacked weight is an
-  // inference layout; differentiate through the original one.
-  MIXBITS_GRADS()
+  // A repacked weight is an inference layout; differentiate through the
+  // original one.
+  MIXBITS_GRADS_REFUSED(refuse_repacked_grad)
   MIXBITS_NAME_AND_EQUIVALENT(RepackedQMatmul)
   MIXBITS_OUTPUT_SHAPES()
 
@@ -71,7 +76,7 @@ class RepackedQMatmulGroup : public mx::Primitive {
       : mx::Primitive(s), members_(std::move(members)), backend_(backend), act_(act) {}
 
   MIXBITS_EVAL_MULTI()
-  MIXBITS_GRADS()  // refused, as for RepackedQMatmul
+  MIXBITS_GRADS_REFUSED(refuse_repacked_grad)
   MIXBITS_NAME_AND_EQUIVALENT(RepackedQMatmulGroup)
   MIXBITS_OUTPUT_SHAPES()
 
@@ -111,11 +116,6 @@ void check_repacked(const mx::array& x, const std::optional<mx::array>& perm,
 // The stream after the device and backend checks every repacked node makes
 // (std::invalid_argument now, not inside the graph).
 mx::Stream repacked_stream(mx::StreamOrDevice s, Backend backend, Activations act);
-
-// What every repacked node answers to a derivative (std::invalid_argument)
-// and to the GPU (std::runtime_error): an inference layout of the CPU.
-[[noreturn]] void refuse_repacked_grad();
-[[noreturn]] void refuse_repacked_gpu();
 
 // The kernels a repacked node runs for (act, backend), chosen once per node.
 struct RepackedKernels {
