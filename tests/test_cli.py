@@ -62,15 +62,12 @@ def test_bench_with_an_integer_contract_runs_on_the_cpu_from_a_gpu_default(tmp_p
     import mlx.core as mx
 
     import mixbits
-    import mixbits._backends as backends
+    from test_decode import FakeGPUDefault
 
-    device = [mx.gpu]
-    monkeypatch.setattr(backends, "on_cpu", lambda: device[0] == mx.cpu)
-    monkeypatch.setattr(mx, "default_device", lambda: device[0])
-    monkeypatch.setattr(mx, "set_default_device", lambda d: device.__setitem__(0, d))
+    fake = FakeGPUDefault(monkeypatch)
     seen = []
     real = mixbits.qmatmul
-    monkeypatch.setattr(mixbits, "qmatmul", lambda x, qt, **kw: seen.append(device[0]) or real(x, qt, **kw))
+    monkeypatch.setattr(mixbits, "qmatmul", lambda x, qt, **kw: seen.append(fake.device) or real(x, qt, **kw))
     out = tmp_path / "b.json"
     assert main(["bench", "--shapes", "64x128", "--m", "1", "--kinds", "4bit", "--no-baselines",
                  "--min-time", "0.01", "--activations", "int8", "--json", str(out)]) == 0

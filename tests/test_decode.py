@@ -289,7 +289,7 @@ def test_generate_refuses_contract_options_before_loading(argv, why, capsys, mon
     assert why in capsys.readouterr().err
 
 
-class _FakeGPUDefault:
+class FakeGPUDefault:
     """MLX's default device as a Mac has it (the GPU), on any host: what
     mixbits._backends sees and what it sets, recorded."""
 
@@ -310,7 +310,7 @@ class _FakeGPUDefault:
 def test_an_integer_contract_moves_a_gpu_default_to_the_cpu(activations, moved, monkeypatch):
     from mixbits._backends import cpu_for_contract
 
-    fake = _FakeGPUDefault(monkeypatch)
+    fake = FakeGPUDefault(monkeypatch)
     note = cpu_for_contract(activations)
     assert fake.set == ([mx.cpu] if moved else [])
     assert (note is not None) == moved
@@ -323,7 +323,7 @@ def test_an_integer_contract_moves_a_gpu_default_to_the_cpu(activations, moved, 
 def test_the_repacked_layout_moves_a_gpu_default_to_the_cpu(monkeypatch):
     from mixbits._backends import cpu_for_contract
 
-    fake = _FakeGPUDefault(monkeypatch)
+    fake = FakeGPUDefault(monkeypatch)
     note = cpu_for_contract("float", repack=True)  # bench --repack times the float contract on it too
     assert fake.set == [mx.cpu] and "--repack" in note and "runs on the CPU" in note
 
@@ -333,7 +333,7 @@ def test_generate_with_an_integer_contract_runs_on_the_cpu_from_a_gpu_default(ca
     GPU (a Mac): the CPU is set before the model loads, and said."""
     from mixbits.cli import main
 
-    fake = _FakeGPUDefault(monkeypatch)
+    fake = FakeGPUDefault(monkeypatch)
     devices_at_load = []
 
     def load(*a, **k):

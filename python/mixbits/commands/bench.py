@@ -138,6 +138,7 @@ class Weights:
         self.bpw = self.qt.bits_per_weight
         self._dense = None
         self._repacked = None
+        self._copies = {}  # repacked? -> Weights.copies
 
     def repacked(self):
         """The weight in the row-interleaved layout (built once), or None
@@ -162,21 +163,21 @@ class Weights:
         import mlx.core as mx
         import numpy as np
 
-        key = "_copies_r" if repacked else "_copies"
-        if getattr(self, key, None) is None:
+        if repacked not in self._copies:
             t = self.repacked() if repacked else self.qt
             n = min(MAX_COPIES, max(1, math.ceil((COLD_MB << 20) / self.nbytes)))
             out = [t]
             for _ in range(n - 1):
                 # through numpy: a new buffer with the same bits (an MLX op
                 # could share the buffer or, for float scales, turn -0 to +0)
-                segs = [dataclasses.replace(sg, **{f: mx.array(np.array(getattr(sg, f), copy=True))
-                                                   for f in _ARRAY_FIELDS[type(sg).__name__]})
+                segs = [dataclasses.replace(sg, **{f.name: mx.array(np.array(getattr(sg, f.name), copy=True))
+                                                   for f in dataclasses.fields(sg)
+                                                   if isinstance(getattr(sg, f.name), mx.array)})
                         for sg in t.segments]
                 out.append(type(t)(segs, t.perm, t.shape[0]) if repacked else type(t)(segs, t.perm))
             mx.eval([a for c in out for a in c.arrays()])
-            setattr(self, key, out)
-        return getattr(self, key)
+            self._copies[repacked] = out
+        return self._copies[repacked]
 
     def dense(self):
         """float32 [N, K] in stored (permuted) order, for numpy."""
@@ -251,7 +252,6 @@ CLOCK = time.perf_counter  # time.process_time with --clock cpu
 # bench/README.md); ggml_mm --cold-mb takes the same number.
 COLD_MB = 256
 MAX_COPIES = 64
-_ARRAY_FIELDS = {"Segment": ("wq", "scales", "biases"), "RepackedSegment": ("wq_r", "scales_r", "biases_r")}
 
 
 def time_call(fn, min_time: float = 0.3, max_reps: int = 200, min_reps: int = 3) -> dict:
