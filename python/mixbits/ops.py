@@ -108,11 +108,14 @@ def promote_x(x, qt):
     return x
 
 
-def _stacked(fn, arrays, n: int):
-    """``fn`` (one matrix's arrays and its ``n`` rows -> arrays) over a
-    stack of matrices (leading dim E): one call on the stack seen as one
-    tall matrix of E*n rows when every matrix is whole blocks of 16 rows
-    (blocks then never straddle two matrices), else one call per matrix."""
+def _per_matrix(fn, arrays, n: int, stacked: bool):
+    """``fn`` (one matrix's arrays and its ``n`` rows -> arrays) on one
+    matrix, or over a stack of them (``stacked``: leading dim E): one call
+    on the stack seen as one tall matrix of E*n rows when every matrix is
+    whole blocks of 16 rows (blocks then never straddle two matrices), else
+    one call per matrix."""
+    if not stacked:
+        return fn(arrays, n)
     e = arrays[0].shape[0]
     if n % REPACK_ROWS == 0:
         flat = fn([a.reshape(e * a.shape[1], *a.shape[2:]) for a in arrays], e * n)
@@ -143,10 +146,7 @@ def repack(qt: QuantizedTensor) -> RepackedTensor:
     for s in qt.segments:
         def one(a, rows, s=s):
             return list(_ext.repack_segment(*a, s.bits, s.group_size))
-        if qt.batch_shape:
-            wq_r, sc_r, bi_r = _stacked(one, [s.wq, s.scales, s.biases], n)
-        else:
-            wq_r, sc_r, bi_r = one([s.wq, s.scales, s.biases], n)
+        wq_r, sc_r, bi_r = _per_matrix(one, [s.wq, s.scales, s.biases], n, bool(qt.batch_shape))
         segs.append(RepackedSegment(s.bits, s.group_size, s.k, wq_r, sc_r, bi_r, s.kind))
     return RepackedTensor(segs, qt.perm, n)
 
@@ -170,10 +170,7 @@ def unrepack(rt: RepackedTensor) -> QuantizedTensor:
     for s in rt.segments:
         def one(a, rows, s=s):
             return list(_ext.unrepack_segment(*a, rows, s.bits))
-        if rt.batch_shape:
-            wq, sc, bi = _stacked(one, [s.wq_r, s.scales_r, s.biases_r], n)
-        else:
-            wq, sc, bi = one([s.wq_r, s.scales_r, s.biases_r], n)
+        wq, sc, bi = _per_matrix(one, [s.wq_r, s.scales_r, s.biases_r], n, bool(rt.batch_shape))
         segs.append(Segment(s.bits, s.group_size, s.k, wq, sc, bi, s.kind))
     return QuantizedTensor(segs, rt.perm)
 
