@@ -98,3 +98,29 @@ def test_errors():
         4, 32, 64, *(a[None] for a in (s.wq, s.scales, s.biases))) for s in qt.segments])
     with pytest.raises(UsageError, match="one batch dim"):
         repack(deep)
+
+
+def test_compiled_nodes_on_one_weight_keep_their_contracts():
+    # mx.compile merges nodes of one class whose inputs are the same arrays
+    # and whose primitives say they are equivalent (then their consumers
+    # read one of them): an int8 and an int16 product of one x with one
+    # repacked weight (or expert stack) must stay two nodes, each giving
+    # what it gives uncompiled.
+    rng = np.random.default_rng(7)
+    qt = rand_stack(rng, E=3, N=32)
+    rt = repack(qt)
+    rt2 = repack(expert(qt, 1))
+    x = mx.array(rng.standard_normal((2, 1, qt.shape[1])).astype(np.float32))
+    rhs = mx.array(np.array([[2], [0]], np.uint32))
+
+    def both(x):
+        ys = [mixbits.gather_qmatmul(x, rt, rhs_indices=rhs, activations="int8"),
+              mixbits.gather_qmatmul(x, rt, rhs_indices=rhs, activations="int16"),
+              mixbits.qmatmul(x, rt2, activations="int8"),
+              mixbits.qmatmul(x, rt2, activations="int16")]
+        return [y * 2 for y in ys]  # consumers: a merge would redirect them
+
+    eager = [np.array(a) for a in both(x)]
+    assert not np.array_equal(eager[0], eager[1]) and not np.array_equal(eager[2], eager[3])
+    for got, want in zip(mx.compile(both)(x), eager):
+        np.testing.assert_array_equal(np.array(got), want)

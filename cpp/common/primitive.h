@@ -48,9 +48,13 @@
     REFUSE();                                                                     \
   }
 
-// name() (the class name, as MLX prints it) and is_equivalent.
+// name(): the class name, as MLX prints it.
+#define MIXBITS_NAME(NAME) \
+  const char* name() const override { return #NAME; }
+
+// name() and is_equivalent.
 #define MIXBITS_NAME_AND_EQUIVALENT(NAME)                                         \
-  const char* name() const override { return #NAME; }                             \
+  MIXBITS_NAME(NAME)                                                              \
   bool is_equivalent(const mlx::core::Primitive& other) const override;
 
 // output_shapes, defined in the primitive's .cpp.

@@ -58,12 +58,6 @@ std::vector<mx::Shape> RepackedGatherQMM::output_shapes(const std::vector<mx::ar
   return {s};
 }
 
-bool RepackedGatherQMM::is_equivalent(const mx::Primitive& other) const {
-  auto& o = static_cast<const RepackedGatherQMM&>(other);
-  return segs_ == o.segs_ && has_perm_ == o.has_perm_ && n_ == o.n_ && backend_ == o.backend_ &&
-         act_ == o.act_;
-}
-
 void RepackedGatherQMM::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& enc = mx::cpu::get_command_encoder(stream());

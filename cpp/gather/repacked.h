@@ -17,28 +17,12 @@ namespace mixbits {
 // rhs (uint32, one shape). Each expert's rows take the path RepackedQMatmul
 // takes for them (gather_cpu_eval), so a pair's output is bit for bit
 // RepackedQMatmul's on that expert's rows.
-class RepackedGatherQMM : public mx::UnaryPrimitive {
+class RepackedGatherQMM : public RepackedWeightPrimitive {
  public:
-  RepackedGatherQMM(mx::Stream s, std::vector<SegSpec> segs, bool has_perm, int n,
-                    Backend backend, Activations act)
-      : mx::UnaryPrimitive(s),
-        segs_(std::move(segs)),
-        has_perm_(has_perm),
-        n_(n),
-        backend_(backend),
-        act_(act) {}
-
+  using RepackedWeightPrimitive::RepackedWeightPrimitive;
   MIXBITS_EVAL_UNARY()
-  MIXBITS_GRADS_REFUSED(refuse_repacked_grad)  // as RepackedQMatmul's
-  MIXBITS_NAME_AND_EQUIVALENT(RepackedGatherQMM)
+  MIXBITS_NAME(RepackedGatherQMM)
   MIXBITS_OUTPUT_SHAPES()
-
- private:
-  std::vector<SegSpec> segs_;
-  bool has_perm_;
-  int n_;
-  Backend backend_;
-  Activations act_;
 };
 
 // Validates (check_repacked per expert's shape; indices as

@@ -150,8 +150,8 @@ std::vector<mx::Shape> RepackedQMatmul::output_shapes(const std::vector<mx::arra
   return {s};
 }
 
-bool RepackedQMatmul::is_equivalent(const mx::Primitive& other) const {
-  auto& o = static_cast<const RepackedQMatmul&>(other);
+bool RepackedWeightPrimitive::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const RepackedWeightPrimitive&>(other);
   return segs_ == o.segs_ && has_perm_ == o.has_perm_ && n_ == o.n_ && backend_ == o.backend_ &&
          act_ == o.act_;
 }

@@ -21,6 +21,34 @@ namespace mx = mlx::core;
 [[noreturn]] void refuse_repacked_grad();
 [[noreturn]] void refuse_repacked_gpu();
 
+// A node on one repacked weight or expert stack, fixed by its segments,
+// whether x is permuted first, the output rows per matrix, the backend and
+// the contract: RepackedQMatmul and RepackedGatherQMM hold these, refuse
+// derivatives (an inference layout; differentiate through the original
+// one) and are equivalent nodes for mx.compile (which compares the classes
+// first) exactly when these agree.
+class RepackedWeightPrimitive : public mx::UnaryPrimitive {
+ public:
+  RepackedWeightPrimitive(mx::Stream s, std::vector<SegSpec> segs, bool has_perm, int n,
+                          Backend backend, Activations act)
+      : mx::UnaryPrimitive(s),
+        segs_(std::move(segs)),
+        has_perm_(has_perm),
+        n_(n),
+        backend_(backend),
+        act_(act) {}
+
+  MIXBITS_GRADS_REFUSED(refuse_repacked_grad)
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ protected:
+  std::vector<SegSpec> segs_;
+  bool has_perm_;
+  int n_;
+  Backend backend_;
+  Activations act_;
+};
+
 // Inputs: x, [perm], then (wq_r, scales_r, biases_r) per segment.
 // Evaluation: activations int8/int16 with at most kInt8MaxM finite rows
 // (int8-all: any number of finite rows) run the repacked kernels where select_repacked (kernel.h) has a table: x86
@@ -34,30 +62,12 @@ namespace mx = mlx::core;
 // MixedQMatmul runs, so results never depend on the storage beyond the
 // kernels' float rounding. That temporary costs one copy of the weight per
 // call: correct, not fast.
-class RepackedQMatmul : public mx::UnaryPrimitive {
+class RepackedQMatmul : public RepackedWeightPrimitive {
  public:
-  RepackedQMatmul(mx::Stream s, std::vector<SegSpec> segs, bool has_perm, int n,
-                  Backend backend, Activations act)
-      : mx::UnaryPrimitive(s),
-        segs_(std::move(segs)),
-        has_perm_(has_perm),
-        n_(n),
-        backend_(backend),
-        act_(act) {}
-
+  using RepackedWeightPrimitive::RepackedWeightPrimitive;
   MIXBITS_EVAL_UNARY()
-  // A repacked weight is an inference layout; differentiate through the
-  // original one.
-  MIXBITS_GRADS_REFUSED(refuse_repacked_grad)
-  MIXBITS_NAME_AND_EQUIVALENT(RepackedQMatmul)
+  MIXBITS_NAME(RepackedQMatmul)
   MIXBITS_OUTPUT_SHAPES()
-
- private:
-  std::vector<SegSpec> segs_;
-  bool has_perm_;
-  int n_;
-  Backend backend_;
-  Activations act_;
 };
 
 // Several repacked weights applied to one x in one node (one output each):
