@@ -73,3 +73,27 @@ def test_bench_with_an_integer_contract_runs_on_the_cpu_from_a_gpu_default(tmp_p
                  "--min-time", "0.01", "--activations", "int8", "--json", str(out)]) == 0
     assert seen and set(seen) == {mx.cpu}
     assert any("runs on the CPU" in n for n in json.loads(out.read_text())["notes"])
+
+
+def test_bench_records_the_page_policy(tmp_path, monkeypatch):
+    # Cold times depend on the huge-page policy, so the JSON's machine
+    # record says which was in force: the bracketed THP mode, or None
+    # where the file is missing; GLIBC_TUNABLES as set.
+    import json
+
+    from mixbits.commands.bench import THP_POLICY, page_policy
+
+    f = tmp_path / "enabled"
+    f.write_text("always [madvise] never\n")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    assert page_policy(str(f)) == {"transparent_hugepage": "madvise",
+                                   "glibc_tunables": "glibc.malloc.hugetlb=1"}
+    f.write_text("[never] madvise always\n")
+    assert page_policy(str(f))["transparent_hugepage"] == "never"
+    assert page_policy(str(tmp_path / "missing"))["transparent_hugepage"] is None
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    out = tmp_path / "b.json"
+    assert main(["bench", "--shapes", "64x128", "--m", "1", "--kinds", "4bit", "--no-baselines",
+                 "--min-time", "0.01", "--json", str(out)]) == 0
+    pages = json.loads(out.read_text())["machine"]["pages"]
+    assert pages == page_policy(THP_POLICY) and pages["glibc_tunables"] is None

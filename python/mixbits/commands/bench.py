@@ -354,6 +354,29 @@ def format_table(rows: list[Row], probe: float) -> str:
     return "\n".join(lines)
 
 
+# Linux's transparent-huge-page policy: whether large buffers (weights, and
+# ggml's) may sit on 2 MiB pages. Cold (DRAM-bound) GEMV times move by
+# ~10-15% with it, ggml's as ours (bench/README.md, "M = 1 on cold weights").
+THP_POLICY = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def page_policy(path: str = THP_POLICY) -> dict:
+    """The THP mode in force ("always", "madvise", "never"; None where the
+    file is missing, e.g. macOS) and GLIBC_TUNABLES (``glibc.malloc.hugetlb=1``
+    puts every malloc'd buffer on huge pages under "madvise")."""
+    import re
+
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        thp = None
+    else:
+        chosen = re.search(r"\[(\w+)\]", text)
+        thp = chosen.group(1) if chosen else text.strip()
+    return {"transparent_hugepage": thp, "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}
+
+
 def machine_info() -> dict:
     from mixbits import _ext, ops
 
@@ -364,7 +387,8 @@ def machine_info() -> dict:
             "loadavg_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
             "openblas_env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
                                                         "OPENBLAS_NUM_THREADS")
-                             if k in os.environ}}
+                             if k in os.environ},
+            "pages": page_policy()}
 
 
 def save_json(path: str, probe: dict, rows: list[Row], notes: list[str],
@@ -514,6 +538,10 @@ def run(args) -> int:
               f"(on {os.cpu_count()} CPUs; other processes skew the timings)")
     print(f"read-bandwidth probe: {probe['dram']:.1f} GB/s over 1 GiB, "
           f"{probe['32MiB']:.1f} GB/s over 32 MiB; {len(todo)} cases", flush=True)
+    pages = page_policy()
+    if args.cold and pages["transparent_hugepage"] is not None:
+        print(f"huge pages: THP {pages['transparent_hugepage']}, GLIBC_TUNABLES="
+              f"{pages['glibc_tunables'] or '(unset)'} (cold times move ~10-15% with them, ggml's too)")
     rows: list[Row] = []
     extra_floor: dict = {}
     by_weight: dict = {}
