@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cpu_task.h"
 #include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
@@ -56,11 +57,9 @@ bool Swiglu::is_equivalent(const mx::Primitive& other) const {
 void Swiglu::eval_cpu(const std::vector<mx::array>& inputs,
                       std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& enc = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
-  enc.dispatch([inputs, o = mx::array::unsafe_weak_copy(out),
+  mx::array task_out = begin_cpu_task(enc, inputs, out);
+  enc.dispatch([inputs, o = std::move(task_out),
                 fn = select_swiglu(backend_)]() mutable {
     std::vector<char> gbuf, ubuf;
     const float* g = static_cast<const float*>(row_major(inputs[0], gbuf));

@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "common/convert.h"
+#include "common/cpu_task.h"
 #include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
@@ -176,12 +177,10 @@ bool CausalAttention::is_equivalent(const mx::Primitive& other) const {
 void CausalAttention::eval_cpu(const std::vector<mx::array>& inputs,
                                std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& enc = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
+  mx::array task_out = begin_cpu_task(enc, inputs, out);
   // Capturing the arrays keeps their buffers alive until the task has run.
-  enc.dispatch([inputs, o = mx::array::unsafe_weak_copy(out), scale = scale_,
+  enc.dispatch([inputs, o = std::move(task_out), scale = scale_,
                 kern = select_attn(backend_)]() mutable {
     const auto& q = inputs[0];
     const auto& k = inputs[1];

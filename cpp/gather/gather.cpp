@@ -13,6 +13,7 @@
 #include <string>
 
 #include "common/convert.h"
+#include "common/cpu_task.h"
 #include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
@@ -298,12 +299,10 @@ void gather_cpu_eval(const std::vector<mx::array>& inputs, bool has_perm, int N,
 
 void MixedGatherQMM::eval_cpu(const std::vector<mx::array>& inputs,
                               mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& enc = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
+  mx::array task_out = begin_cpu_task(enc, inputs, out);
 
-  enc.dispatch([inputs, out = mx::array::unsafe_weak_copy(out), segs = segs_,
+  enc.dispatch([inputs, out = std::move(task_out), segs = segs_,
                 has_perm = has_perm_, fn = select_qmm(backend_),
                 fn_int = select_qmm_int(act_, backend_),
                 int_max_m = activation_int_max_m(act_)]() mutable {

@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cpu_task.h"
 #include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "gather/experts.h"
@@ -59,11 +60,9 @@ std::vector<mx::Shape> RepackedGatherQMM::output_shapes(const std::vector<mx::ar
 }
 
 void RepackedGatherQMM::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& enc = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
-  enc.dispatch([inputs, out = mx::array::unsafe_weak_copy(out), segs = segs_,
+  mx::array task_out = begin_cpu_task(enc, inputs, out);
+  enc.dispatch([inputs, out = std::move(task_out), segs = segs_,
                 has_perm = has_perm_, N = n_, k = kernels_for(act_, backend_)]() mutable {
     const int first = has_perm ? 2 : 1;
     const mx::array& wq0 = inputs[first];

@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cpu_task.h"
 #include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
@@ -71,12 +72,10 @@ bool MixedGatherQMMT::is_equivalent(const mx::Primitive& other) const {
 
 void MixedGatherQMMT::eval_cpu(const std::vector<mx::array>& inputs,
                                mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& enc = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
+  mx::array task_out = begin_cpu_task(enc, inputs, out);
 
-  enc.dispatch([inputs, out = mx::array::unsafe_weak_copy(out), segs = segs_,
+  enc.dispatch([inputs, out = std::move(task_out), segs = segs_,
                 has_perm = has_perm_, fn = select_qmm_t(backend_)]() mutable {
     const mx::array& dy = inputs[0];
     const int first = has_perm ? 2 : 1;

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/convert.h"
+#include "common/cpu_task.h"
 #include "common/grads.h"
 #include "common/inputs.h"
 #include "common/mlx_args.h"
@@ -75,11 +76,9 @@ bool RmsNorm::is_equivalent(const mx::Primitive& other) const {
 }
 
 void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& enc = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
-  enc.dispatch([inputs, o = mx::array::unsafe_weak_copy(out), eps = eps_]() mutable {
+  mx::array task_out = begin_cpu_task(enc, inputs, out);
+  enc.dispatch([inputs, o = std::move(task_out), eps = eps_]() mutable {
     std::vector<char> xbuf, wbuf;
     const void* x = row_major(inputs[0], xbuf);
     const void* w = row_major(inputs[1], wbuf);

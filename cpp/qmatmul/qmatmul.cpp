@@ -12,6 +12,7 @@
 #include <stdexcept>
 
 #include "common/convert.h"
+#include "common/cpu_task.h"
 #include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
@@ -189,13 +190,11 @@ bool MixedQMatmul::is_equivalent(const mx::Primitive& other) const {
 
 void MixedQMatmul::eval_cpu(const std::vector<mx::array>& inputs,
                             mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& enc = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
+  mx::array task_out = begin_cpu_task(enc, inputs, out);
 
   // Capturing the arrays keeps their buffers alive until the task has run.
-  enc.dispatch([inputs, out = mx::array::unsafe_weak_copy(out),
+  enc.dispatch([inputs, out = std::move(task_out),
                 segs = segs_, has_perm = has_perm_,
                 fn = select_qmm(backend_),
                 fn8 = select_qmm_int(act_, backend_),

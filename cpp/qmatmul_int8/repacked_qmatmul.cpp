@@ -263,11 +263,9 @@ void eval_repacked(const RepackedKernels& k, const mx::array& x, const int32_t* 
 }  // namespace
 
 void RepackedQMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& enc = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
-  enc.dispatch([inputs, out = mx::array::unsafe_weak_copy(out), segs = segs_,
+  mx::array task_out = begin_cpu_task(enc, inputs, out);
+  enc.dispatch([inputs, out = std::move(task_out), segs = segs_,
                 has_perm = has_perm_, N = n_, k = kernels_for(act_, backend_)]() mutable {
     std::vector<char> pbuf;
     const int32_t* perm = has_perm ? static_cast<const int32_t*>(row_major(inputs[1], pbuf)) : nullptr;

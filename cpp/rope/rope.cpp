@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/convert.h"
+#include "common/cpu_task.h"
 #include "common/inputs.h"
 #include "common/mlx_args.h"
 #include "common/parallel.h"
@@ -101,11 +102,9 @@ bool Rope::is_equivalent(const mx::Primitive& other) const {
 }
 
 void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& enc = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
-  enc.dispatch([inputs, o = mx::array::unsafe_weak_copy(out), dims = dims_,
+  mx::array task_out = begin_cpu_task(enc, inputs, out);
+  enc.dispatch([inputs, o = std::move(task_out), dims = dims_,
                 traditional = traditional_, base = base_, scale = scale_]() mutable {
     std::vector<char> xbuf;
     const void* x = row_major(inputs[0], xbuf);
