@@ -344,7 +344,7 @@ def test_layer_repack_unrepack(tmp_path, bits):
 def test_patch_repack_memory_and_refusals(monkeypatch):
     # A width without a repacked layout (none of mixbits.layout.BITS now)
     # is simulated by taking 5 off the list repack_layers reads.
-    monkeypatch.setattr(mixbits.nn, "REPACK_BITS", (2, 3, 4, 6, 8))
+    monkeypatch.setattr(mixbits.nn.model, "REPACK_BITS", (2, 3, 4, 6, 8))
     rng = np.random.default_rng(10)
     model = nn.Sequential(*_patched(rng, 64).layers, *_patched(rng, 64, bits=3).layers)
     model.layers[1] = nn.QuantizedLinear.from_linear(nn.Linear(64, 32), group_size=64, bits=5)

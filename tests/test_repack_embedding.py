@@ -138,7 +138,7 @@ def test_embedding_with_unsupported_bits_stays_in_mlx_layout(monkeypatch):
     # Every width of mixbits.layout.BITS has a repacked layout now: a width
     # without one is simulated by taking 6 off the list the checks read.
     monkeypatch.setattr(mixbits.ops, "REPACK_BITS", (2, 3, 4, 5, 8))
-    monkeypatch.setattr(mixbits.nn, "REPACK_BITS", (2, 3, 4, 5, 8))
+    monkeypatch.setattr(mixbits.nn.model, "REPACK_BITS", (2, 3, 4, 5, 8))
     rng = np.random.default_rng(9)
     model = TiedModel(rng, 64, 128, 6)
     mixbits.patch(model, activations="int8", repack=True, functions=False)

@@ -34,8 +34,8 @@ from .formats.errors import FormatError, expect_dict, load_json
 from .formats.safetensors_header import read_header
 from .formats.mlx_config import MlxQuantization, with_quantization
 from .layout import QuantizedTensor, Segment
-from .nn import (MixedQuantizedEmbedding, MixedQuantizedLinear, MixedQuantizedSwitchLinear, _MixedWeight,
-                 _set_module, is_expert_stack, repacked_layers)
+from .nn import (MixedQuantizedEmbedding, MixedQuantizedLinear, MixedQuantizedSwitchLinear, MixedWeight,
+                 is_expert_stack, repacked_layers, set_module)
 from .nn import patch as _patch
 
 FORMAT_VERSION = 1
@@ -66,7 +66,7 @@ def quantization_config(model: nn.Module) -> tuple[MlxQuantization | None, dict]
     own override entry, so the block does not depend on the defaults."""
     mlx_entries, mixbits_layers = {}, {}
     for path, m in model.named_modules():
-        if isinstance(m, _MixedWeight):
+        if isinstance(m, MixedWeight):
             mixbits_layers[path] = m.layout.config()
             if m.layout.is_mlx_affine:
                 bits, gs, _ = m.layout.specs[0]
@@ -193,7 +193,7 @@ def _load_folder(folder: Path, patch: bool):
             new = MixedQuantizedSwitchLinear.from_tensor(qt, weights.get(f"{path}.bias"), kinds)
         else:
             new = MixedQuantizedLinear.from_tensor(qt, weights.get(f"{path}.bias"), kinds)
-        _set_module(model, path, new)
+        set_module(model, path, new)
 
     have = dict(tree_flatten(model.parameters()))
     missing = sorted(k for k in have if k not in weights)

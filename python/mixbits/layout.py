@@ -18,6 +18,8 @@ import numpy as np
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
+# A weight quantized without a group size named: MLX's and mlx-lm's default.
+DEFAULT_GROUP_SIZE = 64
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 TERNARY = "ternary"
 

@@ -9,7 +9,7 @@ import numpy as np
 from . import _ext
 from ._backends import BACKENDS, backend_id, names
 from .errors import UsageError
-from .layout import BITS, FLOAT_DTYPES, GROUP_SIZES, QuantizedTensor, Segment, check_int
+from .layout import BITS, DEFAULT_GROUP_SIZE, FLOAT_DTYPES, GROUP_SIZES, QuantizedTensor, Segment, check_int
 from .repack import REPACK_BITS, REPACK_ROWS, RepackedSegment, RepackedTensor
 
 def available_backends() -> list[str]:
@@ -180,7 +180,7 @@ def quantized_matmul(
     w: mx.array,
     scales: mx.array,
     biases: mx.array,
-    group_size: int = 64,
+    group_size: int = DEFAULT_GROUP_SIZE,
     bits: int = 4,
     *,
     backend: str | None = None,
@@ -298,7 +298,7 @@ def gather_quantized_matmul(
     biases: mx.array,
     lhs_indices: mx.array | None = None,
     rhs_indices: mx.array | None = None,
-    group_size: int = 64,
+    group_size: int = DEFAULT_GROUP_SIZE,
     bits: int = 4,
     sorted_indices: bool = False,
     *,

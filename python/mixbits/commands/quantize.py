@@ -8,7 +8,8 @@ always loads with ``mixbits.load``.
 
 from __future__ import annotations
 
-DEFAULT_GROUP_SIZE = 64
+from ..layout import DEFAULT_GROUP_SIZE
+
 
 def allocation_candidates(alloc, model, *, group_size: int = DEFAULT_GROUP_SIZE,
                           strip_prefix: str = "") -> dict:

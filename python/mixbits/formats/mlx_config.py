@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..layout import DEFAULT_GROUP_SIZE
+
 from .errors import (
     FormatError,
     at,
@@ -55,7 +57,7 @@ def _check_quant(d: dict, where: str, required: bool) -> dict:
 class MlxQuantization:
     """Default group_size/bits/mode plus per-module-path overrides."""
 
-    group_size: int = 64
+    group_size: int = DEFAULT_GROUP_SIZE
     bits: int = 4
     mode: str | None = "affine"  # None: the block had no "mode" key
     overrides: dict[str, dict | bool] = field(default_factory=dict)
@@ -128,7 +130,7 @@ def write_config(path, config: dict, q: MlxQuantization) -> None:
     write_json_atomic(with_quantization(config, q), path, indent=4)
 
 
-def from_allocation(alloc, group_size: int = 64, default_bits: int | None = None) -> MlxQuantization:
+def from_allocation(alloc, group_size: int = DEFAULT_GROUP_SIZE, default_bits: int | None = None) -> MlxQuantization:
     """mlx-lm overrides for an :class:`~mixbits.formats.allocation.Allocation`:
     every tensor at its chosen bits with ``group_size``; the default bits is
     the most common choice unless given. A ternary choice has no mlx-lm

@@ -35,6 +35,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..adapter import ModelAdapter, dense_weight
+from ..layout import DEFAULT_GROUP_SIZE
 from .replay import token_chunks
 from .sweep import kl_per_token
 from .taps import Taps, split_key
@@ -69,7 +70,7 @@ def _groups(t: Taps, norms: dict, linears: set) -> dict[str, list[str]]:
     return out
 
 
-def scale_model(model, tokens, bits: int, group_size: int = 64, *, grid: int = 20,
+def scale_model(model, tokens, bits: int, group_size: int = DEFAULT_GROUP_SIZE, *, grid: int = 20,
                 sample_rows: int = 512, chunk: int = 4, scale_dtype=mx.float16,
                 progress: bool = True) -> list[dict]:
     """Apply AWQ scales in place; returns one record per norm-fed group:

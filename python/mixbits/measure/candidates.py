@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..layout import BITS, GROUP_SIZES, TERNARY
+from ..layout import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, TERNARY
 
 _UNIFORM = re.compile(r"^(\d)b_g(\d+)$")
 _TERNARY = re.compile(r"^ternary_g(\d+)$")
@@ -256,7 +256,7 @@ def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None, dense=No
     return q
 
 
-def candidate_for_entry(kind: str, bits, group_size: int = 64) -> Candidate:
+def candidate_for_entry(kind: str, bits, group_size: int = DEFAULT_GROUP_SIZE) -> Candidate:
     """The candidate an allocation entry names. Entries from a sweep carry
     the candidate name itself (``4b_g64``, ``4b10_3b_g64``); older ones a
     bare width (``"4"``) or ``"ternary"``, which take ``group_size``."""
