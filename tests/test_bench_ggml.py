@@ -141,6 +141,14 @@ def test_dot_floor():
     assert bench.dot_floor(rows[:1], 0.25, "mixbits_repacked") == {}  # no M=8 row
 
 
+def test_vpdpbusd_floor_only_for_the_vnni_kernels():
+    assert bench.runs_vpdpbusd("int8", "auto") and bench.runs_vpdpbusd("int8-all", "avx512")
+    # The forced AVX2 rows use maddubs/madd; the float and int16 contracts no int8 dots.
+    for act, backend in [("int8", "avx2"), ("int8", "ref"), ("int8", "neon"), ("float", "auto"),
+                         ("int16", "auto")]:
+        assert not bench.runs_vpdpbusd(act, backend), (act, backend)
+
+
 def test_int8_dot_probe():
     """The vpdpbusd probe: 0 without AVX512-VNNI, else a plausible time (a
     512-bit dot issues at most a few per cycle, and takes well under 10 ns)."""

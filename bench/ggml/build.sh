@@ -5,6 +5,9 @@
 #
 #   bench/ggml/build.sh            # -> build/ggml/ggml_mm
 #   JOBS=2 LLAMA_CPP_PYTHON_VERSION=0.3.36 bench/ggml/build.sh
+#   GGML_ISA=avx2 bench/ggml/build.sh   # -> build/ggml/ggml_mm-avx2: AVX2 + FMA
+#                                        # only, as on a CPU without AVX-512
+#                                        # (to set against `mixbits bench --backend avx2`)
 #
 # What it fetches: llama_cpp_python-$VERSION.tar.gz from the package index
 # (pip download, source distribution only, no dependencies). Nothing of ggml
@@ -32,17 +35,27 @@ fi
 # BLAS, OpenMP (the harness uses ggml's own threadpool), tests.
 # (GIT_CEILING_DIRECTORIES: ggml's configure asks git for "its" commit and
 # would otherwise find this repository's.)
-GIT_CEILING_DIRECTORIES="$SRC" cmake -S "$SRC/ggml" -B "$OUT/cmake" -DCMAKE_BUILD_TYPE=Release \
-  -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DGGML_BACKEND_DL=OFF \
+ISA="${GGML_ISA:-native}"
+case "$ISA" in
+  native) ISA_FLAGS=(-DGGML_NATIVE=ON); CM="$OUT/cmake"; BIN="$OUT/ggml_mm" ;;
+  # The instruction sets of an AVX2 host without AVX-512 or AVX-VNNI.
+  avx2) ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+                   -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF
+                   -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF)
+        CM="$OUT/cmake-avx2"; BIN="$OUT/ggml_mm-avx2" ;;
+  *) echo "error: GGML_ISA must be native or avx2, got '$ISA'" >&2; exit 2 ;;
+esac
+GIT_CEILING_DIRECTORIES="$SRC" cmake -S "$SRC/ggml" -B "$CM" -DCMAKE_BUILD_TYPE=Release \
+  -DBUILD_SHARED_LIBS=OFF "${ISA_FLAGS[@]}" -DGGML_BACKEND_DL=OFF \
   -DGGML_CPU=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF \
   -DGGML_OPENMP=OFF -DGGML_LLAMAFILE=ON -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF \
-  -DCMAKE_POSITION_INDEPENDENT_CODE=ON >"$OUT/cmake.log" 2>&1 \
-  || { tail -30 "$OUT/cmake.log"; exit 1; }
-nice -n 10 cmake --build "$OUT/cmake" --target ggml ggml-cpu ggml-base -j "$JOBS"
+  -DCMAKE_POSITION_INDEPENDENT_CODE=ON >"$CM.log" 2>&1 \
+  || { tail -30 "$CM.log"; exit 1; }
+nice -n 10 cmake --build "$CM" --target ggml ggml-cpu ggml-base -j "$JOBS"
 
-LIBS=$(find "$OUT/cmake" -name 'libggml*.a' | sort)
+LIBS=$(find "$CM" -name 'libggml*.a' | sort)
 nice -n 10 "$CC" -O2 -std=c11 -DGGML_MM_SOURCE="\"llama-cpp-python==$VERSION\"" \
-  -o "$OUT/ggml_mm" "$ROOT/bench/ggml/ggml_mm.c" \
+  -o "$BIN" "$ROOT/bench/ggml/ggml_mm.c" \
   -I "$SRC/ggml/include" -Wl,--start-group $LIBS -Wl,--end-group -lstdc++ -lm -lpthread
-echo "built $OUT/ggml_mm"
-"$OUT/ggml_mm" --info
+echo "built $BIN"
+"$BIN" --info

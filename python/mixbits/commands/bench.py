@@ -413,6 +413,15 @@ def m8_over_m1(rows: list[Row], impl: str = "mixbits") -> dict:
             for (n, k, kind, m) in t if m == 1 and t[(n, k, kind, 1)] and t.get((n, k, kind, 8))}
 
 
+def runs_vpdpbusd(activations: str, backend: str) -> bool:
+    """Whether the repacked int8 kernels this run times may be the VNNI ones,
+    so that a vpdpbusd floor describes them: not with --backend avx2 (its
+    kernels use maddubs/madd, as on a CPU without AVX-512) nor ref/neon,
+    nor for the float or int16 contracts. (On a CPU without VNNI the probe
+    itself returns 0 and no floor is printed.)"""
+    return activations in ("int8", "int8-all") and backend in ("auto", "avx512")
+
+
 def dot_floor(rows: list[Row], dot_ns: float, impl: str) -> dict:
     """Per weight measured at M = 1 and 8 under activations="int8": the time
     M = 8 rows need for their vpdpbusd alone (one per 64 weight x activation
@@ -592,7 +601,7 @@ def run(args) -> int:
               ", ".join(f"{k} {v:.2f}" for k, v in ratios_r.items()))
         from mixbits import _ext
 
-        dot_ns = float(_ext.int8_dot_ns()) if args.activations in ("int8", "int8-all") else 0.0
+        dot_ns = float(_ext.int8_dot_ns()) if runs_vpdpbusd(args.activations, args.backend) else 0.0
         floors = dot_floor(rows, dot_ns, "mixbits_repacked") if dot_ns else {}
         if floors:
             print(f"\nvpdpbusd probe: {dot_ns:.3f} ns per 64 products (one thread); repacked M=8 against "
