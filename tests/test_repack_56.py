@@ -24,7 +24,9 @@ reading H0 for every low word 26 / 6 / 0; plane order high words first
 (split and merge agreeing, so repack/unrepack still round-trip) 46 / 42 /
 18; merge_planes reading the neighbour code's high bits 6 / 18 / 0; x in
 the 2-bit word order for 5/6 bits (repacked_x_col) 46 / 24 / 0; Python
-lookups with 6-bit high words swapped 0 / 0 / 9. A high-bit placement
+lookups with 6-bit high words swapped 0 / 0 / 9; the AVX2 one-row pass
+summing 8 steps in int16 at 5 and 6 bits (its limit is 4 and 2) 2 / - / -
+(test_largest_partial_sums_do_not_saturate). A high-bit placement
 that breaks the one-shift property (e.g. code i's high bits in byte
 i % 4) fails to compile (split_hshift_ok).
 """
@@ -99,6 +101,25 @@ def test_extreme_codes_do_not_saturate(bits, act):
     rt = ops.repack(qt)
     x = np.where(rng.random((16, 128)) < 0.5, -3.0, 3.0).astype(np.float32)
     for xx in (x, -x[:3], np.abs(x[:5])):
+        check(xx, qt, rt, act)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_largest_partial_sums_do_not_saturate(bits, act):
+    """Every code but each group's first at the top, against x at +Q or
+    -Q everywhere: each int16 sum of the AVX2 kernels (vpmaddubsw's pairs,
+    and the one-row pass's sums of several steps before vpmaddwd) at its
+    largest, in every lane. (Random signs rarely line a whole sum up.)"""
+    w = -np.ones((37, 256), np.float32)
+    w[:, ::32] = 1.0  # MLX's quantize maps each group's max to code 0, the -1s to the top code
+    qt = mixbits.quantize(mx.array(w), [(bits, 32, 256)])
+    seg = qt.segments[0]
+    groups = lambda a: np.repeat(np.array(a, np.float64), 32, axis=1)
+    codes = np.rint((dequantize_f64(qt) - groups(seg.biases)) / groups(seg.scales))
+    assert (codes[:, 1:32] >= 2**bits - 2).all()  # the top code (2^bits - 2 where MLX keeps one spare)
+    rt = ops.repack(qt)
+    x = np.full((1, 256), 3.0, np.float32)
+    for xx in (x, -x, np.concatenate([x, -x, x])):
         check(xx, qt, rt, act)
 
 

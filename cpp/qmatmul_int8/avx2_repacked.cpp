@@ -73,16 +73,23 @@ inline __m256i shift_r(__m256i v) {
 // Split segments (3, 5, 6 bits; repack.h): per chunk of 32 codes, the
 // LB-bit kernel's shift K of low word W, ORed with high word split_hword's
 // shift by split_hshift masked to bits LB.. of each element.
-template <int B, int MB, class T, int W, int K>
-inline void split_step(const __m256i (&cw)[B], const T* xq, int ldx, int64_t x0,
-                       __m256i (&acc)[MB]) {
-  constexpr int P = 4 / int(sizeof(T)), LB = split_low_bits(B);
+template <int B, class T, int W, int K>
+inline __m256i split_code(const __m256i (&cw)[B]) {
+  constexpr int LB = split_low_bits(B);
   const __m256i lo = _mm256_and_si256(shift_r<LB * K>(cw[W]),
                                       _mm256_set1_epi32(int(code_mask<LB, T>())));
   const __m256i hw = cw[LB + split_hword(B, W * (32 / LB))];
   const __m256i hi = _mm256_and_si256(shift_r<split_hshift(B, W, K)>(hw),
                                       _mm256_set1_epi32(int(code_mask<B - LB, T>() << LB)));
-  const __m256i c = _mm256_or_si256(lo, hi);
+  return _mm256_or_si256(lo, hi);
+}
+
+// Step (W, K) of a chunk: its codes times the x rows' quads.
+template <int B, int MB, class T, int W, int K>
+inline void split_step(const __m256i (&cw)[B], const T* xq, int ldx, int64_t x0,
+                       __m256i (&acc)[MB]) {
+  constexpr int P = 4 / int(sizeof(T)), LB = split_low_bits(B);
+  const __m256i c = split_code<B, T, W, K>(cw);
   for (int m = 0; m < MB; ++m) {
     int32_t quad;
     std::memcpy(&quad, xq + int64_t(m) * ldx + x0 + W * (32 / LB) + K * P, 4);
@@ -168,10 +175,140 @@ void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, in
   }
 }
 
+// int8, one x row: both halves of each block in one pass. Each line of
+// words is loaded once (half_blocks reads every line twice, one half per
+// pass), each broadcast of x serves 16 rows, the group's d and xs are
+// broadcast once, and below 8 bits the products of several steps are summed
+// in int16 before one vpmaddwd (at most kMaxPartial steps, so that
+// |steps * 2 * (2^B - 1) * 128| < 2^15), so the int32 sums and the float epilogue are half_blocks',
+// bit for bit. Fewer live vectors also keep the float accumulators in
+// registers (half_blocks' M = 1 loop chained them through the stack).
+template <int B>
+constexpr int kMaxPartial = 32767 / (2 * ((1 << B) - 1) * 128);  // 3 bits 18, 5 bits 4, 6 bits 2
+// Steps per int16 partial sum in a split chunk (8 steps: a divisor of 8).
+template <int B>
+constexpr int kChunkPartial = kMaxPartial<B> >= 8 ? 8 : kMaxPartial<B> >= 4 ? 4 : 2;
+
+// p0/p1 (int16 partial sums of the two halves) into acc0/acc1, after every
+// P-th step t of a word or chunk.
+template <int P, int t>
+inline void flush_partial(__m256i& p0, __m256i& p1, __m256i& acc0, __m256i& acc1) {
+  if constexpr ((t + 1) % P == 0) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(p0, ones));
+    acc1 = _mm256_add_epi32(acc1, _mm256_madd_epi16(p1, ones));
+    p0 = p1 = _mm256_setzero_si256();
+  }
+}
+
+template <int B, int t>
+inline void split_step_m1(const __m256i (&cw0)[B], const __m256i (&cw1)[B], const int8_t* xq,
+                          int64_t x0, __m256i& p0, __m256i& p1, __m256i& acc0, __m256i& acc1) {
+  constexpr int LB = split_low_bits(B), S = 8 / LB, W = t / S, K = t % S;
+  int32_t quad;
+  std::memcpy(&quad, xq + x0 + W * (32 / LB) + K * 4, 4);
+  const __m256i xb = _mm256_set1_epi32(quad);
+  p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(split_code<B, int8_t, W, K>(cw0), xb));
+  p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(split_code<B, int8_t, W, K>(cw1), xb));
+  flush_partial<kChunkPartial<B>, t>(p0, p1, acc0, acc1);
+}
+
+template <int B, int... t>
+inline void split_chunk_m1(const __m256i (&cw0)[B], const __m256i (&cw1)[B], const int8_t* xq,
+                           int64_t x0, __m256i& acc0, __m256i& acc1, std::integer_sequence<int, t...>) {
+  static_assert(sizeof...(t) % kChunkPartial<B> == 0, "a chunk's steps end on a flush");
+  __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+  (split_step_m1<B, t>(cw0, cw1, xq, x0, p0, p1, acc0, acc1), ...);
+}
+
+// Step k of a 2- or 4-bit word pair (w0: rows 0-7, w1: rows 8-15).
+template <int B, int k>
+inline void word_step_m1(__m256i w0, __m256i w1, const int8_t* xw, __m256i& p0, __m256i& p1,
+                         __m256i& acc0, __m256i& acc1) {
+  const __m256i mask = _mm256_set1_epi32(int(code_mask<B, int8_t>()));
+  int32_t quad;
+  std::memcpy(&quad, xw + k * 4, 4);
+  const __m256i xb = _mm256_set1_epi32(quad);
+  p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(_mm256_and_si256(shift_r<k * B>(w0), mask), xb));
+  p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(_mm256_and_si256(shift_r<k * B>(w1), mask), xb));
+  flush_partial<8 / B, k>(p0, p1, acc0, acc1);  // one partial sum per word
+}
+
+template <int B, int... k>
+inline void word_m1(__m256i w0, __m256i w1, const int8_t* xw, __m256i& acc0, __m256i& acc1,
+                    std::integer_sequence<int, k...>) {
+  static_assert(sizeof...(k) <= kMaxPartial<B>, "a word's products fit one int16 partial sum");
+  __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+  (word_step_m1<B, k>(w0, w1, xw, p0, p1, acc0, acc1), ...);
+}
+
+template <int B, int G>
+void full_blocks_m1(const RSeg& s, const RX& x, int b0, int b1, int N, float* y) {
+  constexpr int CPW = 32 / B, WG = G * B / 32;
+  const int8_t* xq = static_cast<const int8_t*>(x.xq);
+  const int ng = s.ngroups;
+  for (int b = b0; b < b1; ++b) {
+    const uint32_t* wb = s.wq + int64_t(b) * s.words * R;
+    const int64_t sb = int64_t(b) * ng * R;
+    __m256 accf0 = _mm256_setzero_ps(), accf1 = _mm256_setzero_ps();
+    for (int g = 0; g < ng; ++g) {
+      __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+      if constexpr (repack_splits(B)) {
+        constexpr int SC = split_low_bits(B) * (8 / split_low_bits(B));  // steps per chunk
+#pragma GCC unroll 4
+        for (int ch = 0; ch < G / 32; ++ch) {
+          const int64_t q = int64_t(g) * (G / 32) + ch;  // chunk: words B*q .. B*q + B-1
+          const uint32_t* wp = wb + B * q * R;
+          prefetch_words<B>(wp);
+          __m256i cw0[B], cw1[B];
+          for (int i = 0; i < B; ++i) {
+            cw0[i] = _mm256_loadu_si256((const __m256i*)(wp + i * R));
+            cw1[i] = _mm256_loadu_si256((const __m256i*)(wp + i * R + H));
+          }
+          split_chunk_m1<B>(cw0, cw1, xq, q * 32, acc0, acc1, std::make_integer_sequence<int, SC>{});
+        }
+      } else {
+#pragma GCC unroll 8
+        for (int jw = 0; jw < WG; ++jw) {
+          const int j = g * WG + jw;
+          const uint32_t* wp = wb + int64_t(j) * R;
+          prefetch_words<B>(wp);
+          const __m256i w0 = _mm256_loadu_si256((const __m256i*)wp);
+          const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wp + H));
+          if constexpr (B == 8) {
+            int32_t quad;
+            std::memcpy(&quad, xq + int64_t(j) * CPW, 4);
+            const __m256i xb = _mm256_set1_epi32(quad);
+            acc0 = idot<8, int8_t>(acc0, w0, xb);
+            acc1 = idot<8, int8_t>(acc1, w1, xb);
+          } else {
+            word_m1<B>(w0, w1, xq + int64_t(j) * CPW, acc0, acc1, std::make_integer_sequence<int, 8 / B>{});
+          }
+        }
+      }
+      const __m256 d = _mm256_set1_ps(x.d[g]), xs = _mm256_set1_ps(x.xs[g]);
+      const int64_t so = sb + int64_t(g) * R;
+      accf0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc0), _mm256_mul_ps(load8(s.scales, so, s.sdt), d), accf0);
+      accf0 = _mm256_fmadd_ps(load8(s.biases, so, s.sdt), xs, accf0);
+      accf1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc1), _mm256_mul_ps(load8(s.scales, so + H, s.sdt), d), accf1);
+      accf1 = _mm256_fmadd_ps(load8(s.biases, so + H, s.sdt), xs, accf1);
+    }
+    // The last block may hold padding rows: add into the real ones only.
+    const int n0 = b * R, nreal = N - n0 < R ? N - n0 : R;
+    alignas(32) float v[R];
+    _mm256_store_ps(v, accf0);
+    _mm256_store_ps(v + H, accf1);
+    float* yp = y + n0;
+    for (int r = 0; r < nreal; ++r) yp[r] += v[r];
+  }
+}
+
 template <int B, int G, class T>
 void seg_kernel(const RSeg& s, const RX& x, int mb, int b0, int b1, int N, float* y, int ldy) {
   switch (mb) {
-    case 1: return half_blocks<B, G, 1, T>(s, x, b0, b1, N, y, ldy);
+    case 1:
+      if constexpr (sizeof(T) == 1) return full_blocks_m1<B, G>(s, x, b0, b1, N, y);
+      return half_blocks<B, G, 1, T>(s, x, b0, b1, N, y, ldy);
     case 2: return half_blocks<B, G, 2, T>(s, x, b0, b1, N, y, ldy);
     case 3: return half_blocks<B, G, 3, T>(s, x, b0, b1, N, y, ldy);
     case 4: return half_blocks<B, G, 4, T>(s, x, b0, b1, N, y, ldy);
