@@ -312,10 +312,14 @@ void seg_kernel(const RSeg& s, const RX& x, int mb, int b0, int b1, int N, float
     case 2: return half_blocks<B, G, 2, T>(s, x, b0, b1, N, y, ldy);
     case 3: return half_blocks<B, G, 3, T>(s, x, b0, b1, N, y, ldy);
     case 4: return half_blocks<B, G, 4, T>(s, x, b0, b1, N, y, ldy);
-    case 5: return half_blocks<B, G, 5, T>(s, x, b0, b1, N, y, ldy);
-    case 6: return half_blocks<B, G, 6, T>(s, x, b0, b1, N, y, ldy);
-    case 7: return half_blocks<B, G, 7, T>(s, x, b0, b1, N, y, ldy);
-    case 8: return half_blocks<B, G, 8, T>(s, x, b0, b1, N, y, ldy);
+    default: {
+      // 5-8 rows: two passes (4 rows, then the rest). AVX2 has 16 vector
+      // registers; 8 rows' int32 and float accumulators alone fill them.
+      half_blocks<B, G, 4, T>(s, x, b0, b1, N, y, ldy);
+      const RX rest{static_cast<const T*>(x.xq) + 4 * int64_t(x.ldx), x.ldx, x.d + 4 * int64_t(x.ldg),
+                    x.xs + 4 * int64_t(x.ldg), x.ldg, x.ix + 4 * int64_t(x.ldg)};
+      return seg_kernel<B, G, T>(s, rest, mb - 4, b0, b1, N, y + 4 * int64_t(ldy), ldy);
+    }
   }
 }
 
