@@ -2,9 +2,10 @@
 // CPUs without AVX512-VNNI: the same consumption order as repacked_vnni.cpp
 // (word j of 16 rows, shift k·B and mask give lane r's codes of row r, 3,
 // 5, 6 bits from their low and high plane words; x in repacked_x_col
-// order), with a block
-// taken as two 256-bit halves (rows
-// 0-7, 8-15) and the integer dots of AVX2:
+// order), with a block taken as two 256-bit halves (rows 0-7, 8-15) and
+// the integer dots of AVX2. One int8 x row reads both halves in one pass
+// (full_blocks_m1); other calls (2-8 rows, int16) take one half per pass
+// (half_blocks), at most 4 rows at a time:
 //   int8:  vpmaddubsw (u8 codes x s8 activations, pairs into int16), then
 //          vpmaddwd by 1 into the row's int32 lane. A pair of 2- to 6-bit
 //          codes stays below 2·63·128, inside int16; 8-bit codes would
@@ -312,8 +313,8 @@ void seg_kernel(const RSeg& s, const RX& x, int mb, int b0, int b1, int N, float
     case 2: return half_blocks<B, G, 2, T>(s, x, b0, b1, N, y, ldy);
     case 3: return half_blocks<B, G, 3, T>(s, x, b0, b1, N, y, ldy);
     case 4: return half_blocks<B, G, 4, T>(s, x, b0, b1, N, y, ldy);
-    default: {
-      // 5-8 rows: two passes (4 rows, then the rest). AVX2 has 16 vector
+    case 5: case 6: case 7: case 8: {
+      // Two passes (4 rows, then the rest): AVX2 has 16 vector
       // registers; 8 rows' int32 and float accumulators alone fill them.
       half_blocks<B, G, 4, T>(s, x, b0, b1, N, y, ldy);
       const RX rest{static_cast<const T*>(x.xq) + 4 * int64_t(x.ldx), x.ldx, x.d + 4 * int64_t(x.ldg),
