@@ -16,6 +16,7 @@ import mixbits
 from mixbits import _ext, ops
 from mixbits.errors import UsageError
 from mixbits.repack import REPACK_BITS, REPACK_ROWS, RepackedTensor
+from cpu_flags import cpu_flags
 from int_contract import CONTRACTS, codes_scales_biases, contract_model, poison_padding, rand_qt
 from reference import OUT_EPS, to_f64
 
@@ -251,8 +252,7 @@ def test_vnni_is_what_this_machine_runs():
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 only")
-    flags = open("/proc/cpuinfo").read()
-    if " avx512_vnni" not in flags:
+    if "avx512_vnni" not in cpu_flags():
         pytest.skip("no AVX512-VNNI on this CPU")
     assert VNNI
 

@@ -15,6 +15,7 @@ import pytest
 import mixbits
 from mixbits import _ext, ops
 from mixbits.repack import REPACK_BITS
+from cpu_flags import cpu_flags
 from int_contract import poison_padding, rand_qt
 from reference import assert_matmul_close, qmatmul_f64
 
@@ -37,7 +38,7 @@ def test_the_in_place_reader_is_what_this_machine_runs():
     has them, above the integer contracts' 16 rows: on this x86 host it must."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 only")
-    if " avx512f" not in open("/proc/cpuinfo").read():
+    if "avx512f" not in cpu_flags():
         pytest.skip("no AVX-512F on this CPU")
     assert min_m("avx512") == 16 and min_m("auto") == 16
     assert min_m("avx2") is None and min_m("ref") is None

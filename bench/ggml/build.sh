@@ -35,16 +35,8 @@ fi
 # BLAS, OpenMP (the harness uses ggml's own threadpool), tests.
 # (GIT_CEILING_DIRECTORIES: ggml's configure asks git for "its" commit and
 # would otherwise find this repository's.)
-ISA="${GGML_ISA:-native}"
-case "$ISA" in
-  native) ISA_FLAGS=(-DGGML_NATIVE=ON); CM="$OUT/cmake"; BIN="$OUT/ggml_mm" ;;
-  # The instruction sets of an AVX2 host without AVX-512 or AVX-VNNI.
-  avx2) ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
-                   -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF
-                   -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF)
-        CM="$OUT/cmake-avx2"; BIN="$OUT/ggml_mm-avx2" ;;
-  *) echo "error: GGML_ISA must be native or avx2, got '$ISA'" >&2; exit 2 ;;
-esac
+source "$(dirname "${BASH_SOURCE[0]}")/isa.sh"
+CM="$OUT/cmake$SUFFIX"; BIN="$OUT/ggml_mm$SUFFIX"
 GIT_CEILING_DIRECTORIES="$SRC" cmake -S "$SRC/ggml" -B "$CM" -DCMAKE_BUILD_TYPE=Release \
   -DBUILD_SHARED_LIBS=OFF "${ISA_FLAGS[@]}" -DGGML_BACKEND_DL=OFF \
   -DGGML_CPU=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF \

@@ -6,8 +6,9 @@
 #
 #   bench/ggml/build_llama_bench.sh          # -> build/ggml/llama-bench
 #   JOBS=2 LLAMA_CPP_PYTHON_VERSION=0.3.36 bench/ggml/build_llama_bench.sh
+#   GGML_ISA=avx2 bench/ggml/build_llama_bench.sh   # -> build/ggml/llama-bench-avx2 (isa.sh)
 #
-# CPU backend only, Release, -march=native (GGML_NATIVE), static libraries,
+# CPU backend only, Release, -march=native (GGML_NATIVE; or isa.sh's set), static libraries,
 # no OpenMP (ggml's own threadpool), no BLAS, no OpenSSL/HTTPS, no tests,
 # examples, server or app: of the tools only the llama-bench target is built
 # (it links libllama and llama-common). The sdist comes from
@@ -16,6 +17,7 @@
 set -euo pipefail
 
 source "$(dirname "${BASH_SOURCE[0]}")/fetch_sdist.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/isa.sh"
 
 # The whole vendored llama.cpp (src/, common/, tools/, vendor/, ggml/), not
 # the submodule's git metadata.
@@ -30,18 +32,19 @@ fi
 
 # GIT_CEILING_DIRECTORIES: the configure asks git for "its" commit and would
 # otherwise find this repository's.
-GIT_CEILING_DIRECTORIES="$SRC" cmake -S "$SRC" -B "$OUT/llama-cmake" -DCMAKE_BUILD_TYPE=Release \
-  -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DGGML_BACKEND_DL=OFF \
+CM="$OUT/llama-cmake$SUFFIX"
+GIT_CEILING_DIRECTORIES="$SRC" cmake -S "$SRC" -B "$CM" -DCMAKE_BUILD_TYPE=Release \
+  -DBUILD_SHARED_LIBS=OFF "${ISA_FLAGS[@]}" -DGGML_BACKEND_DL=OFF \
   -DGGML_CPU=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF \
   -DGGML_OPENMP=OFF -DGGML_LLAMAFILE=ON -DGGML_RPC=OFF \
   -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
   -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_LLGUIDANCE=OFF \
-  >"$OUT/llama-cmake.log" 2>&1 || { tail -30 "$OUT/llama-cmake.log"; exit 1; }
-nice -n 10 cmake --build "$OUT/llama-cmake" --target llama-bench -j "$JOBS"
+  >"$CM.log" 2>&1 || { tail -30 "$CM.log"; exit 1; }
+nice -n 10 cmake --build "$CM" --target llama-bench -j "$JOBS"
 
-BIN=$(find "$OUT/llama-cmake" -type f -name llama-bench -perm -u+x | head -1)
-[ -n "$BIN" ] || { echo "error: no llama-bench under $OUT/llama-cmake" >&2; exit 1; }
-cp -f "$BIN" "$OUT/llama-bench"
-echo "built $OUT/llama-bench (llama-cpp-python==$VERSION)"
-"$OUT/llama-bench" --help 2>&1 | head -5 || true
+BIN=$(find "$CM" -type f -name llama-bench -perm -u+x | head -1)
+[ -n "$BIN" ] || { echo "error: no llama-bench under $CM" >&2; exit 1; }
+cp -f "$BIN" "$OUT/llama-bench$SUFFIX"
+echo "built $OUT/llama-bench$SUFFIX (llama-cpp-python==$VERSION, GGML_ISA=$ISA)"
+"$OUT/llama-bench$SUFFIX" --help 2>&1 | head -5 || true

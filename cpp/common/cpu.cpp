@@ -2,6 +2,9 @@
 // an AVX instruction.
 #include "common/cpu.h"
 
+#include <cstdlib>
+#include <cstring>
+
 namespace mixbits {
 
 bool cpu_has_avx2() { return cpu_isa().avx2; }
@@ -18,6 +21,13 @@ const CpuIsa& cpu_isa() {
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
     c.avxvnni = c.avx2 && __builtin_cpu_supports("avxvnni");
 #endif
+    // MIXBITS_ISA=avx2 holds the kernels to AVX2 + FMA + F16C, as on a CPU
+    // without AVX-512 or AVX-VNNI: every "auto" choice then takes the AVX2
+    // rows, so one host can test and time what such a CPU runs. Read once,
+    // here; the Python package refuses any value but native and avx2 at
+    // import (mixbits/_backends.py), so a typo never silently runs native.
+    if (const char* cap = std::getenv("MIXBITS_ISA"); cap && std::strcmp(cap, "avx2") == 0)
+      c.avx512f = c.avx512vnni = c.avxvnni = false;
 #endif
     return c;
   }();

@@ -8,8 +8,9 @@ namespace mixbits {
 // anywhere in them). False on builds without the AVX2 files.
 bool cpu_has_avx2();
 
-// What this CPU can run, resolved once on first use (CPUID, never an
-// environment variable), so a kernel choice costs a load per call.
+// What this CPU can run, resolved once on first use (CPUID, and the
+// MIXBITS_ISA=avx2 cap read at the same moment, never per call), so a
+// kernel choice costs a load per call.
 struct CpuIsa {
   bool avx2 = false;        // AVX2 + FMA + F16C (see cpu_has_avx2)
   bool avx512f = false;     // 16-lane float kernels

@@ -8,10 +8,28 @@ still imports.)"""
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
+
+from .errors import UsageError
 
 BACKENDS = {"auto": 0, "ref": 1, "avx2": 2, "neon": 3, "avx512": 4}
 _NAMES = {v: k for k, v in BACKENDS.items()}
+
+
+# MIXBITS_ISA: the instruction sets the x86 kernels may use, read once by
+# the extension when it first resolves the CPU's (cpp/common/cpu.cpp).
+# "avx2" holds them to AVX2 + FMA + F16C, as on a CPU without AVX-512.
+ISA_LIMITS = ("native", "avx2")
+
+
+def check_isa_limit(environ=os.environ) -> None:
+    """Refuse a MIXBITS_ISA the extension would not understand (it would run
+    the CPU's full set without a word), before anything runs."""
+    value = environ.get("MIXBITS_ISA")
+    if value is not None and value not in ISA_LIMITS:
+        raise UsageError(f"MIXBITS_ISA must be one of {', '.join(ISA_LIMITS)} (or unset), got {value!r}")
 
 
 def names(ids) -> list[str]:
