@@ -89,6 +89,16 @@ def test_other_values_are_refused_at_import(value):
     assert "MIXBITS_ISA must be one of native, avx2" in r.stderr and repr(value) in r.stderr
 
 
+def test_avx2_cap_refused_off_x86(monkeypatch):
+    from mixbits import _backends
+    from mixbits.errors import UsageError
+
+    monkeypatch.setattr(_backends.platform, "machine", lambda: "arm64")
+    with pytest.raises(UsageError, match="caps the x86 kernels; this is arm64"):
+        _backends.check_isa_limit({"MIXBITS_ISA": "avx2"})
+    _backends.check_isa_limit({"MIXBITS_ISA": "native"})  # accepted everywhere
+
+
 # The suites whose ops choose their own kernels on the CPU.
 KERNEL_SUITES = ["test_qmatmul.py", "test_qmatmul_int8.py", "test_qmatmul_transposed.py",
                  "test_repack.py", "test_repack_56.py", "test_repack_stacks.py", "test_gather.py",

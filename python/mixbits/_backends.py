@@ -9,6 +9,7 @@ still imports.)"""
 from __future__ import annotations
 
 import os
+import platform
 
 import mlx.core as mx
 
@@ -30,6 +31,8 @@ def check_isa_limit(environ=os.environ) -> None:
     value = environ.get("MIXBITS_ISA")
     if value is not None and value not in ISA_LIMITS:
         raise UsageError(f"MIXBITS_ISA must be one of {', '.join(ISA_LIMITS)} (or unset), got {value!r}")
+    if value == "avx2" and platform.machine().lower() not in ("x86_64", "amd64"):
+        raise UsageError(f"MIXBITS_ISA=avx2 caps the x86 kernels; this is {platform.machine()}: unset it")
 
 
 def names(ids) -> list[str]:
