@@ -10,6 +10,7 @@ test forces backend="avx2"). Planted bug: the cap not read (cpu.cpp) fails
 test_avx2_cap_hides_avx512 and test_auto_is_avx2_under_the_cap.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -97,6 +98,18 @@ def test_avx2_cap_refused_off_x86(monkeypatch):
     with pytest.raises(UsageError, match="caps the x86 kernels; this is arm64"):
         _backends.check_isa_limit({"MIXBITS_ISA": "avx2"})
     _backends.check_isa_limit({"MIXBITS_ISA": "native"})  # accepted everywhere
+
+
+@pytest.mark.skipif(not X86_AVX2, reason="needs an x86 CPU with AVX2 (the cap's only effect)")
+def test_bench_says_when_it_ran_under_the_cap(tmp_path):
+    out = tmp_path / "b.json"
+    code = ("from mixbits.cli import main; raise SystemExit(main(['bench', '--shapes', '64x128', '--m', '1', "
+            f"'--kinds', '4bit', '--no-baselines', '--min-time', '0.01', '--json', {str(out)!r}]))")
+    r = run_child(code, "avx2")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["machine"]["isa_limit"] == "avx2" and res["machine"]["backends"] == ["ref", "avx2"]
+    assert any(n.startswith("MIXBITS_ISA=avx2") for n in res["notes"])
 
 
 # The suites whose ops choose their own kernels on the CPU.

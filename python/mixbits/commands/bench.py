@@ -383,6 +383,7 @@ def machine_info() -> dict:
     return {"platform": platform.platform(), "machine": platform.machine(),
             "python": sys.version.split()[0], "threads": _ext.num_threads(),
             "backends": ops.available_backends(),
+            "isa_limit": os.environ.get("MIXBITS_ISA", "native"),  # avx2: held to AVX2 (README)
             # Other processes on the machine skew absolute times (ratios less).
             "loadavg_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
             "openblas_env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
@@ -520,6 +521,9 @@ def run(args) -> int:
             raise SystemExit(f"--backend {args.backend}: not available on this CPU "
                              f"(available: {', '.join(ops.available_backends())})")
         notes.append(f"mixbits ran backend={args.backend!r} (forced)")
+    if os.environ.get("MIXBITS_ISA") == "avx2":
+        notes.append("MIXBITS_ISA=avx2: every mixbits kernel held to AVX2 + FMA + F16C, as on a CPU "
+                     "without AVX-512 (auto and --backend avx512 take the AVX2 rows or are refused)")
     if args.vs_float and args.activations == "float":
         raise SystemExit("--vs-float compares an integer --activations with the float one: "
                          "pass e.g. --activations int8-all")
