@@ -1,4 +1,5 @@
-// The set-up every CPU eval repeats before it dispatches its task: allocate each output, register inputs and outputs
+// The set-up every CPU eval repeats before it dispatches its task:
+// allocate each output, register inputs and outputs
 // with the stream's command encoder (so MLX orders the task against other
 // work on them), and hand the task weak copies of the outputs (capturing
 // the arrays themselves would keep the graph alive).

@@ -71,6 +71,24 @@ inline __m256i shift_r(__m256i v) {
   else return v;
 }
 
+// Shift k's codes of a word of B-bit codes (bytes for int8, 16-bit halves
+// for int16): the word shifted by k*B, masked unless the codes fill it.
+template <int B, class T>
+inline __m256i word_code(__m256i w, int k) {
+  constexpr uint32_t kMask = code_mask<B, T>();
+  const __m256i c = k == 0 ? w : _mm256_srli_epi32(w, k * B);
+  if constexpr (kMask == 0xFFFFFFFFu) return c;
+  else return _mm256_and_si256(c, _mm256_set1_epi32(int(kMask)));
+}
+
+// One group's float epilogue for 8 rows and one x row: accf plus the exact
+// integer dot times scales * d, plus biases * xs (the activation sum).
+inline __m256 group_epilogue(__m256 accf, __m256i iq, __m256 scales, __m256 biases, __m256 d,
+                             __m256 xs) {
+  accf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iq), _mm256_mul_ps(scales, d), accf);
+  return _mm256_fmadd_ps(biases, xs, accf);
+}
+
 // Split segments (3, 5, 6 bits; repack.h): per chunk of 32 codes, the
 // LB-bit kernel's shift K of low word W, ORed with high word split_hword's
 // shift by split_hshift masked to bits LB.. of each element.
@@ -113,10 +131,8 @@ void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, in
   constexpr int S = repack_splits(B) ? 1 : 8 * int(sizeof(T)) / B;  // shifts per word
   constexpr int CPW = 32 / B;                                       // codes per word
   constexpr int WG = G * B / 32;                                    // words per group
-  constexpr uint32_t kMask = code_mask<split_low_bits(B), T>();
   const T* xq = static_cast<const T*>(x.xq);
   const int ng = s.ngroups;
-  const __m256i mask = _mm256_set1_epi32(int(kMask));
   for (int b = b0; b < b1; ++b) {
     for (int h = 0; h < 2; ++h) {
       const uint32_t* wb = s.wq + int64_t(b) * s.words * R + h * H;
@@ -144,8 +160,7 @@ void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, in
           prefetch_words<B>(wb + int64_t(j) * R);
 #pragma GCC unroll 8
           for (int k = 0; k < S; ++k) {
-            __m256i c = k == 0 ? w : _mm256_srli_epi32(w, k * B);
-            if constexpr (kMask != 0xFFFFFFFFu) c = _mm256_and_si256(c, mask);
+            const __m256i c = word_code<B, T>(w, k);
             for (int m = 0; m < MB; ++m) {
               int32_t quad;
               std::memcpy(&quad, xq + int64_t(m) * x.ldx + int64_t(j) * CPW + k * (4 / sizeof(T)),
@@ -157,9 +172,8 @@ void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, in
         const __m256 s8 = load8(s.scales, sb + int64_t(g) * R, s.sdt);
         const __m256 b8 = load8(s.biases, sb + int64_t(g) * R, s.sdt);
         for (int m = 0; m < MB; ++m) {
-          const __m256 sd = _mm256_mul_ps(s8, _mm256_set1_ps(x.d[int64_t(m) * x.ldg + g]));
-          accf[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), sd, accf[m]);
-          accf[m] = _mm256_fmadd_ps(b8, _mm256_set1_ps(x.xs[int64_t(m) * x.ldg + g]), accf[m]);
+          accf[m] = group_epilogue(accf[m], acc[m], s8, b8, _mm256_set1_ps(x.d[int64_t(m) * x.ldg + g]),
+                                   _mm256_set1_ps(x.xs[int64_t(m) * x.ldg + g]));
         }
       }
       // The last block may hold padding rows: add into the real ones only.
@@ -226,12 +240,11 @@ inline void split_chunk_m1(const __m256i (&cw0)[B], const __m256i (&cw1)[B], con
 template <int B, int k>
 inline void word_step_m1(__m256i w0, __m256i w1, const int8_t* xw, __m256i& p0, __m256i& p1,
                          __m256i& acc0, __m256i& acc1) {
-  const __m256i mask = _mm256_set1_epi32(int(code_mask<B, int8_t>()));
   int32_t quad;
   std::memcpy(&quad, xw + k * 4, 4);
   const __m256i xb = _mm256_set1_epi32(quad);
-  p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(_mm256_and_si256(shift_r<k * B>(w0), mask), xb));
-  p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(_mm256_and_si256(shift_r<k * B>(w1), mask), xb));
+  p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(word_code<B, int8_t>(w0, k), xb));
+  p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(word_code<B, int8_t>(w1, k), xb));
   flush_partial<8 / B, k>(p0, p1, acc0, acc1);  // one partial sum per word
 }
 
@@ -289,10 +302,9 @@ void full_blocks_m1(const RSeg& s, const RX& x, int b0, int b1, int N, float* y)
       }
       const __m256 d = _mm256_set1_ps(x.d[g]), xs = _mm256_set1_ps(x.xs[g]);
       const int64_t so = sb + int64_t(g) * R;
-      accf0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc0), _mm256_mul_ps(load8(s.scales, so, s.sdt), d), accf0);
-      accf0 = _mm256_fmadd_ps(load8(s.biases, so, s.sdt), xs, accf0);
-      accf1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc1), _mm256_mul_ps(load8(s.scales, so + H, s.sdt), d), accf1);
-      accf1 = _mm256_fmadd_ps(load8(s.biases, so + H, s.sdt), xs, accf1);
+      accf0 = group_epilogue(accf0, acc0, load8(s.scales, so, s.sdt), load8(s.biases, so, s.sdt), d, xs);
+      accf1 = group_epilogue(accf1, acc1, load8(s.scales, so + H, s.sdt), load8(s.biases, so + H, s.sdt),
+                             d, xs);
     }
     // The last block may hold padding rows: add into the real ones only.
     const int n0 = b * R, nreal = N - n0 < R ? N - n0 : R;
