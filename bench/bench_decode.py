@@ -244,7 +244,7 @@ def main(argv=None):
     backends = ops.available_backends()  # what the kernels may use (MIXBITS_ISA=avx2 caps it)
     print(f"load average {os.getloadavg()}; CPU flags: {' '.join(flags)}; "
           f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}; "
-          f"mixbits backends: {', '.join(backends)} (MIXBITS_ISA={os.environ.get('MIXBITS_ISA', 'native')})",
+          f"mixbits backends: {', '.join(backends)} (MIXBITS_ISA={ops.isa_limit()})",
           flush=True)
     setup_cpu_one_thread()
     rows, llama_runs = [], []
@@ -280,7 +280,7 @@ def main(argv=None):
                     "llama.cpp: its samples_ns); 1 thread (mixbits set_max_threads(1), OPENBLAS_NUM_THREADS=1, "
                     "llama-bench -t 1)",
            "load_average": os.getloadavg()[0], "cpu_flags": flags, "mixbits_backends": backends,
-           "mixbits_isa": os.environ.get("MIXBITS_ISA", "native"), "rows": rows}
+           "mixbits_isa": ops.isa_limit(), "rows": rows}
     ratios = round_ratios(rows)
     if ratios:
         res["vs_llama_cpp_cpu"] = ratios

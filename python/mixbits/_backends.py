@@ -25,11 +25,16 @@ _NAMES = {v: k for k, v in BACKENDS.items()}
 ISA_LIMITS = ("native", "avx2")
 
 
+def isa_limit(environ=os.environ) -> str:
+    """MIXBITS_ISA as set ("native" when unset): what the records of a run say."""
+    return environ.get("MIXBITS_ISA", "native")
+
+
 def check_isa_limit(environ=os.environ) -> None:
     """Refuse a MIXBITS_ISA the extension would not understand (it would run
     the CPU's full set without a word), before anything runs."""
-    value = environ.get("MIXBITS_ISA")
-    if value is not None and value not in ISA_LIMITS:
+    value = isa_limit(environ)
+    if value not in ISA_LIMITS:
         raise UsageError(f"MIXBITS_ISA must be one of {', '.join(ISA_LIMITS)} (or unset), got {value!r}")
     if value == "avx2" and platform.machine().lower() not in ("x86_64", "amd64"):
         raise UsageError(f"MIXBITS_ISA=avx2 caps the x86 kernels; this is {platform.machine()}: unset it")

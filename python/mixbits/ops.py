@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import _ext
-from ._backends import BACKENDS, backend_id, names
+from ._backends import BACKENDS, backend_id, isa_limit, names  # noqa: F401  (isa_limit: for the benches)
 from .errors import UsageError
 from .layout import BITS, DEFAULT_GROUP_SIZE, FLOAT_DTYPES, GROUP_SIZES, QuantizedTensor, Segment, check_int
 from .repack import REPACK_BITS, REPACK_ROWS, RepackedSegment, RepackedTensor

@@ -377,24 +377,26 @@ def page_policy(path: str = THP_POLICY) -> dict:
     return {"transparent_hugepage": thp, "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}
 
 
-def machine_info() -> dict:
+def machine_info(pages: dict) -> dict:
+    """The machine record of a run; ``pages``: its page_policy(), read once
+    by the run (it also prints it)."""
     from mixbits import _ext, ops
 
     return {"platform": platform.platform(), "machine": platform.machine(),
             "python": sys.version.split()[0], "threads": _ext.num_threads(),
             "backends": ops.available_backends(),
-            "isa_limit": os.environ.get("MIXBITS_ISA", "native"),  # avx2: held to AVX2 (README)
+            "isa_limit": ops.isa_limit(),  # avx2: held to AVX2 (README)
             # Other processes on the machine skew absolute times (ratios less).
             "loadavg_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
             "openblas_env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
                                                         "OPENBLAS_NUM_THREADS")
                              if k in os.environ},
-            "pages": page_policy()}
+            "pages": pages}
 
 
-def save_json(path: str, probe: dict, rows: list[Row], notes: list[str],
+def save_json(path: str, machine: dict, probe: dict, rows: list[Row], notes: list[str],
               extra: dict | None = None) -> None:
-    data = {"machine": machine_info(), "probe_gbps": probe, "notes": notes,
+    data = {"machine": machine, "probe_gbps": probe, "notes": notes,
             "m8_over_m1": m8_over_m1(rows),
             "rows": [{"case": asdict(r.case), "bpw": r.bpw, "weight_bytes": r.weight_bytes,
                       "times": r.times, **r.derived(probe["dram"])} for r in rows],
@@ -521,7 +523,7 @@ def run(args) -> int:
             raise SystemExit(f"--backend {args.backend}: not available on this CPU "
                              f"(available: {', '.join(ops.available_backends())})")
         notes.append(f"mixbits ran backend={args.backend!r} (forced)")
-    if os.environ.get("MIXBITS_ISA") == "avx2":
+    if ops.isa_limit() == "avx2":
         notes.append("MIXBITS_ISA=avx2: every mixbits kernel held to AVX2 + FMA + F16C, as on a CPU "
                      "without AVX-512 (auto and --backend avx512 take the AVX2 rows or are refused)")
     if args.vs_float and args.activations == "float":
@@ -640,6 +642,6 @@ def run(args) -> int:
                      f"{threads} thread(s); activation quantization inside the op is timed")
         extra = {**(extra or {}), "ggml": {"info": parsed["info"], "command": parsed["command"],
                                            "results": parsed["rows"], "comparison": recs}}
-    save_json(args.json, probe, rows, notes, extra)
+    save_json(args.json, machine_info(pages), probe, rows, notes, extra)
     print(f"saved {args.json}")
     return 0
