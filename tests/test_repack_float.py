@@ -1,7 +1,7 @@
 """The float contract on repacked weights (issue 16, prefill): calls with
 more rows than the small-M kernels take read the row-interleaved blocks in
-place on AVX-512 (cpp/qmatmul/avx2_panel_r.cpp packs the prefill GEMM's
-panels from them) and must give bit for bit what the same kernel gives on
+place on AVX-512 and AVX2 (cpp/qmatmul/avx2_panel_r.cpp packs the prefill
+GEMM's panels from them) and must give bit for bit what the same kernel gives on
 MLX's layout of the same weight, and the float64 reference (numpy of
 mx.dequantize) to float32 accumulation. Calls the in-place reader does not
 take (fewer rows, other backends) un-repack W: compared the same way."""
@@ -19,14 +19,14 @@ from cpu_flags import cpu_flags
 from int_contract import poison_padding, rand_qt
 from reference import assert_matmul_close, qmatmul_f64
 
-AVX512 = "avx512" in ops.available_backends()
-# 17, 33: fewer rows than the float table's small-M kernels take (on
+HAVE = ops.available_backends()
+# 17, 33: fewer rows than the AVX-512 float row's small-M kernels take (on
 # MLX's layout); 41 the first row count its panels take; 64 a prompt; 130:
-# two panels of x rows plus a tail. On AVX-512 a repacked weight takes the
+# two panels of x rows plus a tail. On x86 a repacked weight takes the
 # panels from 17 rows on (16 and fewer: the integer kernels, or under the
 # float contract its un-repacked W, the original layout's bits).
 MS = (17, 33, 41, 64, 130)
-BACKENDS = [b for b in ("auto", "avx512") if b == "auto" or AVX512]
+BACKENDS = ["auto"] + [b for b in ("avx2", "avx512") if b in HAVE]
 
 
 def min_m(backend):
@@ -34,25 +34,33 @@ def min_m(backend):
 
 
 def test_the_in_place_reader_is_what_this_machine_runs():
-    """The bitwise tests below reach the packers only where the AVX-512 row
-    has them, above the integer contracts' 16 rows: on this x86 host it must."""
+    """The bitwise tests below reach the packers only where a row has them
+    (AVX-512 and AVX2), above the integer contracts' 16 rows: on this x86
+    host they must."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 only")
-    if "avx512f" not in cpu_flags():
-        pytest.skip("no AVX-512F on this CPU")
-    assert min_m("avx512") == 16 and min_m("auto") == 16
-    assert min_m("avx2") is None and min_m("ref") is None
+    if "avx2" not in cpu_flags():
+        pytest.skip("no AVX2 on this CPU")
+    rows = ["auto", "avx2"] + (["avx512"] if "avx512f" in cpu_flags() else [])
+    for b in rows:
+        assert min_m(b) == 16, b
+    assert min_m("ref") is None
     # ... for every width the layout has (a weight with a width it lacks
     # would silently take the un-repack path instead).
-    for b in ("avx512", "auto"):
+    for b in rows:
         assert _ext.repacked_float_bits(ops._backend_id(b)) == list(REPACK_BITS)
     assert _ext.repacked_float_bits(ops._backend_id("ref")) == []
     assert min(MS) <= 40 < max(MS)  # both regimes of the original layout
 
 
-# The AVX-512 float row's small_m (avx2_table.h): on MLX's layout, calls of
-# more rows take the panels, which the repacked layout takes at every M.
-PANEL_ROWS = 40
+# Each float row's small_m (avx2_table.h): on MLX's layout, calls of more
+# rows take the panels, which the repacked layout takes at every M.
+PANEL_ROWS = {"avx512": 40, "avx2": 16}
+
+
+def panel_rows(backend):
+    row = backend if backend != "auto" else next(b for b in ("avx512", "avx2") if b in HAVE)
+    return PANEL_ROWS[row]
 
 
 def check(x, qt, rt, backend, act="float"):
@@ -65,7 +73,7 @@ def check(x, qt, rt, backend, act="float"):
     ref, mag = qmatmul_f64(x, qt)
     assert_matmul_close(got, ref, mag)
     rows = int(np.prod(x.shape[:-1]))
-    if min_m(backend) is not None and rows <= PANEL_ROWS:
+    if min_m(backend) is not None and rows <= panel_rows(backend):
         assert_matmul_close(want, ref, mag)  # another summation order, same contract
         return
     a, b = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))

@@ -26,7 +26,7 @@ namespace mixbits {
 
 extern const QmmTable kQmmAvx2 = {
     "avx2", /*small_m=*/16, /*max_mb=*/8, &kGemvAvx2, &kDequantAvx2,
-    /*mr=*/4, /*nr=*/3, kMicroAvx2, nullptr, t_item_avx2};
+    /*mr=*/4, /*nr=*/3, kMicroAvx2, &kGemmAvx2, t_item_avx2};
 // The 16-lane small-M kernel is measured fastest in passes of at most 4
 // rows (4 W rows x 4 x-rows of accumulators); more rows per pass run out of
 // registers, and re-decoding W per pass is cheaper than spilling.
@@ -36,11 +36,11 @@ extern const QmmTable kQmmAvx512 = {
 
 namespace {
 
-constexpr int kNB = 48;  // GEMM: W rows per dequantized tile (kKC columns)
-// Forward GEMM: W rows per packed tile (kPKC columns), a multiple of every
-// row's panel width; the tile (384 KB) stays in L2 while all of x streams
-// past it. 96..480 rows x 256..768 columns tried; differences were within
-// this shared machine's noise except kc = 256 (slower).
+// Forward GEMM: W rows per packed tile (kc columns), a multiple of every
+// row's panel width; the tile (384 KB at kc 512) stays in L2 while all of
+// x streams past it. With the AVX-512 row, 96..480 rows x 256..768
+// columns tried; differences were within this shared machine's noise
+// except kc = 256 (slower).
 constexpr int kPNB = 192;
 
 // A float buffer with 64-byte aligned data (whole cache lines, aligned
@@ -57,7 +57,6 @@ struct AlignedBuf {
 // Everything one call prepares once and every worker reads.
 struct Prepared {
   int M = 0, K = 0;
-  std::vector<float> xd;  // [M, K] decode order (GEMM path)
   // Forward GEMM: x packed per kc block of each segment (avx2_panel.cpp):
   // the block at column kg (width kc) starts at xp + Mp*kg and holds Mp/mr
   // micro-panels of kc*mr floats; Mp = M rounded up to mr, rows past M zero.
@@ -111,46 +110,14 @@ void small_slice(const QmmTable& t, const Prepared& pr, const QMatView& w,
   }
 }
 
-// The AVX2 row's large-M path (the AVX-512 row has panel_slice): row-major
-// dequantized tiles and dot-product micro-kernels. Rows of x run all at
-// once over each tile: blocks of 96 rows (x in L2) were measured slower
-// here than one pass over all rows.
-void gemm_slice(const QmmTable& t, const Prepared& pr, const QMatView& w,
-                const std::vector<SegKernels>& ks, float* y, int n0, int n1) {
-  const int N = w.N, M = pr.M, K = pr.K;
-  thread_local std::vector<float> tile;
-  tile.resize(size_t(kNB) * kKC);
-  for (int m = 0; m < M; ++m)
-    std::fill(y + int64_t(m) * N + n0, y + int64_t(m) * N + n1, 0.0f);
-  for (size_t si = 0; si < w.segs.size(); ++si) {
-    const SegView& s = w.segs[si];
-    for (int c0 = 0; c0 < s.k; c0 += kKC) {
-      const int c1 = std::min(s.k, c0 + kKC), kc = c1 - c0;
-      for (int nt = n0; nt < n1; nt += kNB) {
-        const int nb = std::min(kNB, n1 - nt);
-        ks[si].dequant(s, w.sdtype, nt, nb, c0, c1, tile.data(), kKC);
-        const float* xb = pr.xd.data() + s.k0 + c0;
-        for (int m = 0; m < M; m += t.mr) {
-          const int mr = std::min(t.mr, M - m);
-          for (int j = 0; j < nb; j += t.nr) {
-            const int nr = std::min(t.nr, nb - j);
-            t.micro[mr][nr](xb + int64_t(m) * K, K, tile.data() + j * kKC, kKC, kc,
-                            y + int64_t(m) * N + nt + j, N);
-          }
-        }
-      }
-    }
-  }
-}
-
 // x rows of micro-panels [b0, b1) into pr.xp, for every kc block.
 void pack_x(const GemmRow& g, const float* x, const QMatView& w, Prepared& pr, int b0,
             int b1) {
   const int K = pr.K, mr = g.mr;
-  std::vector<float> row(kPKC);
+  std::vector<float> row(g.kc);
   for (const SegView& s : w.segs)
-    for (int c0 = 0; c0 < s.k; c0 += kPKC) {
-      const int kc = std::min(kPKC, s.k - c0), kg = s.k0 + c0;
+    for (int c0 = 0; c0 < s.k; c0 += g.kc) {
+      const int kc = std::min(g.kc, s.k - c0), kg = s.k0 + c0;
       for (int b = b0; b < b1; ++b) {
         float* panel = pr.xp + int64_t(pr.Mp) * kg + int64_t(b) * mr * kc;
         for (int i = 0; i < mr; ++i) {
@@ -179,18 +146,22 @@ void panel_slice(const QmmTable& t, const Prepared& pr, const QMatView& w,
     std::fill(y + int64_t(m) * N + n0, y + int64_t(m) * N + n1, 0.0f);
   for (size_t si = 0; si < w.segs.size(); ++si) {
     const SegView& s = w.segs[si];
-    for (int c0 = 0; c0 < s.k; c0 += kPKC) {
-      const int c1 = std::min(s.k, c0 + kPKC), kc = c1 - c0;
+    for (int c0 = 0; c0 < s.k; c0 += g.kc) {
+      const int c1 = std::min(s.k, c0 + g.kc), kc = c1 - c0;
       const float* xb = pr.xp + int64_t(pr.Mp) * (s.k0 + c0);
       for (int nt = n0; nt < n1; nt += kPNB) {
         const int nb = std::min(kPNB, n1 - nt);
         ks[si].pack(s, w.sdtype, ks[si].dequant, nt, nb, c0, c1, tile, g.pw);
-        for (int m = 0; m < M; m += g.mr) {
-          const float* xpanel = xb + int64_t(m) * kc;
-          const int mr = std::min(g.mr, M - m);
+        const auto run = [&](int m, int q) {
+          g.micro(xb + int64_t(m) * kc, tile + int64_t(q) * kc, kc, y + int64_t(m) * N + nt + q, N,
+                  std::min(g.mr, M - m), std::min(g.pw, nb - q));
+        };
+        if (g.w_panel_in_l1) {
           for (int q = 0; q < nb; q += g.pw)
-            g.micro(xpanel, tile + int64_t(q) * kc, kc, y + int64_t(m) * N + nt + q, N, mr,
-                    std::min(g.pw, nb - q));
+            for (int m = 0; m < M; m += g.mr) run(m, q);
+        } else {
+          for (int m = 0; m < M; m += g.mr)
+            for (int q = 0; q < nb; q += g.pw) run(m, q);
         }
       }
     }
@@ -205,14 +176,11 @@ void run_table(const QmmTable& t, const float* x, int M, const QMatView& w, floa
   // A repacked view is read only by the panel packers, also below small_m
   // (the small-M kernels have no reader for it; padding x to the
   // micro-panel's rows beats un-repacking W on every call).
-  const PackWCols* pack_r = t.gemm ? t.gemm->pack_r : nullptr;
+  const PackWCols* pack_r = t.gemm->pack_r;
   std::vector<SegKernels> ks;
   for (const SegView& s : w.segs) {
     const int c = group_size_col(s.group_size);
-    const PackWFn pack = !t.gemm      ? nullptr
-                         : !w.repacked ? t.gemm->pack
-                         : pack_r      ? (*pack_r)[s.bits][c]
-                                       : nullptr;
+    const PackWFn pack = !w.repacked ? t.gemm->pack : pack_r ? (*pack_r)[s.bits][c] : nullptr;
     if (w.repacked && !pack)
       throw std::logic_error(std::string("qmatmul ") + t.name + ": no repacked reader for " +
                              std::to_string(s.bits) + "-bit segments");
@@ -238,7 +206,7 @@ void run_table(const QmmTable& t, const float* x, int M, const QMatView& w, floa
     parallel_for(w.N, 16, [&](int64_t n0, int64_t n1) {
       small_slice(t, pr, w, ks, y, int(n0), int(n1));
     });
-  } else if (t.gemm) {
+  } else {
     const GemmRow& g = *t.gemm;
     pr.Mp = (M + g.mr - 1) / g.mr * g.mr;
     pr.xp = pr.xpb.get(size_t(pr.Mp) * K);
@@ -250,15 +218,6 @@ void run_table(const QmmTable& t, const float* x, int M, const QMatView& w, floa
     parallel_for(np, 2, [&](int64_t p0, int64_t p1) {
       panel_slice(t, pr, w, ks, y, int(p0) * g.pw, std::min<int>(w.N, int(p1) * g.pw));
     });
-  } else {
-    pr.xd.resize(size_t(M) * K);
-    parallel_for(M, 32, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m)
-        to_decode_order(x + m * K, K, pr.xd.data() + m * K);
-    });
-    parallel_for(w.N, kNB, [&](int64_t n0, int64_t n1) {
-      gemm_slice(t, pr, w, ks, y, int(n0), int(n1));
-    });
   }
 }
 
@@ -268,7 +227,7 @@ void run_table(const QmmTable& t, const float* x, int M, const QMatView& w, floa
 // un-repack, so they stay bit for bit the small-M kernels' result on MLX's
 // layout: repacking changes no float-contract decode bit.
 QmmRepacked qmm_repacked_of(const QmmTable& t, QmmRun run) {
-  if (!t.gemm || !t.gemm->pack_r) return {};
+  if (!t.gemm->pack_r) return {};
   uint32_t bits = 0;
   for (int b = 0; b < 9; ++b) {
     const auto& cols = (*t.gemm->pack_r)[b];

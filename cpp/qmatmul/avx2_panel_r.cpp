@@ -10,7 +10,10 @@
 // panel ([kc][pw], lane = W row). pack_w16 dequantizes 16 rows of MLX's
 // layout row-major instead and transposes them.
 //
-// Bit for bit the panels pack_w16 builds from MLX's layout, so the result
+// Both rows: the 16-lane packers take a block as one register, the 8-lane
+// ones (AVX2) as two halves of 8 rows, each 32 bytes of the block's line.
+//
+// Bit for bit the panels pack_w16 (pack_w8) builds from MLX's layout, so the result
 // is bit for bit the original layout's (same micro-kernel, same FMA order):
 //  - the same value per (row, column): fma(q, s, b), rounded once.
 //    dequant_tile computes fma(q*2^e, s*2^-e, b): the same exact product
@@ -23,6 +26,7 @@
 #include "qmatmul/avx2_decode.h"
 #include "qmatmul/avx2_table.h"
 #include "qmatmul_int8/repack.h"
+#include "qmatmul_int8/x86_load8.h"
 
 // The scale loader the VNNI GEMV uses too, compiled for MIXBITS_AVX512's
 // target so the packers below can inline it.
@@ -124,6 +128,86 @@ MIXBITS_AVX512 void pack_r16(const SegView& s, DType sdt, DequantFn, int n, int 
 template <int B>
 constexpr PackWFn pack_col[3] = {pack_r16<B, 32>, pack_r16<B, 64>, pack_r16<B, 128>};
 
+// ------------------------------------------------------------ 8 lanes (AVX2)
+
+// put, group_words and group_split for one 8-row half of a block: wq at
+// the half's first word, dst at its first lane of the panel row.
+inline void put8(__m256i q, __m256 sv, __m256 bv, float* row) {
+  _mm256_store_ps(row, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), sv, bv));
+}
+
+template <int B, int G>
+inline void group_words8(const uint32_t* wq, __m256 sv, __m256 bv, float* dst, int pw) {
+  constexpr int CPW = 32 / B;
+  const __m256i mask = _mm256_set1_epi32((1 << B) - 1);
+  for (int j = 0; j < G / CPW; ++j) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(wq + j * kRepackRows));
+#pragma GCC unroll 16
+    for (int t = 0; t < CPW; ++t)
+      put8(_mm256_and_si256(_mm256_srli_epi32(v, t * B), mask), sv, bv,
+           dst + int64_t(decode_pos(j * CPW + t)) * pw);
+  }
+}
+
+template <int B, int G>
+inline void group_split8(const uint32_t* wq, __m256 sv, __m256 bv, float* dst, int pw) {
+  constexpr int LB = split_low_bits(B), HB = B - LB, CW = 32 / LB;
+  const __m256i mlo = _mm256_set1_epi32((1 << LB) - 1);
+  const __m256i mhi = _mm256_set1_epi32(((1 << HB) - 1) << LB);
+  for (int ch = 0; ch < G / 32; ++ch) {
+    const uint32_t* w = wq + ch * B * kRepackRows;
+    __m256i lw[LB], hw[HB];
+    for (int i = 0; i < LB; ++i) lw[i] = _mm256_loadu_si256((const __m256i*)(w + i * kRepackRows));
+    for (int i = 0; i < HB; ++i)
+      hw[i] = _mm256_loadu_si256((const __m256i*)(w + (LB + i) * kRepackRows));
+#pragma GCC unroll 32
+    for (int c = 0; c < 32; ++c) {
+      const int sh = split_hpos(B, c) - LB;
+      const __m256i h = hw[split_hword(B, c)];
+      const __m256i hi =
+          _mm256_and_si256(sh >= 0 ? _mm256_srli_epi32(h, sh) : _mm256_slli_epi32(h, -sh), mhi);
+      const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(lw[c / CW], LB * (c % CW)), mlo);
+      put8(_mm256_or_si256(lo, hi), sv, bv, dst + int64_t(ch * 32 + decode_pos(c)) * pw);
+    }
+  }
+}
+
+// pack_r16 for the 8-lane panels (pw a multiple of 16: a block is two
+// 8-lane halves of one panel's rows).
+template <int B, int G>
+void pack_r8(const SegView& s, DType sdt, DequantFn, int n, int nr, int c0, int c1, float* dst,
+             int pw) {
+  const int kc = c1 - c0;
+  const int64_t words = s.words_per_row(), ng = s.k / G;
+  const int nrp = (nr + pw - 1) / pw * pw;
+  for (int r0 = 0; r0 < nrp; r0 += kRepackRows) {
+    float* panel = dst + int64_t(r0 / pw) * kc * pw + r0 % pw;
+    if (r0 >= nr) {
+      for (int p = 0; p < kc; ++p) {
+        _mm256_store_ps(panel + int64_t(p) * pw, _mm256_setzero_ps());
+        _mm256_store_ps(panel + int64_t(p) * pw + 8, _mm256_setzero_ps());
+      }
+      continue;
+    }
+    const int64_t b = (n + r0) / kRepackRows;
+    for (int g = c0 / G; g < c1 / G; ++g) {
+      const int64_t at = (b * ng + g) * kRepackRows;
+      const uint32_t* wq = s.wq + (b * words + int64_t(g) * G * B / 32) * kRepackRows;
+      float* pg = panel + int64_t(g * G - c0) * pw;
+      for (int h = 0; h < kRepackRows; h += 8) {
+        const __m256 sv = load8_f32(s.scales, at + h, sdt), bv = load8_f32(s.biases, at + h, sdt);
+        if constexpr (repack_splits(B))
+          group_split8<B, G>(wq + h, sv, bv, pg + h, pw);
+        else
+          group_words8<B, G>(wq + h, sv, bv, pg + h, pw);
+      }
+    }
+  }
+}
+
+template <int B>
+constexpr PackWFn pack8_col[3] = {pack_r8<B, 32>, pack_r8<B, 64>, pack_r8<B, 128>};
+
 }  // namespace
 
 // Every width the repacked layout has (repack_supports_bits).
@@ -134,5 +218,13 @@ extern const PackWCols kPackRepacked512 = {
     {pack_col<5>[0], pack_col<5>[1], pack_col<5>[2]},
     {pack_col<6>[0], pack_col<6>[1], pack_col<6>[2]},
     {}, {pack_col<8>[0], pack_col<8>[1], pack_col<8>[2]}};
+
+extern const PackWCols kPackRepacked256 = {
+    {}, {}, {pack8_col<2>[0], pack8_col<2>[1], pack8_col<2>[2]},
+    {pack8_col<3>[0], pack8_col<3>[1], pack8_col<3>[2]},
+    {pack8_col<4>[0], pack8_col<4>[1], pack8_col<4>[2]},
+    {pack8_col<5>[0], pack8_col<5>[1], pack8_col<5>[2]},
+    {pack8_col<6>[0], pack8_col<6>[1], pack8_col<6>[2]},
+    {}, {pack8_col<8>[0], pack8_col<8>[1], pack8_col<8>[2]}};
 
 }  // namespace mixbits

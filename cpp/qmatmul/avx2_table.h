@@ -22,8 +22,8 @@
 namespace mixbits {
 
 constexpr int kKC = 1024;  // largest column block dequant_tile takes (GEMM tiles)
-// Forward GEMM: columns per packed block (avx2_panel.cpp). 512 keeps an
-// 8-row x micro-panel at 16 KB (L1); 256 and 384 measured slower here.
+// Forward GEMM: the most columns per packed block (avx2_panel.cpp); each
+// row's GemmRow::kc is at most this.
 constexpr int kPKC = 512;
 
 // Small M: segment rows [n0, n1) against mb <= QmmTable::max_mb rows of x,
@@ -56,6 +56,13 @@ struct GemmRow {
   int lanes;  // floats per register
   int mr;     // x rows per micro-panel
   int pw;     // W rows per panel (a multiple of lanes and of kRepackRows)
+  // Columns per packed block (<= kPKC) and the loop order over a tile.
+  // AVX-512: kc 512 keeps the 8-row x micro-panel (16 KB) in L1 while the
+  // W panels stream from L2 (256 and 384 measured slower). AVX2: each W
+  // panel (16 rows x kc 256: 16 KB) stays in L1 against every x
+  // micro-panel, BLIS's order for its 6x16 Haswell kernel.
+  int kc;
+  bool w_panel_in_l1;  // true: for each W panel, every x micro-panel
   PackWFn pack;
   PanelFn micro;
   const PackWCols* pack_r;  // null: the row reads MLX's layout only
@@ -76,7 +83,7 @@ using TItemFn = void (*)(const float* dy, int64_t ldd, int M, const QMatView& w,
 
 struct QmmTable {
   const char* name;
-  // M <= small_m takes the small-M kernels, larger M the dequantized tiles
+  // M <= small_m takes the small-M kernels, larger M the packed panels
   // (measured crossovers here: 16-24 rows with the 8-lane kernels, 32-48
   // with the 16-lane ones).
   int small_m;
@@ -85,7 +92,7 @@ struct QmmTable {
   const DequantCols* dequant;  // the same (8-lane) decoder in both rows
   int mr, nr;                  // largest micro-kernel block
   const MicroFn* const* micro; // micro[mr][nr], 1 <= mr, nr (transposed product)
-  const GemmRow* gemm;         // forward, M > small_m; null: gemm_slice (avx2.cpp)
+  const GemmRow* gemm;         // forward, M > small_m (and repacked views)
   TItemFn t_item;
 };
 
@@ -95,7 +102,9 @@ extern const GemvCols kGemvAvx512;   // avx2_gemv512.cpp
 extern const DequantCols kDequantAvx2;            // avx2_gemm.cpp
 extern const MicroFn* const kMicroAvx2[5];        // avx2_gemm.cpp, 4 x 3
 extern const MicroFn* const kMicroAvx512[7];      // avx2_gemm.cpp, 6 x 4
+extern const GemmRow kGemmAvx2;     // avx2_panel.cpp
 extern const GemmRow kGemmAvx512;   // avx2_panel.cpp
+extern const PackWCols kPackRepacked256;  // avx2_panel_r.cpp
 extern const PackWCols kPackRepacked512;  // avx2_panel_r.cpp
 void t_item_avx2(const float* dy, int64_t ldd, int M, const QMatView& w,
                  const QmmTable& t, const TItem& it, float* dx);     // avx2_t.cpp

@@ -24,20 +24,13 @@
 
 #include "common/x86_prefetch.h"
 #include "qmatmul_int8/repack.h"
+#include "qmatmul_int8/x86_load8.h"
 
 namespace mixbits {
 namespace {
 
 constexpr int R = kRepackRows;
 constexpr int H = 8;  // rows per 256-bit half
-
-// 8 rows' scales (or biases) of one group as float32.
-inline __m256 load8(const void* p, int64_t off, DType t) {
-  if (t == DType::f32) return _mm256_loadu_ps(static_cast<const float*>(p) + off);
-  const __m128i h = _mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(p) + off));
-  if (t == DType::f16) return _mm256_cvtph_ps(h);
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));  // bf16
-}
 
 template <int B, class T>
 constexpr uint32_t code_mask() {
@@ -169,8 +162,8 @@ void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, in
             }
           }
         }
-        const __m256 s8 = load8(s.scales, sb + int64_t(g) * R, s.sdt);
-        const __m256 b8 = load8(s.biases, sb + int64_t(g) * R, s.sdt);
+        const __m256 s8 = load8_f32(s.scales, sb + int64_t(g) * R, s.sdt);
+        const __m256 b8 = load8_f32(s.biases, sb + int64_t(g) * R, s.sdt);
         for (int m = 0; m < MB; ++m) {
           accf[m] = group_epilogue(accf[m], acc[m], s8, b8, _mm256_set1_ps(x.d[int64_t(m) * x.ldg + g]),
                                    _mm256_set1_ps(x.xs[int64_t(m) * x.ldg + g]));
@@ -302,8 +295,8 @@ void full_blocks_m1(const RSeg& s, const RX& x, int b0, int b1, int N, float* y)
       }
       const __m256 d = _mm256_set1_ps(x.d[g]), xs = _mm256_set1_ps(x.xs[g]);
       const int64_t so = sb + int64_t(g) * R;
-      accf0 = group_epilogue(accf0, acc0, load8(s.scales, so, s.sdt), load8(s.biases, so, s.sdt), d, xs);
-      accf1 = group_epilogue(accf1, acc1, load8(s.scales, so + H, s.sdt), load8(s.biases, so + H, s.sdt),
+      accf0 = group_epilogue(accf0, acc0, load8_f32(s.scales, so, s.sdt), load8_f32(s.biases, so, s.sdt), d, xs);
+      accf1 = group_epilogue(accf1, acc1, load8_f32(s.scales, so + H, s.sdt), load8_f32(s.biases, so + H, s.sdt),
                              d, xs);
     }
     // The last block may hold padding rows: add into the real ones only.
