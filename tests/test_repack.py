@@ -235,9 +235,10 @@ def test_other_paths_run_the_original_layout(backend, act):
             want = np.array(mixbits.qmatmul(x, qt, backend=backend, activations=a))
             got = np.array(mixbits.qmatmul(x, rt, backend=backend, activations=a))
             if x.shape[0] > 16 and _ext.repacked_float_min_m(ops._backend_id(backend)) is not None:
-                # AVX-512 reads the blocks in place above 16 rows (bitwise the
-                # original layout's panels: test_repack_float); MLX's layout
-                # takes its small-M kernels at 17 rows, another summation order.
+                # x86 reads the blocks in place above 16 rows (bitwise the
+                # original layout's panels: test_repack_float); on AVX-512
+                # MLX's layout takes its small-M kernels at 17 rows, another
+                # summation order.
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
                                            err_msg=f"{backend} {a} M={x.shape[0]}")
                 continue

@@ -147,10 +147,10 @@ def test_unrepacking_paths_give_the_original_bits(backend, act):
         want = np.array(mixbits.qmatmul(x, qt, backend=backend, activations=a))
         got = np.array(mixbits.qmatmul(x, rt, backend=backend, activations=a))
         if M > 16 and _ext.repacked_float_min_m(ops._backend_id(backend)) is not None:
-            # Not un-repacked above 16 rows: the AVX-512 panels read the
+            # Not un-repacked above 16 rows: the x86 panels read the
             # blocks (bit for bit the original layout's panels:
-            # test_repack_float); MLX's layout takes its small-M kernels
-            # here, another summation order.
+            # test_repack_float); on AVX-512 MLX's layout takes its small-M
+            # kernels here, another summation order.
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
                                        err_msg=f"{backend} {a} M={M}")
             continue

@@ -36,11 +36,12 @@ extern const QmmTable kQmmAvx512 = {
 
 namespace {
 
-// Forward GEMM: W rows per packed tile (kc columns), a multiple of every
-// row's panel width; the tile (384 KB at kc 512) stays in L2 while all of
-// x streams past it. With the AVX-512 row, 96..480 rows x 256..768
-// columns tried; differences were within this shared machine's noise
-// except kc = 256 (slower).
+// Forward GEMM: W rows per packed tile (kPKC columns), a multiple of every
+// row's panel width; the tile (384 KB) stays in L2 while all of x streams
+// past it. 96..480 rows x 256..768 columns tried; differences were within
+// this shared machine's noise except kc = 256 (slower). The AVX2 row
+// measured the same: kc 256, or each W panel against every x micro-panel
+// (BLIS's order), were no faster anywhere and 0.8x at 4096x4096, M = 512.
 constexpr int kPNB = 192;
 
 // A float buffer with 64-byte aligned data (whole cache lines, aligned
@@ -114,10 +115,10 @@ void small_slice(const QmmTable& t, const Prepared& pr, const QMatView& w,
 void pack_x(const GemmRow& g, const float* x, const QMatView& w, Prepared& pr, int b0,
             int b1) {
   const int K = pr.K, mr = g.mr;
-  std::vector<float> row(g.kc);
+  std::vector<float> row(kPKC);
   for (const SegView& s : w.segs)
-    for (int c0 = 0; c0 < s.k; c0 += g.kc) {
-      const int kc = std::min(g.kc, s.k - c0), kg = s.k0 + c0;
+    for (int c0 = 0; c0 < s.k; c0 += kPKC) {
+      const int kc = std::min(kPKC, s.k - c0), kg = s.k0 + c0;
       for (int b = b0; b < b1; ++b) {
         float* panel = pr.xp + int64_t(pr.Mp) * kg + int64_t(b) * mr * kc;
         for (int i = 0; i < mr; ++i) {
@@ -146,22 +147,18 @@ void panel_slice(const QmmTable& t, const Prepared& pr, const QMatView& w,
     std::fill(y + int64_t(m) * N + n0, y + int64_t(m) * N + n1, 0.0f);
   for (size_t si = 0; si < w.segs.size(); ++si) {
     const SegView& s = w.segs[si];
-    for (int c0 = 0; c0 < s.k; c0 += g.kc) {
-      const int c1 = std::min(s.k, c0 + g.kc), kc = c1 - c0;
+    for (int c0 = 0; c0 < s.k; c0 += kPKC) {
+      const int c1 = std::min(s.k, c0 + kPKC), kc = c1 - c0;
       const float* xb = pr.xp + int64_t(pr.Mp) * (s.k0 + c0);
       for (int nt = n0; nt < n1; nt += kPNB) {
         const int nb = std::min(kPNB, n1 - nt);
         ks[si].pack(s, w.sdtype, ks[si].dequant, nt, nb, c0, c1, tile, g.pw);
-        const auto run = [&](int m, int q) {
-          g.micro(xb + int64_t(m) * kc, tile + int64_t(q) * kc, kc, y + int64_t(m) * N + nt + q, N,
-                  std::min(g.mr, M - m), std::min(g.pw, nb - q));
-        };
-        if (g.w_panel_in_l1) {
+        for (int m = 0; m < M; m += g.mr) {
+          const float* xpanel = xb + int64_t(m) * kc;
+          const int mr = std::min(g.mr, M - m);
           for (int q = 0; q < nb; q += g.pw)
-            for (int m = 0; m < M; m += g.mr) run(m, q);
-        } else {
-          for (int m = 0; m < M; m += g.mr)
-            for (int q = 0; q < nb; q += g.pw) run(m, q);
+            g.micro(xpanel, tile + int64_t(q) * kc, kc, y + int64_t(m) * N + nt + q, N, mr,
+                    std::min(g.pw, nb - q));
         }
       }
     }

@@ -216,11 +216,9 @@ void panel256_6x2(const float* xp, const float* wp, int kc, float* y, int ldy, i
 
 }  // namespace
 
-extern const GemmRow kGemmAvx2 = {/*lanes=*/8, /*mr=*/6, /*pw=*/16, /*kc=*/256,
-                                  /*w_panel_in_l1=*/true, pack_w8, panel256_6x2,
+extern const GemmRow kGemmAvx2 = {/*lanes=*/8, /*mr=*/6, /*pw=*/16, pack_w8, panel256_6x2,
                                   &kPackRepacked256};
-extern const GemmRow kGemmAvx512 = {/*lanes=*/16, /*mr=*/8, /*pw=*/48, /*kc=*/512,
-                                    /*w_panel_in_l1=*/false, pack_w16, panel512<8, 3>,
-                                    &kPackRepacked512};
+extern const GemmRow kGemmAvx512 = {/*lanes=*/16, /*mr=*/8, /*pw=*/48, pack_w16,
+                                    panel512<8, 3>, &kPackRepacked512};
 
 }  // namespace mixbits

@@ -22,8 +22,8 @@
 namespace mixbits {
 
 constexpr int kKC = 1024;  // largest column block dequant_tile takes (GEMM tiles)
-// Forward GEMM: the most columns per packed block (avx2_panel.cpp); each
-// row's GemmRow::kc is at most this.
+// Forward GEMM: columns per packed block (avx2_panel.cpp). 512 keeps an
+// 8-row x micro-panel at 16 KB (L1); 256 and 384 measured slower here.
 constexpr int kPKC = 512;
 
 // Small M: segment rows [n0, n1) against mb <= QmmTable::max_mb rows of x,
@@ -56,13 +56,6 @@ struct GemmRow {
   int lanes;  // floats per register
   int mr;     // x rows per micro-panel
   int pw;     // W rows per panel (a multiple of lanes and of kRepackRows)
-  // Columns per packed block (<= kPKC) and the loop order over a tile.
-  // AVX-512: kc 512 keeps the 8-row x micro-panel (16 KB) in L1 while the
-  // W panels stream from L2 (256 and 384 measured slower). AVX2: each W
-  // panel (16 rows x kc 256: 16 KB) stays in L1 against every x
-  // micro-panel, BLIS's order for its 6x16 Haswell kernel.
-  int kc;
-  bool w_panel_in_l1;  // true: for each W panel, every x micro-panel
   PackWFn pack;
   PanelFn micro;
   const PackWCols* pack_r;  // null: the row reads MLX's layout only

@@ -55,9 +55,9 @@ class RepackedWeightPrimitive : public mx::UnaryPrimitive {
 // with AVX512-VNNI or AVX2 (backend auto, avx512, avx2), arm64 NEON (auto,
 // neon). Float-contract calls (float activations, or more rows) above
 // select_qmm_repacked's min_m run the float kernel on the blocks in place
-// where the backend has a reader (AVX-512: the prefill GEMM's panel
-// packers), bit for bit what it gives on MLX's layout. Every other call
-// (fewer float rows, inf/NaN in x, backend ref, AVX2, NEON, x86 without
+// where the backend has a reader (AVX-512 and AVX2: the prefill GEMM's
+// panel packers), bit for bit what it gives on MLX's layout. Every other call
+// (fewer float rows, inf/NaN in x, backend ref, NEON, x86 without
 // AVX2) un-repacks W into a temporary of MLX's layout and runs exactly what
 // MixedQMatmul runs, so results never depend on the storage beyond the
 // kernels' float rounding. That temporary costs one copy of the weight per

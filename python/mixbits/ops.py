@@ -71,11 +71,11 @@ def qmatmul(x: mx.array, qt: QuantizedTensor, *, backend: str | None = None,
     :func:`repack`): same results and contracts, CPU only; the integer
     contracts then run the row-interleaved kernels (AVX512-VNNI or AVX2 on
     x86, NEON on arm64: :func:`repacked_kernels_available`), float-path
-    calls of more than 16 rows on AVX-512 (a prompt) read the blocks in
-    place (bit for bit the original layout's result above 40 rows, where
-    both run the prefill GEMM; to float rounding below); other CPUs,
-    backends and calls un-repack W into a temporary per call, bit for bit
-    the original layout's result).
+    calls of more than 16 rows on x86 (a prompt) read the blocks in place
+    (bit for bit the original layout's result where both run the prefill
+    GEMM: above 16 rows on AVX2, above 40 on AVX-512; to float rounding
+    below); other CPUs, backends and calls un-repack W into a temporary per
+    call, bit for bit the original layout's result).
     """
     if isinstance(qt, RepackedTensor):
         act = activations_id(activations)
