@@ -105,21 +105,27 @@ def test_extreme_codes_do_not_saturate(bits, act):
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
-def test_largest_partial_sums_do_not_saturate(bits, act):
+@pytest.mark.parametrize("gs", [32, 128])
+def test_largest_partial_sums_do_not_saturate(bits, gs, act):
     """Every code but each group's first at the top, against x at +Q or
     -Q everywhere: each int16 sum of the AVX2 kernels (vpmaddubsw's pairs,
-    and the one-row pass's sums of several steps before vpmaddwd) at its
-    largest, in every lane. (Random signs rarely line a whole sum up.)"""
+    and the sums of several steps before vpmaddwd: one x row's pass, and
+    the two-row passes, which at 2 and 4 bits sum across words of a group)
+    at its largest, in every lane. (Random signs rarely line a whole sum
+    up.) 1 to 6 x rows: one pass, two rows, three, and 4 + 2."""
     w = -np.ones((37, 256), np.float32)
-    w[:, ::32] = 1.0  # MLX's quantize maps each group's max to code 0, the -1s to the top code
-    qt = mixbits.quantize(mx.array(w), [(bits, 32, 256)])
+    w[:, ::gs] = 1.0  # MLX's quantize maps each group's max to code 0, the -1s to the top code
+    qt = mixbits.quantize(mx.array(w), [(bits, gs, 256)])
     seg = qt.segments[0]
-    groups = lambda a: np.repeat(np.array(a, np.float64), 32, axis=1)
+    groups = lambda a: np.repeat(np.array(a, np.float64), gs, axis=1)
     codes = np.rint((dequantize_f64(qt) - groups(seg.biases)) / groups(seg.scales))
-    assert (codes[:, 1:32] >= 2**bits - 2).all()  # the top code (2^bits - 2 where MLX keeps one spare)
+    top = np.ones(256, bool)
+    top[::gs] = False
+    assert (codes[:, top] >= 2**bits - 2).all()  # the top code (2^bits - 2 where MLX keeps one spare)
     rt = ops.repack(qt)
     x = np.full((1, 256), 3.0, np.float32)
-    for xx in (x, -x, np.concatenate([x, -x, x])):
+    for xx in (x, -x, np.concatenate([x, -x]), np.concatenate([x, -x, x]),
+               np.concatenate([x, -x] * 3)):
         check(xx, qt, rt, act)
 
 

@@ -5,7 +5,9 @@
 // order), with a block taken as two 256-bit halves (rows 0-7, 8-15) and
 // the integer dots of AVX2. One int8 x row reads both halves in one pass
 // (full_blocks_m1); other calls (2-8 rows, int16) take one half per pass
-// (half_blocks), at most 4 rows at a time:
+// (half_blocks), at most 4 rows at a time; passes of 1-2 int8 rows at 2 and
+// 4 bits sum several words' products in int16 before vpmaddwd, as
+// full_blocks_m1 (3-4 rows measured no faster: their partial sums spill):
 //   int8:  vpmaddubsw (u8 codes x s8 activations, pairs into int16), then
 //          vpmaddwd by 1 into the row's int32 lane. A pair of 2- to 6-bit
 //          codes stays below 2·63·128, inside int16; 8-bit codes would
@@ -117,6 +119,21 @@ inline void split_chunk(const __m256i (&cw)[B], const T* xq, int ldx, int64_t x0
   (split_step<B, MB, T, t / S, t % S>(cw, xq, ldx, x0, acc), ...);
 }
 
+// Steps (vpmaddubsw products of one x row) an int16 partial sum can hold:
+// |steps * 2 * (2^B - 1) * 128| < 2^15.
+template <int B>
+constexpr int kMaxPartial = 32767 / (2 * ((1 << B) - 1) * 128);  // 3 bits 18, 5 bits 4, 6 bits 2
+
+// Words of 2- or 4-bit codes per int16 partial sum in half_blocks: the
+// most that divide a group's WG words and stay within kMaxPartial steps.
+template <int B, int WG>
+constexpr int words_per_partial() {
+  int wp = 1;
+  for (int c = 1; c <= WG; ++c)
+    if (WG % c == 0 && c * (8 / B) <= kMaxPartial<B>) wp = c;
+  return wp;
+}
+
 // Half h (rows 8h .. 8h+7) of blocks [b0, b1) of one segment against MB
 // activation rows.
 template <int B, int G, int MB, class T>
@@ -145,6 +162,33 @@ void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, in
             __m256i cw[B];
             for (int i = 0; i < B; ++i) cw[i] = _mm256_loadu_si256((const __m256i*)(wp + i * R));
             split_chunk<B, MB, T>(cw, xq, x.ldx, q * 32, acc, std::make_integer_sequence<int, SC>{});
+          }
+        } else if constexpr (sizeof(T) == 1 && B < 8 && MB <= 2) {
+          // 2 and 4 bits: each x row's products summed in int16 over WP
+          // words (kMaxPartial's bound, as full_blocks_m1), then one
+          // vpmaddwd into its int32 lane: the same int32 sums.
+          constexpr int WP = words_per_partial<B, WG>();
+#pragma GCC unroll 4
+          for (int j0 = 0; j0 < WG; j0 += WP) {
+            __m256i p[MB];
+#pragma GCC unroll 16
+            for (int jw = 0; jw < WP; ++jw) {
+              const int j = g * WG + j0 + jw;
+              const __m256i w = _mm256_loadu_si256((const __m256i*)(wb + int64_t(j) * R));
+              prefetch_words<B>(wb + int64_t(j) * R);
+#pragma GCC unroll 8
+              for (int k = 0; k < S; ++k) {
+                const __m256i c = word_code<B, T>(w, k);
+                for (int m = 0; m < MB; ++m) {
+                  int32_t quad;
+                  std::memcpy(&quad, xq + int64_t(m) * x.ldx + int64_t(j) * CPW + k * 4, 4);
+                  const __m256i prod = _mm256_maddubs_epi16(c, _mm256_set1_epi32(quad));
+                  p[m] = jw == 0 && k == 0 ? prod : _mm256_add_epi16(p[m], prod);
+                }
+              }
+            }
+            for (int m = 0; m < MB; ++m)
+              acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(p[m], _mm256_set1_epi16(1)));
           }
         } else
         for (int jw = 0; jw < WG; ++jw) {
@@ -191,8 +235,6 @@ void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, in
 // |steps * 2 * (2^B - 1) * 128| < 2^15), so the int32 sums and the float epilogue are half_blocks',
 // bit for bit. Fewer live vectors also keep the float accumulators in
 // registers (half_blocks' M = 1 loop chained them through the stack).
-template <int B>
-constexpr int kMaxPartial = 32767 / (2 * ((1 << B) - 1) * 128);  // 3 bits 18, 5 bits 4, 6 bits 2
 // Steps per int16 partial sum in a split chunk (8 steps: a divisor of 8).
 template <int B>
 constexpr int kChunkPartial = kMaxPartial<B> >= 8 ? 8 : kMaxPartial<B> >= 4 ? 4 : 2;
