@@ -21,6 +21,7 @@
 //    |s| >= 2^-110), the same single rounding;
 //  - the same panel row per column: column 4i+k of a 32-column unit goes to
 //    row 8k+i, the decode order x is packed in (avx2_decode.h).
+#include <algorithm>
 #include <cstdint>
 
 #include "qmatmul/avx2_decode.h"
@@ -93,36 +94,54 @@ MIXBITS_AVX512 inline void group_split(const uint32_t* wq, __m512 sv, __m512 bv,
   }
 }
 
-// PackWFn for a repacked segment (dq unused): rows [n, n+nr) x columns
-// [c0, c1) into panels of pw rows, [kc][pw] each, as pack_w16 lays them
-// out. n and pw are multiples of 16 (the driver's panel slices), so each 16
-// lanes of a panel are exactly one block; blocks wholly past nr are zeros,
-// as pack_w16 writes them (a block's own padding rows hold zero codes,
-// scales and biases: zeros too). The micro-kernel stores only nr rows.
-template <int B, int G>
-MIXBITS_AVX512 void pack_r16(const SegView& s, DType sdt, DequantFn, int n, int nr, int c0,
-                             int c1, float* dst, int pw) {
+// The walk both widths' packers share (plain code: it inlines into either
+// target). Rows [n, n+nr) x columns [c0, c1) into panels of pw rows, [kc][pw]
+// each, as pack_w16 and pack_w8 lay them out: for each group of each
+// 16-row block, group(at, wq, pg) with the block's scale/bias offset, its
+// first word and the panel row of its first column. n and pw are multiples
+// of 16 (the driver's panel slices), so each 16 lanes of a panel are
+// exactly one block; blocks wholly past nr are zeros, as pack_w* writes
+// them (a block's own padding rows hold zero codes, scales and biases:
+// zeros too). The micro-kernel stores only nr rows.
+template <int B, int G, class Group>
+inline void walk_blocks(const SegView& s, int n, int nr, int c0, int c1, float* dst, int pw,
+                        const Group& group) {
   const int kc = c1 - c0;
   const int64_t words = s.words_per_row(), ng = s.k / G;
   const int nrp = (nr + pw - 1) / pw * pw;
   for (int r0 = 0; r0 < nrp; r0 += kRepackRows) {
     float* panel = dst + int64_t(r0 / pw) * kc * pw + r0 % pw;
     if (r0 >= nr) {
-      for (int p = 0; p < kc; ++p) _mm512_store_ps(panel + int64_t(p) * pw, _mm512_setzero_ps());
+      for (int p = 0; p < kc; ++p) std::fill_n(panel + int64_t(p) * pw, kRepackRows, 0.0f);
       continue;
     }
     const int64_t b = (n + r0) / kRepackRows;
-    for (int g = c0 / G; g < c1 / G; ++g) {
-      const int64_t at = (b * ng + g) * kRepackRows;
-      const __m512 sv = load16_f32(s.scales, at, sdt), bv = load16_f32(s.biases, at, sdt);
-      const uint32_t* wq = s.wq + (b * words + int64_t(g) * G * B / 32) * kRepackRows;
-      float* pg = panel + int64_t(g * G - c0) * pw;  // g*G - c0: a multiple of 32
-      if constexpr (repack_splits(B))
-        group_split<B, G>(wq, sv, bv, pg, pw);
-      else
-        group_words<B, G>(wq, sv, bv, pg, pw);
-    }
+    for (int g = c0 / G; g < c1 / G; ++g)
+      group((b * ng + g) * kRepackRows,
+            s.wq + (b * words + int64_t(g) * G * B / 32) * kRepackRows,
+            panel + int64_t(g * G - c0) * pw);  // g*G - c0: a multiple of 32
   }
+}
+
+// One group of one block, 16 lanes. Scalar arguments only: it is called
+// from walk_blocks' lambda, which does not carry pack_r16's target.
+template <int B, int G>
+MIXBITS_AVX512 void group16(const SegView& s, DType sdt, int64_t at, const uint32_t* wq,
+                            float* pg, int pw) {
+  const __m512 sv = load16_f32(s.scales, at, sdt), bv = load16_f32(s.biases, at, sdt);
+  if constexpr (repack_splits(B))
+    group_split<B, G>(wq, sv, bv, pg, pw);
+  else
+    group_words<B, G>(wq, sv, bv, pg, pw);
+}
+
+// PackWFn for a repacked segment (dq unused), 16 lanes.
+template <int B, int G>
+MIXBITS_AVX512 void pack_r16(const SegView& s, DType sdt, DequantFn, int n, int nr, int c0,
+                             int c1, float* dst, int pw) {
+  walk_blocks<B, G>(s, n, nr, c0, c1, dst, pw, [&](int64_t at, const uint32_t* wq, float* pg) {
+    group16<B, G>(s, sdt, at, wq, pg, pw);
+  });
 }
 
 template <int B>
@@ -172,37 +191,19 @@ inline void group_split8(const uint32_t* wq, __m256 sv, __m256 bv, float* dst, i
   }
 }
 
-// pack_r16 for the 8-lane panels (pw a multiple of 16: a block is two
-// 8-lane halves of one panel's rows).
+// The same, 8 lanes: a block's 16 rows are two halves of one panel row.
 template <int B, int G>
 void pack_r8(const SegView& s, DType sdt, DequantFn, int n, int nr, int c0, int c1, float* dst,
              int pw) {
-  const int kc = c1 - c0;
-  const int64_t words = s.words_per_row(), ng = s.k / G;
-  const int nrp = (nr + pw - 1) / pw * pw;
-  for (int r0 = 0; r0 < nrp; r0 += kRepackRows) {
-    float* panel = dst + int64_t(r0 / pw) * kc * pw + r0 % pw;
-    if (r0 >= nr) {
-      for (int p = 0; p < kc; ++p) {
-        _mm256_store_ps(panel + int64_t(p) * pw, _mm256_setzero_ps());
-        _mm256_store_ps(panel + int64_t(p) * pw + 8, _mm256_setzero_ps());
-      }
-      continue;
+  walk_blocks<B, G>(s, n, nr, c0, c1, dst, pw, [&](int64_t at, const uint32_t* wq, float* pg) {
+    for (int h = 0; h < kRepackRows; h += 8) {
+      const __m256 sv = load8_f32(s.scales, at + h, sdt), bv = load8_f32(s.biases, at + h, sdt);
+      if constexpr (repack_splits(B))
+        group_split8<B, G>(wq + h, sv, bv, pg + h, pw);
+      else
+        group_words8<B, G>(wq + h, sv, bv, pg + h, pw);
     }
-    const int64_t b = (n + r0) / kRepackRows;
-    for (int g = c0 / G; g < c1 / G; ++g) {
-      const int64_t at = (b * ng + g) * kRepackRows;
-      const uint32_t* wq = s.wq + (b * words + int64_t(g) * G * B / 32) * kRepackRows;
-      float* pg = panel + int64_t(g * G - c0) * pw;
-      for (int h = 0; h < kRepackRows; h += 8) {
-        const __m256 sv = load8_f32(s.scales, at + h, sdt), bv = load8_f32(s.biases, at + h, sdt);
-        if constexpr (repack_splits(B))
-          group_split8<B, G>(wq + h, sv, bv, pg + h, pw);
-        else
-          group_words8<B, G>(wq + h, sv, bv, pg + h, pw);
-      }
-    }
-  }
+  });
 }
 
 template <int B>
