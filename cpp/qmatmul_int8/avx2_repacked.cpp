@@ -163,12 +163,13 @@ void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, in
             for (int i = 0; i < B; ++i) cw[i] = _mm256_loadu_si256((const __m256i*)(wp + i * R));
             split_chunk<B, MB, T>(cw, xq, x.ldx, q * 32, acc, std::make_integer_sequence<int, SC>{});
           }
-        } else if constexpr (sizeof(T) == 1 && B < 8 && MB <= 2) {
-          // 2 and 4 bits: each x row's products summed in int16 over WP
-          // words (kMaxPartial's bound, as full_blocks_m1), then one
-          // vpmaddwd into its int32 lane: the same int32 sums.
-          constexpr int WP = words_per_partial<B, WG>();
-#pragma GCC unroll 4
+        } else {
+          // 2 and 4 bits, int8, 1-2 rows: each x row's products summed in
+          // int16 over WP words (kMaxPartial's bound, as full_blocks_m1),
+          // then one vpmaddwd into its int32 lane: the same int32 sums.
+          // Otherwise every step goes to the int32 lanes (WP = 1).
+          constexpr bool kPartial = sizeof(T) == 1 && B < 8 && MB <= 2;
+          constexpr int WP = kPartial ? words_per_partial<B, WG>() : 1;
           for (int j0 = 0; j0 < WG; j0 += WP) {
             __m256i p[MB];
 #pragma GCC unroll 16
@@ -181,29 +182,21 @@ void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, in
                 const __m256i c = word_code<B, T>(w, k);
                 for (int m = 0; m < MB; ++m) {
                   int32_t quad;
-                  std::memcpy(&quad, xq + int64_t(m) * x.ldx + int64_t(j) * CPW + k * 4, 4);
-                  const __m256i prod = _mm256_maddubs_epi16(c, _mm256_set1_epi32(quad));
-                  p[m] = jw == 0 && k == 0 ? prod : _mm256_add_epi16(p[m], prod);
+                  std::memcpy(&quad, xq + int64_t(m) * x.ldx + int64_t(j) * CPW + k * (4 / sizeof(T)),
+                              4);
+                  const __m256i xb = _mm256_set1_epi32(quad);
+                  if constexpr (kPartial) {
+                    const __m256i prod = _mm256_maddubs_epi16(c, xb);
+                    p[m] = jw == 0 && k == 0 ? prod : _mm256_add_epi16(p[m], prod);
+                  } else {
+                    acc[m] = idot<B, T>(acc[m], c, xb);
+                  }
                 }
               }
             }
-            for (int m = 0; m < MB; ++m)
-              acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(p[m], _mm256_set1_epi16(1)));
-          }
-        } else
-        for (int jw = 0; jw < WG; ++jw) {
-          const int j = g * WG + jw;
-          const __m256i w = _mm256_loadu_si256((const __m256i*)(wb + int64_t(j) * R));
-          prefetch_words<B>(wb + int64_t(j) * R);
-#pragma GCC unroll 8
-          for (int k = 0; k < S; ++k) {
-            const __m256i c = word_code<B, T>(w, k);
-            for (int m = 0; m < MB; ++m) {
-              int32_t quad;
-              std::memcpy(&quad, xq + int64_t(m) * x.ldx + int64_t(j) * CPW + k * (4 / sizeof(T)),
-                          4);
-              acc[m] = idot<B, T>(acc[m], c, _mm256_set1_epi32(quad));
-            }
+            if constexpr (kPartial)
+              for (int m = 0; m < MB; ++m)
+                acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(p[m], _mm256_set1_epi16(1)));
           }
         }
         const __m256 s8 = load8_f32(s.scales, sb + int64_t(g) * R, s.sdt);
