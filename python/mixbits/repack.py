@@ -21,10 +21,11 @@ would refuse a width without a layout with a
 A :class:`RepackedTensor` is an inference layout: :func:`mixbits.qmatmul`
 takes it on the CPU (``activations="int8"``/``"int16"`` run the repacked
 kernels; float-path calls of more than 16 rows on x86 (AVX-512 or AVX2)
-pack the prefill GEMM's panels from the blocks; every other call un-repacks into a
-temporary each call, correct but not fast), and :func:`mixbits.ops.unrepack` gives back the exact
-original :class:`~mixbits.layout.QuantizedTensor` for everything else
-(saving, dequantize, gradients, the GPU).
+pack the prefill GEMM's panels from the blocks; every other call
+un-repacks into a temporary each call, correct but not fast), and
+:func:`mixbits.ops.unrepack` gives back the exact original
+:class:`~mixbits.layout.QuantizedTensor` for everything else (saving,
+dequantize, gradients, the GPU).
 """
 
 from __future__ import annotations

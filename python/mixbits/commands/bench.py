@@ -57,8 +57,8 @@ def add_arguments(p) -> None:
                    help="also time mixbits on the row-interleaved layout of the integer GEMV "
                         "(mixbits.ops.repack; every kind: 2/3/4/5/6/8-bit and mixed), "
                         "same contract: the integer kernels with --activations int8/int16 and "
-                        "M <= 16, else the float path (on AVX-512 the prefill GEMM reads the "
-                        "blocks in place above 16 rows; otherwise W is un-repacked per call)")
+                        "M <= 16, else the float path (on x86 with AVX2 or AVX-512 the prefill GEMM "
+                        "reads the blocks in place above 16 rows; otherwise W is un-repacked per call)")
     p.add_argument("--vs-float", action="store_true",
                    help="with --activations other than float: also time the float contract "
                         "(mixbits.qmatmul's default, MLX's layout) on the same weights in the "

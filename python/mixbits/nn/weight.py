@@ -221,7 +221,8 @@ class MixedWeight(nn.Module):
         bytes plus the last 16-row block's padding (none when 16 divides
         the output rows). Meant with ``activations="int8"``/``"int16"``;
         other calls stay correct (prompts of more than 16 rows on x86
-        with AVX2 or AVX-512 read the blocks in place; the rest un-repack the weight per call). An
+        with AVX2 or AVX-512 read the blocks in place; the rest un-repack
+        the weight per call). An
         embedding's lookups read the rows they need from the repacked
         blocks (:func:`mixbits.repack.gather_rows`); its ``as_linear`` (a
         tied head) runs the repacked kernels.
