@@ -165,10 +165,10 @@ MIXBITS_AVX512 void panel512(const float* xp, const float* wp, int kc, float* y,
   }
 }
 
-// panel512's 8-lane twin, pw = NR*8: MR*NR accumulators (12 of 16 ymm
-// registers at 6x2), the same FMA chain per y element.
-// Named accumulators, not an array: GCC kept an __m256 acc[6][2] in
-// memory (a store of every accumulator on every step, 0.7x the speed).
+// panel512's 8-lane twin for 6 x rows and pw = 16: 12 accumulators of
+// AVX2's 16 ymm registers, the same FMA chain per y element. Named, not
+// an array: GCC kept an __m256 acc[6][2] in memory (a store of every
+// accumulator on every step, 0.7x the speed).
 void panel256_6x2(const float* xp, const float* wp, int kc, float* y, int ldy, int mr,
                   int nc) {
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
