@@ -125,11 +125,12 @@ def test_sweep_on_real_model_matches_model_forward(patched, prose_ids, tmp_path)
     # 18 tokens: the sweep runs both candidates at once (36 rows through
     # each layer) against the reference's 18, and the check below runs the
     # model's own forward on 18. 18 and 36 rows take the same float kernel
-    # on every CPU row (AVX2: more than 16 rows the panels; AVX-512: up to
-    # 40 the small-M kernels; NEON: one kernel), so both sides sum alike:
-    # with 12 tokens AVX2 took the small-M kernels for 12 rows and the
-    # panels for 24, and the two summation orders moved Gemma 3's logits by
-    # up to 0.04 and the KLs by 1.5-3e-3 relative, past the tolerance.
+    # on every CPU row (AVX2: more than 10 rows the panels; AVX-512: up to
+    # 40 the small-M kernels; NEON: one kernel), so both sides sum alike.
+    # When AVX2's small-M kernels took up to 16 rows, 12 tokens put the
+    # reference on them and the sweep's 24 rows on the panels, and the two
+    # summation orders moved Gemma 3's logits by up to 0.04 and the KLs by
+    # 1.5-3e-3 relative, past the tolerance.
     tokens = np.array([prose_ids[:18]])
     x = mx.array(tokens)
     direct = model(x)

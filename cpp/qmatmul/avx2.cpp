@@ -25,7 +25,7 @@
 namespace mixbits {
 
 extern const QmmTable kQmmAvx2 = {
-    "avx2", /*small_m=*/16, /*max_mb=*/8, &kGemvAvx2, &kDequantAvx2,
+    "avx2", /*small_m=*/10, /*max_mb=*/8, &kGemvAvx2, &kDequantAvx2,
     /*mr=*/4, /*nr=*/3, kMicroAvx2, &kGemmAvx2, t_item_avx2};
 // The 16-lane small-M kernel is measured fastest in passes of at most 4
 // rows (4 W rows x 4 x-rows of accumulators); more rows per pass run out of

@@ -77,8 +77,8 @@ using TItemFn = void (*)(const float* dy, int64_t ldd, int M, const QMatView& w,
 struct QmmTable {
   const char* name;
   // M <= small_m takes the small-M kernels, larger M the packed panels
-  // (measured crossovers here: 16-24 rows with the 8-lane kernels, 32-48
-  // with the 16-lane ones).
+  // (measured crossovers here: 10-11 rows with the 8-lane kernels against
+  // the 6x16 panels, 32-48 with the 16-lane ones).
   int small_m;
   int max_mb;  // x rows per pass of the small-M kernels
   const GemvCols* gemv;
