@@ -180,8 +180,8 @@ def one_round(rnd: int, rows: list, run_llama, a) -> None:
                    first_step_s=d["first_step_s"], load_average=os.getloadavg()[0], round=rnd + 1)
         rows.append(row)
         fmt = lambda v, f: "refused" if v is None else format(v, f)  # noqa: E731
-        print(f"{impl:14} prefill {row['prefill_tps']:7.1f} tok/s CPU ({pf_wall:.1f} wall; all 64 rows of logits "
-              f"{pfa_cpu:.1f} CPU)   decode plain "
+        print(f"{impl:14} prefill {row['prefill_tps']:7.1f} tok/s CPU ({pf_wall:.1f} wall; all {len(ids)} rows "
+              f"of logits {pfa_cpu:.1f} CPU)   decode plain "
               f"{row['decode_plain_tps']:6.1f}  compiled {fmt(row['decode_compiled_tps'], '6.1f')} tok/s CPU "
               f"({row['decode_plain_wall_tps']:.1f} / {fmt(row['decode_compiled_wall_tps'], '.1f')} wall; "
               f"fastest token {row['decode_plain_best_tps']:.1f} / {fmt(row['decode_compiled_best_tps'], '.1f')} "
@@ -305,7 +305,8 @@ def main(argv=None):
         res["vs_llama_cpp_cpu"] = ratios
         for impl, d in ratios.items():
             print(f"{impl}: CPU-time rate / llama.cpp's per round: prefill {d['prefill']['per_round']} "
-                  f"(median {d['prefill']['median']}; all logits {d['prefill_all_logits']['per_round']}), compiled decode {d['decode_compiled']['per_round']} "
+                  f"(median {d['prefill']['median']}; all logits {d['prefill_all_logits']['per_round']}), "
+                  f"compiled decode {d['decode_compiled']['per_round']} "
                   f"(median {d['decode_compiled']['median']})", flush=True)
     if llama is None:
         res["llama_cpp_reference"] = ("75-81 tok/s decode, 1 thread, same GGUF, measured earlier on this kind "

@@ -220,14 +220,17 @@ void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, in
   }
 }
 
-// int8, one x row: both halves of each block in one pass. Each line of
-// words is loaded once (half_blocks reads every line twice, one half per
-// pass), each broadcast of x serves 16 rows, the group's d and xs are
-// broadcast once, and below 8 bits the products of several steps are summed
-// in int16 before one vpmaddwd (at most kMaxPartial steps, so that
-// |steps * 2 * (2^B - 1) * 128| < 2^15), so the int32 sums and the float epilogue are half_blocks',
-// bit for bit. Fewer live vectors also keep the float accumulators in
+// ------------------------------------------------------------ one x row
+//
+// int8, one x row (full_blocks_m1): both halves of each block in one pass.
+// Each line of words is loaded once (half_blocks reads every line twice,
+// one half per pass), each broadcast of x serves 16 rows, the group's d
+// and xs are broadcast once, and below 8 bits the products of several
+// steps are summed in int16 before one vpmaddwd (at most kMaxPartial
+// steps), so the int32 sums and the float epilogue are half_blocks', bit
+// for bit. Fewer live vectors also keep the float accumulators in
 // registers (half_blocks' M = 1 loop chained them through the stack).
+
 // Steps per int16 partial sum in a split chunk (8 steps: a divisor of 8).
 template <int B>
 constexpr int kChunkPartial = kMaxPartial<B> >= 8 ? 8 : kMaxPartial<B> >= 4 ? 4 : 2;
