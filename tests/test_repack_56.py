@@ -112,7 +112,9 @@ def test_largest_partial_sums_do_not_saturate(bits, gs, act):
     and the sums of several steps before vpmaddwd: one x row's pass, and
     the two-row passes, which at 2 and 4 bits sum across words of a group)
     at its largest, in every lane. (Random signs rarely line a whole sum
-    up.) 1 to 6 x rows: one pass, two rows, three, and 4 + 2."""
+    up.) 1 to 6 x rows: the one-row pass, and passes of two, three, four
+    rows, and 3 + 3 (every pass of 2 to 4 rows sums partials at every
+    width below 8 bits)."""
     w = -np.ones((37, 256), np.float32)
     w[:, ::gs] = 1.0  # MLX's quantize maps each group's max to code 0, the -1s to the top code
     qt = mixbits.quantize(mx.array(w), [(bits, gs, 256)])
@@ -125,7 +127,7 @@ def test_largest_partial_sums_do_not_saturate(bits, gs, act):
     rt = ops.repack(qt)
     x = np.full((1, 256), 3.0, np.float32)
     for xx in (x, -x, np.concatenate([x, -x]), np.concatenate([x, -x, x]),
-               np.concatenate([x, -x] * 3)):
+               np.concatenate([x, -x] * 2), np.concatenate([x, -x] * 3)):
         check(xx, qt, rt, act)
 
 

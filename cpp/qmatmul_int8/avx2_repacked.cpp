@@ -4,15 +4,16 @@
 // 5, 6 bits from their low and high plane words; x in repacked_x_col
 // order), with a block taken as two 256-bit halves (rows 0-7, 8-15) and
 // the integer dots of AVX2. One int8 x row reads both halves in one pass
-// (full_blocks_m1); other calls (2-8 rows, int16) take one half per pass
-// (half_blocks), at most 4 rows at a time; passes of 1-2 int8 rows at 2 and
-// 4 bits sum several words' products in int16 before vpmaddwd, as
-// full_blocks_m1 (3-4 rows measured no faster: their partial sums spill):
-//   int8:  vpmaddubsw (u8 codes x s8 activations, pairs into int16), then
-//          vpmaddwd by 1 into the row's int32 lane. A pair of 2- to 6-bit
-//          codes stays below 2·63·128, inside int16; 8-bit codes would
-//          saturate, so they enter as two nibbles, the high one weighted 16
-//          by its vpmaddwd.
+// (full_blocks_m1); other calls (2-8 rows, int16) take a half block at a
+// time (half_blocks), its x rows in passes of at most 4 while its words
+// are in L1:
+//   int8:  vpmaddubsw (u8 codes x s8 activations, pairs into int16), summed
+//          in int16 over as many steps as cannot overflow (kMaxPartial),
+//          then vpmaddwd by 1 into the row's int32 lane: one multiply per
+//          32 products instead of two. A pair of 2- to 6-bit codes stays
+//          below 2·63·128, inside int16; 8-bit codes would saturate, so
+//          they enter as two nibbles, the high one weighted 16 by its
+//          vpmaddwd (one step per partial sum).
 //   int16: vpmaddwd of 16-bit codes with activation pairs.
 // Per group and x row: one convert and two FMAs per 8 rows, as in VNNI.
 // This file gets -mavx2 -mfma -mf16c (CMake, avx2_*.cpp) and is reached
@@ -98,34 +99,13 @@ inline __m256i split_code(const __m256i (&cw)[B]) {
   return _mm256_or_si256(lo, hi);
 }
 
-// Step (W, K) of a chunk: its codes times the x rows' quads.
-template <int B, int MB, class T, int W, int K>
-inline void split_step(const __m256i (&cw)[B], const T* xq, int ldx, int64_t x0,
-                       __m256i (&acc)[MB]) {
-  constexpr int P = 4 / int(sizeof(T)), LB = split_low_bits(B);
-  const __m256i c = split_code<B, T, W, K>(cw);
-  for (int m = 0; m < MB; ++m) {
-    int32_t quad;
-    std::memcpy(&quad, xq + int64_t(m) * ldx + x0 + W * (32 / LB) + K * P, 4);
-    acc[m] = idot<B, T>(acc[m], c, _mm256_set1_epi32(quad));
-  }
-}
-
-// Every step of a chunk, step t = shift t % S of low word t / S.
-template <int B, int MB, class T, int... t>
-inline void split_chunk(const __m256i (&cw)[B], const T* xq, int ldx, int64_t x0,
-                        __m256i (&acc)[MB], std::integer_sequence<int, t...>) {
-  constexpr int S = 8 * int(sizeof(T)) / split_low_bits(B);
-  (split_step<B, MB, T, t / S, t % S>(cw, xq, ldx, x0, acc), ...);
-}
-
 // Steps (vpmaddubsw products of one x row) an int16 partial sum can hold:
 // |steps * 2 * (2^B - 1) * 128| < 2^15.
 template <int B>
 constexpr int kMaxPartial = 32767 / (2 * ((1 << B) - 1) * 128);  // 3 bits 18, 5 bits 4, 6 bits 2
 
-// Words of 2- or 4-bit codes per int16 partial sum in half_blocks: the
-// most that divide a group's WG words and stay within kMaxPartial steps.
+// Words of 2- or 4-bit codes per int16 partial sum in half_rows: the most
+// that divide a group's WG words and stay within kMaxPartial steps.
 template <int B, int WG>
 constexpr int words_per_partial() {
   int wp = 1;
@@ -134,88 +114,167 @@ constexpr int words_per_partial() {
   return wp;
 }
 
-// Half h (rows 8h .. 8h+7) of blocks [b0, b1) of one segment against MB
-// activation rows.
+// v, opaque to the optimizer: GCC reassociates a chain of integer vector
+// adds, and for a pass of several x rows it then computes all the pass's
+// vpmaddubsw products first and spills them to the stack; passing each
+// partial sum through this keeps one add per product, in program order.
+inline __m256i in_order(__m256i v) {
+  asm("" : "+x"(v));
+  return v;
+}
+
+// Steps per int16 partial sum in a split chunk (8 steps: a divisor of 8).
+template <int B>
+constexpr int kChunkPartial = kMaxPartial<B> >= 8 ? 8 : kMaxPartial<B> >= 4 ? 4 : 2;
+
+// Step (W, K) of a chunk: its codes times the x rows' quads. int8: into
+// the rows' int16 partial sums p, kChunkPartial<B> steps each, then into
+// acc with one vpmaddwd (the same int32 sums as a vpmaddwd per step).
+template <int B, int MB, class T, int W, int K>
+inline void split_step(const __m256i (&cw)[B], const T* xq, int ldx, int64_t x0,
+                       __m256i (&p)[MB], __m256i (&acc)[MB]) {
+  constexpr int P = 4 / int(sizeof(T)), LB = split_low_bits(B);
+  constexpr int t = W * (8 * int(sizeof(T)) / LB) + K;  // the step's index in the chunk
+  const __m256i c = split_code<B, T, W, K>(cw);
+  for (int m = 0; m < MB; ++m) {
+    int32_t quad;
+    std::memcpy(&quad, xq + int64_t(m) * ldx + x0 + W * (32 / LB) + K * P, 4);
+    const __m256i xb = _mm256_set1_epi32(quad);
+    if constexpr (sizeof(T) == 1) {
+      constexpr int PS = kChunkPartial<B>;
+      const __m256i prod = _mm256_maddubs_epi16(c, xb);
+      p[m] = in_order(t % PS == 0 ? prod : _mm256_add_epi16(p[m], prod));
+      if constexpr ((t + 1) % PS == 0)
+        acc[m] = in_order(_mm256_add_epi32(acc[m], _mm256_madd_epi16(p[m], _mm256_set1_epi16(1))));
+    } else {
+      acc[m] = idot<B, T>(acc[m], c, xb);
+    }
+  }
+}
+
+// Every step of a chunk, step t = shift t % S of low word t / S. Forced
+// inline: GCC otherwise calls it out of line from half_rows (a vzeroupper
+// and the accumulators through memory per chunk: 3-bit M = 2 ran 1.3x
+// slower).
+template <int B, int MB, class T, int... t>
+__attribute__((always_inline)) inline void split_chunk(const __m256i (&cw)[B], const T* xq, int ldx,
+                                                       int64_t x0, __m256i (&acc)[MB],
+                                                       std::integer_sequence<int, t...>) {
+  static_assert(sizeof(T) == 2 || sizeof...(t) % kChunkPartial<B> == 0, "a chunk's steps end on a flush");
+  constexpr int S = 8 * int(sizeof(T)) / split_low_bits(B);
+  __m256i p[MB];
+  (split_step<B, MB, T, t / S, t % S>(cw, xq, ldx, x0, p, acc), ...);
+}
+
+// x rows m0 .. of x (the same rows, moved by m0).
+template <class T>
+inline RX rows_from(const RX& x, int m0) {
+  return RX{static_cast<const T*>(x.xq) + int64_t(m0) * x.ldx, x.ldx, x.d + int64_t(m0) * x.ldg,
+            x.xs + int64_t(m0) * x.ldg, x.ldg, x.ix + int64_t(m0) * x.ldg};
+}
+
+// One half of a block (8 rows: words from wb, scales and biases from sb)
+// against MB <= kHalfRows activation rows: accf[m] = x row m's 8 sums.
 template <int B, int G, int MB, class T>
-void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, int ldy) {
+inline void half_rows(const RSeg& s, const RX& x, const uint32_t* wb, int64_t sb, __m256 (&accf)[MB]) {
   constexpr int S = repack_splits(B) ? 1 : 8 * int(sizeof(T)) / B;  // shifts per word
   constexpr int CPW = 32 / B;                                       // codes per word
   constexpr int WG = G * B / 32;                                    // words per group
   const T* xq = static_cast<const T*>(x.xq);
   const int ng = s.ngroups;
-  for (int b = b0; b < b1; ++b) {
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t* wb = s.wq + int64_t(b) * s.words * R + h * H;
-      const int64_t sb = int64_t(b) * ng * R + h * H;
-      __m256 accf[MB];
-      for (int m = 0; m < MB; ++m) accf[m] = _mm256_setzero_ps();
-      for (int g = 0; g < ng; ++g) {
-        __m256i acc[MB];
-        for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
-        if constexpr (repack_splits(B)) {
-          // Steps per chunk: the low words' shifts.
-          constexpr int SC = split_low_bits(B) * (8 * int(sizeof(T)) / split_low_bits(B));
-          for (int ch = 0; ch < G / 32; ++ch) {
-            const int64_t q = int64_t(g) * (G / 32) + ch;  // chunk: words B*q .. B*q + B-1
-            const uint32_t* wp = wb + B * q * R;
-            prefetch_words<B>(wp);
-            __m256i cw[B];
-            for (int i = 0; i < B; ++i) cw[i] = _mm256_loadu_si256((const __m256i*)(wp + i * R));
-            split_chunk<B, MB, T>(cw, xq, x.ldx, q * 32, acc, std::make_integer_sequence<int, SC>{});
-          }
-        } else {
-          // 2 and 4 bits, int8, 1-2 rows: each x row's products summed in
-          // int16 over WP words (kMaxPartial's bound, as full_blocks_m1),
-          // then one vpmaddwd into its int32 lane: the same int32 sums.
-          // Otherwise every step goes to the int32 lanes (WP = 1).
-          constexpr bool kPartial = sizeof(T) == 1 && B < 8 && MB <= 2;
-          constexpr int WP = kPartial ? words_per_partial<B, WG>() : 1;
-          for (int j0 = 0; j0 < WG; j0 += WP) {
-            __m256i p[MB];
+  for (int m = 0; m < MB; ++m) accf[m] = _mm256_setzero_ps();
+  for (int g = 0; g < ng; ++g) {
+    __m256i acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
+    if constexpr (repack_splits(B)) {
+      // Steps per chunk: the low words' shifts.
+      constexpr int SC = split_low_bits(B) * (8 * int(sizeof(T)) / split_low_bits(B));
+      for (int ch = 0; ch < G / 32; ++ch) {
+        const int64_t q = int64_t(g) * (G / 32) + ch;  // chunk: words B*q .. B*q + B-1
+        const uint32_t* wp = wb + B * q * R;
+        prefetch_words<B>(wp);
+        __m256i cw[B];
+        for (int i = 0; i < B; ++i) cw[i] = _mm256_loadu_si256((const __m256i*)(wp + i * R));
+        split_chunk<B, MB, T>(cw, xq, x.ldx, q * 32, acc, std::make_integer_sequence<int, SC>{});
+      }
+    } else {
+      // 2 and 4 bits, int8: each x row's products summed in int16 over WP
+      // words (kMaxPartial's bound, as full_blocks_m1), then one vpmaddwd
+      // into its int32 lane: the same int32 sums. Otherwise every step
+      // goes to the int32 lanes (WP = 1).
+      constexpr bool kPartial = sizeof(T) == 1 && B < 8;
+      constexpr int WP = kPartial ? words_per_partial<B, WG>() : 1;
+      for (int j0 = 0; j0 < WG; j0 += WP) {
+        __m256i p[MB];
 #pragma GCC unroll 16
-            for (int jw = 0; jw < WP; ++jw) {
-              const int j = g * WG + j0 + jw;
-              const __m256i w = _mm256_loadu_si256((const __m256i*)(wb + int64_t(j) * R));
-              prefetch_words<B>(wb + int64_t(j) * R);
+        for (int jw = 0; jw < WP; ++jw) {
+          const int j = g * WG + j0 + jw;
+          const __m256i w = _mm256_loadu_si256((const __m256i*)(wb + int64_t(j) * R));
+          prefetch_words<B>(wb + int64_t(j) * R);
 #pragma GCC unroll 8
-              for (int k = 0; k < S; ++k) {
-                const __m256i c = word_code<B, T>(w, k);
-                for (int m = 0; m < MB; ++m) {
-                  int32_t quad;
-                  std::memcpy(&quad, xq + int64_t(m) * x.ldx + int64_t(j) * CPW + k * (4 / sizeof(T)),
-                              4);
-                  const __m256i xb = _mm256_set1_epi32(quad);
-                  if constexpr (kPartial) {
-                    const __m256i prod = _mm256_maddubs_epi16(c, xb);
-                    p[m] = jw == 0 && k == 0 ? prod : _mm256_add_epi16(p[m], prod);
-                  } else {
-                    acc[m] = idot<B, T>(acc[m], c, xb);
-                  }
-                }
+          for (int k = 0; k < S; ++k) {
+            const __m256i c = word_code<B, T>(w, k);
+            for (int m = 0; m < MB; ++m) {
+              int32_t quad;
+              std::memcpy(&quad, xq + int64_t(m) * x.ldx + int64_t(j) * CPW + k * (4 / sizeof(T)), 4);
+              const __m256i xb = _mm256_set1_epi32(quad);
+              if constexpr (kPartial) {
+                const __m256i prod = _mm256_maddubs_epi16(c, xb);
+                p[m] = in_order(jw == 0 && k == 0 ? prod : _mm256_add_epi16(p[m], prod));
+              } else {
+                acc[m] = idot<B, T>(acc[m], c, xb);
               }
             }
-            if constexpr (kPartial)
-              for (int m = 0; m < MB; ++m)
-                acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(p[m], _mm256_set1_epi16(1)));
           }
         }
-        const __m256 s8 = load8_f32(s.scales, sb + int64_t(g) * R, s.sdt);
-        const __m256 b8 = load8_f32(s.biases, sb + int64_t(g) * R, s.sdt);
-        for (int m = 0; m < MB; ++m) {
-          accf[m] = group_epilogue(accf[m], acc[m], s8, b8, _mm256_set1_ps(x.d[int64_t(m) * x.ldg + g]),
-                                   _mm256_set1_ps(x.xs[int64_t(m) * x.ldg + g]));
-        }
+        if constexpr (kPartial)
+          for (int m = 0; m < MB; ++m)
+            acc[m] = in_order(_mm256_add_epi32(acc[m], _mm256_madd_epi16(p[m], _mm256_set1_epi16(1))));
       }
+    }
+    const __m256 s8 = load8_f32(s.scales, sb + int64_t(g) * R, s.sdt);
+    const __m256 b8 = load8_f32(s.biases, sb + int64_t(g) * R, s.sdt);
+    for (int m = 0; m < MB; ++m) {
+      accf[m] = group_epilogue(accf[m], acc[m], s8, b8, _mm256_set1_ps(x.d[int64_t(m) * x.ldg + g]),
+                               _mm256_set1_ps(x.xs[int64_t(m) * x.ldg + g]));
+    }
+  }
+}
+
+// x rows per half_rows pass: AVX2 has 16 vector registers, and 4 rows'
+// int16 partials, int32 and float accumulators take 12 of them.
+constexpr int kHalfRows = 4;
+
+// All MB x rows against one half of a block, kHalfRows at a time while the
+// half's words are still in L1; y: the half's first row (nreal real rows).
+template <int B, int G, int MB, class T>
+void half_all_rows(const RSeg& s, const RX& x, const uint32_t* wb, int64_t sb, int nreal, float* y,
+                   int ldy) {
+  constexpr int passes = (MB + kHalfRows - 1) / kHalfRows;
+  constexpr int C = (MB + passes - 1) / passes;  // even passes: 5 rows as 3 + 2, not 4 + 1
+  __m256 accf[C];
+  half_rows<B, G, C, T>(s, x, wb, sb, accf);
+  alignas(32) float v[H];
+  for (int m = 0; m < C; ++m) {
+    _mm256_store_ps(v, accf[m]);
+    float* yp = y + int64_t(m) * ldy;
+    for (int r = 0; r < nreal; ++r) yp[r] += v[r];
+  }
+  if constexpr (MB > C) half_all_rows<B, G, MB - C, T>(s, rows_from<T>(x, C), wb, sb, nreal, y + C * int64_t(ldy), ldy);
+}
+
+// Blocks [b0, b1) of one segment against MB activation rows, a half block
+// (rows 8h .. 8h+7) at a time.
+template <int B, int G, int MB, class T>
+void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, int ldy) {
+  for (int b = b0; b < b1; ++b) {
+    for (int h = 0; h < 2; ++h) {
       // The last block may hold padding rows: add into the real ones only.
       const int n0 = b * R + h * H;
       const int nreal = N - n0 <= 0 ? 0 : N - n0 < H ? N - n0 : H;
       if (nreal == 0) continue;
-      alignas(32) float v[H];
-      for (int m = 0; m < MB; ++m) {
-        _mm256_store_ps(v, accf[m]);
-        float* yp = y + int64_t(m) * ldy + n0;
-        for (int r = 0; r < nreal; ++r) yp[r] += v[r];
-      }
+      half_all_rows<B, G, MB, T>(s, x, s.wq + int64_t(b) * s.words * R + h * H,
+                                 int64_t(b) * s.ngroups * R + h * H, nreal, y + n0, ldy);
     }
   }
 }
@@ -231,18 +290,14 @@ void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, in
 // for bit. Fewer live vectors also keep the float accumulators in
 // registers (half_blocks' M = 1 loop chained them through the stack).
 
-// Steps per int16 partial sum in a split chunk (8 steps: a divisor of 8).
-template <int B>
-constexpr int kChunkPartial = kMaxPartial<B> >= 8 ? 8 : kMaxPartial<B> >= 4 ? 4 : 2;
-
 // p0/p1 (int16 partial sums of the two halves) into acc0/acc1, after every
 // P-th step t of a word or chunk.
 template <int P, int t>
 inline void flush_partial(__m256i& p0, __m256i& p1, __m256i& acc0, __m256i& acc1) {
   if constexpr ((t + 1) % P == 0) {
     const __m256i ones = _mm256_set1_epi16(1);
-    acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(p0, ones));
-    acc1 = _mm256_add_epi32(acc1, _mm256_madd_epi16(p1, ones));
+    acc0 = in_order(_mm256_add_epi32(acc0, _mm256_madd_epi16(p0, ones)));
+    acc1 = in_order(_mm256_add_epi32(acc1, _mm256_madd_epi16(p1, ones)));
     p0 = p1 = _mm256_setzero_si256();
   }
 }
@@ -254,13 +309,13 @@ inline void split_step_m1(const __m256i (&cw0)[B], const __m256i (&cw1)[B], cons
   int32_t quad;
   std::memcpy(&quad, xq + x0 + W * (32 / LB) + K * 4, 4);
   const __m256i xb = _mm256_set1_epi32(quad);
-  p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(split_code<B, int8_t, W, K>(cw0), xb));
-  p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(split_code<B, int8_t, W, K>(cw1), xb));
+  p0 = in_order(_mm256_add_epi16(p0, _mm256_maddubs_epi16(split_code<B, int8_t, W, K>(cw0), xb)));
+  p1 = in_order(_mm256_add_epi16(p1, _mm256_maddubs_epi16(split_code<B, int8_t, W, K>(cw1), xb)));
   flush_partial<kChunkPartial<B>, t>(p0, p1, acc0, acc1);
 }
 
 template <int B, int... t>
-inline void split_chunk_m1(const __m256i (&cw0)[B], const __m256i (&cw1)[B], const int8_t* xq,
+__attribute__((always_inline)) inline void split_chunk_m1(const __m256i (&cw0)[B], const __m256i (&cw1)[B], const int8_t* xq,
                            int64_t x0, __m256i& acc0, __m256i& acc1, std::integer_sequence<int, t...>) {
   static_assert(sizeof...(t) % kChunkPartial<B> == 0, "a chunk's steps end on a flush");
   __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
@@ -274,13 +329,13 @@ inline void word_step_m1(__m256i w0, __m256i w1, const int8_t* xw, __m256i& p0, 
   int32_t quad;
   std::memcpy(&quad, xw + k * 4, 4);
   const __m256i xb = _mm256_set1_epi32(quad);
-  p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(word_code<B, int8_t>(w0, k), xb));
-  p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(word_code<B, int8_t>(w1, k), xb));
+  p0 = in_order(_mm256_add_epi16(p0, _mm256_maddubs_epi16(word_code<B, int8_t>(w0, k), xb)));
+  p1 = in_order(_mm256_add_epi16(p1, _mm256_maddubs_epi16(word_code<B, int8_t>(w1, k), xb)));
   flush_partial<8 / B, k>(p0, p1, acc0, acc1);  // one partial sum per word
 }
 
 template <int B, int... k>
-inline void word_m1(__m256i w0, __m256i w1, const int8_t* xw, __m256i& acc0, __m256i& acc1,
+__attribute__((always_inline)) inline void word_m1(__m256i w0, __m256i w1, const int8_t* xw, __m256i& acc0, __m256i& acc1,
                     std::integer_sequence<int, k...>) {
   static_assert(sizeof...(k) <= kMaxPartial<B>, "a word's products fit one int16 partial sum");
   __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
@@ -356,14 +411,10 @@ void seg_kernel(const RSeg& s, const RX& x, int mb, int b0, int b1, int N, float
     case 2: return half_blocks<B, G, 2, T>(s, x, b0, b1, N, y, ldy);
     case 3: return half_blocks<B, G, 3, T>(s, x, b0, b1, N, y, ldy);
     case 4: return half_blocks<B, G, 4, T>(s, x, b0, b1, N, y, ldy);
-    case 5: case 6: case 7: case 8: {
-      // Two passes (4 rows, then the rest): AVX2 has 16 vector
-      // registers; 8 rows' int32 and float accumulators alone fill them.
-      half_blocks<B, G, 4, T>(s, x, b0, b1, N, y, ldy);
-      const RX rest{static_cast<const T*>(x.xq) + 4 * int64_t(x.ldx), x.ldx, x.d + 4 * int64_t(x.ldg),
-                    x.xs + 4 * int64_t(x.ldg), x.ldg, x.ix + 4 * int64_t(x.ldg)};
-      return seg_kernel<B, G, T>(s, rest, mb - 4, b0, b1, N, y + 4 * int64_t(ldy), ldy);
-    }
+    case 5: return half_blocks<B, G, 5, T>(s, x, b0, b1, N, y, ldy);
+    case 6: return half_blocks<B, G, 6, T>(s, x, b0, b1, N, y, ldy);
+    case 7: return half_blocks<B, G, 7, T>(s, x, b0, b1, N, y, ldy);
+    case 8: return half_blocks<B, G, 8, T>(s, x, b0, b1, N, y, ldy);
   }
 }
 
