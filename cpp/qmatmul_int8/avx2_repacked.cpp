@@ -104,13 +104,15 @@ inline __m256i split_code(const __m256i (&cw)[B]) {
 template <int B>
 constexpr int kMaxPartial = 32767 / (2 * ((1 << B) - 1) * 128);  // 3 bits 18, 5 bits 4, 6 bits 2
 
-// Words of 2- or 4-bit codes per int16 partial sum in half_rows: the most
-// that divide a group's WG words and stay within kMaxPartial steps.
+// Words of 2-, 4- or 8-bit codes per int16 partial sum in half_rows: the
+// most that divide a group's WG words and stay within kMaxPartial steps
+// (8-bit codes enter vpmaddubsw as 4-bit nibbles, one step per word).
 template <int B, int WG>
 constexpr int words_per_partial() {
+  constexpr int PB = B == 8 ? 4 : B;  // bits of a code vpmaddubsw sees
   int wp = 1;
   for (int c = 1; c <= WG; ++c)
-    if (WG % c == 0 && c * (8 / B) <= kMaxPartial<B>) wp = c;
+    if (WG % c == 0 && c * (8 / B) <= kMaxPartial<PB>) wp = c;
   return wp;
 }
 
@@ -198,14 +200,17 @@ inline void half_rows(const RSeg& s, const RX& x, const uint32_t* wb, int64_t sb
         split_chunk<B, MB, T>(cw, xq, x.ldx, q * 32, acc, std::make_integer_sequence<int, SC>{});
       }
     } else {
-      // 2 and 4 bits, int8: each x row's products summed in int16 over WP
-      // words (kMaxPartial's bound, as full_blocks_m1), then one vpmaddwd
-      // into its int32 lane: the same int32 sums. Otherwise every step
-      // goes to the int32 lanes (WP = 1).
-      constexpr bool kPartial = sizeof(T) == 1 && B < 8;
+      // int8: each x row's products summed in int16 over WP words
+      // (kMaxPartial's bound, as full_blocks_m1), then one vpmaddwd into
+      // its int32 lane: the same int32 sums. 8 bits: the low and the high
+      // nibbles' products in two partial sums, the high one weighted 16 by
+      // its vpmaddwd (idot's split). int16: every step into the int32
+      // lanes (WP = 1).
+      constexpr bool kPartial = sizeof(T) == 1;
+      constexpr int NH = B == 8 ? 2 : 1;  // partial sums per x row
       constexpr int WP = kPartial ? words_per_partial<B, WG>() : 1;
       for (int j0 = 0; j0 < WG; j0 += WP) {
-        __m256i p[MB];
+        __m256i p[NH][MB];
 #pragma GCC unroll 16
         for (int jw = 0; jw < WP; ++jw) {
           const int j = g * WG + j0 + jw;
@@ -213,23 +218,35 @@ inline void half_rows(const RSeg& s, const RX& x, const uint32_t* wb, int64_t sb
           prefetch_words<B>(wb + int64_t(j) * R);
 #pragma GCC unroll 8
           for (int k = 0; k < S; ++k) {
-            const __m256i c = word_code<B, T>(w, k);
+            __m256i c[NH];
+            if constexpr (kPartial && B == 8) {
+              const __m256i lo4 = _mm256_set1_epi8(0x0F);
+              c[0] = _mm256_and_si256(w, lo4);
+              c[NH - 1] = _mm256_and_si256(_mm256_srli_epi16(w, 4), lo4);
+            } else {
+              c[0] = word_code<B, T>(w, k);
+            }
             for (int m = 0; m < MB; ++m) {
               int32_t quad;
               std::memcpy(&quad, xq + int64_t(m) * x.ldx + int64_t(j) * CPW + k * (4 / sizeof(T)), 4);
               const __m256i xb = _mm256_set1_epi32(quad);
               if constexpr (kPartial) {
-                const __m256i prod = _mm256_maddubs_epi16(c, xb);
-                p[m] = in_order(jw == 0 && k == 0 ? prod : _mm256_add_epi16(p[m], prod));
+                for (int h = 0; h < NH; ++h) {
+                  const __m256i prod = _mm256_maddubs_epi16(c[h], xb);
+                  p[h][m] = in_order(jw == 0 && k == 0 ? prod : _mm256_add_epi16(p[h][m], prod));
+                }
               } else {
-                acc[m] = idot<B, T>(acc[m], c, xb);
+                acc[m] = idot<B, T>(acc[m], c[0], xb);
               }
             }
           }
         }
         if constexpr (kPartial)
-          for (int m = 0; m < MB; ++m)
-            acc[m] = in_order(_mm256_add_epi32(acc[m], _mm256_madd_epi16(p[m], _mm256_set1_epi16(1))));
+          for (int m = 0; m < MB; ++m) {
+            __m256i sum = _mm256_madd_epi16(p[0][m], _mm256_set1_epi16(1));
+            if constexpr (NH == 2) sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p[1][m], _mm256_set1_epi16(16)));
+            acc[m] = in_order(_mm256_add_epi32(acc[m], sum));
+          }
       }
     }
     const __m256 s8 = load8_f32(s.scales, sb + int64_t(g) * R, s.sdt);
@@ -242,7 +259,8 @@ inline void half_rows(const RSeg& s, const RX& x, const uint32_t* wb, int64_t sb
 }
 
 // x rows per half_rows pass: AVX2 has 16 vector registers, and 4 rows'
-// int16 partials, int32 and float accumulators take 12 of them.
+// int16 partials, int32 and float accumulators take 12 of them (8 bits,
+// two partials per row: 3 or 2 rows per pass measured no faster).
 constexpr int kHalfRows = 4;
 
 // All MB x rows against one half of a block, kHalfRows at a time while the
