@@ -98,20 +98,29 @@ void blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, int ldy
           }
           split_chunk<B, MB, A, T>(cw, xq, x.ldx, q * 32, acc, std::make_integer_sequence<int, SC>{});
         }
-      } else
+      } else {
+        // Words in runs of U, each run unrolled whole: the chain index a must
+        // be a constant for acc to stay in registers (a group of 16 or 32
+        // words unrolled 8 at a time left it a runtime value, and every dot
+        // went through the stack: 8-bit g64 at 4 rows ran slower than at 8).
+        constexpr int U = WG < 8 ? WG : 8;
+        static_assert(WG % U == 0 && U * S % A == 0, "every run starts on chain 0");
+        for (int j0 = 0; j0 < WG; j0 += U) {
 #pragma GCC unroll 8
-      for (int jw = 0; jw < WG; ++jw) {
-        const int j = g * WG + jw;
-        const __m512i w = _mm512_loadu_si512((const void*)(wb + int64_t(j) * R));
-        prefetch_words<B>(wb + int64_t(j) * R);
+          for (int u = 0; u < U; ++u) {
+            const int j = g * WG + j0 + u;
+            const __m512i w = _mm512_loadu_si512((const void*)(wb + int64_t(j) * R));
+            prefetch_words<B>(wb + int64_t(j) * R);
 #pragma GCC unroll 8
-        for (int k = 0; k < S; ++k) {
-          const __m512i c = kInPlace ? word_code_in_place<B>(w, k) : word_code<B, T>(w, k);
-          const int a = (jw * S + k) % A;
-          for (int m = 0; m < MB; ++m) {
-            int32_t quad;
-            std::memcpy(&quad, xq + int64_t(m) * x.ldx + int64_t(j) * CPW + k * (4 / sizeof(T)), 4);
-            acc[a][m] = idot<T>(acc[a][m], c, _mm512_set1_epi32(quad));
+            for (int k = 0; k < S; ++k) {
+              const __m512i c = kInPlace ? word_code_in_place<B>(w, k) : word_code<B, T>(w, k);
+              const int a = (u * S + k) % A;
+              for (int m = 0; m < MB; ++m) {
+                int32_t quad;
+                std::memcpy(&quad, xq + int64_t(m) * x.ldx + int64_t(j) * CPW + k * (4 / sizeof(T)), 4);
+                acc[a][m] = idot<T>(acc[a][m], c, _mm512_set1_epi32(quad));
+              }
+            }
           }
         }
       }
