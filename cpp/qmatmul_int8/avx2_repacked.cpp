@@ -194,7 +194,7 @@ inline void half_rows(const RSeg& s, const RX& x, const uint32_t* wb, int64_t sb
       for (int ch = 0; ch < G / 32; ++ch) {
         const int64_t q = int64_t(g) * (G / 32) + ch;  // chunk: words B*q .. B*q + B-1
         const uint32_t* wp = wb + B * q * R;
-        prefetch_words<B>(wp);
+        for (int i = 0; i < B; ++i) prefetch_words<B>(wp + i * R);  // a chunk: B lines
         __m256i cw[B];
         for (int i = 0; i < B; ++i) cw[i] = _mm256_loadu_si256((const __m256i*)(wp + i * R));
         split_chunk<B, MB, T>(cw, xq, x.ldx, q * 32, acc, std::make_integer_sequence<int, SC>{});
@@ -377,7 +377,7 @@ void full_blocks_m1(const RSeg& s, const RX& x, int b0, int b1, int N, float* y)
         for (int ch = 0; ch < G / 32; ++ch) {
           const int64_t q = int64_t(g) * (G / 32) + ch;  // chunk: words B*q .. B*q + B-1
           const uint32_t* wp = wb + B * q * R;
-          prefetch_words<B>(wp);
+          for (int i = 0; i < B; ++i) prefetch_words<B>(wp + i * R);  // a chunk: B lines
           __m256i cw0[B], cw1[B];
           for (int i = 0; i < B; ++i) {
             cw0[i] = _mm256_loadu_si256((const __m256i*)(wp + i * R));
