@@ -244,7 +244,8 @@ inline void half_rows(const RSeg& s, const RX& x, const uint32_t* wb, int64_t sb
         if constexpr (kPartial)
           for (int m = 0; m < MB; ++m) {
             __m256i sum = _mm256_madd_epi16(p[0][m], _mm256_set1_epi16(1));
-            if constexpr (NH == 2) sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p[1][m], _mm256_set1_epi16(16)));
+            if constexpr (NH == 2)
+              sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p[1][m], _mm256_set1_epi16(16)));
             acc[m] = in_order(_mm256_add_epi32(acc[m], sum));
           }
       }
@@ -278,7 +279,8 @@ void half_all_rows(const RSeg& s, const RX& x, const uint32_t* wb, int64_t sb, i
     float* yp = y + int64_t(m) * ldy;
     for (int r = 0; r < nreal; ++r) yp[r] += v[r];
   }
-  if constexpr (MB > C) half_all_rows<B, G, MB - C, T>(s, rows_from<T>(x, C), wb, sb, nreal, y + C * int64_t(ldy), ldy);
+  if constexpr (MB > C)
+    half_all_rows<B, G, MB - C, T>(s, rows_from<T>(x, C), wb, sb, nreal, y + C * int64_t(ldy), ldy);
 }
 
 // Blocks [b0, b1) of one segment against MB activation rows, a half block
@@ -333,8 +335,9 @@ inline void split_step_m1(const __m256i (&cw0)[B], const __m256i (&cw1)[B], cons
 }
 
 template <int B, int... t>
-__attribute__((always_inline)) inline void split_chunk_m1(const __m256i (&cw0)[B], const __m256i (&cw1)[B], const int8_t* xq,
-                           int64_t x0, __m256i& acc0, __m256i& acc1, std::integer_sequence<int, t...>) {
+__attribute__((always_inline)) inline void split_chunk_m1(const __m256i (&cw0)[B], const __m256i (&cw1)[B],
+                                                          const int8_t* xq, int64_t x0, __m256i& acc0,
+                                                          __m256i& acc1, std::integer_sequence<int, t...>) {
   static_assert(sizeof...(t) % kChunkPartial<B> == 0, "a chunk's steps end on a flush");
   __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
   (split_step_m1<B, t>(cw0, cw1, xq, x0, p0, p1, acc0, acc1), ...);
@@ -353,8 +356,8 @@ inline void word_step_m1(__m256i w0, __m256i w1, const int8_t* xw, __m256i& p0, 
 }
 
 template <int B, int... k>
-__attribute__((always_inline)) inline void word_m1(__m256i w0, __m256i w1, const int8_t* xw, __m256i& acc0, __m256i& acc1,
-                    std::integer_sequence<int, k...>) {
+__attribute__((always_inline)) inline void word_m1(__m256i w0, __m256i w1, const int8_t* xw, __m256i& acc0,
+                                                   __m256i& acc1, std::integer_sequence<int, k...>) {
   static_assert(sizeof...(k) <= kMaxPartial<B>, "a word's products fit one int16 partial sum");
   __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
   (word_step_m1<B, k>(w0, w1, xw, p0, p1, acc0, acc1), ...);
