@@ -109,9 +109,9 @@ def test_extreme_codes_do_not_saturate(bits, act):
 def test_largest_partial_sums_do_not_saturate(bits, gs, act):
     """Every code but each group's first at the top, against x at +Q or
     -Q everywhere: each int16 sum of the AVX2 kernels (vpmaddubsw's pairs,
-    and the sums of several steps before vpmaddwd: one x row's pass, and
-    the two-row passes, which at 2 and 4 bits sum across words of a group)
-    at its largest, in every lane. (Random signs rarely line a whole sum
+    and the sums of several steps before vpmaddwd: every int8 pass sums
+    steps, and the passes of 2-4 rows at 2, 4 and 8 bits (its nibbles) sum
+    across words of a group) at its largest, in every lane. (Random signs rarely line a whole sum
     up.) 1 to 6 x rows: the one-row pass, and passes of two, three, four
     rows, and 3 + 3 (every pass of 2 to 4 rows sums partials at every
     width below 8 bits)."""
