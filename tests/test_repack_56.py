@@ -111,10 +111,9 @@ def test_largest_partial_sums_do_not_saturate(bits, gs, act):
     -Q everywhere: each int16 sum of the AVX2 kernels (vpmaddubsw's pairs,
     and the sums of several steps before vpmaddwd: every int8 pass sums
     steps, and the passes of 2-4 rows at 2, 4 and 8 bits (its nibbles) sum
-    across words of a group) at its largest, in every lane. (Random signs rarely line a whole sum
-    up.) 1 to 6 x rows: the one-row pass, and passes of two, three, four
-    rows, and 3 + 3 (every pass of 2 to 4 rows sums partials at every
-    width below 8 bits)."""
+    across words of a group) at its largest, in every lane. (Random signs
+    rarely line a whole sum up.) 1 to 6 x rows: the one-row pass, and
+    passes of two, three, four rows, and 3 + 3."""
     w = -np.ones((37, 256), np.float32)
     w[:, ::gs] = 1.0  # MLX's quantize maps each group's max to code 0, the -1s to the top code
     qt = mixbits.quantize(mx.array(w), [(bits, gs, 256)])
