@@ -3,8 +3,9 @@
 // (word j of 16 rows, shift k·B and mask give lane r's codes of row r, 3,
 // 5, 6 bits from their low and high plane words; x in repacked_x_col
 // order), with a block taken as two 256-bit halves (rows 0-7, 8-15) and
-// the integer dots of AVX2. One int8 x row reads both halves in one pass
-// (full_blocks_m1); other calls (2-8 rows, int16) take a half block at a
+// the integer dots of AVX2. One x row reads both halves in one pass
+// (full_blocks_m1; int16 at 2, 4, 8 bits: full_blocks_m16); other calls
+// (2-8 rows, and one int16 row at 3, 5, 6 bits) take a half block at a
 // time (half_blocks), its x rows in passes of at most 4 while its words
 // are in L1:
 //   int8:  vpmaddubsw (u8 codes x s8 activations, pairs into int16), summed
@@ -425,12 +426,63 @@ void full_blocks_m1(const RSeg& s, const RX& x, int b0, int b1, int N, float* y)
   }
 }
 
+// int16, one x row, 2/4/8 bits (full_blocks_m16): both halves of each
+// block in one pass, as full_blocks_m1 for int8: each line of words loaded
+// once and each activation pair broadcast once for 16 rows; two chains per
+// half (even and odd steps) to cover vpmaddwd's latency. The int32 sums
+// are half_blocks' (exact), and so is the float epilogue, bit for bit.
+template <int B, int G>
+void full_blocks_m16(const RSeg& s, const RX& x, int b0, int b1, int N, float* y) {
+  constexpr int S = 16 / B, CPW = 32 / B, WG = G * B / 32;
+  const int16_t* xq = static_cast<const int16_t*>(x.xq);
+  const int ng = s.ngroups;
+  for (int b = b0; b < b1; ++b) {
+    const uint32_t* wb = s.wq + int64_t(b) * s.words * R;
+    const int64_t sb = int64_t(b) * ng * R;
+    __m256 accf0 = _mm256_setzero_ps(), accf1 = _mm256_setzero_ps();
+    for (int g = 0; g < ng; ++g) {
+      __m256i acc[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
+                           {_mm256_setzero_si256(), _mm256_setzero_si256()}};  // [half][step parity]
+#pragma GCC unroll 8
+      for (int jw = 0; jw < WG; ++jw) {
+        const int j = g * WG + jw;
+        const uint32_t* wp = wb + int64_t(j) * R;
+        prefetch_words<B>(wp);
+        const __m256i w0 = _mm256_loadu_si256((const __m256i*)wp);
+        const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wp + H));
+#pragma GCC unroll 8
+        for (int k = 0; k < S; ++k) {
+          int32_t pair;
+          std::memcpy(&pair, xq + int64_t(j) * CPW + 2 * k, 4);
+          const __m256i xb = _mm256_set1_epi32(pair);
+          acc[0][k % 2] = idot<B, int16_t>(acc[0][k % 2], word_code<B, int16_t>(w0, k), xb);
+          acc[1][k % 2] = idot<B, int16_t>(acc[1][k % 2], word_code<B, int16_t>(w1, k), xb);
+        }
+      }
+      const __m256 d = _mm256_set1_ps(x.d[g]), xs = _mm256_set1_ps(x.xs[g]);
+      const int64_t so = sb + int64_t(g) * R;
+      accf0 = group_epilogue(accf0, _mm256_add_epi32(acc[0][0], acc[0][1]), load8_f32(s.scales, so, s.sdt),
+                             load8_f32(s.biases, so, s.sdt), d, xs);
+      accf1 = group_epilogue(accf1, _mm256_add_epi32(acc[1][0], acc[1][1]), load8_f32(s.scales, so + H, s.sdt),
+                             load8_f32(s.biases, so + H, s.sdt), d, xs);
+    }
+    // The last block may hold padding rows: add into the real ones only.
+    const int n0 = b * R, nreal = N - n0 < R ? N - n0 : R;
+    alignas(32) float v[R];
+    _mm256_store_ps(v, accf0);
+    _mm256_store_ps(v + H, accf1);
+    float* yp = y + n0;
+    for (int r = 0; r < nreal; ++r) yp[r] += v[r];
+  }
+}
+
 template <int B, int G, class T>
 void seg_kernel(const RSeg& s, const RX& x, int mb, int b0, int b1, int N, float* y, int ldy) {
   switch (mb) {
     case 1:
       if constexpr (sizeof(T) == 1) return full_blocks_m1<B, G>(s, x, b0, b1, N, y);
-      return half_blocks<B, G, 1, T>(s, x, b0, b1, N, y, ldy);
+      else if constexpr (!repack_splits(B)) return full_blocks_m16<B, G>(s, x, b0, b1, N, y);
+      else return half_blocks<B, G, 1, T>(s, x, b0, b1, N, y, ldy);
     case 2: return half_blocks<B, G, 2, T>(s, x, b0, b1, N, y, ldy);
     case 3: return half_blocks<B, G, 3, T>(s, x, b0, b1, N, y, ldy);
     case 4: return half_blocks<B, G, 4, T>(s, x, b0, b1, N, y, ldy);
