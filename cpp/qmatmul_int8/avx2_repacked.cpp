@@ -366,6 +366,26 @@ __attribute__((always_inline)) inline void word_m1(__m256i w0, __m256i w1, const
   (word_step_m1<B, k>(w0, w1, xw, p0, p1, acc0, acc1), ...);
 }
 
+// One x row's group g for both halves of a block (so: the group's offset
+// in the scales and biases; iq0, iq1: the halves' exact integer dots).
+inline void block_epilogue(const RSeg& s, const RX& x, int g, int64_t so, __m256i iq0, __m256i iq1,
+                           __m256& accf0, __m256& accf1) {
+  const __m256 d = _mm256_set1_ps(x.d[g]), xs = _mm256_set1_ps(x.xs[g]);
+  accf0 = group_epilogue(accf0, iq0, load8_f32(s.scales, so, s.sdt), load8_f32(s.biases, so, s.sdt), d, xs);
+  accf1 = group_epilogue(accf1, iq1, load8_f32(s.scales, so + H, s.sdt), load8_f32(s.biases, so + H, s.sdt),
+                         d, xs);
+}
+
+// y[n0 ..] += a block's 16 sums (accf0: rows 0-7, accf1: 8-15). The last
+// block may hold padding rows: add into the real ones only.
+inline void add_block(__m256 accf0, __m256 accf1, int n0, int N, float* y) {
+  const int nreal = N - n0 < R ? N - n0 : R;
+  alignas(32) float v[R];
+  _mm256_store_ps(v, accf0);
+  _mm256_store_ps(v + H, accf1);
+  for (int r = 0; r < nreal; ++r) y[n0 + r] += v[r];
+}
+
 template <int B, int G>
 void full_blocks_m1(const RSeg& s, const RX& x, int b0, int b1, int N, float* y) {
   constexpr int CPW = 32 / B, WG = G * B / 32;
@@ -410,19 +430,9 @@ void full_blocks_m1(const RSeg& s, const RX& x, int b0, int b1, int N, float* y)
           }
         }
       }
-      const __m256 d = _mm256_set1_ps(x.d[g]), xs = _mm256_set1_ps(x.xs[g]);
-      const int64_t so = sb + int64_t(g) * R;
-      accf0 = group_epilogue(accf0, acc0, load8_f32(s.scales, so, s.sdt), load8_f32(s.biases, so, s.sdt), d, xs);
-      accf1 = group_epilogue(accf1, acc1, load8_f32(s.scales, so + H, s.sdt), load8_f32(s.biases, so + H, s.sdt),
-                             d, xs);
+      block_epilogue(s, x, g, sb + int64_t(g) * R, acc0, acc1, accf0, accf1);
     }
-    // The last block may hold padding rows: add into the real ones only.
-    const int n0 = b * R, nreal = N - n0 < R ? N - n0 : R;
-    alignas(32) float v[R];
-    _mm256_store_ps(v, accf0);
-    _mm256_store_ps(v + H, accf1);
-    float* yp = y + n0;
-    for (int r = 0; r < nreal; ++r) yp[r] += v[r];
+    add_block(accf0, accf1, b * R, N, y);
   }
 }
 
@@ -459,20 +469,10 @@ void full_blocks_m16(const RSeg& s, const RX& x, int b0, int b1, int N, float* y
           acc[1][k % 2] = idot<B, int16_t>(acc[1][k % 2], word_code<B, int16_t>(w1, k), xb);
         }
       }
-      const __m256 d = _mm256_set1_ps(x.d[g]), xs = _mm256_set1_ps(x.xs[g]);
-      const int64_t so = sb + int64_t(g) * R;
-      accf0 = group_epilogue(accf0, _mm256_add_epi32(acc[0][0], acc[0][1]), load8_f32(s.scales, so, s.sdt),
-                             load8_f32(s.biases, so, s.sdt), d, xs);
-      accf1 = group_epilogue(accf1, _mm256_add_epi32(acc[1][0], acc[1][1]), load8_f32(s.scales, so + H, s.sdt),
-                             load8_f32(s.biases, so + H, s.sdt), d, xs);
+      block_epilogue(s, x, g, sb + int64_t(g) * R, _mm256_add_epi32(acc[0][0], acc[0][1]),
+                     _mm256_add_epi32(acc[1][0], acc[1][1]), accf0, accf1);
     }
-    // The last block may hold padding rows: add into the real ones only.
-    const int n0 = b * R, nreal = N - n0 < R ? N - n0 : R;
-    alignas(32) float v[R];
-    _mm256_store_ps(v, accf0);
-    _mm256_store_ps(v + H, accf1);
-    float* yp = y + n0;
-    for (int r = 0; r < nreal; ++r) yp[r] += v[r];
+    add_block(accf0, accf1, b * R, N, y);
   }
 }
 
