@@ -12,6 +12,20 @@ namespace mixbits {
 
 namespace {
 
+// One parallel_for's chunks. It lives on the caller's stack; a worker
+// joins it under mu_ (active_) and the caller returns only after every
+// worker that joined has left. Before, the counters were the pool's own: a
+// worker late from one job could take a claim from the old counter,
+// compare it with the next job's chunk count and run (and count) a chunk
+// twice, so done never equalled the count and the caller waited forever
+// (a CI run hung this way in tests/test_measure_cli.py).
+struct Job {
+  const std::function<void(int64_t)>* fn;
+  int64_t n;
+  std::atomic<int64_t> next{0};
+  int64_t done = 0;  // guarded by Pool::mu_
+};
+
 class Pool {
  public:
   explicit Pool(int n) : size_(n) {
@@ -32,45 +46,51 @@ class Pool {
                const std::function<void(int64_t)>& chunk_fn) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
     if (!busy.owns_lock()) return false;
+    Job job{&chunk_fn, nchunks};
     {
       std::lock_guard<std::mutex> lk(mu_);
-      job_ = &chunk_fn;
-      nchunks_ = nchunks;
-      next_.store(0);
-      done_ = 0;
+      cur_ = &job;
       ++epoch_;
     }
     cv_.notify_all();
-    work();
+    work(job);
     std::unique_lock<std::mutex> lk(mu_);
-    done_cv_.wait(lk, [&] { return done_ == nchunks_; });
-    job_ = nullptr;
+    done_cv_.wait(lk, [&] { return job.done == job.n && active_ == 0; });
+    cur_ = nullptr;
     return true;
   }
 
  private:
-  void work() {
+  void work(Job& j) {
     int64_t finished = 0;
-    for (int64_t c; (c = next_.fetch_add(1)) < nchunks_;) {
-      (*job_)(c);
+    for (int64_t c; (c = j.next.fetch_add(1)) < j.n;) {
+      (*j.fn)(c);
       ++finished;
     }
     if (finished) {
       std::lock_guard<std::mutex> lk(mu_);
-      done_ += finished;
-      if (done_ == nchunks_) done_cv_.notify_all();
+      j.done += finished;
+      if (j.done == j.n) done_cv_.notify_all();
     }
   }
   void loop() {
     uint64_t seen = 0;
     for (;;) {
+      Job* j;
       {
         std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return stop_ || (epoch_ != seen && job_); });
+        cv_.wait(lk, [&] { return stop_ || (epoch_ != seen && cur_); });
         if (stop_) return;
         seen = epoch_;
+        j = cur_;
+        ++active_;
       }
-      work();
+      work(*j);
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        --active_;
+      }
+      done_cv_.notify_all();
     }
   }
 
@@ -78,9 +98,8 @@ class Pool {
   std::vector<std::thread> workers_;
   std::mutex busy_, mu_;
   std::condition_variable cv_, done_cv_;
-  const std::function<void(int64_t)>* job_ = nullptr;
-  int64_t nchunks_ = 0, done_ = 0;
-  std::atomic<int64_t> next_{0};
+  Job* cur_ = nullptr;  // the running job, guarded by mu_
+  int active_ = 0;      // workers inside cur_, guarded by mu_
   uint64_t epoch_ = 0;
   bool stop_ = false;
 };
