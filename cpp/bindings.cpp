@@ -8,6 +8,9 @@
 
 #include <nanobind/ndarray.h>
 
+#include <algorithm>
+#include <atomic>
+
 #include "act/act.h"
 #include "attn/attn.h"
 #include "norm/rms_norm.h"
@@ -422,6 +425,36 @@ NB_MODULE(_ext, m) {
         "Cap the worker threads of the CPU kernels (<= 0: no cap).");
   m.def("max_threads", &mixbits::max_threads,
         "Current cap on the worker threads of the CPU kernels.");
+  m.def(
+      "parallel_for_visits",
+      [](std::vector<int64_t> sizes, int64_t grain, int jobs, int spin) {
+        // Runs `jobs` back-to-back parallel_for calls, job j over
+        // [0, sizes[j % len]), and counts how often each item was visited.
+        // Many tiny jobs of changing chunk counts in a row are what exposed
+        // the pool's race: a claim late from a job of few chunks ran as a
+        // chunk of the next, larger job. `spin` busy steps per item give the
+        // workers time to join.
+        int64_t most = 0;
+        for (int64_t s : sizes) most = std::max(most, s);
+        std::vector<std::atomic<int>> hits(static_cast<size_t>(most));
+        for (int j = 0; j < jobs && !sizes.empty(); ++j)
+          mixbits::parallel_for(sizes[size_t(j) % sizes.size()], grain,
+                                [&](int64_t b, int64_t e) {
+                                  for (int64_t i = b; i < e; ++i) {
+                                    for (volatile int k = 0; k < spin; ++k) {
+                                    }
+                                    hits[size_t(i)].fetch_add(
+                                        1, std::memory_order_relaxed);
+                                  }
+                                });
+        std::vector<int> out(hits.size());
+        for (size_t i = 0; i < hits.size(); ++i) out[i] = hits[i].load();
+        return out;
+      },
+      "sizes"_a, "grain"_a, "jobs"_a, "spin"_a = 0,
+      "Thread-pool check: per-item visit counts over `jobs` parallel_for "
+      "calls of the given sizes in turn.",
+      nb::call_guard<nb::gil_scoped_release>());
   m.def("read_bandwidth_gbps", &mixbits::read_bandwidth_gbps, "nbytes"_a,
         "reps"_a = 5,
         "Benchmark probe: best multithreaded stream-read rate over a buffer "
