@@ -4,10 +4,10 @@
 // 5, 6 bits from their low and high plane words; x in repacked_x_col
 // order), with a block taken as two 256-bit halves (rows 0-7, 8-15) and
 // the integer dots of AVX2. One x row reads both halves in one pass
-// (full_blocks_m1; int16 at 2, 4, 8 bits: full_blocks_m16); other calls
-// (2-8 rows, and one int16 row at 3, 5, 6 bits) take a half block at a
-// time (half_blocks), its x rows in passes of at most 4 while its words
-// are in L1:
+// (avx2_repacked_m1.cpp; int16 there at 2, 4, 8 bits only); the other
+// calls (2-8 rows, and one int16 row at 3, 5, 6 bits) take a half block at
+// a time here (half_blocks), its x rows in passes of at most 4 while its
+// words are in L1 (the steps both share: avx2_repacked.h):
 //   int8:  vpmaddubsw (u8 codes x s8 activations, pairs into int16), summed
 //          in int16 over as many steps as cannot overflow (kMaxPartial),
 //          then vpmaddwd by 1 into the row's int32 lane: one multiply per
@@ -18,7 +18,8 @@
 //   int16: vpmaddwd of 16-bit codes with activation pairs.
 // Per group and x row: one convert and two FMAs per 8 rows, as in VNNI.
 // This file gets -mavx2 -mfma -mf16c (CMake, avx2_*.cpp) and is reached
-// only where cpu_isa().avx2; plain-data headers only (see table.h).
+// only where cpu_isa().avx2; plain-data headers (see table.h) and
+// internal-linkage AVX2 helpers only.
 #if defined(MIXBITS_HAVE_AVX2)
 #include <immintrin.h>
 
@@ -27,94 +28,12 @@
 #include <utility>
 
 #include "common/x86_prefetch.h"
+#include "qmatmul_int8/avx2_repacked.h"
 #include "qmatmul_int8/repack.h"
 #include "qmatmul_int8/x86_load8.h"
 
 namespace mixbits {
 namespace {
-
-constexpr int R = kRepackRows;
-constexpr int H = 8;  // rows per 256-bit half
-
-template <int B, class T>
-constexpr uint32_t code_mask() {
-  const uint32_t m = (1u << B) - 1u;
-  return sizeof(T) == 1 ? m * 0x01010101u : m * 0x00010001u;
-}
-
-// v, opaque to the optimizer: GCC reassociates a chain of integer vector
-// adds, and for a pass of several x rows it then computes all the pass's
-// products (vpmaddubsw, or vpmaddwd for int16) first and spills them to
-// the stack; passing each sum through this keeps one add per product, in
-// program order.
-inline __m256i in_order(__m256i v) {
-  asm("" : "+x"(v));
-  return v;
-}
-
-// acc + per int32 lane the dot of the lane's codes with the broadcast x,
-// one step at a time: the int16 contract, and the one-row int8 pass at 8
-// bits (every other int8 loop sums int16 partials first). Ordered: the
-// adds kept in order (in_order), as passes of several x rows need; one
-// row measured 7% faster without (int16, 4-bit, 4096^2).
-template <int B, class T, bool Ordered = true>
-inline __m256i idot(__m256i acc, __m256i c, __m256i x) {
-  if constexpr (sizeof(T) == 2) {
-    const __m256i sum = _mm256_add_epi32(acc, _mm256_madd_epi16(c, x));
-    return Ordered ? in_order(sum) : sum;
-  } else {
-    static_assert(B == 8, "below 8 bits the int8 loops sum int16 partials");
-    const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(c, lo4);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), lo4);
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x), _mm256_set1_epi16(1)));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x), _mm256_set1_epi16(16)));
-  }
-}
-
-template <int D>
-inline __m256i shift_r(__m256i v) {
-  if constexpr (D > 0) return _mm256_srli_epi32(v, D);
-  else if constexpr (D < 0) return _mm256_slli_epi32(v, -D);
-  else return v;
-}
-
-// Shift k's codes of a word of B-bit codes (bytes for int8, 16-bit halves
-// for int16): the word shifted by k*B, masked unless the codes fill it.
-template <int B, class T>
-inline __m256i word_code(__m256i w, int k) {
-  constexpr uint32_t kMask = code_mask<B, T>();
-  const __m256i c = k == 0 ? w : _mm256_srli_epi32(w, k * B);
-  if constexpr (kMask == 0xFFFFFFFFu) return c;
-  else return _mm256_and_si256(c, _mm256_set1_epi32(int(kMask)));
-}
-
-// One group's float epilogue for 8 rows and one x row: accf plus the exact
-// integer dot times scales * d, plus biases * xs (the activation sum).
-inline __m256 group_epilogue(__m256 accf, __m256i iq, __m256 scales, __m256 biases, __m256 d,
-                             __m256 xs) {
-  accf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iq), _mm256_mul_ps(scales, d), accf);
-  return _mm256_fmadd_ps(biases, xs, accf);
-}
-
-// Split segments (3, 5, 6 bits; repack.h): per chunk of 32 codes, the
-// LB-bit kernel's shift K of low word W, ORed with high word split_hword's
-// shift by split_hshift masked to bits LB.. of each element.
-template <int B, class T, int W, int K>
-inline __m256i split_code(const __m256i (&cw)[B]) {
-  constexpr int LB = split_low_bits(B);
-  const __m256i lo = _mm256_and_si256(shift_r<LB * K>(cw[W]),
-                                      _mm256_set1_epi32(int(code_mask<LB, T>())));
-  const __m256i hw = cw[LB + split_hword(B, W * (32 / LB))];
-  const __m256i hi = _mm256_and_si256(shift_r<split_hshift(B, W, K)>(hw),
-                                      _mm256_set1_epi32(int(code_mask<B - LB, T>() << LB)));
-  return _mm256_or_si256(lo, hi);
-}
-
-// Steps (vpmaddubsw products of one x row) an int16 partial sum can hold:
-// |steps * 2 * (2^B - 1) * 128| < 2^15.
-template <int B>
-constexpr int kMaxPartial = 32767 / (2 * ((1 << B) - 1) * 128);  // 3 bits 18, 5 bits 4, 6 bits 2
 
 // Words of 2-, 4- or 8-bit codes per int16 partial sum in half_rows: the
 // most that divide a group's WG words and stay within kMaxPartial steps
@@ -127,10 +46,6 @@ constexpr int words_per_partial() {
     if (WG % c == 0 && c * (8 / B) <= kMaxPartial<PB>) wp = c;
   return wp;
 }
-
-// Steps per int16 partial sum in a split chunk (8 steps: a divisor of 8).
-template <int B>
-constexpr int kChunkPartial = kMaxPartial<B> >= 8 ? 8 : kMaxPartial<B> >= 4 ? 4 : 2;
 
 // Step (W, K) of a chunk: its codes times the x rows' quads. int8: into
 // the rows' int16 partial sums p, kChunkPartial<B> steps each, then into
@@ -204,7 +119,7 @@ inline void half_rows(const RSeg& s, const RX& x, const uint32_t* wb, int64_t sb
       }
     } else {
       // int8: each x row's products summed in int16 over WP words
-      // (kMaxPartial's bound, as full_blocks_m1), then one vpmaddwd into
+      // (kMaxPartial's bound, as the one-row pass), then one vpmaddwd into
       // its int32 lane: the same int32 sums. 8 bits: the low and the high
       // nibbles' products in two partial sums, the high one weighted 16 by
       // its vpmaddwd (idot's split). int16: every step into the int32
@@ -302,186 +217,12 @@ void half_blocks(const RSeg& s, const RX& x, int b0, int b1, int N, float* y, in
   }
 }
 
-// ------------------------------------------------------------ one x row
-//
-// int8, one x row (full_blocks_m1): both halves of each block in one pass.
-// Each line of words is loaded once (half_blocks reads every line twice,
-// one half per pass), each broadcast of x serves 16 rows, the group's d
-// and xs are broadcast once, and below 8 bits the products of several
-// steps are summed in int16 before one vpmaddwd (at most kMaxPartial
-// steps), so the int32 sums and the float epilogue are half_blocks', bit
-// for bit. Fewer live vectors also keep the float accumulators in
-// registers (half_blocks' M = 1 loop chained them through the stack).
-
-// p0/p1 (int16 partial sums of the two halves) into acc0/acc1, after every
-// P-th step t of a word or chunk.
-template <int P, int t>
-inline void flush_partial(__m256i& p0, __m256i& p1, __m256i& acc0, __m256i& acc1) {
-  if constexpr ((t + 1) % P == 0) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    acc0 = in_order(_mm256_add_epi32(acc0, _mm256_madd_epi16(p0, ones)));
-    acc1 = in_order(_mm256_add_epi32(acc1, _mm256_madd_epi16(p1, ones)));
-    p0 = p1 = _mm256_setzero_si256();
-  }
-}
-
-template <int B, int t>
-inline void split_step_m1(const __m256i (&cw0)[B], const __m256i (&cw1)[B], const int8_t* xq,
-                          int64_t x0, __m256i& p0, __m256i& p1, __m256i& acc0, __m256i& acc1) {
-  constexpr int LB = split_low_bits(B), S = 8 / LB, W = t / S, K = t % S;
-  int32_t quad;
-  std::memcpy(&quad, xq + x0 + W * (32 / LB) + K * 4, 4);
-  const __m256i xb = _mm256_set1_epi32(quad);
-  p0 = in_order(_mm256_add_epi16(p0, _mm256_maddubs_epi16(split_code<B, int8_t, W, K>(cw0), xb)));
-  p1 = in_order(_mm256_add_epi16(p1, _mm256_maddubs_epi16(split_code<B, int8_t, W, K>(cw1), xb)));
-  flush_partial<kChunkPartial<B>, t>(p0, p1, acc0, acc1);
-}
-
-template <int B, int... t>
-__attribute__((always_inline)) inline void split_chunk_m1(const __m256i (&cw0)[B], const __m256i (&cw1)[B],
-                                                          const int8_t* xq, int64_t x0, __m256i& acc0,
-                                                          __m256i& acc1, std::integer_sequence<int, t...>) {
-  static_assert(sizeof...(t) % kChunkPartial<B> == 0, "a chunk's steps end on a flush");
-  __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
-  (split_step_m1<B, t>(cw0, cw1, xq, x0, p0, p1, acc0, acc1), ...);
-}
-
-// Step k of a 2- or 4-bit word pair (w0: rows 0-7, w1: rows 8-15).
-template <int B, int k>
-inline void word_step_m1(__m256i w0, __m256i w1, const int8_t* xw, __m256i& p0, __m256i& p1,
-                         __m256i& acc0, __m256i& acc1) {
-  int32_t quad;
-  std::memcpy(&quad, xw + k * 4, 4);
-  const __m256i xb = _mm256_set1_epi32(quad);
-  p0 = in_order(_mm256_add_epi16(p0, _mm256_maddubs_epi16(word_code<B, int8_t>(w0, k), xb)));
-  p1 = in_order(_mm256_add_epi16(p1, _mm256_maddubs_epi16(word_code<B, int8_t>(w1, k), xb)));
-  flush_partial<8 / B, k>(p0, p1, acc0, acc1);  // one partial sum per word
-}
-
-template <int B, int... k>
-__attribute__((always_inline)) inline void word_m1(__m256i w0, __m256i w1, const int8_t* xw, __m256i& acc0,
-                                                   __m256i& acc1, std::integer_sequence<int, k...>) {
-  static_assert(sizeof...(k) <= kMaxPartial<B>, "a word's products fit one int16 partial sum");
-  __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
-  (word_step_m1<B, k>(w0, w1, xw, p0, p1, acc0, acc1), ...);
-}
-
-// One x row's group g for both halves of a block (so: the group's offset
-// in the scales and biases; iq0, iq1: the halves' exact integer dots).
-inline void block_epilogue(const RSeg& s, const RX& x, int g, int64_t so, __m256i iq0, __m256i iq1,
-                           __m256& accf0, __m256& accf1) {
-  const __m256 d = _mm256_set1_ps(x.d[g]), xs = _mm256_set1_ps(x.xs[g]);
-  accf0 = group_epilogue(accf0, iq0, load8_f32(s.scales, so, s.sdt), load8_f32(s.biases, so, s.sdt), d, xs);
-  accf1 = group_epilogue(accf1, iq1, load8_f32(s.scales, so + H, s.sdt), load8_f32(s.biases, so + H, s.sdt),
-                         d, xs);
-}
-
-// y[n0 ..] += a block's 16 sums (accf0: rows 0-7, accf1: 8-15). The last
-// block may hold padding rows: add into the real ones only.
-inline void add_block(__m256 accf0, __m256 accf1, int n0, int N, float* y) {
-  const int nreal = N - n0 < R ? N - n0 : R;
-  alignas(32) float v[R];
-  _mm256_store_ps(v, accf0);
-  _mm256_store_ps(v + H, accf1);
-  for (int r = 0; r < nreal; ++r) y[n0 + r] += v[r];
-}
-
-template <int B, int G>
-void full_blocks_m1(const RSeg& s, const RX& x, int b0, int b1, int N, float* y) {
-  constexpr int CPW = 32 / B, WG = G * B / 32;
-  const int8_t* xq = static_cast<const int8_t*>(x.xq);
-  const int ng = s.ngroups;
-  for (int b = b0; b < b1; ++b) {
-    const uint32_t* wb = s.wq + int64_t(b) * s.words * R;
-    const int64_t sb = int64_t(b) * ng * R;
-    __m256 accf0 = _mm256_setzero_ps(), accf1 = _mm256_setzero_ps();
-    for (int g = 0; g < ng; ++g) {
-      __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
-      if constexpr (repack_splits(B)) {
-        constexpr int SC = split_low_bits(B) * (8 / split_low_bits(B));  // steps per chunk
-#pragma GCC unroll 4
-        for (int ch = 0; ch < G / 32; ++ch) {
-          const int64_t q = int64_t(g) * (G / 32) + ch;  // chunk: words B*q .. B*q + B-1
-          const uint32_t* wp = wb + B * q * R;
-          for (int i = 0; i < B; ++i) prefetch_words<B>(wp + i * R);  // a chunk: B lines
-          __m256i cw0[B], cw1[B];
-          for (int i = 0; i < B; ++i) {
-            cw0[i] = _mm256_loadu_si256((const __m256i*)(wp + i * R));
-            cw1[i] = _mm256_loadu_si256((const __m256i*)(wp + i * R + H));
-          }
-          split_chunk_m1<B>(cw0, cw1, xq, q * 32, acc0, acc1, std::make_integer_sequence<int, SC>{});
-        }
-      } else {
-#pragma GCC unroll 8
-        for (int jw = 0; jw < WG; ++jw) {
-          const int j = g * WG + jw;
-          const uint32_t* wp = wb + int64_t(j) * R;
-          prefetch_words<B>(wp);
-          const __m256i w0 = _mm256_loadu_si256((const __m256i*)wp);
-          const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wp + H));
-          if constexpr (B == 8) {
-            int32_t quad;
-            std::memcpy(&quad, xq + int64_t(j) * CPW, 4);
-            const __m256i xb = _mm256_set1_epi32(quad);
-            acc0 = idot<8, int8_t>(acc0, w0, xb);
-            acc1 = idot<8, int8_t>(acc1, w1, xb);
-          } else {
-            word_m1<B>(w0, w1, xq + int64_t(j) * CPW, acc0, acc1, std::make_integer_sequence<int, 8 / B>{});
-          }
-        }
-      }
-      block_epilogue(s, x, g, sb + int64_t(g) * R, acc0, acc1, accf0, accf1);
-    }
-    add_block(accf0, accf1, b * R, N, y);
-  }
-}
-
-// int16, one x row, 2/4/8 bits (full_blocks_m16): both halves of each
-// block in one pass, as full_blocks_m1 for int8: each line of words loaded
-// once and each activation pair broadcast once for 16 rows; two chains per
-// half (even and odd steps) to cover vpmaddwd's latency. The int32 sums
-// are half_blocks' (exact), and so is the float epilogue, bit for bit.
-template <int B, int G>
-void full_blocks_m16(const RSeg& s, const RX& x, int b0, int b1, int N, float* y) {
-  constexpr int S = 16 / B, CPW = 32 / B, WG = G * B / 32;
-  const int16_t* xq = static_cast<const int16_t*>(x.xq);
-  const int ng = s.ngroups;
-  for (int b = b0; b < b1; ++b) {
-    const uint32_t* wb = s.wq + int64_t(b) * s.words * R;
-    const int64_t sb = int64_t(b) * ng * R;
-    __m256 accf0 = _mm256_setzero_ps(), accf1 = _mm256_setzero_ps();
-    for (int g = 0; g < ng; ++g) {
-      __m256i acc[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
-                           {_mm256_setzero_si256(), _mm256_setzero_si256()}};  // [half][step parity]
-#pragma GCC unroll 8
-      for (int jw = 0; jw < WG; ++jw) {
-        const int j = g * WG + jw;
-        const uint32_t* wp = wb + int64_t(j) * R;
-        prefetch_words<B>(wp);
-        const __m256i w0 = _mm256_loadu_si256((const __m256i*)wp);
-        const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wp + H));
-#pragma GCC unroll 8
-        for (int k = 0; k < S; ++k) {
-          int32_t pair;
-          std::memcpy(&pair, xq + int64_t(j) * CPW + 2 * k, 4);
-          const __m256i xb = _mm256_set1_epi32(pair);
-          acc[0][k % 2] = idot<B, int16_t>(acc[0][k % 2], word_code<B, int16_t>(w0, k), xb);
-          acc[1][k % 2] = idot<B, int16_t>(acc[1][k % 2], word_code<B, int16_t>(w1, k), xb);
-        }
-      }
-      block_epilogue(s, x, g, sb + int64_t(g) * R, _mm256_add_epi32(acc[0][0], acc[0][1]),
-                     _mm256_add_epi32(acc[1][0], acc[1][1]), accf0, accf1);
-    }
-    add_block(accf0, accf1, b * R, N, y);
-  }
-}
-
 template <int B, int G, class T>
 void seg_kernel(const RSeg& s, const RX& x, int mb, int b0, int b1, int N, float* y, int ldy) {
   switch (mb) {
     case 1:
-      if constexpr (sizeof(T) == 1) return full_blocks_m1<B, G>(s, x, b0, b1, N, y);
-      else if constexpr (!repack_splits(B)) return full_blocks_m16<B, G>(s, x, b0, b1, N, y);
+      if constexpr (sizeof(T) == 1) return repacked_m1_int8_avx2<B, G>(s, x, b0, b1, N, y);
+      else if constexpr (!repack_splits(B)) return repacked_m1_int16_avx2<B, G>(s, x, b0, b1, N, y);
       else return half_blocks<B, G, 1, T>(s, x, b0, b1, N, y, ldy);
     case 2: return half_blocks<B, G, 2, T>(s, x, b0, b1, N, y, ldy);
     case 3: return half_blocks<B, G, 3, T>(s, x, b0, b1, N, y, ldy);

@@ -42,13 +42,6 @@ inline float32x4_t load4(const void* p, int64_t off, DType t) {
   return vreinterpretq_f32_u32(vshll_n_u16(h, 16));  // bf16: the high half of a float
 }
 
-// The mask of a B-bit code in every element of a 32-bit word.
-template <int B, class T>
-constexpr uint32_t code_mask() {
-  const uint32_t m = (1u << B) - 1u;
-  return sizeof(T) == 1 ? m * 0x01010101u : m * 0x00010001u;
-}
-
 // Right shift by D bits (left for D < 0); D is a compile-time constant as
 // the NEON immediates need.
 template <int D>
@@ -153,7 +146,7 @@ void block(const RSeg& s, const RX& x, int b, int N, float* y, int ldy) {
   constexpr int US = kSplit ? LB * S : UW * S;            // steps per unit
   constexpr int UV = US / 4;                              // x vectors per unit
   constexpr int WG = G * B / 32;                          // words per group
-  constexpr uint32_t kMask = code_mask<LB, T>();
+  constexpr uint32_t kMask = repack_code_mask<LB, T>();
   // 8-bit int8 codes enter as c - 128 (see the top).
   constexpr bool kOffset = B == 8 && sizeof(T) == 1;
   static_assert(US % 4 == 0 && WG % UW == 0 && UV * 16 == US * P * int(sizeof(T)));
@@ -193,7 +186,7 @@ void block(const RSeg& s, const RX& x, int b, int N, float* y, int ldy) {
             constexpr int hw = LB + split_hword(B, lw * (32 / LB));
             const uint32x4_t lo = vandq_u32(shift_r<LB * k>(w[lw]), vdupq_n_u32(kMask));
             const uint32x4_t hi = vandq_u32(shift_r<split_hshift(B, lw, k)>(w[hw]),
-                                            vdupq_n_u32(code_mask<B - LB, T>() << LB));
+                                            vdupq_n_u32(repack_code_mask<B - LB, T>() << LB));
             c = vorrq_u32(lo, hi);
           } else {
             c = shift_r<(t % S) * B>(w[t / S]);

@@ -222,4 +222,12 @@ constexpr int repacked_x_col(int B, int code_bytes, int p) {
 // the words are split, else the codes of one word.
 constexpr int repacked_x_span(int B) { return repack_splits(B) ? 32 : 32 / B; }
 
+// The mask of a B-bit code in every element of a 32-bit word: bytes for
+// the int8 contract (code_bytes 1), 16-bit halves for int16 (2).
+template <int B, class T>
+constexpr uint32_t repack_code_mask() {
+  const uint32_t m = (1u << B) - 1u;
+  return sizeof(T) == 1 ? m * 0x01010101u : m * 0x00010001u;
+}
+
 }  // namespace mixbits

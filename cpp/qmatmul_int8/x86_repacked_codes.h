@@ -19,13 +19,6 @@
 namespace mixbits {
 namespace {
 
-// The lane mask of a B-bit code in every element of a 32-bit word.
-template <int B, class T>
-constexpr uint32_t code_mask() {
-  const uint32_t m = (1u << B) - 1u;
-  return sizeof(T) == 1 ? m * 0x01010101u : m * 0x00010001u;
-}
-
 template <class T>
 inline __m512i idot(__m512i acc, __m512i w, __m512i x) {
   if constexpr (sizeof(T) == 1) return _mm512_dpbusd_epi32(acc, w, x);  // u8 codes x s8 x
@@ -43,7 +36,7 @@ inline __m512i shift_r(__m512i v) {
 // quads of the word's codes), masked to one code per element.
 template <int B, class T>
 inline __m512i word_code(__m512i w, int k) {
-  constexpr uint32_t kMask = code_mask<B, T>();
+  constexpr uint32_t kMask = repack_code_mask<B, T>();
   const __m512i c = k == 0 ? w : _mm512_srli_epi32(w, k * B);
   if constexpr (kMask != 0xFFFFFFFFu) return _mm512_and_si512(c, _mm512_set1_epi32(int(kMask)));
   else return c;
@@ -55,7 +48,7 @@ inline __m512i word_code(__m512i w, int k) {
 // the int32 sum back.
 template <int B>
 inline __m512i word_code_in_place(__m512i w, int k) {
-  return _mm512_and_si512(w, _mm512_set1_epi32(int(code_mask<B, int8_t>() << (k * B))));
+  return _mm512_and_si512(w, _mm512_set1_epi32(int(repack_code_mask<B, int8_t>() << (k * B))));
 }
 
 // Split segments (3, 5, 6 bits; repack.h): step K of low word W of a chunk
@@ -65,8 +58,8 @@ inline __m512i word_code_in_place(__m512i w, int k) {
 template <int B, class T, int W, int K>
 inline __m512i split_code(const __m512i (&cw)[B]) {
   constexpr int LB = split_low_bits(B);
-  const __m512i ml = _mm512_set1_epi32(int(code_mask<LB, T>()));
-  const __m512i mh = _mm512_set1_epi32(int(code_mask<B - LB, T>() << LB));
+  const __m512i ml = _mm512_set1_epi32(int(repack_code_mask<LB, T>()));
+  const __m512i mh = _mm512_set1_epi32(int(repack_code_mask<B - LB, T>() << LB));
   const __m512i lo = _mm512_and_si512(shift_r<LB * K>(cw[W]), ml);
   const __m512i hw = cw[LB + split_hword(B, W * (32 / LB))];
   const __m512i hi = _mm512_and_si512(shift_r<split_hshift(B, W, K)>(hw), mh);
