@@ -2,11 +2,15 @@
 // product micro-kernels (4x3 with 8 lanes, 6x4 with 16): the transposed
 // product (avx2_t.cpp) runs on both; the forward GEMM (avx2_panel.cpp)
 // packs its panels from dequant_tile.
+#include "common/x86_prefetch.h"
 #include "qmatmul/avx2_decode.h"
 #include "qmatmul/avx2_table.h"
 
 namespace mixbits {
 namespace {
+
+// Rows ahead dequant_tile prefetches: packers call it for 8 or 16 rows.
+constexpr int kPrefetchRows = 8;
 
 // Dequantizes rows [n, n+nr) x columns [c0, c1) (group-aligned) of one
 // segment into dst (row stride ld), in decode order: w = s*q + b.
@@ -18,9 +22,14 @@ void dequant_tile(const SegView& s, DType sdt, int n, int nr, int c0, int c1,
   const int64_t row_bytes = int64_t(s.k) * B / 8;
   const int g0 = c0 / G, g1 = c1 / G;
   float sc[kKC / 32], bi[kKC / 32];
+  const int64_t span0 = int64_t(c0) * B / 8, span = int64_t(c1 - c0) * B / 8;
   for (int r = 0; r < nr; ++r) {
     const uint8_t* rowp =
         reinterpret_cast<const uint8_t*>(s.wq) + int64_t(n + r) * row_bytes;
+    // The same span kPrefetchRows rows below: read by this call or the
+    // next. Past the last row it prefetches nothing useful, and an x86
+    // prefetch never faults.
+    prefetch_span(rowp + kPrefetchRows * row_bytes + span0, span);
     to_f32(s.scales, int64_t(n + r) * ngroups + g0, g1 - g0, sdt, sc);
     to_f32(s.biases, int64_t(n + r) * ngroups + g0, g1 - g0, sdt, bi);
     float* d = dst + int64_t(r) * ld - c0;
