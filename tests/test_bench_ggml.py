@@ -220,3 +220,51 @@ def test_cold_runs_both_libraries_on_rotating_copies(tmp_path, monkeypatch):
     assert f"--cold-mb {bench.COLD_MB}" in argv_file.read_text()
     bench_ggml.run_harness(str(fake), [(64, 128)], [1], 1, 0.1)
     assert "--cold-mb" not in argv_file.read_text()
+
+
+def test_calls_per_eval(monkeypatch, capsys):
+    """--calls-per-eval N: each timed evaluation of mixbits holds N calls
+    (on the copies in turn when cold) in one mx.eval, and the reported
+    times are per call; MLX's and numpy's runners stay one call each."""
+    import mlx.core as mx
+
+    import mixbits
+
+    mx.set_default_device(mx.cpu)
+    wt = bench.Weights(64, 128, "4bit")
+    x = bench.make_x(bench.Case(64, 128, 1, "4bit"))
+    copies = wt.copies()
+    evals, seen = [], []
+    real_eval, real_qmm = mx.eval, mixbits.qmatmul
+    monkeypatch.setattr(mx, "eval", lambda *a: evals.append(a) or real_eval(*a))
+    monkeypatch.setattr(mixbits, "qmatmul", lambda x, t, **kw: seen.append(t) or real_qmm(x, t, **kw))
+    fns = bench.runners(wt, x, cold=True, calls_per_eval=3)
+    fns["mixbits"]()
+    fns["mixbits"]()
+    assert len(evals) == 2 and all(len(a[0]) == 3 for a in evals)
+    assert [id(t) for t in seen] == [id(c) for c in copies[:6]]
+    evals.clear()
+    fns["mlx"]()
+    assert len(evals) == 1 and not isinstance(evals[0][0], list)
+
+    # a clock that advances 1 s per call: per-call times whatever N is
+    ticks = [0.0]
+    monkeypatch.setattr(bench, "CLOCK", lambda: ticks[0])
+
+    def calls(n):
+        def fn():
+            ticks[0] += n
+        return fn
+
+    for n in (1, 3, 8):
+        t = bench.time_call(calls(n), min_time=0.0, min_reps=4, calls=n)
+        assert t["median_s"] == t["min_s"] == 1.0 and t["calls_per_eval"] == n
+
+    # a count below 1 is refused before anything is timed
+    def boom(*a, **k):
+        raise AssertionError("timed before the arguments were checked")
+
+    monkeypatch.setattr(bench, "probe_gbps", boom)
+    monkeypatch.setattr(bench, "time_call", boom)
+    with pytest.raises(SystemExit, match="--calls-per-eval must be >= 1"):
+        main(["bench", "--shapes", "64x64", "--m", "1", "--calls-per-eval", "0"])

@@ -83,6 +83,12 @@ def add_arguments(p) -> None:
                         "so every call reads its weight from DRAM as a decode step does (a "
                         "repeated call on one weight finds it in the caches); ggml's harness "
                         "does the same (--cold-mb)")
+    p.add_argument("--calls-per-eval", type=int, default=CALLS_PER_EVAL, metavar="N",
+                   help=f"mixbits calls per mx.eval (default {CALLS_PER_EVAL}); the time per call "
+                        "is reported. MLX's fixed cost of one eval (handing the graph to its "
+                        "stream thread: ~40 us of CPU on the EPYC host of bench/README.md) is "
+                        "then shared by N calls, as a model's step shares it among hundreds of "
+                        "nodes; 1 times each call alone (the figures before 2026-12-05)")
     p.add_argument("--json", default="qmatmul_bench.json",
                    help="where to save the results (default ./qmatmul_bench.json)")
 
@@ -200,9 +206,13 @@ def make_x(case: Case, seed: int = 1):
     return x
 
 
-def runners(wt: Weights, x, activations: str = "float", backend: str = "auto", cold: bool = False):
+def runners(wt: Weights, x, activations: str = "float", backend: str = "auto", cold: bool = False,
+            calls_per_eval: int = 1):
     """name -> zero-argument callable doing one full evaluation. ``cold``:
-    mixbits' calls take the weight's copies in turn (Weights.copies)."""
+    mixbits' calls take the weight's copies in turn (Weights.copies).
+    Each mixbits evaluation holds ``calls_per_eval`` independent calls
+    (divide its time by that); MLX's and numpy's hold one (calls of
+    milliseconds, where one eval's fixed cost does not show)."""
     import itertools
 
     import mlx.core as mx
@@ -215,16 +225,18 @@ def runners(wt: Weights, x, activations: str = "float", backend: str = "auto", c
     packed = None  # built on first use: repacked() may be None (bits without the layout)
 
     def run_mixbits():
-        mx.eval(mixbits.qmatmul(x, next(plain), activations=activations, backend=backend))
+        mx.eval([mixbits.qmatmul(x, next(plain), activations=activations, backend=backend)
+                 for _ in range(calls_per_eval)])
 
     def run_repacked():
         nonlocal packed
         if packed is None:
             packed = itertools.cycle(wt.copies(repacked=True) if cold else [wt.repacked()])
-        mx.eval(mixbits.qmatmul(x, next(packed), activations=activations, backend=backend))
+        mx.eval([mixbits.qmatmul(x, next(packed), activations=activations, backend=backend)
+                 for _ in range(calls_per_eval)])
 
     def run_float():
-        mx.eval(mixbits.qmatmul(x, next(plain), backend=backend))
+        mx.eval([mixbits.qmatmul(x, next(plain), backend=backend) for _ in range(calls_per_eval)])
 
     def run_mlx():
         xs = x if qt.perm is None else mx.take(x, qt.perm, axis=-1)
@@ -254,9 +266,14 @@ COLD_MB = 256
 MAX_COPIES = 64
 
 
-def time_call(fn, min_time: float = 0.3, max_reps: int = 200, min_reps: int = 3) -> dict:
+CALLS_PER_EVAL = 8
+
+
+def time_call(fn, min_time: float = 0.3, max_reps: int = 200, min_reps: int = 3,
+              calls: int = 1) -> dict:
     """Best and median of repeated calls after one warm-up (the best is the
-    least disturbed by other processes on a shared machine)."""
+    least disturbed by other processes on a shared machine); fn makes
+    ``calls`` calls, and the times are per call."""
     fn()
     ts: list[float] = []
     start = time.perf_counter()
@@ -270,7 +287,8 @@ def time_call(fn, min_time: float = 0.3, max_reps: int = 200, min_reps: int = 3)
     # occasional reading comes out too small: with --clock cpu report the
     # median, with wall time the best.
     best = med if CLOCK is time.process_time else ts[0]
-    return {"best_s": best, "min_s": ts[0], "median_s": med, "reps": len(ts)}
+    return {"best_s": best / calls, "min_s": ts[0] / calls, "median_s": med / calls,
+            "reps": len(ts), "calls_per_eval": calls}
 
 
 def mlx_estimate(fn) -> float:
@@ -526,6 +544,11 @@ def run(args) -> int:
     if ops.isa_limit() == "avx2":
         notes.append("MIXBITS_ISA=avx2: every mixbits kernel held to AVX2 + FMA + F16C, as on a CPU "
                      "without AVX-512 (auto and --backend avx512 take the AVX2 rows or are refused)")
+    if args.calls_per_eval < 1:
+        raise SystemExit(f"--calls-per-eval must be >= 1, got {args.calls_per_eval}")
+    notes.append(f"mixbits: {args.calls_per_eval} call(s) per mx.eval, times per call (MLX's fixed "
+                 "cost of an eval shared among them, as among a model step's nodes); MLX and "
+                 "numpy: one call per evaluation")
     if args.vs_float and args.activations == "float":
         raise SystemExit("--vs-float compares an integer --activations with the float one: "
                          "pass e.g. --activations int8-all")
@@ -567,15 +590,17 @@ def run(args) -> int:
             gc.collect()
             by_weight[key] = Weights(c.n, c.k, c.kind)
         wt = by_weight[key]
-        fns = runners(wt, make_x(c), args.activations, args.backend, cold=args.cold)
+        n = args.calls_per_eval
+        fns = runners(wt, make_x(c), args.activations, args.backend, cold=args.cold,
+                      calls_per_eval=n)
         row = Row(c, wt.bpw, wt.nbytes)
-        row.times["mixbits"] = time_call(fns["mixbits"], args.min_time)
+        row.times["mixbits"] = time_call(fns["mixbits"], args.min_time, calls=n)
         if args.repack:
             row.times["mixbits_repacked"] = (
-                time_call(fns["mixbits_repacked"], args.min_time) if wt.repacked() is not None
-                else {"skipped": "bits without a repacked layout"})
+                time_call(fns["mixbits_repacked"], args.min_time, calls=n)
+                if wt.repacked() is not None else {"skipped": "bits without a repacked layout"})
         if args.vs_float:
-            row.times["mixbits_float"] = time_call(fns["mixbits_float"], args.min_time)
+            row.times["mixbits_float"] = time_call(fns["mixbits_float"], args.min_time, calls=n)
         if not args.no_baselines:
             est = mlx_estimate(fns["mlx"]) if c.m == 1 else None
             if c.m > 1:
