@@ -19,6 +19,7 @@ from mixbits.repack import REPACK_BITS, REPACK_ROWS, RepackedTensor
 from cpu_flags import cpu_flags
 from int_contract import CONTRACTS, codes_scales_biases, contract_model, poison_padding, rand_qt
 from reference import OUT_EPS, to_f64
+from test_gather_int8 import rand_stack
 
 R = REPACK_ROWS
 VNNI = "avx512" in ops.available_backends()  # the repacked kernels' ISA (checked below)
@@ -151,6 +152,26 @@ def test_mixed_segments_and_perm_round_trip():
     for a, b in zip(back.arrays(), qt.arrays()):
         np.testing.assert_array_equal(raw(a), raw(b))
     assert mixbits._ext.repack_rows() == R  # the Python layout constant is the C++ one
+
+
+def test_arrays_start_on_a_cache_line():
+    """repack_segment places every array's data on a 64-byte line: a repacked
+    word is one line, loaded whole by the VNNI kernels, and MLX's CPU
+    allocator's own buffers start 8 bytes past a 16-byte boundary (every
+    such load then straddled two lines). Also for an expert stack of whole
+    blocks (one tall matrix, reshaped: a view of the same buffer)."""
+    def address(a):
+        return np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
+
+    rng = np.random.default_rng(5)
+    for bits, gs, n, dtype in [(4, 64, 37, mx.float16), (3, 32, 16, mx.bfloat16),
+                               (8, 128, 5, mx.float32), (2, 32, 100, mx.float16)]:
+        rt = ops.repack(rand_qt(rng, n, [(bits, gs, 256), (4, 32, 64)], dtype=dtype))
+        for a in rt.arrays():
+            assert address(a) % 64 == 0, (bits, gs, n, a.shape, address(a) % 64)
+    stack = ops.repack(rand_stack(rng, E=3, N=32))
+    assert stack.batch_shape == (3,)
+    assert all(address(a) % 64 == 0 for a in stack.arrays())
 
 
 # ---------------------------------------------------------------- kernels
