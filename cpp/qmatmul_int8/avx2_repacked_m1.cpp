@@ -99,75 +99,54 @@ inline void add_block(__m256 accf0, __m256 accf1, int n0, int N, float* y) {
   for (int r = 0; r < nreal; ++r) y[n0 + r] += v[r];
 }
 
+// Blocks [b0, b1) of a segment, both halves in one pass: group_dots(wb,
+// g, iq0, iq1) gives group g's exact integer dots of the block whose words
+// start at wb (iq0: rows 0-7, iq1: 8-15); the float epilogue and the
+// block's store are the same for both contracts. The lambdas passed here
+// carry no always_inline of their own: GCC 12 with one there dropped every
+// _mm_prefetch inside them (0 prefetches in this file's object, 207
+// without the attribute); they inline all the same.
+template <class GroupDots>
+__attribute__((always_inline)) inline void each_block(const RSeg& s, const RX& x, int b0, int b1, int N,
+                                                      float* y, GroupDots&& group_dots) {
+  const int ng = s.ngroups;
+  for (int b = b0; b < b1; ++b) {
+    const uint32_t* wb = s.wq + int64_t(b) * s.words * R;
+    const int64_t sb = int64_t(b) * ng * R;
+    __m256 accf0 = _mm256_setzero_ps(), accf1 = _mm256_setzero_ps();
+    for (int g = 0; g < ng; ++g) {
+      __m256i iq0, iq1;
+      group_dots(wb, g, iq0, iq1);
+      block_epilogue(s, x, g, sb + int64_t(g) * R, iq0, iq1, accf0, accf1);
+    }
+    add_block(accf0, accf1, b * R, N, y);
+  }
+}
+
 }  // namespace
 
 template <int B, int G>
 void repacked_m1_int8_avx2(const RSeg& s, const RX& x, int b0, int b1, int N, float* y) {
   constexpr int CPW = 32 / B, WG = G * B / 32;
   const int8_t* xq = static_cast<const int8_t*>(x.xq);
-  const int ng = s.ngroups;
-  for (int b = b0; b < b1; ++b) {
-    const uint32_t* wb = s.wq + int64_t(b) * s.words * R;
-    const int64_t sb = int64_t(b) * ng * R;
-    __m256 accf0 = _mm256_setzero_ps(), accf1 = _mm256_setzero_ps();
-    for (int g = 0; g < ng; ++g) {
-      __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
-      if constexpr (repack_splits(B)) {
-        constexpr int SC = split_low_bits(B) * (8 / split_low_bits(B));  // steps per chunk
+  each_block(s, x, b0, b1, N, y,
+             [&](const uint32_t* wb, int g, __m256i& acc0, __m256i& acc1) {
+    acc0 = acc1 = _mm256_setzero_si256();
+    if constexpr (repack_splits(B)) {
+      constexpr int SC = split_low_bits(B) * (8 / split_low_bits(B));  // steps per chunk
 #pragma GCC unroll 4
-        for (int ch = 0; ch < G / 32; ++ch) {
-          const int64_t q = int64_t(g) * (G / 32) + ch;  // chunk: words B*q .. B*q + B-1
-          const uint32_t* wp = wb + B * q * R;
-          for (int i = 0; i < B; ++i) prefetch_words<B>(wp + i * R);  // a chunk: B lines
-          __m256i cw0[B], cw1[B];
-          for (int i = 0; i < B; ++i) {
-            cw0[i] = _mm256_loadu_si256((const __m256i*)(wp + i * R));
-            cw1[i] = _mm256_loadu_si256((const __m256i*)(wp + i * R + H));
-          }
-          split_chunk_m1<B>(cw0, cw1, xq, q * 32, acc0, acc1, std::make_integer_sequence<int, SC>{});
+      for (int ch = 0; ch < G / 32; ++ch) {
+        const int64_t q = int64_t(g) * (G / 32) + ch;  // chunk: words B*q .. B*q + B-1
+        const uint32_t* wp = wb + B * q * R;
+        for (int i = 0; i < B; ++i) prefetch_words<B>(wp + i * R);  // a chunk: B lines
+        __m256i cw0[B], cw1[B];
+        for (int i = 0; i < B; ++i) {
+          cw0[i] = _mm256_loadu_si256((const __m256i*)(wp + i * R));
+          cw1[i] = _mm256_loadu_si256((const __m256i*)(wp + i * R + H));
         }
-      } else {
-#pragma GCC unroll 8
-        for (int jw = 0; jw < WG; ++jw) {
-          const int j = g * WG + jw;
-          const uint32_t* wp = wb + int64_t(j) * R;
-          prefetch_words<B>(wp);
-          const __m256i w0 = _mm256_loadu_si256((const __m256i*)wp);
-          const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wp + H));
-          if constexpr (B == 8) {
-            int32_t quad;
-            std::memcpy(&quad, xq + int64_t(j) * CPW, 4);
-            const __m256i xb = _mm256_set1_epi32(quad);
-            acc0 = idot<8, int8_t>(acc0, w0, xb);
-            acc1 = idot<8, int8_t>(acc1, w1, xb);
-          } else {
-            word_m1<B>(w0, w1, xq + int64_t(j) * CPW, acc0, acc1, std::make_integer_sequence<int, 8 / B>{});
-          }
-        }
+        split_chunk_m1<B>(cw0, cw1, xq, q * 32, acc0, acc1, std::make_integer_sequence<int, SC>{});
       }
-      block_epilogue(s, x, g, sb + int64_t(g) * R, acc0, acc1, accf0, accf1);
-    }
-    add_block(accf0, accf1, b * R, N, y);
-  }
-}
-
-// int16, one x row, 2/4/8 bits: both halves of each block in one pass, as
-// the int8 pass above: each line of words loaded
-// once and each activation pair broadcast once for 16 rows; two chains per
-// half (even and odd steps) to cover vpmaddwd's latency. The int32 sums
-// are half_blocks' (exact), and so is the float epilogue, bit for bit.
-template <int B, int G>
-void repacked_m1_int16_avx2(const RSeg& s, const RX& x, int b0, int b1, int N, float* y) {
-  constexpr int S = 16 / B, CPW = 32 / B, WG = G * B / 32;
-  const int16_t* xq = static_cast<const int16_t*>(x.xq);
-  const int ng = s.ngroups;
-  for (int b = b0; b < b1; ++b) {
-    const uint32_t* wb = s.wq + int64_t(b) * s.words * R;
-    const int64_t sb = int64_t(b) * ng * R;
-    __m256 accf0 = _mm256_setzero_ps(), accf1 = _mm256_setzero_ps();
-    for (int g = 0; g < ng; ++g) {
-      __m256i acc[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
-                           {_mm256_setzero_si256(), _mm256_setzero_si256()}};  // [half][step parity]
+    } else {
 #pragma GCC unroll 8
       for (int jw = 0; jw < WG; ++jw) {
         const int j = g * WG + jw;
@@ -175,20 +154,52 @@ void repacked_m1_int16_avx2(const RSeg& s, const RX& x, int b0, int b1, int N, f
         prefetch_words<B>(wp);
         const __m256i w0 = _mm256_loadu_si256((const __m256i*)wp);
         const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wp + H));
-#pragma GCC unroll 8
-        for (int k = 0; k < S; ++k) {
-          int32_t pair;
-          std::memcpy(&pair, xq + int64_t(j) * CPW + 2 * k, 4);
-          const __m256i xb = _mm256_set1_epi32(pair);
-          acc[0][k % 2] = idot<B, int16_t>(acc[0][k % 2], word_code<B, int16_t>(w0, k), xb);
-          acc[1][k % 2] = idot<B, int16_t>(acc[1][k % 2], word_code<B, int16_t>(w1, k), xb);
+        if constexpr (B == 8) {
+          int32_t quad;
+          std::memcpy(&quad, xq + int64_t(j) * CPW, 4);
+          const __m256i xb = _mm256_set1_epi32(quad);
+          acc0 = idot<8, int8_t>(acc0, w0, xb);
+          acc1 = idot<8, int8_t>(acc1, w1, xb);
+        } else {
+          word_m1<B>(w0, w1, xq + int64_t(j) * CPW, acc0, acc1, std::make_integer_sequence<int, 8 / B>{});
         }
       }
-      block_epilogue(s, x, g, sb + int64_t(g) * R, _mm256_add_epi32(acc[0][0], acc[0][1]),
-                     _mm256_add_epi32(acc[1][0], acc[1][1]), accf0, accf1);
     }
-    add_block(accf0, accf1, b * R, N, y);
-  }
+  });
+}
+
+// int16, one x row, 2/4/8 bits: both halves of each block in one pass, as
+// the int8 pass above: each line of words loaded once and each activation
+// pair broadcast once for 16 rows; two chains per half (even and odd
+// steps) to cover vpmaddwd's latency. The int32 sums
+// are half_blocks' (exact), and so is the float epilogue, bit for bit.
+template <int B, int G>
+void repacked_m1_int16_avx2(const RSeg& s, const RX& x, int b0, int b1, int N, float* y) {
+  constexpr int S = 16 / B, CPW = 32 / B, WG = G * B / 32;
+  const int16_t* xq = static_cast<const int16_t*>(x.xq);
+  each_block(s, x, b0, b1, N, y,
+             [&](const uint32_t* wb, int g, __m256i& iq0, __m256i& iq1) {
+    __m256i acc[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
+                         {_mm256_setzero_si256(), _mm256_setzero_si256()}};  // [half][step parity]
+#pragma GCC unroll 8
+    for (int jw = 0; jw < WG; ++jw) {
+      const int j = g * WG + jw;
+      const uint32_t* wp = wb + int64_t(j) * R;
+      prefetch_words<B>(wp);
+      const __m256i w0 = _mm256_loadu_si256((const __m256i*)wp);
+      const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wp + H));
+#pragma GCC unroll 8
+      for (int k = 0; k < S; ++k) {
+        int32_t pair;
+        std::memcpy(&pair, xq + int64_t(j) * CPW + 2 * k, 4);
+        const __m256i xb = _mm256_set1_epi32(pair);
+        acc[0][k % 2] = idot<B, int16_t>(acc[0][k % 2], word_code<B, int16_t>(w0, k), xb);
+        acc[1][k % 2] = idot<B, int16_t>(acc[1][k % 2], word_code<B, int16_t>(w1, k), xb);
+      }
+    }
+    iq0 = _mm256_add_epi32(acc[0][0], acc[0][1]);
+    iq1 = _mm256_add_epi32(acc[1][0], acc[1][1]);
+  });
 }
 
 // Every width and group size of the tables (avx2_repacked.cpp's
