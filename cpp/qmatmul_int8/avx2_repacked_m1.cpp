@@ -99,6 +99,16 @@ inline void add_block(__m256 accf0, __m256 accf1, int n0, int N, float* y) {
   for (int r = 0; r < nreal; ++r) y[n0 + r] += v[r];
 }
 
+// Word j of a block of 2-, 4- or 8-bit codes (wb: the block's words): w0
+// rows 0-7, w1 rows 8-15, its line prefetched ahead.
+template <int B>
+inline void load_word(const uint32_t* wb, int j, __m256i& w0, __m256i& w1) {
+  const uint32_t* wp = wb + int64_t(j) * R;
+  prefetch_words<B>(wp);
+  w0 = _mm256_loadu_si256((const __m256i*)wp);
+  w1 = _mm256_loadu_si256((const __m256i*)(wp + H));
+}
+
 // Blocks [b0, b1) of a segment, both halves in one pass: group_dots(wb,
 // g, iq0, iq1) gives group g's exact integer dots of the block whose words
 // start at wb (iq0: rows 0-7, iq1: 8-15); the float epilogue and the
@@ -150,10 +160,8 @@ void repacked_m1_int8_avx2(const RSeg& s, const RX& x, int b0, int b1, int N, fl
 #pragma GCC unroll 8
       for (int jw = 0; jw < WG; ++jw) {
         const int j = g * WG + jw;
-        const uint32_t* wp = wb + int64_t(j) * R;
-        prefetch_words<B>(wp);
-        const __m256i w0 = _mm256_loadu_si256((const __m256i*)wp);
-        const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wp + H));
+        __m256i w0, w1;
+        load_word<B>(wb, j, w0, w1);
         if constexpr (B == 8) {
           int32_t quad;
           std::memcpy(&quad, xq + int64_t(j) * CPW, 4);
@@ -171,8 +179,8 @@ void repacked_m1_int8_avx2(const RSeg& s, const RX& x, int b0, int b1, int N, fl
 // int16, one x row, 2/4/8 bits: both halves of each block in one pass, as
 // the int8 pass above: each line of words loaded once and each activation
 // pair broadcast once for 16 rows; two chains per half (even and odd
-// steps) to cover vpmaddwd's latency. The int32 sums
-// are half_blocks' (exact), and so is the float epilogue, bit for bit.
+// steps) to cover vpmaddwd's latency. The int32 sums are half_blocks'
+// (exact), and so is the float epilogue, bit for bit.
 template <int B, int G>
 void repacked_m1_int16_avx2(const RSeg& s, const RX& x, int b0, int b1, int N, float* y) {
   constexpr int S = 16 / B, CPW = 32 / B, WG = G * B / 32;
@@ -184,10 +192,8 @@ void repacked_m1_int16_avx2(const RSeg& s, const RX& x, int b0, int b1, int N, f
 #pragma GCC unroll 8
     for (int jw = 0; jw < WG; ++jw) {
       const int j = g * WG + jw;
-      const uint32_t* wp = wb + int64_t(j) * R;
-      prefetch_words<B>(wp);
-      const __m256i w0 = _mm256_loadu_si256((const __m256i*)wp);
-      const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wp + H));
+      __m256i w0, w1;
+      load_word<B>(wb, j, w0, w1);
 #pragma GCC unroll 8
       for (int k = 0; k < S; ++k) {
         int32_t pair;
