@@ -52,9 +52,10 @@ mx::array from_bytes(std::vector<char>&& bytes, mx::Shape shape, mx::Dtype dtype
 // which MLX evaluates by sharing the buffer) into a buffer one line longer.
 // A repacked word is 64 bytes, one line, loaded whole by the VNNI kernels;
 // MLX's CPU allocator hands out buffers 8 bytes past a 16-byte boundary (a
-// size header), so every such load straddled two lines: 4-bit g64 4096^2,
-// M = 1, one thread, warm, 0.22-0.28 -> 0.17-0.18 ms aligned (8-bit and the
-// AVX2 row's 32-byte loads: no clear change; cold: none). The scales and
+// size header), so every such load straddled two lines. One thread,
+// 4096^2, warm, alternating (bench/README, "blocks on 64-byte lines"):
+// VNNI 4-bit M = 1 0.216-0.246 -> 0.170-0.227 ms, 8-bit 5-10% faster,
+// the AVX2 row 3-7%; weights read from DRAM: no change. The scales and
 // biases are aligned alike. A buffer that is already aligned (MLX's Metal
 // allocator's pages) gives an offset of zero.
 mx::array line_aligned(const std::vector<char>& bytes, mx::Shape shape, mx::Dtype dtype) {
