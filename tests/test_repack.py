@@ -158,8 +158,9 @@ def test_arrays_start_on_a_cache_line():
     """repack_segment places every array's data on a 64-byte line: a repacked
     word is one line, loaded whole by the VNNI kernels, and MLX's CPU
     allocator's own buffers start 8 bytes past a 16-byte boundary (every
-    such load then straddled two lines). Also for an expert stack of whole
-    blocks (one tall matrix, reshaped: a view of the same buffer)."""
+    such load then straddled two lines). Also for expert stacks: of whole
+    blocks (one tall matrix, reshaped: a view of the same buffer), and of
+    padded blocks (repacked per matrix, joined, then copied onto a line)."""
     def address(a):
         return np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
 
@@ -169,9 +170,12 @@ def test_arrays_start_on_a_cache_line():
         rt = ops.repack(rand_qt(rng, n, [(bits, gs, 256), (4, 32, 64)], dtype=dtype))
         for a in rt.arrays():
             assert address(a) % 64 == 0, (bits, gs, n, a.shape, address(a) % 64)
-    stack = ops.repack(rand_stack(rng, E=3, N=32))
-    assert stack.batch_shape == (3,)
-    assert all(address(a) % 64 == 0 for a in stack.arrays())
+    for n in (32, 37):  # whole blocks (one tall matrix), and per matrix joined by mx.stack
+        stack = ops.repack(rand_stack(rng, E=3, N=n))
+        assert stack.batch_shape == (3,)
+        assert all(address(a) % 64 == 0 for a in stack.arrays()), n
+        for s in stack.segments:  # so every expert's words start on a line too
+            assert s.wq_r[0].nbytes % 64 == 0
 
 
 # ---------------------------------------------------------------- kernels

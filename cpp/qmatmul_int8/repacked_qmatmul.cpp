@@ -58,15 +58,15 @@ mx::array from_bytes(std::vector<char>&& bytes, mx::Shape shape, mx::Dtype dtype
 // the AVX2 row 3-7%; weights read from DRAM: no change. The scales and
 // biases are aligned alike. A buffer that is already aligned (MLX's Metal
 // allocator's pages) gives an offset of zero.
-mx::array line_aligned(const std::vector<char>& bytes, mx::Shape shape, mx::Dtype dtype) {
+mx::array line_aligned(const void* bytes, size_t nbytes, mx::Shape shape, mx::Dtype dtype) {
   constexpr size_t kLine = 64;
   const size_t item = mx::size_of(dtype);
-  const int64_t n = int64_t(bytes.size() / item), pad = int64_t(kLine / item);
-  mx::array flat(mx::allocator::malloc(bytes.size() + kLine), mx::Shape{int(n + pad)}, dtype);
+  const int64_t n = int64_t(nbytes / item), pad = int64_t(kLine / item);
+  mx::array flat(mx::allocator::malloc(nbytes + kLine), mx::Shape{int(n + pad)}, dtype);
   char* base = flat.data<char>();
   const size_t skip = (kLine - reinterpret_cast<uintptr_t>(base) % kLine) % kLine;
   if (skip % item) throw std::runtime_error("repack: buffer not aligned to its element size");
-  std::memcpy(base + skip, bytes.data(), bytes.size());
+  std::memcpy(base + skip, bytes, nbytes);
   const int off = int(skip / item);
   const mx::Device cpu(mx::Device::cpu);
   mx::array view = mx::reshape(mx::slice(flat, {off}, {int(off + n)}, cpu), std::move(shape), cpu);
@@ -373,7 +373,7 @@ std::tuple<mx::array, mx::array, mx::array> repack_segment(const mx::array& wq,
     }
     std::vector<char> out(size_t(NB) * kRepackRows * cols * a.itemsize());
     interleave_rows(src, N, cols, a.itemsize(), out.data());
-    return line_aligned(out, {NB, int(cols), kRepackRows}, a.dtype());
+    return line_aligned(out.data(), out.size(), {NB, int(cols), kRepackRows}, a.dtype());
   };
   return {pack(w, words), pack(s, ng), pack(b, ng)};
 }
@@ -407,6 +407,14 @@ std::tuple<mx::array, mx::array, mx::array> unrepack_segment(const mx::array& wq
     return from_bytes(std::move(out), {n, int(cols)}, a.dtype());
   };
   return {unpack(w), unpack(s), unpack(b)};
+}
+
+mx::array line_aligned_copy(const mx::array& a) {
+  mx::array v = a;
+  mx::eval(v);
+  std::vector<char> copy;
+  const void* src = row_major(v, copy);
+  return line_aligned(src, size_t(v.nbytes()), v.shape(), v.dtype());
 }
 
 }  // namespace mixbits

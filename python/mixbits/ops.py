@@ -147,6 +147,8 @@ def repack(qt: QuantizedTensor) -> RepackedTensor:
         def one(a, rows, s=s):
             return list(_ext.repack_segment(*a, s.bits, s.group_size))
         wq_r, sc_r, bi_r = _per_matrix(one, [s.wq, s.scales, s.biases], n, bool(qt.batch_shape))
+        if qt.batch_shape and n % REPACK_ROWS:  # joined by mx.stack: onto 64-byte lines again
+            wq_r, sc_r, bi_r = (_ext.line_aligned_copy(a) for a in (wq_r, sc_r, bi_r))
         segs.append(RepackedSegment(s.bits, s.group_size, s.k, wq_r, sc_r, bi_r, s.kind))
     return RepackedTensor(segs, qt.perm, n)
 
