@@ -138,9 +138,7 @@ inline void half_rows(const RSeg& s, const RX& x, const uint32_t* wb, int64_t sb
           for (int k = 0; k < S; ++k) {
             __m256i c[NH];
             if constexpr (kPartial && B == 8) {
-              const __m256i lo4 = _mm256_set1_epi8(0x0F);
-              c[0] = _mm256_and_si256(w, lo4);
-              c[NH - 1] = _mm256_and_si256(_mm256_srli_epi16(w, 4), lo4);
+              nibbles(w, c[0], c[NH - 1]);
             } else {
               c[0] = word_code<B, T>(w, k);
             }

@@ -40,6 +40,14 @@ inline __m256i in_order(__m256i v) {
   return v;
 }
 
+// 8-bit codes as two 4-bit nibbles per byte (lo, hi), the form vpmaddubsw
+// takes them in without saturating: a code is lo + 16 * hi.
+inline void nibbles(__m256i c, __m256i& lo, __m256i& hi) {
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(c, lo4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), lo4);
+}
+
 // acc + per int32 lane the dot of the lane's codes with the broadcast x,
 // one step at a time: the int16 contract, and the one-row int8 pass at 8
 // bits (every other int8 loop sums int16 partials first). Ordered: the
@@ -52,9 +60,8 @@ inline __m256i idot(__m256i acc, __m256i c, __m256i x) {
     return Ordered ? in_order(sum) : sum;
   } else {
     static_assert(B == 8, "below 8 bits the int8 loops sum int16 partials");
-    const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(c, lo4);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), lo4);
+    __m256i lo, hi;
+    nibbles(c, lo, hi);
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x), _mm256_set1_epi16(1)));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x), _mm256_set1_epi16(16)));
   }
