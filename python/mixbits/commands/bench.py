@@ -224,19 +224,22 @@ def runners(wt: Weights, x, activations: str = "float", backend: str = "auto", c
     plain = itertools.cycle(wt.copies() if cold else [qt])
     packed = None  # built on first use: repacked() may be None (bits without the layout)
 
-    def run_mixbits():
-        mx.eval([mixbits.qmatmul(x, next(plain), activations=activations, backend=backend)
+    def evaluate(weights, contract):
+        """One evaluation: calls_per_eval calls, each on the next weight."""
+        mx.eval([mixbits.qmatmul(x, next(weights), activations=contract, backend=backend)
                  for _ in range(calls_per_eval)])
+
+    def run_mixbits():
+        evaluate(plain, activations)
 
     def run_repacked():
         nonlocal packed
         if packed is None:
             packed = itertools.cycle(wt.copies(repacked=True) if cold else [wt.repacked()])
-        mx.eval([mixbits.qmatmul(x, next(packed), activations=activations, backend=backend)
-                 for _ in range(calls_per_eval)])
+        evaluate(packed, activations)
 
     def run_float():
-        mx.eval([mixbits.qmatmul(x, next(plain), backend=backend) for _ in range(calls_per_eval)])
+        evaluate(plain, "float")
 
     def run_mlx():
         xs = x if qt.perm is None else mx.take(x, qt.perm, axis=-1)
