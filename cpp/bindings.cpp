@@ -126,8 +126,8 @@ NB_MODULE(_ext, m) {
         "interleaved per block (evaluated now).");
   m.def("unrepack_segment", &mixbits::unrepack_segment, "wq_r"_a, "scales_r"_a,
         "biases_r"_a, "n"_a, "bits"_a, "The exact inverse of repack_segment.");
-  m.def("line_aligned_copy", &mixbits::line_aligned_copy, "a"_a,
-        "A copy of a (evaluated now) whose data starts on a 64-byte line.");
+  m.def("line_aligned_stack", &mixbits::line_aligned_stack, "parts"_a,
+        "parts stacked along a new first dim, the data starting on a 64-byte line.");
   m.def("repacked_kernels", &mixbits::repacked_kernels_available,
         "Whether this CPU has the repacked layout's kernels (AVX512-VNNI or AVX2).");
   m.def(

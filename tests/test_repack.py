@@ -160,7 +160,7 @@ def test_arrays_start_on_a_cache_line():
     allocator's own buffers start 8 bytes past a 16-byte boundary (every
     such load then straddled two lines). Also for expert stacks: of whole
     blocks (one tall matrix, reshaped: a view of the same buffer), and of
-    padded blocks (repacked per matrix, joined, then copied onto a line)."""
+    padded blocks (repacked per matrix, then joined into one aligned buffer)."""
     def address(a):
         return np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
 

@@ -48,17 +48,19 @@ mx::array from_bytes(std::vector<char>&& bytes, mx::Shape shape, mx::Dtype dtype
                    [owned](void*) { delete owned; });
 }
 
-// bytes as an array whose data starts on a 64-byte line: a view (a slice,
-// which MLX evaluates by sharing the buffer) into a buffer one line longer.
-// A repacked word is 64 bytes, one line, loaded whole by the VNNI kernels;
-// MLX's CPU allocator hands out buffers 8 bytes past a 16-byte boundary (a
-// size header), so every such load straddled two lines. One thread,
-// 4096^2, warm, alternating (bench/README, "blocks on 64-byte lines"):
-// VNNI 4-bit M = 1 0.216-0.246 -> 0.170-0.227 ms, 8-bit 5-10% faster,
-// the AVX2 row 3-7%; weights read from DRAM: no change. The scales and
-// biases are aligned alike. A buffer that is already aligned (MLX's Metal
-// allocator's pages) gives an offset of zero.
-mx::array line_aligned(const void* bytes, size_t nbytes, mx::Shape shape, mx::Dtype dtype) {
+// An array of `shape` whose data starts on a 64-byte line, its nbytes
+// written by fill(dst): a view (a slice, which MLX evaluates by sharing
+// the buffer) into a buffer one line longer. A repacked word is 64 bytes,
+// one line, loaded whole by the VNNI kernels; MLX's CPU allocator hands out
+// buffers 8 bytes past a 16-byte boundary (a size header), so every such
+// load straddled two lines. One thread, 4096^2, warm, alternating
+// (bench/README, "blocks on 64-byte lines"): VNNI 4-bit M = 1 0.216-0.246
+// -> 0.170-0.227 ms, 8-bit 5-10% faster, the AVX2 row 3-7%; weights read
+// from DRAM: no change. The scales and biases are aligned alike. A buffer
+// that is already aligned (MLX's Metal allocator's pages) gives an offset
+// of zero.
+template <class Fill>
+mx::array line_aligned(size_t nbytes, mx::Shape shape, mx::Dtype dtype, Fill&& fill) {
   constexpr size_t kLine = 64;
   const size_t item = mx::size_of(dtype);
   const int64_t n = int64_t(nbytes / item), pad = int64_t(kLine / item);
@@ -66,7 +68,7 @@ mx::array line_aligned(const void* bytes, size_t nbytes, mx::Shape shape, mx::Dt
   char* base = flat.data<char>();
   const size_t skip = (kLine - reinterpret_cast<uintptr_t>(base) % kLine) % kLine;
   if (skip % item) throw std::runtime_error("repack: buffer not aligned to its element size");
-  std::memcpy(base + skip, bytes, nbytes);
+  fill(base + skip);
   const int off = int(skip / item);
   const mx::Device cpu(mx::Device::cpu);
   mx::array view = mx::reshape(mx::slice(flat, {off}, {int(off + n)}, cpu), std::move(shape), cpu);
@@ -371,9 +373,8 @@ std::tuple<mx::array, mx::array, mx::array> repack_segment(const mx::array& wq,
       split_planes(bits, static_cast<const uint32_t*>(src), int64_t(split.size()), split.data());
       src = split.data();
     }
-    std::vector<char> out(size_t(NB) * kRepackRows * cols * a.itemsize());
-    interleave_rows(src, N, cols, a.itemsize(), out.data());
-    return line_aligned(out.data(), out.size(), {NB, int(cols), kRepackRows}, a.dtype());
+    return line_aligned(size_t(NB) * kRepackRows * cols * a.itemsize(), {NB, int(cols), kRepackRows},
+                        a.dtype(), [&](char* dst) { interleave_rows(src, N, cols, a.itemsize(), dst); });
   };
   return {pack(w, words), pack(s, ng), pack(b, ng)};
 }
@@ -409,12 +410,23 @@ std::tuple<mx::array, mx::array, mx::array> unrepack_segment(const mx::array& wq
   return {unpack(w), unpack(s), unpack(b)};
 }
 
-mx::array line_aligned_copy(const mx::array& a) {
-  mx::array v = a;
+mx::array line_aligned_stack(const std::vector<mx::array>& parts) {
+  if (parts.empty()) throw std::invalid_argument("line_aligned_stack: no arrays");
+  std::vector<mx::array> v = parts;
   mx::eval(v);
-  std::vector<char> copy;
-  const void* src = row_major(v, copy);
-  return line_aligned(src, size_t(v.nbytes()), v.shape(), v.dtype());
+  for (const mx::array& p : v)
+    if (p.shape() != v[0].shape() || p.dtype() != v[0].dtype())
+      throw std::invalid_argument("line_aligned_stack: arrays differ in shape or dtype: " +
+                                  shape_str(v[0]) + " and " + shape_str(p));
+  mx::Shape shape = v[0].shape();
+  shape.insert(shape.begin(), int(v.size()));
+  const size_t each = v[0].nbytes();
+  return line_aligned(each * v.size(), std::move(shape), v[0].dtype(), [&](char* dst) {
+    for (size_t e = 0; e < v.size(); ++e) {
+      std::vector<char> copy;
+      std::memcpy(dst + e * each, row_major(v[e], copy), each);
+    }
+  });
 }
 
 }  // namespace mixbits

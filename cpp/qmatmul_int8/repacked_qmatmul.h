@@ -167,9 +167,10 @@ std::tuple<mx::array, mx::array, mx::array> unrepack_segment(const mx::array& wq
                                                              const mx::array& scales_r,
                                                              const mx::array& biases_r,
                                                              int n, int bits);
-// A copy of `a` (evaluated now) whose data starts on a 64-byte line, as
-// repack_segment's arrays do: for an expert stack joined after repacking
-// (mixbits.ops.repack), which mx.stack placed where MLX's allocator put it.
-mx::array line_aligned_copy(const mx::array& a);
+// parts (equal shapes and dtypes, evaluated now) stacked along a new first
+// dim into one array whose data starts on a 64-byte line, as
+// repack_segment's arrays do: how mixbits.ops.repack joins the experts of a
+// stack it repacked one by one.
+mx::array line_aligned_stack(const std::vector<mx::array>& parts);
 
 }  // namespace mixbits

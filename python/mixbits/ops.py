@@ -108,12 +108,12 @@ def promote_x(x, qt):
     return x
 
 
-def _per_matrix(fn, arrays, n: int, stacked: bool):
+def _per_matrix(fn, arrays, n: int, stacked: bool, join=mx.stack):
     """``fn`` (one matrix's arrays and its ``n`` rows -> arrays) on one
     matrix, or over a stack of them (``stacked``: leading dim E): one call
     on the stack seen as one tall matrix of E*n rows when every matrix is
     whole blocks of 16 rows (blocks then never straddle two matrices), else
-    one call per matrix."""
+    one call per matrix, the results put together by ``join``."""
     if not stacked:
         return fn(arrays, n)
     e = arrays[0].shape[0]
@@ -121,7 +121,7 @@ def _per_matrix(fn, arrays, n: int, stacked: bool):
         flat = fn([a.reshape(e * a.shape[1], *a.shape[2:]) for a in arrays], e * n)
         return [a.reshape(e, a.shape[0] // e, *a.shape[1:]) for a in flat]
     per = [fn([a[i] for a in arrays], n) for i in range(e)]
-    return [mx.stack([p[j] for p in per]) for j in range(len(per[0]))]
+    return [join([p[j] for p in per]) for j in range(len(per[0]))]
 
 
 def repack(qt: QuantizedTensor) -> RepackedTensor:
@@ -146,9 +146,9 @@ def repack(qt: QuantizedTensor) -> RepackedTensor:
     for s in qt.segments:
         def one(a, rows, s=s):
             return list(_ext.repack_segment(*a, s.bits, s.group_size))
-        wq_r, sc_r, bi_r = _per_matrix(one, [s.wq, s.scales, s.biases], n, bool(qt.batch_shape))
-        if qt.batch_shape and n % REPACK_ROWS:  # joined by mx.stack: onto 64-byte lines again
-            wq_r, sc_r, bi_r = (_ext.line_aligned_copy(a) for a in (wq_r, sc_r, bi_r))
+        # repacked arrays start on a 64-byte line, a stack's too (not mx.stack)
+        wq_r, sc_r, bi_r = _per_matrix(one, [s.wq, s.scales, s.biases], n, bool(qt.batch_shape),
+                                       join=_ext.line_aligned_stack)
         segs.append(RepackedSegment(s.bits, s.group_size, s.k, wq_r, sc_r, bi_r, s.kind))
     return RepackedTensor(segs, qt.perm, n)
 
