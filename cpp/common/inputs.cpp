@@ -1,6 +1,11 @@
 #include "common/inputs.h"
 
 #include <cstring>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+#include "mlx/primitives.h"
 
 namespace mixbits {
 
@@ -32,6 +37,52 @@ const void* row_major(const mlx::core::array& a, std::vector<char>& buf) {
     }
   }
   return buf.data();
+}
+
+namespace {
+
+// Whether the lazy view v lists its input's elements in the same row-major
+// order. Primitives are told apart by name() (a virtual call): no RTTI of
+// MLX's classes, whose type info a macOS libmlx need not export.
+bool keeps_order(const mlx::core::array& v) {
+  if (!v.has_primitive() || v.inputs().size() != 1) return false;
+  const auto& in = v.inputs()[0];
+  if (in.dtype() != v.dtype() || in.size() != v.size()) return false;
+  const std::string_view n = v.primitive().name();
+  if (n == "Reshape" || n == "ExpandDims" || n == "Squeeze" || n == "Flatten" ||
+      n == "Unflatten")
+    return true;
+  if (n != "Transpose") return false;
+  // The order is kept when the axes of more than one element stay in order.
+  const auto axes = static_cast<const mlx::core::Transpose&>(v.primitive()).state();
+  int last = -1;
+  for (int a : axes) {
+    if (in.shape(a) == 1) continue;
+    if (a < last) return false;
+    last = a;
+  }
+  return true;
+}
+
+}  // namespace
+
+mlx::core::Shape input_shape(const mlx::core::array& in,
+                             const std::optional<mlx::core::Shape>& viewed, const char* op) {
+  if (!viewed) return in.shape();
+  size_t n = 1;
+  for (int d : *viewed) n *= size_t(d);
+  if (n != in.size())
+    throw std::invalid_argument(
+        std::string(op) +
+        ": this node reads its input through a reshape/transpose it skipped, and a "
+        "shapeless compile cannot replay that on new shapes; compile with shapeless=False");
+  return *viewed;
+}
+
+mlx::core::array through_views(const mlx::core::array& x) {
+  mlx::core::array r = x;
+  while (keeps_order(r)) r = r.inputs()[0];
+  return r;
 }
 
 }  // namespace mixbits

@@ -3,6 +3,7 @@
 // decode token of a small model, ~2.8 ms of ~36 ms), although the weights
 // are evaluated and row-contiguous and most activations are too.
 #pragma once
+#include <optional>
 #include <vector>
 
 #include "mlx/array.h"
@@ -23,5 +24,30 @@ inline mlx::core::array dense_input(const mlx::core::array& a, mlx::core::Stream
 // a copy gathered through its strides into `buf` (which must outlive the
 // use). Lets a builder hand lazy inputs over without a contiguous node.
 const void* row_major(const mlx::core::array& a, std::vector<char>& buf);
+
+// The array a lazy `x` is a view of, when x was made from it by views that
+// keep the elements in row-major order (reshape, expand/squeeze dims, a
+// transpose that moves only axes of size 1); else x. A primitive that reads
+// its input as row-major elements (row_major) and takes its logical shape
+// from x, not from the array it is handed, can take this root: the view
+// nodes then leave the graph. A decode token of a llama-style model has 8
+// such nodes per layer around attention (q/k/v reshaped to heads and
+// transposed, the output back), ~3 us of MLX dispatch each.
+mlx::core::array through_views(const mlx::core::array& x);
+
+// What a node built on root = through_views(x) keeps: x's shape when root
+// is another shape, else nothing (the input is x itself).
+inline std::optional<mlx::core::Shape> viewed_shape(const mlx::core::array& x,
+                                                    const mlx::core::array& root) {
+  if (x.shape() == root.shape()) return std::nullopt;
+  return x.shape();
+}
+
+// The shape a node reads its input `in` as: `viewed` when it was built on a
+// view's root, else in's own. For output_shapes: a shapeless compile that
+// replays such a node on an input of another size gets std::invalid_argument
+// naming `op` (the view's new shape is not known), not a wrong shape.
+mlx::core::Shape input_shape(const mlx::core::array& in,
+                             const std::optional<mlx::core::Shape>& viewed, const char* op);
 
 }  // namespace mixbits

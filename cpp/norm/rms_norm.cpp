@@ -63,16 +63,19 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, mx::Stream
   if (!(eps >= 0.0f) || !std::isfinite(eps)) fail("eps must be finite and >= 0");
   auto stream = mx::to_stream(s);
   // No contiguous node: x is usually lazy; eval_cpu copies a strided one.
+  // A reshape to heads (q_norm / k_norm) is skipped for the array it views.
+  const mx::array src = through_views(x);
   return mx::array(x.shape(), mx::promote_types(x.dtype(), w.dtype()),
-                   std::make_shared<RmsNorm>(stream, eps), {x, w});
+                   std::make_shared<RmsNorm>(stream, eps, viewed_shape(x, src)), {src, w});
 }
 
 std::vector<mx::Shape> RmsNorm::output_shapes(const std::vector<mx::array>& inputs) {
-  return {inputs[0].shape()};
+  return {input_shape(inputs[0], viewed_, "rms_norm")};
 }
 
 bool RmsNorm::is_equivalent(const mx::Primitive& other) const {
-  return eps_ == static_cast<const RmsNorm&>(other).eps_;
+  auto& o = static_cast<const RmsNorm&>(other);
+  return eps_ == o.eps_ && viewed_ == o.viewed_;
 }
 
 void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -82,7 +85,7 @@ void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     std::vector<char> xbuf, wbuf;
     const void* x = row_major(inputs[0], xbuf);
     const void* w = row_major(inputs[1], wbuf);
-    const int64_t D = inputs[0].shape(-1), rows = D ? int64_t(o.size()) / D : 0;
+    const int64_t D = o.shape(-1), rows = D ? int64_t(o.size()) / D : 0;
     const DType xt = to_dtype(inputs[0].dtype()), wt = to_dtype(inputs[1].dtype()),
                 yt = to_dtype(o.dtype());
     void* y = o.data<void>();
@@ -106,8 +109,9 @@ std::vector<mx::array> RmsNorm::vjp(const std::vector<mx::array>& primals,
                                     const std::vector<mx::array>&) {
   const float eps = eps_;
   const auto s = stream();
-  auto f = [eps, s](const std::vector<mx::array>& a) {
-    return std::vector<mx::array>{mlx_rms_norm(a[0], a[1], eps, s)};
+  auto f = [eps, s, viewed = viewed_](const std::vector<mx::array>& a) {
+    const mx::array x = viewed ? mx::reshape(a[0], *viewed, s) : a[0];
+    return std::vector<mx::array>{mlx_rms_norm(x, a[1], eps, s)};
   };
   return pick(mx::vjp(f, primals, cotangents).second, argnums);
 }
@@ -117,8 +121,9 @@ std::vector<mx::array> RmsNorm::jvp(const std::vector<mx::array>& primals,
                                     const std::vector<int>& argnums) {
   const float eps = eps_;
   const auto s = stream();
-  auto f = [eps, s](const std::vector<mx::array>& a) {
-    return std::vector<mx::array>{mlx_rms_norm(a[0], a[1], eps, s)};
+  auto f = [eps, s, viewed = viewed_](const std::vector<mx::array>& a) {
+    const mx::array x = viewed ? mx::reshape(a[0], *viewed, s) : a[0];
+    return std::vector<mx::array>{mlx_rms_norm(x, a[1], eps, s)};
   };
   return mx::jvp(f, primals, full_tangents(primals, tangents, argnums, s)).second;
 }

@@ -3,6 +3,7 @@
 // (square, sum, a fused multiply chain), ~35 us a call on a decode token
 // against ~5 us for one node (bench/decode_profile.py).
 #pragma once
+#include <optional>
 #include <vector>
 
 #include "common/primitive.h"
@@ -15,7 +16,10 @@ namespace mx = mlx::core;
 
 class RmsNorm : public mx::UnaryPrimitive {
  public:
-  RmsNorm(mx::Stream s, float eps) : mx::UnaryPrimitive(s), eps_(eps) {}
+  // viewed: x's shape when the node's input is an array x is a view of
+  // (through_views), read as x's elements in row-major order.
+  RmsNorm(mx::Stream s, float eps, std::optional<mx::Shape> viewed)
+      : mx::UnaryPrimitive(s), eps_(eps), viewed_(std::move(viewed)) {}
 
   MIXBITS_EVAL_UNARY()
   // MLX's own mx.fast.rms_norm differentiated by MLX (correct, not fast:
@@ -26,6 +30,7 @@ class RmsNorm : public mx::UnaryPrimitive {
 
  private:
   float eps_;
+  std::optional<mx::Shape> viewed_;
 };
 
 // mx.fast.rms_norm(x, w, eps): x float32/float16/bfloat16 with last axis D,

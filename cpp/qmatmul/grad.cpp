@@ -123,7 +123,7 @@ std::vector<mx::array> MixedQMatmul::vjp(
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums, const std::vector<mx::array>&) {
   auto s = stream();
-  const mx::array& x = primals[0];
+  const mx::array x = as_x(primals[0]);
   const mx::array& dy = cotangents[0];
   const std::optional<mx::array> perm =
       has_perm_ ? std::optional<mx::array>(primals[1]) : std::nullopt;
@@ -164,7 +164,8 @@ std::vector<mx::array> MixedQMatmul::vjp(
                                                 dy.dtype(), s),
                                      s),
                           perm, s);
-      out.push_back(mx::astype(dx, x.dtype(), s));
+      // Shaped as the node's input (the root of x's views, if it is one).
+      out.push_back(mx::reshape(mx::astype(dx, x.dtype(), s), primals[0].shape(), s));
     } else if (a.kind == Arg::Perm || a.role == 0) {
       no_grad("vjp", a);
     } else if (a.role == 1) {
@@ -180,7 +181,7 @@ std::vector<mx::array> MixedQMatmul::jvp(const std::vector<mx::array>& primals,
                                          const std::vector<mx::array>& tangents,
                                          const std::vector<int>& argnums) {
   auto s = stream();
-  const mx::array& x = primals[0];
+  const mx::array x = as_x(primals[0]);
   const std::optional<mx::array> perm =
       has_perm_ ? std::optional<mx::array>(primals[1]) : std::nullopt;
   const std::vector<mx::array> packed(primals.begin() + (has_perm_ ? 2 : 1),
@@ -191,7 +192,7 @@ std::vector<mx::array> MixedQMatmul::jvp(const std::vector<mx::array>& primals,
   std::optional<mx::array> dx;
   for (size_t j = 0; j < argnums.size(); ++j) {
     const Arg a = classify(argnums[j], has_perm_);
-    if (a.kind == Arg::X) dx = tangents[j];
+    if (a.kind == Arg::X) dx = as_x(tangents[j]);
     else if (a.kind == Arg::Perm || a.role == 0) no_grad("jvp", a);
     else dsb[3 * a.seg + a.role] = tangents[j];
   }
@@ -227,13 +228,17 @@ std::pair<std::vector<mx::array>, std::vector<int>> MixedQMatmul::vmap(
           "[MixedQMatmul::vmap] only x can be vmapped, not the weights.");
   // x's own leading dimensions are already batch dimensions of the product:
   // the vmapped axis becomes the first of them.
-  mx::array x = axes[0] >= 0 ? mx::moveaxis(inputs[0], axes[0], 0, stream())
-                             : inputs[0];
+  mx::array x = axes[0] >= 0 ? mx::moveaxis(inputs[0], axes[0], 0, stream()) : as_x(inputs[0]);
+  if (axes[0] >= 0 && viewed_) {  // each batch entry holds one x's elements in row-major order
+    mx::Shape shape{x.shape(0)};
+    shape.insert(shape.end(), viewed_->begin(), viewed_->end());
+    x = mx::reshape(x, shape, stream());
+  }
   const std::optional<mx::array> perm =
       has_perm_ ? std::optional<mx::array>(inputs[1]) : std::nullopt;
   const std::vector<mx::array> packed(inputs.begin() + (has_perm_ ? 2 : 1),
                                       inputs.end());
-  return {{mixed_qmatmul(x, perm, packed, segs_, backend_, stream())},
+  return {{mixed_qmatmul(x, perm, packed, segs_, backend_, stream(), act_)},
           {axes[0] >= 0 ? 0 : -1}};
 }
 

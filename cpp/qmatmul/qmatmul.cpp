@@ -164,20 +164,27 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
   // (eval_cpu), so it adds no graph node per input.
   const bool gpu = stream.device == mx::Device::gpu;
   auto input = [&](const mx::array& a) { return gpu ? dense_input(a, stream) : a; };
-  std::vector<mx::array> inputs{input(x)};
+  // On the CPU an attention output transposed and reshaped back (o_proj's
+  // x) is read from the array it views.
+  const mx::array src = gpu ? input(x) : through_views(x);
+  std::vector<mx::array> inputs{src};
   if (perm) inputs.push_back(input(*perm));
   for (const auto& a : packed) inputs.push_back(input(a));
   mx::Shape out_shape = x.shape();
   out_shape.back() = N;
-  return mx::array(
-      out_shape, x.dtype(),
-      std::make_shared<MixedQMatmul>(stream, segs, bool(perm), backend, act),
-      std::move(inputs));
+  return mx::array(out_shape, x.dtype(),
+                   std::make_shared<MixedQMatmul>(stream, segs, bool(perm), backend, act,
+                                                  viewed_shape(x, src)),
+                   std::move(inputs));
+}
+
+mx::array MixedQMatmul::as_x(const mx::array& in) {
+  return viewed_ ? mx::reshape(in, *viewed_, stream()) : in;
 }
 
 std::vector<mx::Shape> MixedQMatmul::output_shapes(
     const std::vector<mx::array>& inputs) {
-  mx::Shape s = inputs[0].shape();
+  mx::Shape s = input_shape(inputs[0], viewed_, "qmatmul");
   s.back() = inputs[has_perm_ ? 2 : 1].shape(0);
   return {s};
 }
@@ -185,7 +192,7 @@ std::vector<mx::Shape> MixedQMatmul::output_shapes(
 bool MixedQMatmul::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const MixedQMatmul&>(other);
   return segs_ == o.segs_ && has_perm_ == o.has_perm_ && backend_ == o.backend_ &&
-         act_ == o.act_;
+         act_ == o.act_ && viewed_ == o.viewed_;
 }
 
 void MixedQMatmul::eval_cpu(const std::vector<mx::array>& inputs,
@@ -265,9 +272,13 @@ void qmatmul_cpu_eval(const mx::array& x, const int32_t* perm, int K, int N, int
   // into a dense float32 buffer, gathered through the permutation.
   std::vector<float> xf(size_t(M) * K);
   const DType xt = to_dtype(x.dtype());
-  const int nd = x.ndim();
-  const int64_t kstride = x.strides()[nd - 1];
-  const char* xbase = x.data<char>();
+  // An x whose last axis is not K is an array the node's x views
+  // (through_views): its row-major elements, K at a time, are the rows.
+  std::vector<char> xbuf;
+  const bool viewed = x.shape(-1) != K;
+  const int nd = viewed ? 1 : x.ndim();
+  const int64_t kstride = viewed ? 1 : x.strides()[nd - 1];
+  const char* xbase = viewed ? static_cast<const char*>(row_major(x, xbuf)) : x.data<char>();
   const size_t isz = x.itemsize();
   bool perm_ok = true;
   if (perm)
@@ -275,7 +286,7 @@ void qmatmul_cpu_eval(const mx::array& x, const int32_t* perm, int K, int N, int
       perm_ok &= (perm[k] >= 0 && perm[k] < K);
   parallel_for(M, 64, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      int64_t off = 0, rem = m;
+      int64_t off = viewed ? m * K : 0, rem = m;
       for (int d = nd - 2; d >= 0; --d) {
         off += (rem % x.shape(d)) * x.strides()[d];
         rem /= x.shape(d);

@@ -52,13 +52,17 @@ void run_int_rows(QmmRun fn, const float* x, int M, const QMatView& w, float* y)
 // Inputs: x, [perm], then (wq, scales, biases) per segment.
 class MixedQMatmul : public mx::UnaryPrimitive {
  public:
+  // viewed: x's shape when the node's input is an array x is a view of
+  // (through_views; CPU streams), read as x's elements in row-major order.
   MixedQMatmul(mx::Stream s, std::vector<SegSpec> segs, bool has_perm,
-               Backend backend, Activations act = Activations::Float)
+               Backend backend, Activations act = Activations::Float,
+               std::optional<mx::Shape> viewed = std::nullopt)
       : mx::UnaryPrimitive(s),
         segs_(std::move(segs)),
         has_perm_(has_perm),
         backend_(backend),
-        act_(act) {}
+        act_(act),
+        viewed_(std::move(viewed)) {}
 
   MIXBITS_EVAL_UNARY()
 
@@ -80,6 +84,9 @@ class MixedQMatmul : public mx::UnaryPrimitive {
   bool has_perm_;
   Backend backend_;
   Activations act_;
+  std::optional<mx::Shape> viewed_;
+  // The node's x input as x: reshaped to viewed_ when it is a view's root.
+  mx::array as_x(const mx::array& in);
 };
 
 // Validates everything (throws std::invalid_argument naming the bad

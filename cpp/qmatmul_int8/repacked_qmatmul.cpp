@@ -138,13 +138,17 @@ mx::array repacked_qmatmul(const mx::array& x, const std::optional<mx::array>& p
                            mx::StreamOrDevice s, Activations act) {
   check_repacked(x, perm, packed_r, segs, n, act);
   auto stream = repacked_stream(s, backend, act);
-  std::vector<mx::array> inputs{x};
+  // An attention output transposed and reshaped back (o_proj's x) is read
+  // from the array it views.
+  const mx::array src = through_views(x);
+  std::vector<mx::array> inputs{src};
   if (perm) inputs.push_back(*perm);
   for (const auto& a : packed_r) inputs.push_back(a);
   mx::Shape out_shape = x.shape();
   out_shape.back() = n;
   return mx::array(out_shape, x.dtype(),
-                   std::make_shared<RepackedQMatmul>(stream, segs, bool(perm), n, backend, act),
+                   std::make_shared<RepackedQMatmul>(stream, segs, bool(perm), n, backend, act,
+                                                     viewed_shape(x, src)),
                    std::move(inputs));
 }
 
@@ -155,7 +159,8 @@ std::vector<mx::array> repacked_qmatmul_group(const mx::array& x,
   if (members.empty()) fail("a group needs at least one weight");
   for (const auto& m : members) check_repacked(x, std::nullopt, m.packed_r, m.segs, m.n, act);
   auto stream = repacked_stream(s, backend, act);
-  std::vector<mx::array> inputs{x};
+  const mx::array src = through_views(x);
+  std::vector<mx::array> inputs{src};
   std::vector<mx::Shape> shapes;
   std::vector<mx::Dtype> dtypes;
   std::vector<RepackedQMatmulGroup::Member> specs;
@@ -169,12 +174,13 @@ std::vector<mx::array> repacked_qmatmul_group(const mx::array& x,
   }
   return mx::array::make_arrays(
       std::move(shapes), std::move(dtypes),
-      std::make_shared<RepackedQMatmulGroup>(stream, std::move(specs), backend, act),
+      std::make_shared<RepackedQMatmulGroup>(stream, std::move(specs), backend, act,
+                                             viewed_shape(x, src)),
       std::move(inputs));
 }
 
 std::vector<mx::Shape> RepackedQMatmul::output_shapes(const std::vector<mx::array>& inputs) {
-  mx::Shape s = inputs[0].shape();
+  mx::Shape s = input_shape(inputs[0], viewed_, "repacked_qmatmul");
   s.back() = n_;
   return {s};
 }
@@ -182,7 +188,7 @@ std::vector<mx::Shape> RepackedQMatmul::output_shapes(const std::vector<mx::arra
 bool RepackedWeightPrimitive::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const RepackedWeightPrimitive&>(other);
   return segs_ == o.segs_ && has_perm_ == o.has_perm_ && n_ == o.n_ && backend_ == o.backend_ &&
-         act_ == o.act_;
+         act_ == o.act_ && viewed_ == o.viewed_;
 }
 
 RepackedView repacked_view(const std::vector<SegSpec>& segs, int N, DType sdtype,
@@ -305,7 +311,7 @@ void RepackedQMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
 std::vector<mx::Shape> RepackedQMatmulGroup::output_shapes(const std::vector<mx::array>& inputs) {
   std::vector<mx::Shape> out;
   for (const auto& m : members_) {
-    mx::Shape s = inputs[0].shape();
+    mx::Shape s = input_shape(inputs[0], viewed_, "repacked_qmatmul_group");
     s.back() = m.n;
     out.push_back(s);
   }
@@ -314,7 +320,9 @@ std::vector<mx::Shape> RepackedQMatmulGroup::output_shapes(const std::vector<mx:
 
 bool RepackedQMatmulGroup::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const RepackedQMatmulGroup&>(other);
-  if (members_.size() != o.members_.size() || backend_ != o.backend_ || act_ != o.act_) return false;
+  if (members_.size() != o.members_.size() || backend_ != o.backend_ || act_ != o.act_ ||
+      viewed_ != o.viewed_)
+    return false;
   for (size_t i = 0; i < members_.size(); ++i)
     if (members_[i].segs != o.members_[i].segs || members_[i].n != o.members_[i].n) return false;
   return true;

@@ -3,6 +3,7 @@
 // arrays are built by repack_segment and turned back into MLX's layout by
 // unrepack_segment (the layout every other reader of a weight expects).
 #pragma once
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -29,14 +30,18 @@ namespace mx = mlx::core;
 // first) exactly when these agree.
 class RepackedWeightPrimitive : public mx::UnaryPrimitive {
  public:
+  // viewed: x's shape when the node's input is an array x is a view of
+  // (through_views), read as x's elements in row-major order.
   RepackedWeightPrimitive(mx::Stream s, std::vector<SegSpec> segs, bool has_perm, int n,
-                          Backend backend, Activations act)
+                          Backend backend, Activations act,
+                          std::optional<mx::Shape> viewed = std::nullopt)
       : mx::UnaryPrimitive(s),
         segs_(std::move(segs)),
         has_perm_(has_perm),
         n_(n),
         backend_(backend),
-        act_(act) {}
+        act_(act),
+        viewed_(std::move(viewed)) {}
 
   MIXBITS_GRADS_REFUSED(refuse_repacked_grad)
   bool is_equivalent(const mx::Primitive& other) const override;
@@ -47,6 +52,7 @@ class RepackedWeightPrimitive : public mx::UnaryPrimitive {
   int n_;
   Backend backend_;
   Activations act_;
+  std::optional<mx::Shape> viewed_;
 };
 
 // Inputs: x, [perm], then (wq_r, scales_r, biases_r) per segment.
@@ -82,8 +88,12 @@ class RepackedQMatmulGroup : public mx::Primitive {
     int n;
   };
   RepackedQMatmulGroup(mx::Stream s, std::vector<Member> members, Backend backend,
-                       Activations act)
-      : mx::Primitive(s), members_(std::move(members)), backend_(backend), act_(act) {}
+                       Activations act, std::optional<mx::Shape> viewed)
+      : mx::Primitive(s),
+        members_(std::move(members)),
+        backend_(backend),
+        act_(act),
+        viewed_(std::move(viewed)) {}
 
   MIXBITS_EVAL_MULTI()
   MIXBITS_GRADS_REFUSED(refuse_repacked_grad)
@@ -94,6 +104,7 @@ class RepackedQMatmulGroup : public mx::Primitive {
   std::vector<Member> members_;
   Backend backend_;
   Activations act_;
+  std::optional<mx::Shape> viewed_;  // as RepackedWeightPrimitive's
 };
 
 // Validates (std::invalid_argument naming the argument) and builds the node.

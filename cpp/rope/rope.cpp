@@ -86,19 +86,23 @@ mx::array rope(const mx::array& x, const mx::array& offset, int dims, bool tradi
   auto stream = mx::to_stream(s);
   auto off = mx::reshape(mx::astype(offset, mx::int32, stream), {1}, stream);
   // No contiguous node: x is usually a lazy transposed view; eval_cpu
-  // copies a strided one.
-  return mx::array(x.shape(), x.dtype(),
-                   std::make_shared<Rope>(stream, dims, traditional, base, scale), {x, off});
+  // copies a strided one. A view that keeps the element order (a decode
+  // token's heads: one row each) is skipped for the array it views.
+  const mx::array src = through_views(x);
+  return mx::array(
+      x.shape(), x.dtype(),
+      std::make_shared<Rope>(stream, dims, traditional, base, scale, viewed_shape(x, src)),
+      {src, off});
 }
 
 std::vector<mx::Shape> Rope::output_shapes(const std::vector<mx::array>& inputs) {
-  return {inputs[0].shape()};
+  return {input_shape(inputs[0], viewed_, "rope")};
 }
 
 bool Rope::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const Rope&>(other);
   return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ &&
-         scale_ == o.scale_;
+         scale_ == o.scale_ && viewed_ == o.viewed_;
 }
 
 void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -108,7 +112,7 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
                 traditional = traditional_, base = base_, scale = scale_]() mutable {
     std::vector<char> xbuf;
     const void* x = row_major(inputs[0], xbuf);
-    const int64_t D = inputs[0].shape(-1), L = inputs[0].shape(-2);
+    const int64_t D = o.shape(-1), L = o.shape(-2);
     const int64_t rows = D ? int64_t(o.size()) / D : 0;
     // The frequencies as MLX forms them: exp(i * -ln(base) / (dims/2)) in
     // float32 from a float32 exponent step.
@@ -152,9 +156,10 @@ std::function<std::vector<mx::array>(const std::vector<mx::array>&)> Rope::mlx_f
     if (a != 0) no_offset_grad();
   const auto s = stream();
   const auto off = primals[1];
-  return [=, dims = dims_, traditional = traditional_, base = base_,
-          scale = scale_](const std::vector<mx::array>& a) {
-    return std::vector<mx::array>{mlx_rope(a[0], off, dims, traditional, base, scale, s)};
+  return [=, dims = dims_, traditional = traditional_, base = base_, scale = scale_,
+          viewed = viewed_](const std::vector<mx::array>& a) {
+    const mx::array x = viewed ? mx::reshape(a[0], *viewed, s) : a[0];
+    return std::vector<mx::array>{mlx_rope(x, off, dims, traditional, base, scale, s)};
   };
 }
 

@@ -4,6 +4,7 @@
 // its cosines and sines are recomputed in every one.
 #pragma once
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include "common/primitive.h"
@@ -16,8 +17,16 @@ namespace mx = mlx::core;
 
 class Rope : public mx::UnaryPrimitive {
  public:
-  Rope(mx::Stream s, int dims, bool traditional, float base, float scale)
-      : mx::UnaryPrimitive(s), dims_(dims), traditional_(traditional), base_(base), scale_(scale) {}
+  // viewed: x's shape when the node's input is an array x is a view of
+  // (through_views), read as x's elements in row-major order.
+  Rope(mx::Stream s, int dims, bool traditional, float base, float scale,
+       std::optional<mx::Shape> viewed)
+      : mx::UnaryPrimitive(s),
+        dims_(dims),
+        traditional_(traditional),
+        base_(base),
+        scale_(scale),
+        viewed_(std::move(viewed)) {}
 
   MIXBITS_EVAL_UNARY()
   // Wrt x: MLX's own mx.fast.rope (array offset) differentiated by MLX
@@ -31,6 +40,7 @@ class Rope : public mx::UnaryPrimitive {
   int dims_;
   bool traditional_;
   float base_, scale_;
+  std::optional<mx::Shape> viewed_;
   // x -> MLX's mx.fast.rope(x) at this node's offset, for vjp and jvp
   // (which refuse argnums other than x's).
   std::function<std::vector<mx::array>(const std::vector<mx::array>&)> mlx_fn(
