@@ -13,6 +13,7 @@
 
 #include "act/act.h"
 #include "attn/attn.h"
+#include "cache/kv_write.h"
 #include "norm/rms_norm.h"
 #include "rope/rope.h"
 #include "bench/probe.h"
@@ -364,6 +365,15 @@ NB_MODULE(_ext, m) {
       "q"_a, "k"_a, "v"_a, "scale"_a, "backend"_a = 0, "kv_len"_a.none() = nb::none(),
       "softmax(scale q k^T, causal) v for q [B,H,T,D], k/v [B,Hk,S,D], "
       "float32, CPU; with kv_len only keys [0, kv_len) of k/v exist.");
+
+  m.def(
+      "kv_write",
+      [](const mx::array& buf, const mx::array& x, const mx::array& slot) {
+        return mixbits::kv_write(buf, x, slot);
+      },
+      "buf"_a, "x"_a, "slot"_a,
+      "buf [B, H, S, D] with row `slot` of each (b, h) set to x's [B, H, 1, D] (in buf's "
+      "dtype), in place when nothing else holds buf; x may be read through views; CPU.");
 
   m.def(
       "attn_backends",

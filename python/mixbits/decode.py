@@ -14,7 +14,9 @@ Python value in, so mlx-lm's KV caches (Python offsets, buffers that grow
 and get sliced to the current length) cannot be traced as they are. Here
 each cache is replaced, for the decode steps, by a fixed-capacity buffer
 whose offset is an *array* input: rope takes an array offset, the new key
-is written with ``mx.slice_update`` at that offset, and the cache's
+is written at that offset (on the CPU by ``_ext.kv_write``, which reads the
+values through the model's reshape and transpose; elsewhere by
+``mx.slice_update``), and the cache's
 ``make_mask`` (which mlx-lm models call through ``create_attention_mask``)
 returns a boolean mask over the buffer that hides the unused slots. The
 trace then has the same shapes at every step and is built once per
@@ -38,6 +40,10 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import _ext
+from ._backends import on_cpu
+from .layout import FLOAT_DTYPES
+
 __all__ = ["Decoder", "Unsupported", "greedy_generate"]
 
 # Buffer capacity: rounded up to ROUND positions, grown by GROW when a
@@ -53,6 +59,13 @@ GROW = 256
 
 class Unsupported(ValueError):
     """The model's caches (or forward) cannot run as a compiled decode step."""
+
+
+def _kv_write_takes(buf, x) -> bool:
+    """Whether ``_ext.kv_write`` takes these: a float buffer (B, H, S, D)
+    and one token's float rows (B, H, 1, D)."""
+    return (buf.ndim == 4 and x.shape == (*buf.shape[:2], 1, buf.shape[3])
+            and buf.dtype in FLOAT_DTYPES and x.dtype in FLOAT_DTYPES)
 
 
 class _StepCache:
@@ -77,6 +90,12 @@ class _StepCache:
         if keys.shape[2] != 1:
             raise Unsupported(f"a compiled decode step takes one token, got {keys.shape[2]}")
         slot = self.offset if self.window is None else self.offset % self.window
+        if on_cpu() and _kv_write_takes(self.keys, keys) and _kv_write_takes(self.values, values):
+            # The values read through the model's reshape to heads and
+            # transpose, no nodes of their own (cpp/cache/kv_write.h).
+            self.keys = _ext.kv_write(self.keys, keys, slot)
+            self.values = _ext.kv_write(self.values, values, slot)
+            return self.keys, self.values
         start = mx.reshape(slot, (1,))
         self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), start, axes=(2,))
         self.values = mx.slice_update(self.values, values.astype(self.values.dtype), start, axes=(2,))
