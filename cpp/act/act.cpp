@@ -54,22 +54,34 @@ bool Swiglu::is_equivalent(const mx::Primitive& other) const {
   return backend_ == static_cast<const Swiglu&>(other).backend_;
 }
 
+namespace {
+
+// silu(gate) * up at y (float32, gate's element count).
+void swiglu_all(const std::vector<mx::array>& inputs, float* y, SwigluFn fn) {
+  std::vector<char> gbuf, ubuf;
+  const float* g = static_cast<const float*>(row_major(inputs[0], gbuf));
+  const float* u = static_cast<const float*>(row_major(inputs[1], ubuf));
+  // 32 Ki elements per task: enough to hide the hand-off, small enough
+  // that both cores get work on a single token's MLP.
+  parallel_for(int64_t(inputs[0].size()), 32768, [&](int64_t i0, int64_t i1) {
+    fn(g + i0, u + i0, y + i0, i1 - i0);
+  });
+}
+
+}  // namespace
+
+void Swiglu::compute(const std::vector<mx::array>& inputs, const mx::Shape&, mx::Dtype,
+                     void* dst) const {
+  swiglu_all(inputs, static_cast<float*>(dst), select_swiglu(backend_));
+}
+
 void Swiglu::eval_cpu(const std::vector<mx::array>& inputs,
                       std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
   auto& enc = mx::cpu::get_command_encoder(stream());
   mx::array task_out = begin_cpu_task(enc, inputs, out);
-  enc.dispatch([inputs, o = std::move(task_out),
-                fn = select_swiglu(backend_)]() mutable {
-    std::vector<char> gbuf, ubuf;
-    const float* g = static_cast<const float*>(row_major(inputs[0], gbuf));
-    const float* u = static_cast<const float*>(row_major(inputs[1], ubuf));
-    float* y = o.data<float>();
-    // 32 Ki elements per task: enough to hide the hand-off, small enough
-    // that both cores get work on a single token's MLP.
-    parallel_for(int64_t(o.size()), 32768, [&](int64_t i0, int64_t i1) {
-      fn(g + i0, u + i0, y + i0, i1 - i0);
-    });
+  enc.dispatch([inputs, o = std::move(task_out), fn = select_swiglu(backend_)]() mutable {
+    swiglu_all(inputs, o.data<float>(), fn);
   });
 }
 

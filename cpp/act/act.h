@@ -4,6 +4,7 @@
 
 #include "act/kernel.h"
 #include "mlx/ops.h"
+#include "common/inline_producer.h"
 #include "common/primitive.h"
 #include "mlx/primitives.h"
 
@@ -11,7 +12,7 @@ namespace mixbits {
 
 namespace mx = mlx::core;
 
-class Swiglu : public mx::Primitive {
+class Swiglu : public mx::Primitive, public InlineProducer {
  public:
   Swiglu(mx::Stream s, Backend backend) : mx::Primitive(s), backend_(backend) {}
 
@@ -23,6 +24,8 @@ class Swiglu : public mx::Primitive {
   MIXBITS_GRADS()
 
   MIXBITS_NAME_AND_EQUIVALENT(Swiglu)
+  void compute(const std::vector<mx::array>& inputs, const mx::Shape& shape, mx::Dtype dtype,
+               void* dst) const override;
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};

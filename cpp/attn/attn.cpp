@@ -156,22 +156,30 @@ mx::array causal_attention(const mx::array& q, const mx::array& k,
   // No contiguous nodes (three per call, ~90 per decode token): q, k and v
   // are usually lazy views (transposes of a projection, a cache update);
   // eval_cpu reads a strided one through a copy.
-  std::vector<mx::array> inputs{q, k, v};
+  // A decode node (kv_len; no derivatives) runs q's RoPE itself.
+  std::vector<mx::array> inputs;
+  std::optional<Prologue> prologue;
+  if (kv_len) prologue = take_input(q, inputs);
+  else inputs.push_back(q);
+  inputs.push_back(k);
+  inputs.push_back(v);
   if (kv_len)
     inputs.push_back(mx::reshape(mx::astype(*kv_len, mx::int32, stream), {1}, stream));
   return mx::array(q.shape(), q.dtype(),
-                   std::make_shared<CausalAttention>(stream, scale, backend, bool(kv_len)),
+                   std::make_shared<CausalAttention>(stream, scale, backend, bool(kv_len),
+                                                     std::move(prologue)),
                    std::move(inputs));
 }
 
 std::vector<mx::Shape> CausalAttention::output_shapes(
     const std::vector<mx::array>& inputs) {
-  return {inputs[0].shape()};
+  return {read_shape(inputs[0], prologue_, std::nullopt, "causal_attention")};
 }
 
 bool CausalAttention::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const CausalAttention&>(other);
-  return scale_ == o.scale_ && backend_ == o.backend_ && has_len_ == o.has_len_;
+  return scale_ == o.scale_ && backend_ == o.backend_ && has_len_ == o.has_len_ &&
+         same_prologue(prologue_, o.prologue_);
 }
 
 void CausalAttention::eval_cpu(const std::vector<mx::array>& inputs,
@@ -180,17 +188,18 @@ void CausalAttention::eval_cpu(const std::vector<mx::array>& inputs,
   auto& enc = mx::cpu::get_command_encoder(stream());
   mx::array task_out = begin_cpu_task(enc, inputs, out);
   // Capturing the arrays keeps their buffers alive until the task has run.
-  enc.dispatch([inputs, o = std::move(task_out), scale = scale_,
-                kern = select_attn(backend_)]() mutable {
-    const auto& q = inputs[0];
-    const auto& k = inputs[1];
+  enc.dispatch([inputs, o = std::move(task_out), scale = scale_, kern = select_attn(backend_),
+                has_len = has_len_, pro = prologue_]() mutable {
+    std::vector<char> pbuf, qbuf, kbuf, vbuf;
+    const size_t at = input_count(pro);  // k, v (then kv_len) follow q's inputs
+    const mx::array q = run_input(pro, inputs, 0, pbuf);
+    const auto& k = inputs[at];
     AttnShape sh{q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2), q.shape(3)};
-    std::vector<char> qbuf, kbuf, vbuf;
     if (q.size() == 0) return;
-    if (inputs.size() == 4) {
+    if (has_len) {
       // Keys [0, kv_len) of the buffers; a length the buffers cannot hold
       // (or shorter than the queries) gives NaN, never a read past them.
-      const int64_t len = inputs[3].data<int32_t>()[0];
+      const int64_t len = inputs[at + 2].data<int32_t>()[0];
       if (len < sh.T || len > sh.S) {
         const DType dt = to_dtype(q.dtype());
         for (size_t i = 0; i < o.size(); ++i) store_from_f32(o.data<void>(), int64_t(i), std::nanf(""), dt);
@@ -200,7 +209,8 @@ void CausalAttention::eval_cpu(const std::vector<mx::array>& inputs,
       sh.S = len;
     }
     causal_attention_cpu(kern, sh, row_major(q, qbuf), row_major(k, kbuf),
-                         row_major(inputs[2], vbuf), to_dtype(q.dtype()), scale, o.data<void>());
+                         row_major(inputs[at + 1], vbuf), to_dtype(q.dtype()), scale,
+                         o.data<void>());
   });
 }
 

@@ -7,6 +7,7 @@
 
 #include "attn/kernel.h"
 #include "mlx/ops.h"
+#include "common/inline_producer.h"
 #include "common/primitive.h"
 #include "mlx/primitives.h"
 
@@ -16,8 +17,15 @@ namespace mx = mlx::core;
 
 class CausalAttention : public mx::Primitive {
  public:
-  CausalAttention(mx::Stream s, float scale, Backend backend, bool has_len = false)
-      : mx::Primitive(s), scale_(scale), backend_(backend), has_len_(has_len) {}
+  // prologue (decode nodes, has_len): q's producer (its RoPE) when the node
+  // computes q itself (inline_producer.h); its inputs then stand in q's place.
+  CausalAttention(mx::Stream s, float scale, Backend backend, bool has_len = false,
+                  std::optional<Prologue> prologue = std::nullopt)
+      : mx::Primitive(s),
+        scale_(scale),
+        backend_(backend),
+        has_len_(has_len),
+        prologue_(std::move(prologue)) {}
 
   MIXBITS_EVAL_MULTI()
 
@@ -35,7 +43,8 @@ class CausalAttention : public mx::Primitive {
  private:
   float scale_;
   Backend backend_;
-  bool has_len_;  // a 4th input: the number of keys in use (kv_len)
+  bool has_len_;  // a last input: the number of keys in use (kv_len)
+  std::optional<Prologue> prologue_;
   void refuse_derivatives_with_len() const;
 };
 

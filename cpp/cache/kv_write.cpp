@@ -41,13 +41,20 @@ mx::array kv_write(const mx::array& buf, const mx::array& x, const mx::array& sl
   auto at = slot.dtype() == mx::int32 ? slot : mx::astype(slot, mx::int32, stream);
   // The new rows are B*H*D elements in [B, H, 1, D] order, which a view
   // that keeps that order (values reshaped to heads and transposed) holds
-  // too: read from the array viewed.
-  return mx::array(buf.shape(), buf.dtype(), std::make_shared<KvWrite>(stream),
-                   {buf, through_views(x), at});
+  // too: read from the array viewed. The keys' RoPE runs inside this node.
+  std::vector<mx::array> inputs{buf};
+  auto prologue = take_input(through_views(x), inputs);
+  inputs.push_back(at);
+  return mx::array(buf.shape(), buf.dtype(), std::make_shared<KvWrite>(stream, std::move(prologue)),
+                   std::move(inputs));
 }
 
 std::vector<mx::Shape> KvWrite::output_shapes(const std::vector<mx::array>& inputs) {
   return {inputs[0].shape()};
+}
+
+bool KvWrite::is_equivalent(const mx::Primitive& other) const {
+  return same_prologue(prologue_, static_cast<const KvWrite&>(other).prologue_);
 }
 
 void KvWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -60,16 +67,18 @@ void KvWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   else out.copy_shared_buffer(buf);
   for (const auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
-  enc.dispatch([inputs, o = mx::array::unsafe_weak_copy(out), copy]() mutable {
+  enc.dispatch([inputs, o = mx::array::unsafe_weak_copy(out), copy, pro = prologue_]() mutable {
     const int64_t rows = o.shape(0) * o.shape(1), S = o.shape(2), D = o.shape(3);
-    const int64_t slot = std::clamp<int64_t>(inputs[2].data<int32_t>()[0], 0, S - 1);
+    const size_t at_slot = 1 + input_count(pro);
+    const int64_t slot = std::clamp<int64_t>(inputs[at_slot].data<int32_t>()[0], 0, S - 1);
     if (copy) {
       std::vector<char> tmp;
       std::memcpy(o.data<char>(), row_major(inputs[0], tmp), o.nbytes());
     }
-    std::vector<char> xbuf;
-    const void* x = row_major(inputs[1], xbuf);
-    const DType xt = to_dtype(inputs[1].dtype()), ot = to_dtype(o.dtype());
+    std::vector<char> pbuf, xbuf;
+    const mx::array xa = run_input(pro, inputs, 1, pbuf);
+    const void* x = row_major(xa, xbuf);
+    const DType xt = to_dtype(xa.dtype()), ot = to_dtype(o.dtype());
     std::vector<float> row(static_cast<size_t>(D));
     for (int64_t r = 0; r < rows; ++r) {
       widen_to_f32(x, r * D, D, xt, row.data());

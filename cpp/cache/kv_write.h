@@ -4,8 +4,10 @@
 // model's reshape to heads and transpose, two more nodes per layer at ~5 us
 // of MLX dispatch each; this node reads them through those views.
 #pragma once
+#include <optional>
 #include <vector>
 
+#include "common/inline_producer.h"
 #include "common/primitive.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -15,23 +17,26 @@ namespace mixbits {
 namespace mx = mlx::core;
 
 // Inputs: buf [B, H, S, D], x (or an array it views, read in row-major
-// order as [B, H, 1, D]), slot (one integer). Output: buf with row `slot`
+// order as [B, H, 1, D], or x's producer's inputs), slot (one integer). Output: buf with row `slot`
 // of every (b, h) replaced by x's, in buf's dtype. A buffer nothing else
 // holds is written in place, as mx.slice_update does; otherwise it is
 // copied first. One output: a node with two (keys and values together)
 // holds its inputs once per output, and its buffers were never donatable.
 class KvWrite : public mx::UnaryPrimitive {
  public:
-  explicit KvWrite(mx::Stream s) : mx::UnaryPrimitive(s) {}
+  // prologue: x's producer (the keys' RoPE) when the node computes x
+  // itself (inline_producer.h); its inputs then stand in x's place.
+  KvWrite(mx::Stream s, std::optional<Prologue> prologue)
+      : mx::UnaryPrimitive(s), prologue_(std::move(prologue)) {}
 
   MIXBITS_EVAL_UNARY()
   // A decode cache's bookkeeping: no derivatives (std::invalid_argument).
   MIXBITS_GRADS_REFUSED(refuse_kv_write_grad)
-  MIXBITS_NAME(KvWrite)
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  MIXBITS_NAME_AND_EQUIVALENT(KvWrite)
   MIXBITS_OUTPUT_SHAPES()
 
  private:
+  std::optional<Prologue> prologue_;
   [[noreturn]] static void refuse_kv_write_grad();
 };
 

@@ -78,24 +78,41 @@ bool RmsNorm::is_equivalent(const mx::Primitive& other) const {
   return eps_ == o.eps_ && viewed_ == o.viewed_;
 }
 
+namespace {
+
+// The node's output at dst: rows of shape's last axis, x (and w) read
+// row-major.
+void rms_norm_rows(const std::vector<mx::array>& inputs, const mx::Shape& shape,
+                   mx::Dtype dtype, void* y, float eps) {
+  std::vector<char> xbuf, wbuf;
+  const void* x = row_major(inputs[0], xbuf);
+  const void* w = row_major(inputs[1], wbuf);
+  int64_t n = 1;
+  for (int d : shape) n *= d;
+  const int64_t D = shape.back(), rows = D ? n / D : 0;
+  const DType xt = to_dtype(inputs[0].dtype()), wt = to_dtype(inputs[1].dtype()),
+              yt = to_dtype(dtype);
+  std::vector<float> ws(static_cast<size_t>(D));
+  widen_to_f32(w, 0, D, wt, ws.data());
+  // 64 rows per task: a decode token (one row) runs inline.
+  parallel_for(rows, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<float> xs(static_cast<size_t>(D));
+    for (int64_t r = r0; r < r1; ++r) rms_norm_row(x, ws.data(), y, r, D, xt, yt, eps, xs.data());
+  });
+}
+
+}  // namespace
+
+void RmsNorm::compute(const std::vector<mx::array>& inputs, const mx::Shape& shape,
+                      mx::Dtype dtype, void* dst) const {
+  rms_norm_rows(inputs, shape, dtype, dst, eps_);
+}
+
 void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& enc = mx::cpu::get_command_encoder(stream());
   mx::array task_out = begin_cpu_task(enc, inputs, out);
   enc.dispatch([inputs, o = std::move(task_out), eps = eps_]() mutable {
-    std::vector<char> xbuf, wbuf;
-    const void* x = row_major(inputs[0], xbuf);
-    const void* w = row_major(inputs[1], wbuf);
-    const int64_t D = o.shape(-1), rows = D ? int64_t(o.size()) / D : 0;
-    const DType xt = to_dtype(inputs[0].dtype()), wt = to_dtype(inputs[1].dtype()),
-                yt = to_dtype(o.dtype());
-    void* y = o.data<void>();
-    std::vector<float> ws(static_cast<size_t>(D));
-    widen_to_f32(w, 0, D, wt, ws.data());
-    // 64 rows per task: a decode token (one row) runs inline.
-    parallel_for(rows, 64, [&](int64_t r0, int64_t r1) {
-      std::vector<float> xs(static_cast<size_t>(D));
-      for (int64_t r = r0; r < r1; ++r) rms_norm_row(x, ws.data(), y, r, D, xt, yt, eps, xs.data());
-    });
+    rms_norm_rows(inputs, o.shape(), o.dtype(), o.data<void>(), eps);
   });
 }
 

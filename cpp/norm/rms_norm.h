@@ -6,6 +6,7 @@
 #include <optional>
 #include <vector>
 
+#include "common/inline_producer.h"
 #include "common/primitive.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -14,7 +15,7 @@ namespace mixbits {
 
 namespace mx = mlx::core;
 
-class RmsNorm : public mx::UnaryPrimitive {
+class RmsNorm : public mx::UnaryPrimitive, public InlineProducer {
  public:
   // viewed: x's shape when the node's input is an array x is a view of
   // (through_views), read as x's elements in row-major order.
@@ -27,6 +28,8 @@ class RmsNorm : public mx::UnaryPrimitive {
   MIXBITS_GRADS()
   MIXBITS_NAME_AND_EQUIVALENT(RmsNorm)
   MIXBITS_OUTPUT_SHAPES()
+  void compute(const std::vector<mx::array>& inputs, const mx::Shape& shape, mx::Dtype dtype,
+               void* dst) const override;
 
  private:
   float eps_;

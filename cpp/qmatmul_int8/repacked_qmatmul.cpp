@@ -140,15 +140,17 @@ mx::array repacked_qmatmul(const mx::array& x, const std::optional<mx::array>& p
   auto stream = repacked_stream(s, backend, act);
   // An attention output transposed and reshaped back (o_proj's x) is read
   // from the array it views.
+  // and a norm or SwiGLU node before x is run inside this one.
   const mx::array src = through_views(x);
-  std::vector<mx::array> inputs{src};
+  std::vector<mx::array> inputs;
+  auto prologue = take_input(src, inputs);
   if (perm) inputs.push_back(*perm);
   for (const auto& a : packed_r) inputs.push_back(a);
   mx::Shape out_shape = x.shape();
   out_shape.back() = n;
   return mx::array(out_shape, x.dtype(),
                    std::make_shared<RepackedQMatmul>(stream, segs, bool(perm), n, backend, act,
-                                                     viewed_shape(x, src)),
+                                                     viewed_shape(x, src), std::move(prologue)),
                    std::move(inputs));
 }
 
@@ -160,7 +162,8 @@ std::vector<mx::array> repacked_qmatmul_group(const mx::array& x,
   for (const auto& m : members) check_repacked(x, std::nullopt, m.packed_r, m.segs, m.n, act);
   auto stream = repacked_stream(s, backend, act);
   const mx::array src = through_views(x);
-  std::vector<mx::array> inputs{src};
+  std::vector<mx::array> inputs;
+  auto prologue = take_input(src, inputs);  // the norm before q/k/v or gate/up
   std::vector<mx::Shape> shapes;
   std::vector<mx::Dtype> dtypes;
   std::vector<RepackedQMatmulGroup::Member> specs;
@@ -175,12 +178,12 @@ std::vector<mx::array> repacked_qmatmul_group(const mx::array& x,
   return mx::array::make_arrays(
       std::move(shapes), std::move(dtypes),
       std::make_shared<RepackedQMatmulGroup>(stream, std::move(specs), backend, act,
-                                             viewed_shape(x, src)),
+                                             viewed_shape(x, src), std::move(prologue)),
       std::move(inputs));
 }
 
 std::vector<mx::Shape> RepackedQMatmul::output_shapes(const std::vector<mx::array>& inputs) {
-  mx::Shape s = input_shape(inputs[0], viewed_, "repacked_qmatmul");
+  mx::Shape s = read_shape(inputs[0], prologue_, viewed_, "repacked_qmatmul");
   s.back() = n_;
   return {s};
 }
@@ -188,7 +191,7 @@ std::vector<mx::Shape> RepackedQMatmul::output_shapes(const std::vector<mx::arra
 bool RepackedWeightPrimitive::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const RepackedWeightPrimitive&>(other);
   return segs_ == o.segs_ && has_perm_ == o.has_perm_ && n_ == o.n_ && backend_ == o.backend_ &&
-         act_ == o.act_ && viewed_ == o.viewed_;
+         act_ == o.act_ && viewed_ == o.viewed_ && same_prologue(prologue_, o.prologue_);
 }
 
 RepackedView repacked_view(const std::vector<SegSpec>& segs, int N, DType sdtype,
@@ -300,18 +303,21 @@ void eval_repacked(const RepackedKernels& k, const mx::array& x, const int32_t* 
 void RepackedQMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& enc = mx::cpu::get_command_encoder(stream());
   mx::array task_out = begin_cpu_task(enc, inputs, out);
-  enc.dispatch([inputs, out = std::move(task_out), segs = segs_,
-                has_perm = has_perm_, N = n_, k = kernels_for(act_, backend_)]() mutable {
-    std::vector<char> pbuf;
-    const int32_t* perm = has_perm ? static_cast<const int32_t*>(row_major(inputs[1], pbuf)) : nullptr;
-    eval_repacked(k, inputs[0], perm, inputs.data() + (has_perm ? 2 : 1), segs, N, out);
+  enc.dispatch([inputs, out = std::move(task_out), segs = segs_, has_perm = has_perm_,
+                N = n_, k = kernels_for(act_, backend_), pro = prologue_]() mutable {
+    std::vector<char> xbuf, pbuf;
+    const mx::array x = run_input(pro, inputs, 0, xbuf);
+    const size_t at = input_count(pro);
+    const int32_t* perm =
+        has_perm ? static_cast<const int32_t*>(row_major(inputs[at], pbuf)) : nullptr;
+    eval_repacked(k, x, perm, inputs.data() + at + (has_perm ? 1 : 0), segs, N, out);
   });
 }
 
 std::vector<mx::Shape> RepackedQMatmulGroup::output_shapes(const std::vector<mx::array>& inputs) {
   std::vector<mx::Shape> out;
   for (const auto& m : members_) {
-    mx::Shape s = input_shape(inputs[0], viewed_, "repacked_qmatmul_group");
+    mx::Shape s = read_shape(inputs[0], prologue_, viewed_, "repacked_qmatmul_group");
     s.back() = m.n;
     out.push_back(s);
   }
@@ -321,7 +327,7 @@ std::vector<mx::Shape> RepackedQMatmulGroup::output_shapes(const std::vector<mx:
 bool RepackedQMatmulGroup::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const RepackedQMatmulGroup&>(other);
   if (members_.size() != o.members_.size() || backend_ != o.backend_ || act_ != o.act_ ||
-      viewed_ != o.viewed_)
+      viewed_ != o.viewed_ || !same_prologue(prologue_, o.prologue_))
     return false;
   for (size_t i = 0; i < members_.size(); ++i)
     if (members_[i].segs != o.members_[i].segs || members_[i].n != o.members_[i].n) return false;
@@ -334,11 +340,13 @@ void RepackedQMatmulGroup::eval_cpu(const std::vector<mx::array>& inputs,
   std::vector<mx::array> outs = begin_cpu_task(enc, inputs, outputs);
   // One task for every weight: the per-node dispatch is most of a small
   // GEMV's cost (a decode token's q/k/v projections).
-  enc.dispatch([inputs, outs, members = members_, k = kernels_for(act_, backend_)]() mutable {
-    size_t at = 1;
+  enc.dispatch([inputs, outs, members = members_, k = kernels_for(act_, backend_),
+                pro = prologue_]() mutable {
+    std::vector<char> xbuf;
+    const mx::array x = run_input(pro, inputs, 0, xbuf);
+    size_t at = input_count(pro);
     for (size_t i = 0; i < members.size(); ++i) {
-      eval_repacked(k, inputs[0], nullptr, inputs.data() + at, members[i].segs, members[i].n,
-                    outs[i]);
+      eval_repacked(k, x, nullptr, inputs.data() + at, members[i].segs, members[i].n, outs[i]);
       at += 3 * members[i].segs.size();
     }
   });

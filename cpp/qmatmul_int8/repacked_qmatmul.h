@@ -7,6 +7,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/inline_producer.h"
 #include "common/primitive.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -31,17 +32,20 @@ namespace mx = mlx::core;
 class RepackedWeightPrimitive : public mx::UnaryPrimitive {
  public:
   // viewed: x's shape when the node's input is an array x is a view of
-  // (through_views), read as x's elements in row-major order.
+  // (through_views), read as x's elements in row-major order. prologue: x's
+  // producer when the node computes x itself (inline_producer.h).
   RepackedWeightPrimitive(mx::Stream s, std::vector<SegSpec> segs, bool has_perm, int n,
                           Backend backend, Activations act,
-                          std::optional<mx::Shape> viewed = std::nullopt)
+                          std::optional<mx::Shape> viewed = std::nullopt,
+                          std::optional<Prologue> prologue = std::nullopt)
       : mx::UnaryPrimitive(s),
         segs_(std::move(segs)),
         has_perm_(has_perm),
         n_(n),
         backend_(backend),
         act_(act),
-        viewed_(std::move(viewed)) {}
+        viewed_(std::move(viewed)),
+        prologue_(std::move(prologue)) {}
 
   MIXBITS_GRADS_REFUSED(refuse_repacked_grad)
   bool is_equivalent(const mx::Primitive& other) const override;
@@ -53,9 +57,10 @@ class RepackedWeightPrimitive : public mx::UnaryPrimitive {
   Backend backend_;
   Activations act_;
   std::optional<mx::Shape> viewed_;
+  std::optional<Prologue> prologue_;
 };
 
-// Inputs: x, [perm], then (wq_r, scales_r, biases_r) per segment.
+// Inputs: x (or its producer's inputs), [perm], then (wq_r, scales_r, biases_r) per segment.
 // Evaluation: activations int8/int16 with at most kInt8MaxM finite rows
 // (int8-all: any number of finite rows) run the repacked kernels where select_repacked (kernel.h) has a table: x86
 // with AVX512-VNNI or AVX2 (backend auto, avx512, avx2), arm64 NEON (auto,
@@ -88,12 +93,14 @@ class RepackedQMatmulGroup : public mx::Primitive {
     int n;
   };
   RepackedQMatmulGroup(mx::Stream s, std::vector<Member> members, Backend backend,
-                       Activations act, std::optional<mx::Shape> viewed)
+                       Activations act, std::optional<mx::Shape> viewed,
+                       std::optional<Prologue> prologue)
       : mx::Primitive(s),
         members_(std::move(members)),
         backend_(backend),
         act_(act),
-        viewed_(std::move(viewed)) {}
+        viewed_(std::move(viewed)),
+        prologue_(std::move(prologue)) {}
 
   MIXBITS_EVAL_MULTI()
   MIXBITS_GRADS_REFUSED(refuse_repacked_grad)
@@ -104,7 +111,8 @@ class RepackedQMatmulGroup : public mx::Primitive {
   std::vector<Member> members_;
   Backend backend_;
   Activations act_;
-  std::optional<mx::Shape> viewed_;  // as RepackedWeightPrimitive's
+  std::optional<mx::Shape> viewed_;    // as RepackedWeightPrimitive's
+  std::optional<Prologue> prologue_;  // as RepackedWeightPrimitive's
 };
 
 // Validates (std::invalid_argument naming the argument) and builds the node.

@@ -105,30 +105,46 @@ bool Rope::is_equivalent(const mx::Primitive& other) const {
          scale_ == o.scale_ && viewed_ == o.viewed_;
 }
 
+namespace {
+
+// The node's output at y, x read row-major as `shape`.
+void rope_all(const std::vector<mx::array>& inputs, const mx::Shape& shape, mx::Dtype dtype,
+              void* y, int dims, bool traditional, float base, float scale) {
+  std::vector<char> xbuf;
+  const void* x = row_major(inputs[0], xbuf);
+  int64_t n = 1;
+  for (int d : shape) n *= d;
+  const int64_t D = shape.back(), L = shape[shape.size() - 2];
+  const int64_t rows = D ? n / D : 0;
+  // The frequencies as MLX forms them: exp(i * -ln(base) / (dims/2)) in
+  // float32 from a float32 exponent step.
+  const int half = dims / 2;
+  const float step = float(-std::log(double(base)) / half);
+  std::vector<float> inv_freq(static_cast<size_t>(half));
+  for (int i = 0; i < half; ++i) inv_freq[size_t(i)] = std::exp(float(i) * step);
+  const float pos0 = float(inputs[1].data<int32_t>()[0]) * scale;
+  const DType t = to_dtype(dtype);
+  const RopeAngles ang = rope_angles(L, half, inv_freq, pos0, scale);
+  // 64 rows per task: one decode token's heads run inline.
+  parallel_for(rows, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<float> xs(static_cast<size_t>(D)), ys(static_cast<size_t>(D));
+    rope_rows(x, y, r0, r1, L, D, dims, traditional, ang, t, xs.data(), ys.data());
+  });
+}
+
+}  // namespace
+
+void Rope::compute(const std::vector<mx::array>& inputs, const mx::Shape& shape, mx::Dtype dtype,
+                   void* dst) const {
+  rope_all(inputs, shape, dtype, dst, dims_, traditional_, base_, scale_);
+}
+
 void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& enc = mx::cpu::get_command_encoder(stream());
   mx::array task_out = begin_cpu_task(enc, inputs, out);
-  enc.dispatch([inputs, o = std::move(task_out), dims = dims_,
-                traditional = traditional_, base = base_, scale = scale_]() mutable {
-    std::vector<char> xbuf;
-    const void* x = row_major(inputs[0], xbuf);
-    const int64_t D = o.shape(-1), L = o.shape(-2);
-    const int64_t rows = D ? int64_t(o.size()) / D : 0;
-    // The frequencies as MLX forms them: exp(i * -ln(base) / (dims/2)) in
-    // float32 from a float32 exponent step.
-    const int half = dims / 2;
-    const float step = float(-std::log(double(base)) / half);
-    std::vector<float> inv_freq(static_cast<size_t>(half));
-    for (int i = 0; i < half; ++i) inv_freq[size_t(i)] = std::exp(float(i) * step);
-    const float pos0 = float(inputs[1].data<int32_t>()[0]) * scale;
-    const DType t = to_dtype(o.dtype());
-    void* y = o.data<void>();
-    const RopeAngles ang = rope_angles(L, half, inv_freq, pos0, scale);
-    // 64 rows per task: one decode token's heads run inline.
-    parallel_for(rows, 64, [&](int64_t r0, int64_t r1) {
-      std::vector<float> xs(static_cast<size_t>(D)), ys(static_cast<size_t>(D));
-      rope_rows(x, y, r0, r1, L, D, dims, traditional, ang, t, xs.data(), ys.data());
-    });
+  enc.dispatch([inputs, o = std::move(task_out), dims = dims_, traditional = traditional_,
+                base = base_, scale = scale_]() mutable {
+    rope_all(inputs, o.shape(), o.dtype(), o.data<void>(), dims, traditional, base, scale);
   });
 }
 
