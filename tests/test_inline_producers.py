@@ -23,6 +23,7 @@ import pytest
 import mixbits
 from mixbits import _ext, ops
 from mixbits.activations import swiglu
+from mixbits.nn import quantize_stack
 from mixbits.norm import rms_norm
 from mixbits.rope import rope
 
@@ -136,3 +137,36 @@ def test_shapeless_compile_of_a_fold_refused_on_new_sizes():
                                                 activations="int8")).item()
     with pytest.raises(ValueError, match="shapeless"):
         mx.eval(f(rand((3, 1, K), 18)))
+
+
+@pytest.mark.parametrize("producer", ["swiglu", "none"])
+@pytest.mark.parametrize("activations", ["int8", "float"])
+def test_repacked_expert_stack_reads_lazy_inputs(producer, activations):
+    """The gathered product on a repacked expert stack, as an expert MLP
+    calls it: x through expand_dims (and from the SwiGLU node before the
+    down projection), indices computed in the graph (top-k of a router).
+    No contiguous, expand_dims or SwiGLU node; the same bits as on
+    evaluated dense inputs."""
+    mx.set_default_device(mx.cpu)
+    E, k = 6, 2
+    stack = ops.repack(quantize_stack(rand((E, 40, K), 19), [(4, 32, 128), (8, 64, 64)]))
+
+    def inputs():
+        if producer == "swiglu":
+            x = swiglu(rand((3, k, 1, K), 20), rand((3, k, 1, K), 21))  # (tokens, k, 1, K)
+        else:
+            x = mx.expand_dims(rand((3, K), 20), (-2, -3))  # (tokens, 1, 1, K)
+        scores = rand((3, E), 22)
+        idx = mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k].astype(mx.uint32)
+        return x, idx
+
+    x, idx = inputs()
+    y = mixbits.gather_qmatmul(x, stack, rhs_indices=idx, activations=activations)
+    names = nodes(y)
+    for gone in ("Contiguous", "ExpandDims", "Swiglu"):
+        assert gone not in names, names
+    xe, ie = (evaluated(a) for a in inputs())
+    want = mixbits.gather_qmatmul(mx.array(np.array(xe)), stack, rhs_indices=mx.array(np.array(ie)),
+                                  activations=activations)
+    assert y.shape == want.shape
+    assert mx.array_equal(y, want).item()

@@ -39,6 +39,12 @@ const void* row_major(const mlx::core::array& a, std::vector<char>& buf) {
   return buf.data();
 }
 
+mlx::core::array dense_as(const mlx::core::array& a, const mlx::core::Shape& shape,
+                          std::vector<char>& buf) {
+  void* p = const_cast<void*>(row_major(a, buf));
+  return mlx::core::array(p, shape, a.dtype(), [](void*) {});
+}
+
 namespace {
 
 // Whether the lazy view v lists its input's elements in the same row-major

@@ -25,6 +25,13 @@ inline mlx::core::array dense_input(const mlx::core::array& a, mlx::core::Stream
 // use). Lets a builder hand lazy inputs over without a contiguous node.
 const void* row_major(const mlx::core::array& a, std::vector<char>& buf);
 
+// For eval_cpu: a's elements in row-major order as an array of `shape`
+// (a's size), a's own buffer or a copy in `buf` (row_major), held by
+// neither: for code that indexes an array densely, on an input that may be
+// strided or a view's root.
+mlx::core::array dense_as(const mlx::core::array& a, const mlx::core::Shape& shape,
+                          std::vector<char>& buf);
+
 // The array a lazy `x` is a view of, when x was made from it by views that
 // keep the elements in row-major order (reshape, expand/squeeze dims, a
 // transpose that moves only axes of size 1); else x. A primitive that reads

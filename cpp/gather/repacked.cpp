@@ -39,22 +39,28 @@ mx::array repacked_gather_qmm(const mx::array& x, const std::optional<mx::array>
   auto li = indices_or_default(lhs, mx::Shape(x.shape().begin(), x.shape().end() - 2), stream);
   auto ri = indices_or_default(rhs, batch, stream);
   auto bc = mx::broadcast_arrays({li, ri}, stream);  // MLX's shape errors
-  std::vector<mx::array> inputs{dense_input(x, stream)};
-  if (perm) inputs.push_back(dense_input(*perm, stream));
-  for (const auto& a : packed_r) inputs.push_back(dense_input(a, stream));
-  inputs.push_back(dense_input(bc[0], stream));
-  inputs.push_back(dense_input(bc[1], stream));
+  // No contiguous nodes (a CPU layout: eval_cpu reads strided inputs); x
+  // is read through the expert MLP's expand_dims, and the SwiGLU before
+  // the down projection runs inside this node.
+  const mx::array src = through_views(x);
+  std::vector<mx::array> inputs;
+  auto prologue = take_input(src, inputs);
+  if (perm) inputs.push_back(*perm);
+  for (const auto& a : packed_r) inputs.push_back(dense_input(a, stream));  // evaluated: as is
+  inputs.push_back(bc[0]);
+  inputs.push_back(bc[1]);
   mx::Shape out_shape = bc[0].shape();
   out_shape.push_back(x.shape(-2));
   out_shape.push_back(n);
   return mx::array(std::move(out_shape), x.dtype(),
-                   std::make_shared<RepackedGatherQMM>(stream, segs, bool(perm), n, backend, act),
+                   std::make_shared<RepackedGatherQMM>(stream, segs, bool(perm), n, backend, act,
+                                                       viewed_shape(x, src), std::move(prologue)),
                    std::move(inputs));
 }
 
 std::vector<mx::Shape> RepackedGatherQMM::output_shapes(const std::vector<mx::array>& inputs) {
   mx::Shape s = inputs[inputs.size() - 2].shape();
-  s.push_back(inputs[0].shape(-2));
+  s.push_back(read_shape(inputs[0], prologue_, viewed_, "gather_qmm").end()[-2]);
   s.push_back(n_);
   return {s};
 }
@@ -62,8 +68,22 @@ std::vector<mx::Shape> RepackedGatherQMM::output_shapes(const std::vector<mx::ar
 void RepackedGatherQMM::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& enc = mx::cpu::get_command_encoder(stream());
   mx::array task_out = begin_cpu_task(enc, inputs, out);
-  enc.dispatch([inputs, out = std::move(task_out), segs = segs_,
-                has_perm = has_perm_, N = n_, k = kernels_for(act_, backend_)]() mutable {
+  enc.dispatch([all = inputs, out = std::move(task_out), segs = segs_, has_perm = has_perm_,
+                N = n_, k = kernels_for(act_, backend_), pro = prologue_,
+                viewed = viewed_]() mutable {
+    // gather_cpu_eval indexes x, perm and the indices densely: x (its
+    // producer's output, or the array it views) as x's shape, the others
+    // as they are, each its own buffer or a row-major copy.
+    std::vector<char> xstore;
+    const mx::array x = run_input(pro, all, 0, xstore);
+    const size_t at = input_count(pro);
+    std::vector<mx::array> inputs(all.begin() + at - 1, all.end());
+    std::vector<std::vector<char>> bufs(4);
+    inputs[0] = dense_as(x, viewed ? *viewed : x.shape(), bufs[0]);
+    if (has_perm) inputs[1] = dense_as(inputs[1], inputs[1].shape(), bufs[1]);
+    const size_t li = inputs.size() - 2, ri = inputs.size() - 1;
+    inputs[li] = dense_as(inputs[li], inputs[li].shape(), bufs[2]);
+    inputs[ri] = dense_as(inputs[ri], inputs[ri].shape(), bufs[3]);
     const int first = has_perm ? 2 : 1;
     const mx::array& wq0 = inputs[first];
     const int64_t Bw = prod(wq0.shape(), 0, wq0.ndim() - 3);
