@@ -12,9 +12,11 @@
 
 namespace mixbits {
 
-// Inputs: x [Bx..., M, K], [perm [K]], (wq_r, scales_r, biases_r) per
-// segment with a common stack shape [Bw..., blocks, ·, 16], then lhs and
-// rhs (uint32, one shape). Each expert's rows take the path RepackedQMatmul
+// Inputs: x [Bx..., M, K] (or an array x views, or x's producer's inputs:
+// RepackedWeightPrimitive's viewed and prologue), [perm [K]],
+// (wq_r, scales_r, biases_r) per segment with a common stack shape
+// [Bw..., blocks, ·, 16], then lhs and rhs (uint32, one shape; may be
+// strided, as may x and perm). Each expert's rows take the path RepackedQMatmul
 // takes for them (gather_cpu_eval), so a pair's output is bit for bit
 // RepackedQMatmul's on that expert's rows.
 class RepackedGatherQMM : public RepackedWeightPrimitive {
