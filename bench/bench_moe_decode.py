@@ -92,7 +92,7 @@ def compiled_ms(model, steps: int) -> float:
 def main(argv=None) -> dict:
     import mixbits
     from mixbits import _ext
-    from mixbits.commands.bench import machine_info
+    from mixbits.commands.bench import machine_info, page_policy
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=32)
@@ -121,7 +121,7 @@ def main(argv=None) -> dict:
         for k, (f, m) in runs.items():
             times[k].append(f(m, a.steps))
     med = {k: statistics.median(v) for k, v in times.items()}
-    out = {"machine": machine_info(), "shape": SHAPE, "prompt": PROMPT, "steps": a.steps, "reps": a.reps,
+    out = {"machine": machine_info(page_policy()), "shape": SHAPE, "prompt": PROMPT, "steps": a.steps, "reps": a.reps,
            "clock": "time.process_time, 1 thread", "expert_mb_per_token": expert_mb,
            "ms_per_token": times, "median_ms_per_token": med,
            "speedup_vs_mlx": {k: med["mlx"] / v for k, v in med.items()}}
