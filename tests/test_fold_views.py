@@ -197,8 +197,9 @@ def test_shapeless_compile_of_a_folded_node():
         mx.eval(f(rand((2, 1, K), 16)))
 
 
-def test_decode_step_has_no_view_nodes_around_attention():
-    """A patched tiny llama's compiled decode step: per layer, q and k reach
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q_norm / k_norm before rope
+def test_decode_step_has_no_view_nodes_around_attention(arch):
+    """A patched tiny model's compiled decode step: per layer, q and k reach
     rope, v the cache write (kv_write) and the attention output o_proj, with
     no reshape or transpose node between; and the norms, SwiGLU and RoPE run
     inside their consumers (tests/test_inline_producers.py), so a layer is
@@ -209,7 +210,7 @@ def test_decode_step_has_no_view_nodes_around_attention():
     from mixbits.decode import Decoder
 
     mx.set_default_device(mx.cpu)
-    model, cfg = tiny_models.build("llama", dtype=mx.float32)
+    model, cfg = tiny_models.build(arch, dtype=mx.float32)
     nn.quantize(model, group_size=32, bits=4)
     mixbits.patch(model, activations="int8", repack=True)
     d = Decoder(model)

@@ -170,3 +170,28 @@ def test_repacked_expert_stack_reads_lazy_inputs(producer, activations):
                                   activations=activations)
     assert y.shape == want.shape
     assert mx.array_equal(y, want).item()
+
+
+def test_a_producer_of_a_producer():
+    """A query's RMSNorm (q_norm), transposed, into its RoPE, into the cache
+    write and into a decode attention: both producers run inside the
+    consumer, the inner one first; the same bits."""
+    mx.set_default_device(mx.cpu)
+    B, H, S, D = 1, 3, 12, 64
+    off = mx.array(5, dtype=mx.int32)
+    w = rand((D,), 23)
+
+    def rotated(seed):
+        heads = rand((B, 1, H * D), seed).reshape(B, 1, H, D)
+        return rope(rms_norm(heads, w, 1e-6).transpose(0, 2, 1, 3), D, offset=off)
+
+    buf = rand((B, H, S, D), 24)
+    kv_len = mx.array(6, dtype=mx.int32)
+    consumers = [lambda x: _ext.kv_write(buf, x, off),
+                 lambda x: _ext.causal_attention(x, buf, buf, 0.125, 0, kv_len)]
+    for f in consumers:
+        y = f(rotated(25))
+        names = nodes(y)
+        for gone in ("RmsNorm", "Rope", "Transpose"):
+            assert gone not in names, names
+        assert mx.array_equal(y, f(evaluated(rotated(25)))).item()

@@ -34,13 +34,16 @@ class InlineProducer {
 };
 
 // What a consumer keeps of a producer it folded: the node, how many of the
-// consumer's inputs (first in its list) are the producer's, and the
-// producer's output shape and dtype.
+// consumer's inputs (first in its list) stand for it, the producer's output
+// shape and dtype, and, when the producer's own first input is another
+// producer's output (a query's RMSNorm before its RoPE), that one too,
+// computed first.
 struct Prologue {
   std::shared_ptr<mlx::core::Primitive> node;
   int n_inputs = 1;
   mlx::core::Shape shape;
   mlx::core::Dtype dtype = mlx::core::float32;
+  std::shared_ptr<const Prologue> first;
 };
 
 // If `x` is the lazy, single output of an InlineProducer, that producer
