@@ -6,9 +6,9 @@
 // instead and runs the producer's own code on them inside its task: the
 // same bits, one node fewer.
 //
-// Only consumers without derivatives fold (the repacked matmuls, the
-// decode cache write): a folded input has no node of its own to
-// differentiate through. A producer that has other consumers still runs
+// Only consumers without derivatives fold (the repacked matmuls and
+// expert stacks, the decode cache write, a decode attention with kv_len):
+// a folded input has no node of its own to differentiate through. A producer that has other consumers still runs
 // for them; the fold then computes its output twice (correct, a little
 // more work).
 #pragma once
