@@ -17,8 +17,9 @@ namespace mixbits {
 namespace mx = mlx::core;
 
 // Inputs: buf [B, H, S, D], x (or an array it views, read in row-major
-// order as [B, H, 1, D], or x's producer's inputs), slot (one integer). Output: buf with row `slot`
-// of every (b, h) replaced by x's, in buf's dtype. A buffer nothing else
+// order as [B, H, 1, D], or x's producer's inputs), slot (one integer).
+// Output: buf with row `slot` of every (b, h) replaced by x's, in buf's
+// dtype. A buffer nothing else
 // holds is written in place, as mx.slice_update does; otherwise it is
 // copied first. One output: a node with two (keys and values together)
 // holds its inputs once per output, and its buffers were never donatable.

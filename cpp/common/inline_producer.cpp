@@ -40,13 +40,9 @@ mx::array run(const Prologue& p, const std::vector<mx::array>& inputs, size_t fi
     at += p.first->n_inputs;
   }
   for (; at < first + p.n_inputs; ++at) in.push_back(inputs[at]);
-  size_t n = mx::size_of(p.dtype);
-  for (int d : p.shape) n *= size_t(d);
-  storage.resize(n);
+  storage.resize(size_t(element_count(p.shape)) * mx::size_of(p.dtype));
   dynamic_cast<const InlineProducer&>(*p.node).compute(in, p.shape, p.dtype, storage.data());
-  // A view of storage (no copy, no ownership): the consumer reads it before
-  // storage goes.
-  return mx::array(storage.data(), p.shape, p.dtype, [](void*) {});
+  return borrowed(storage.data(), p.shape, p.dtype);  // read before storage goes
 }
 
 bool same(const Prologue* a, const Prologue* b) {

@@ -8,9 +8,9 @@
 //
 // Only consumers without derivatives fold (the repacked matmuls and
 // expert stacks, the decode cache write, a decode attention with kv_len):
-// a folded input has no node of its own to differentiate through. A producer that has other consumers still runs
-// for them; the fold then computes its output twice (correct, a little
-// more work).
+// a folded input has no node of its own to differentiate through. A
+// producer that has other consumers still runs for them; the fold then
+// computes its output twice (correct, a little more work).
 #pragma once
 #include <memory>
 #include <optional>

@@ -41,8 +41,7 @@ const void* row_major(const mlx::core::array& a, std::vector<char>& buf) {
 
 mlx::core::array dense_as(const mlx::core::array& a, const mlx::core::Shape& shape,
                           std::vector<char>& buf) {
-  void* p = const_cast<void*>(row_major(a, buf));
-  return mlx::core::array(p, shape, a.dtype(), [](void*) {});
+  return borrowed(const_cast<void*>(row_major(a, buf)), shape, a.dtype());
 }
 
 namespace {
@@ -75,9 +74,7 @@ bool keeps_order(const mlx::core::array& v) {
 mlx::core::Shape input_shape(const mlx::core::array& in,
                              const std::optional<mlx::core::Shape>& viewed, const char* op) {
   if (!viewed) return in.shape();
-  size_t n = 1;
-  for (int d : *viewed) n *= size_t(d);
-  if (n != in.size())
+  if (size_t(element_count(*viewed)) != in.size())
     throw std::invalid_argument(
         std::string(op) +
         ": this node reads its input through a reshape/transpose it skipped, and a "

@@ -3,6 +3,7 @@
 // decode token of a small model, ~2.8 ms of ~36 ms), although the weights
 // are evaluated and row-contiguous and most activations are too.
 #pragma once
+#include <cstdint>
 #include <optional>
 #include <vector>
 
@@ -24,6 +25,20 @@ inline mlx::core::array dense_input(const mlx::core::array& a, mlx::core::Stream
 // a copy gathered through its strides into `buf` (which must outlive the
 // use). Lets a builder hand lazy inputs over without a contiguous node.
 const void* row_major(const mlx::core::array& a, std::vector<char>& buf);
+
+// The number of elements of an array of `shape`.
+inline int64_t element_count(const mlx::core::Shape& shape) {
+  int64_t n = 1;
+  for (int d : shape) n *= d;
+  return n;
+}
+
+// An array of `shape` over memory at p that it does not own (no copy, no
+// free): the caller keeps p alive while the array is read. For handing a
+// task-local buffer to code that takes arrays.
+inline mlx::core::array borrowed(void* p, const mlx::core::Shape& shape, mlx::core::Dtype dtype) {
+  return mlx::core::array(p, shape, dtype, [](void*) {});
+}
 
 // For eval_cpu: a's elements in row-major order as an array of `shape`
 // (a's size), a's own buffer or a copy in `buf` (row_major), held by
@@ -56,5 +71,13 @@ inline std::optional<mlx::core::Shape> viewed_shape(const mlx::core::array& x,
 // naming `op` (the view's new shape is not known), not a wrong shape.
 mlx::core::Shape input_shape(const mlx::core::array& in,
                              const std::optional<mlx::core::Shape>& viewed, const char* op);
+
+// For derivatives built from MLX ops on such a node's input `a`: a as the
+// shape the node reads it as (reshaped to `viewed`), else a itself.
+inline mlx::core::array as_viewed(const mlx::core::array& a,
+                                  const std::optional<mlx::core::Shape>& viewed,
+                                  mlx::core::Stream s) {
+  return viewed ? mlx::core::reshape(a, *viewed, s) : a;
+}
 
 }  // namespace mixbits

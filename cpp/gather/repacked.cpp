@@ -76,10 +76,9 @@ void RepackedGatherQMM::eval_cpu(const std::vector<mx::array>& inputs, mx::array
     // as they are, each its own buffer or a row-major copy.
     std::vector<char> xstore;
     const mx::array x = run_input(pro, all, 0, xstore);
-    const size_t at = input_count(pro);
-    std::vector<mx::array> inputs(all.begin() + at - 1, all.end());
     std::vector<std::vector<char>> bufs(4);
-    inputs[0] = dense_as(x, viewed ? *viewed : x.shape(), bufs[0]);
+    std::vector<mx::array> inputs{dense_as(x, viewed ? *viewed : x.shape(), bufs[0])};
+    inputs.insert(inputs.end(), all.begin() + input_count(pro), all.end());
     if (has_perm) inputs[1] = dense_as(inputs[1], inputs[1].shape(), bufs[1]);
     const size_t li = inputs.size() - 2, ri = inputs.size() - 1;
     inputs[li] = dense_as(inputs[li], inputs[li].shape(), bufs[2]);

@@ -87,9 +87,7 @@ void rms_norm_rows(const std::vector<mx::array>& inputs, const mx::Shape& shape,
   std::vector<char> xbuf, wbuf;
   const void* x = row_major(inputs[0], xbuf);
   const void* w = row_major(inputs[1], wbuf);
-  int64_t n = 1;
-  for (int d : shape) n *= d;
-  const int64_t D = shape.back(), rows = D ? n / D : 0;
+  const int64_t D = shape.back(), rows = D ? element_count(shape) / D : 0;
   const DType xt = to_dtype(inputs[0].dtype()), wt = to_dtype(inputs[1].dtype()),
               yt = to_dtype(dtype);
   std::vector<float> ws(static_cast<size_t>(D));
@@ -127,8 +125,7 @@ std::vector<mx::array> RmsNorm::vjp(const std::vector<mx::array>& primals,
   const float eps = eps_;
   const auto s = stream();
   auto f = [eps, s, viewed = viewed_](const std::vector<mx::array>& a) {
-    const mx::array x = viewed ? mx::reshape(a[0], *viewed, s) : a[0];
-    return std::vector<mx::array>{mlx_rms_norm(x, a[1], eps, s)};
+    return std::vector<mx::array>{mlx_rms_norm(as_viewed(a[0], viewed, s), a[1], eps, s)};
   };
   return pick(mx::vjp(f, primals, cotangents).second, argnums);
 }
@@ -139,8 +136,7 @@ std::vector<mx::array> RmsNorm::jvp(const std::vector<mx::array>& primals,
   const float eps = eps_;
   const auto s = stream();
   auto f = [eps, s, viewed = viewed_](const std::vector<mx::array>& a) {
-    const mx::array x = viewed ? mx::reshape(a[0], *viewed, s) : a[0];
-    return std::vector<mx::array>{mlx_rms_norm(x, a[1], eps, s)};
+    return std::vector<mx::array>{mlx_rms_norm(as_viewed(a[0], viewed, s), a[1], eps, s)};
   };
   return mx::jvp(f, primals, full_tangents(primals, tangents, argnums, s)).second;
 }

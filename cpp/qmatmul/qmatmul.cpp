@@ -179,7 +179,7 @@ mx::array mixed_qmatmul(const mx::array& x, const std::optional<mx::array>& perm
 }
 
 mx::array MixedQMatmul::as_x(const mx::array& in) {
-  return viewed_ ? mx::reshape(in, *viewed_, stream()) : in;
+  return as_viewed(in, viewed_, stream());
 }
 
 std::vector<mx::Shape> MixedQMatmul::output_shapes(

@@ -139,8 +139,8 @@ mx::array repacked_qmatmul(const mx::array& x, const std::optional<mx::array>& p
   check_repacked(x, perm, packed_r, segs, n, act);
   auto stream = repacked_stream(s, backend, act);
   // An attention output transposed and reshaped back (o_proj's x) is read
-  // from the array it views.
-  // and a norm or SwiGLU node before x is run inside this one.
+  // from the array it views, and a norm or SwiGLU node before x is run
+  // inside this one.
   const mx::array src = through_views(x);
   std::vector<mx::array> inputs;
   auto prologue = take_input(src, inputs);

@@ -112,10 +112,8 @@ void rope_all(const std::vector<mx::array>& inputs, const mx::Shape& shape, mx::
               void* y, int dims, bool traditional, float base, float scale) {
   std::vector<char> xbuf;
   const void* x = row_major(inputs[0], xbuf);
-  int64_t n = 1;
-  for (int d : shape) n *= d;
   const int64_t D = shape.back(), L = shape[shape.size() - 2];
-  const int64_t rows = D ? n / D : 0;
+  const int64_t rows = D ? element_count(shape) / D : 0;
   // The frequencies as MLX forms them: exp(i * -ln(base) / (dims/2)) in
   // float32 from a float32 exponent step.
   const int half = dims / 2;
@@ -174,8 +172,8 @@ std::function<std::vector<mx::array>(const std::vector<mx::array>&)> Rope::mlx_f
   const auto off = primals[1];
   return [=, dims = dims_, traditional = traditional_, base = base_, scale = scale_,
           viewed = viewed_](const std::vector<mx::array>& a) {
-    const mx::array x = viewed ? mx::reshape(a[0], *viewed, s) : a[0];
-    return std::vector<mx::array>{mlx_rope(x, off, dims, traditional, base, scale, s)};
+    return std::vector<mx::array>{
+        mlx_rope(as_viewed(a[0], viewed, s), off, dims, traditional, base, scale, s)};
   };
 }
 
