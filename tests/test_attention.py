@@ -43,6 +43,12 @@ SHAPES = [  # B, H, Hk, T, S, D
     (1, 9, 3, 1, 163, 64),     # keys not a multiple of 4
     (2, 6, 2, 1, 30, 20),      # head dim not a multiple of 8
     (1, 4, 1, 1, 3, 5),        # fewer keys than one step of 4
+    # keys past two of the AVX2 GEMM's 64-key chunks (prefetched ahead), with
+    # 8, 5 and 1 query rows per KV head (blocks of 3, 2 and 1 rows)
+    (1, 8, 1, 1, 300, 64),
+    (2, 10, 2, 1, 517, 40),    # head dim: two 16-column tiles and an 8-column tail
+    (1, 7, 7, 1, 200, 12),     # head dim under one 16-column tile
+    (1, 4, 2, 150, 150, 24),   # a prompt whose P V runs over 3 chunks
 ]
 
 
@@ -113,6 +119,28 @@ def test_kv_len_reads_a_prefix_of_the_buffers(backend, shape):
 
 
 HALF_EPS = {mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}  # unit roundoff
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("backend", attn_backends())
+@pytest.mark.parametrize("shape", [(1, 8, 1, 300, 40), (2, 5, 5, 133, 12)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_half_precision_is_the_float32_computation(dtype, backend, shape):
+    """The kernels read half-precision K and V as they are (no widened
+    copies): the result is bit for bit the float32 call on the widened
+    inputs, rounded once. Keys past the GEMM's chunks, head dims with
+    column and dot-product tails, decode (kv_len) and prompts."""
+    B, H, Hk, S, D = shape
+    rng = np.random.default_rng(sum(shape))
+    for T, n in ((1, S - 7), (1, None), (S // 2, None), (S, None)):
+        q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)).astype(dtype)
+                   for s in ((B, H, T, D), (B, Hk, S, D), (B, Hk, S, D)))
+        kv_len = None if n is None else mx.array(n)
+        got = causal_attention(q, k, v, 0.3, backend=backend, kv_len=kv_len)
+        want = causal_attention(*(a.astype(mx.float32) for a in (q, k, v)), 0.3, backend=backend,
+                                kv_len=kv_len).astype(dtype)
+        assert got.dtype == dtype
+        assert mx.array_equal(got, want).item(), (T, n)
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])

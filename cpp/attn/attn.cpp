@@ -45,8 +45,8 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
   const int64_t B = sh.B, H = sh.H, Hk = sh.Hk, T = sh.T, S = sh.S, D = sh.D;
   const int64_t r = H / Hk, off = S - T, ld = sh.kv_rows();
   // K^T per KV head, so the score GEMM reads keys contiguously along its
-  // output row (the vector direction of the GEMM tile); half-precision V is
-  // widened once per head here too (the GEMMs take float32).
+  // output row (the vector direction of the GEMM tile); float32 whatever
+  // the inputs' type.
   // Scratch is written before it is read: no zero fill (a decode step's
   // attention is small enough for a memset of the block-sized buffers to
   // show).
@@ -54,34 +54,26 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
   // A decode step (one query per head) reads each key once, so its scores
   // come straight from the key rows (gemm_nt): transposing K would cost as
   // much as the product. Longer queries reuse K^T across their rows.
+  // The GEMMs read half-precision K rows and V as they are: widened copies
+  // cost a write and a read back of twice the bytes (a bfloat16 cache of
+  // 2000 keys went at 8 GB/s).
   const bool direct = T == 1;
-  const bool widen = dt != DType::f32;
   auto kt = scratch(direct ? 0 : B * Hk * D * S);
-  auto kw = scratch(direct && widen ? B * Hk * S * D : 0);
-  auto vw = scratch(widen ? B * Hk * S * D : 0);
-  if (!direct || widen)
+  if (!direct)
     parallel_for(B * Hk, 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> row(static_cast<size_t>(D));
       for (int64_t i = i0; i < i1; ++i) {
-        if (!direct) {
-          float* dst = kt.get() + i * D * S;
-          for (int64_t s = 0; s < S; ++s) {
-            const float* kr = rows_as_f32(k, (i * ld + s) * D, D, dt, row.data());
-            for (int64_t d = 0; d < D; ++d) dst[d * S + s] = kr[d];
-          }
-        } else {
-          rows_as_f32(k, i * ld * D, S * D, dt, kw.get() + i * S * D);
+        float* dst = kt.get() + i * D * S;
+        for (int64_t s = 0; s < S; ++s) {
+          const float* kr = rows_as_f32(k, (i * ld + s) * D, D, dt, row.data());
+          for (int64_t d = 0; d < D; ++d) dst[d * S + s] = kr[d];
         }
-        if (widen) rows_as_f32(v, i * ld * D, S * D, dt, vw.get() + i * S * D);
       }
     });
-  // K and V rows of KV head bh: the caller's buffer (row stride ld) or the widened copy.
-  auto k_rows = [&](int64_t bh) {
-    return widen ? kw.get() + bh * S * D : static_cast<const float*>(k) + bh * ld * D;
-  };
-  auto v_rows = [&](int64_t bh) {
-    return widen ? vw.get() + bh * S * D : static_cast<const float*>(v) + bh * ld * D;
-  };
+  // K and V rows of KV head bh, in the caller's buffers (row stride ld).
+  const size_t es = dt == DType::f32 ? 4 : 2;
+  auto k_rows = [&](int64_t bh) { return static_cast<const char*>(k) + bh * ld * D * es; };
+  auto v_rows = [&](int64_t bh) { return static_cast<const char*>(v) + bh * ld * D * es; };
   const int64_t nqb = (T + kQueryBlock - 1) / kQueryBlock;
   const int64_t qb = std::min(kQueryBlock, T);  // rows of a block: 1 in a decode step
   parallel_for(B * Hk * nqb, 1, [&](int64_t w0, int64_t w1) {
@@ -100,16 +92,16 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
         for (int64_t i = 0; i < nt * D; ++i) dst[i] = src[i] * scale;
       }
       if (direct)
-        kern.gemm_nt(qa.get(), D, k_rows(bh), D, sc.get(), e, rows, e, D);
+        kern.gemm_nt(qa.get(), D, k_rows(bh), dt, D, sc.get(), e, rows, e, D);
       else
-        kern.gemm(qa.get(), D, kt.get() + bh * D * S, S, sc.get(), e, rows, e, D);
+        kern.gemm(qa.get(), D, kt.get() + bh * D * S, DType::f32, S, sc.get(), e, rows, e, D);
       for (int64_t row = 0; row < rows; ++row) {
         float* x = sc.get() + row * e;
         const int64_t n = t0 + row % nt + off + 1;  // causal: keys 0 .. t+off
         inv[row] = 1.0f / kern.exp_row(x, n, attn_row_max(x, n));
         std::fill(x + n, x + e, 0.0f);
       }
-      kern.gemm(sc.get(), e, v_rows(bh), D, o.get(), D, rows, D, e);
+      kern.gemm(sc.get(), e, v_rows(bh), dt, D, o.get(), D, rows, D, e);
       for (int64_t g = 0; g < r; ++g) {
         const int64_t dst = ((b * H + hk * r + g) * T + t0) * D;
         for (int64_t t = 0; t < nt; ++t) {

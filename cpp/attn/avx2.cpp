@@ -1,8 +1,11 @@
-// AVX2 + FMA attention kernels. Compiled with -mavx2 -mfma and reached only
-// after a CPUID check (dispatch.cpp). Every exit runs vzeroupper: the
-// callers are plain SSE code and would otherwise pay the AVX-SSE
-// transition penalty.
+// AVX2 + FMA attention kernels. Compiled with -mavx2 -mfma -mf16c and
+// reached only after a CPUID check (dispatch.cpp). Every exit runs
+// vzeroupper: the callers are plain SSE code and would otherwise pay the
+// AVX-SSE transition penalty.
 #include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
 
 #include "attn/kernel.h"
 
@@ -12,22 +15,63 @@ void kl_exp_avx2(const float* x, float* y, int64_t n);  // kl/avx2.cpp
 
 namespace {
 
+// B's element types: float32 as stored, float16 / bfloat16 widened exactly
+// as they are loaded, so the products and sums are those of a widened copy.
+// The scalar tails spell their fused multiply-adds out: left to the
+// compiler, one instantiation fused and another did not.
+struct F32 {
+  using T = float;
+  static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+  static float load1(const float* p) { return *p; }
+};
+struct F16 {
+  using T = uint16_t;
+  static __m256 load8(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static float load1(const uint16_t* p) { return _cvtsh_ss(*p); }
+};
+struct BF16 {
+  using T = uint16_t;
+  static __m256 load8(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static float load1(const uint16_t* p) { return bf16_to_f32(*p); }
+};
+
+// k in chunks of kKc: every column tile of a chunk reads the same kKc rows
+// of B, so B streams from memory once, in order, while the chunk two ahead
+// is prefetched into L2, one line per tile step (as many steps as lines
+// when one block of rows covers C, as in decode). Without the chunks a
+// decode step's P V (3 rows, 64 columns, k = the keys) ran 4 passes over
+// V, one 64-byte line of each 256-byte row per pass, and read a cold cache
+// at 9 GB/s; prefetching a chunk's lines in one burst at its start stalled
+// on the full miss queue. Chunks change no sum: each element of C still
+// adds its k terms in order (C holds the sum between chunks).
+constexpr int64_t kKc = 64;
+constexpr int64_t kAheadRows = 2 * kKc;
+
 // A 6 x 16 tile of C: 12 ymm accumulators + 2 for the B row + 1 broadcast
 // fit the 16 registers, and each k step issues 12 FMAs for 2 loads, so the
 // loop is FMA-bound instead of load-bound.
 // TN: A is stored transposed (element (r, p) at a[p * lda + r]) and the
 // tile is added to C (the backward's C += A^T B); else C = A B.
-template <int R, bool TN>
-inline void tile16(const float* a, int64_t lda, const float* b, int64_t ldb,
-                   float* c, int64_t ldc, int64_t k) {
+// `add`: the tile is added to C (TN, or a later chunk of k); else C = the
+// product. Each step prefetches the tile's line of B kAheadRows rows on,
+// while that row is below `pf` (the rows of B from b; 0: none).
+template <int R, bool TN, class E>
+inline void tile16(const float* a, int64_t lda, const typename E::T* b, int64_t ldb,
+                   float* c, int64_t ldc, int64_t k, bool add, int64_t pf) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) {
-    acc[r][0] = TN ? _mm256_loadu_ps(c + r * ldc) : _mm256_setzero_ps();
-    acc[r][1] = TN ? _mm256_loadu_ps(c + r * ldc + 8) : _mm256_setzero_ps();
+    acc[r][0] = add ? _mm256_loadu_ps(c + r * ldc) : _mm256_setzero_ps();
+    acc[r][1] = add ? _mm256_loadu_ps(c + r * ldc + 8) : _mm256_setzero_ps();
   }
   for (int64_t p = 0; p < k; ++p) {
-    const __m256 b0 = _mm256_loadu_ps(b + p * ldb);
-    const __m256 b1 = _mm256_loadu_ps(b + p * ldb + 8);
+    if (p + kAheadRows < pf) _mm_prefetch((const char*)(b + (p + kAheadRows) * ldb), _MM_HINT_T1);
+    const __m256 b0 = E::load8(b + p * ldb);
+    const __m256 b1 = E::load8(b + p * ldb + 8);
     for (int r = 0; r < R; ++r) {
       const __m256 x = _mm256_broadcast_ss(TN ? a + p * lda + r : a + r * lda + p);
       acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
@@ -43,117 +87,174 @@ inline void tile16(const float* a, int64_t lda, const float* b, int64_t ldb,
 // Columns left over after the 16-wide tiles (n % 16): one row at a time,
 // 8 lanes then scalar. Rare in practice (key counts are cut at 16, head
 // dims are multiples of 16).
-template <bool TN>
-inline void cols_tail(const float* a, int64_t lda, const float* b, int64_t ldb,
-                      float* c, int64_t ldc, int64_t m, int64_t n, int64_t k) {
+template <bool TN, class E>
+inline void cols_tail(const float* a, int64_t lda, const typename E::T* b, int64_t ldb,
+                      float* c, int64_t ldc, int64_t m, int64_t n, int64_t k, bool add) {
   for (int64_t i = 0; i < m; ++i) {
     const float* ai = TN ? a + i : a + i * lda;
     const int64_t as = TN ? lda : 1;  // stride of row i of A along p
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-      __m256 acc = TN ? _mm256_loadu_ps(c + i * ldc + j) : _mm256_setzero_ps();
+      __m256 acc = add ? _mm256_loadu_ps(c + i * ldc + j) : _mm256_setzero_ps();
       for (int64_t p = 0; p < k; ++p)
         acc = _mm256_fmadd_ps(_mm256_broadcast_ss(ai + p * as),
-                              _mm256_loadu_ps(b + p * ldb + j), acc);
+                              E::load8(b + p * ldb + j), acc);
       _mm256_storeu_ps(c + i * ldc + j, acc);
     }
     for (; j < n; ++j) {
-      float s = TN ? c[i * ldc + j] : 0.0f;
-      for (int64_t p = 0; p < k; ++p) s += ai[p * as] * b[p * ldb + j];
+      float s = add ? c[i * ldc + j] : 0.0f;
+      for (int64_t p = 0; p < k; ++p) s = std::fma(ai[p * as], E::load1(b + p * ldb + j), s);
       c[i * ldc + j] = s;
     }
   }
 }
 
-template <int R, bool TN>
-inline void row_block(const float* a, int64_t lda, const float* b, int64_t ldb,
-                      float* c, int64_t ldc, int64_t n, int64_t k) {
+template <int R, bool TN, class E>
+inline void row_block(const float* a, int64_t lda, const typename E::T* b, int64_t ldb,
+                      float* c, int64_t ldc, int64_t n, int64_t k, bool add, int64_t pf) {
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) tile16<R, TN>(a, lda, b + j, ldb, c + j, ldc, k);
-  if (j < n) cols_tail<TN>(a, lda, b + j, ldb, c + j, ldc, R, n - j, k);
+  for (; j + 16 <= n; j += 16) tile16<R, TN, E>(a, lda, b + j, ldb, c + j, ldc, k, add, pf);
+  if (j < n) cols_tail<TN, E>(a, lda, b + j, ldb, c + j, ldc, R, n - j, k, add);
 }
 
 // Rows of C in blocks of 6; row i of A starts at a + i * lda (plain) or at
 // a + i (TN: A's column i).
-template <bool TN>
-void gemm(const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+template <bool TN, class E>
+void gemm(const float* a, int64_t lda, const typename E::T* b, int64_t ldb, float* c,
           int64_t ldc, int64_t m, int64_t n, int64_t k) {
   const int64_t row_step = TN ? 1 : lda;
-  int64_t i = 0;
-  for (; i + 6 <= m; i += 6)
-    row_block<6, TN>(a + i * row_step, lda, b, ldb, c + i * ldc, ldc, n, k);
-  const float* ai = a + i * row_step;
-  float* ci = c + i * ldc;
-  switch (m - i) {
-    case 5: row_block<5, TN>(ai, lda, b, ldb, ci, ldc, n, k); break;
-    case 4: row_block<4, TN>(ai, lda, b, ldb, ci, ldc, n, k); break;
-    case 3: row_block<3, TN>(ai, lda, b, ldb, ci, ldc, n, k); break;
-    case 2: row_block<2, TN>(ai, lda, b, ldb, ci, ldc, n, k); break;
-    case 1: row_block<1, TN>(ai, lda, b, ldb, ci, ldc, n, k); break;
-    default: break;
+  for (int64_t p0 = 0; p0 == 0 || p0 < k; p0 += kKc) {
+    const int64_t kc = std::min(kKc, k - p0);
+    const float* ap = TN ? a + p0 * lda : a + p0;
+    const typename E::T* bp = b + p0 * ldb;
+    const bool add = TN || p0 > 0;
+    int64_t i = 0, pf = k - p0;  // the first block of rows prefetches for all
+    for (; i + 6 <= m; i += 6, pf = 0)
+      row_block<6, TN, E>(ap + i * row_step, lda, bp, ldb, c + i * ldc, ldc, n, kc, add, pf);
+    const float* ai = ap + i * row_step;
+    float* ci = c + i * ldc;
+    switch (m - i) {
+      case 5: row_block<5, TN, E>(ai, lda, bp, ldb, ci, ldc, n, kc, add, pf); break;
+      case 4: row_block<4, TN, E>(ai, lda, bp, ldb, ci, ldc, n, kc, add, pf); break;
+      case 3: row_block<3, TN, E>(ai, lda, bp, ldb, ci, ldc, n, kc, add, pf); break;
+      case 2: row_block<2, TN, E>(ai, lda, bp, ldb, ci, ldc, n, kc, add, pf); break;
+      case 1: row_block<1, TN, E>(ai, lda, bp, ldb, ci, ldc, n, kc, add, pf); break;
+      default: break;
+    }
   }
   _mm256_zeroupper();
 }
 
-
-// Scores for one query row against 4 key rows: four 8-lane dot products
-// reduced together (two rounds of hadd, then the two 128-bit halves).
-inline __m128 dot4(const float* a, const float* b, int64_t ldb, int64_t k) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-  int64_t p = 0;
-  for (; p + 8 <= k; p += 8) {
-    const __m256 x = _mm256_loadu_ps(a + p);
-    acc0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + p), acc0);
-    acc1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + ldb + p), acc1);
-    acc2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 2 * ldb + p), acc2);
-    acc3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 3 * ldb + p), acc3);
-  }
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc0, acc1), _mm256_hadd_ps(acc2, acc3));
+// Four 8-lane partial dot products reduced to one __m128 of 4 scores (two
+// rounds of hadd, then the two 128-bit halves); the k % 8 tail of a head
+// dim that is not a multiple of 8 is added after, in order.
+template <class E>
+inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3, const float* a,
+                      const typename E::T* b, int64_t ldb, int64_t p, int64_t k) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  if (p < k) {  // head dims not a multiple of 8
+  if (p < k) {
     alignas(16) float t[4];
     _mm_store_ps(t, r);
     for (; p < k; ++p)
-      for (int j = 0; j < 4; ++j) t[j] += a[p] * b[j * ldb + p];
+      for (int j = 0; j < 4; ++j) t[j] = std::fma(a[p], E::load1(b + j * ldb + p), t[j]);
     r = _mm_load_ps(t);
   }
   return r;
 }
 
-inline float dot1(const float* a, const float* b, int64_t k) {
+// Scores of R query rows (rows of A, lda apart) against 4 key rows (B): the
+// 4R dot products run side by side, so each key vector is loaded once for
+// all R rows and the 4R accumulators (12 at R = 3) are independent FMA
+// chains. One row at a time (4 chains for a 4-cycle FMA) left the loop
+// latency-bound: 40% of a decode attention call at 2000 keys.
+// `pf`: 4 rows to prefetch into L2, one line per row per 64 bytes (null: none).
+template <int R, class E>
+inline void nt_rows4(const float* a, int64_t lda, const typename E::T* b, int64_t ldb,
+                     float* c, int64_t ldc, int64_t k, const typename E::T* pf) {
+  constexpr int64_t kLine = 64 / sizeof(typename E::T);
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  int64_t p = 0;
+  for (; p + 8 <= k; p += 8) {
+    if (pf && p % kLine == 0)
+      for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)(pf + j * ldb + p), _MM_HINT_T1);
+    const __m256 b0 = E::load8(b + p), b1 = E::load8(b + ldb + p),
+                 b2 = E::load8(b + 2 * ldb + p), b3 = E::load8(b + 3 * ldb + p);
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_loadu_ps(a + r * lda + p);
+      acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+      acc[r][2] = _mm256_fmadd_ps(x, b2, acc[r][2]);
+      acc[r][3] = _mm256_fmadd_ps(x, b3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    _mm_storeu_ps(c + r * ldc,
+                  reduce4<E>(acc[r][0], acc[r][1], acc[r][2], acc[r][3], a + r * lda, b, ldb, p, k));
+}
+
+template <class E>
+inline float dot1(const float* a, const typename E::T* b, int64_t k) {
   __m256 acc = _mm256_setzero_ps();
   int64_t p = 0;
-  for (; p + 8 <= k; p += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + p), _mm256_loadu_ps(b + p), acc);
+  for (; p + 8 <= k; p += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + p), E::load8(b + p), acc);
   __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   r = _mm_hadd_ps(r, r);
   r = _mm_hadd_ps(r, r);
   float s = _mm_cvtss_f32(r);
-  for (; p < k; ++p) s += a[p] * b[p];
+  for (; p < k; ++p) s = std::fma(a[p], E::load1(b + p), s);
   return s;
+}
+
+// The key rows kAheadRows on are prefetched by the first block of query
+// rows: decode reads a cold cache, which the hardware prefetcher alone
+// streamed at about 10 GB/s here.
+template <class E>
+void gemm_nt(const float* a, int64_t lda, const typename E::T* b, int64_t ldb, float* c,
+             int64_t ldc, int64_t m, int64_t n, int64_t k) {
+  using T = typename E::T;
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {  // 4 key rows, read once from memory, for every query row
+    const T* bj = b + j * ldb;
+    const T* pf = j + kAheadRows + 4 <= n ? bj + kAheadRows * ldb : nullptr;
+    float* cj = c + j;
+    int64_t i = 0;
+    for (; i + 3 <= m; i += 3, pf = nullptr)
+      nt_rows4<3, E>(a + i * lda, lda, bj, ldb, cj + i * ldc, ldc, k, pf);
+    if (m - i == 2) nt_rows4<2, E>(a + i * lda, lda, bj, ldb, cj + i * ldc, ldc, k, pf);
+    if (m - i == 1) nt_rows4<1, E>(a + i * lda, lda, bj, ldb, cj + i * ldc, ldc, k, pf);
+  }
+  for (; j < n; ++j)
+    for (int64_t i = 0; i < m; ++i) c[i * ldc + j] = dot1<E>(a + i * lda, b + j * ldb, k);
+  _mm256_zeroupper();
 }
 
 }  // namespace
 
-void attn_gemm_nt_avx2(const float* a, int64_t lda, const float* b, int64_t ldb,
+void attn_gemm_nt_avx2(const float* a, int64_t lda, const void* b, DType bt, int64_t ldb,
                        float* c, int64_t ldc, int64_t m, int64_t n, int64_t k) {
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4)  // 4 key rows, read once from memory, for every query row
-    for (int64_t i = 0; i < m; ++i)
-      _mm_storeu_ps(c + i * ldc + j, dot4(a + i * lda, b + j * ldb, ldb, k));
-  for (; j < n; ++j)
-    for (int64_t i = 0; i < m; ++i) c[i * ldc + j] = dot1(a + i * lda, b + j * ldb, k);
-  _mm256_zeroupper();
+  switch (bt) {
+    case DType::f16: return gemm_nt<F16>(a, lda, static_cast<const uint16_t*>(b), ldb, c, ldc, m, n, k);
+    case DType::bf16: return gemm_nt<BF16>(a, lda, static_cast<const uint16_t*>(b), ldb, c, ldc, m, n, k);
+    default: return gemm_nt<F32>(a, lda, static_cast<const float*>(b), ldb, c, ldc, m, n, k);
+  }
 }
 
-void attn_gemm_avx2(const float* a, int64_t lda, const float* b, int64_t ldb,
+void attn_gemm_avx2(const float* a, int64_t lda, const void* b, DType bt, int64_t ldb,
                     float* c, int64_t ldc, int64_t m, int64_t n, int64_t k) {
-  gemm<false>(a, lda, b, ldb, c, ldc, m, n, k);
+  switch (bt) {
+    case DType::f16: return gemm<false, F16>(a, lda, static_cast<const uint16_t*>(b), ldb, c, ldc, m, n, k);
+    case DType::bf16: return gemm<false, BF16>(a, lda, static_cast<const uint16_t*>(b), ldb, c, ldc, m, n, k);
+    default: return gemm<false, F32>(a, lda, static_cast<const float*>(b), ldb, c, ldc, m, n, k);
+  }
 }
 
 void attn_gemm_tn_acc_avx2(const float* a, int64_t lda, const float* b,
                            int64_t ldb, float* c, int64_t ldc, int64_t m,
                            int64_t n, int64_t k) {
-  gemm<true>(a, lda, b, ldb, c, ldc, m, n, k);
+  gemm<true, F32>(a, lda, b, ldb, c, ldc, m, n, k);
 }
 
 float attn_exp_row_avx2(float* x, int64_t n, float max) {

@@ -155,8 +155,8 @@ void causal_attention_vjp_cpu(const AttnKernels& kern, const AttnShape& sh,
           std::copy(q + src, q + src + nt * D, qa.data() + g * nt * D);
           std::copy(dout + src, dout + src + nt * D, da.data() + g * nt * D);
         }
-        kern.gemm(qa.data(), D, kt.data() + bh * D * ld, ld, sc.data(), ld, rows, e, D);
-        kern.gemm(da.data(), D, vt.data() + bh * D * ld, ld, dp.data(), ld, rows, e, D);
+        kern.gemm(qa.data(), D, kt.data() + bh * D * ld, DType::f32, ld, sc.data(), ld, rows, e, D);
+        kern.gemm(da.data(), D, vt.data() + bh * D * ld, DType::f32, ld, dp.data(), ld, rows, e, D);
         for (int64_t row = 0; row < rows; ++row) {
           const int64_t n = t0 + row % nt + off + 1;  // causal: keys 0 .. t + off
           float* x = sc.data() + row * ld;
@@ -182,7 +182,7 @@ void causal_attention_vjp_cpu(const AttnKernels& kern, const AttnShape& sh,
           std::fill(x + n, x + e, 0.0f);
           std::fill(ds + n, ds + e, 0.0f);
         }
-        kern.gemm(dp.data(), ld, k + bh * S * D, D, dqa.data(), D, rows, D, e);
+        kern.gemm(dp.data(), ld, k + bh * S * D, DType::f32, D, dqa.data(), D, rows, D, e);
         for (int64_t g = 0; g < r; ++g) {
           float* dst = dq + ((b * H + hk * r + g) * T + t0) * D;
           const float* src = dqa.data() + g * nt * D;

@@ -19,8 +19,11 @@ namespace mixbits {
 
 constexpr BackendSet kAttnBackends = backend_set({Backend::Ref, Backend::Avx2});
 
-// C[m x n] = A[m x k] . B[k x n]; row-major, leading dimensions in floats.
-using AttnGemmFn = void (*)(const float* a, int64_t lda, const float* b,
+// C[m x n] = A[m x k] . B[k x n]; row-major, leading dimensions in
+// elements. B is float32, float16 or bfloat16 (bt), widened as it is read:
+// V straight from a half-precision cache, with no widened copy to write
+// and read back.
+using AttnGemmFn = void (*)(const float* a, int64_t lda, const void* b, DType bt,
                             int64_t ldb, float* c, int64_t ldc, int64_t m,
                             int64_t n, int64_t k);
 // x[0..n) = e^(x - max); returns the sum of the results.
@@ -32,10 +35,10 @@ using AttnGemmTnAccFn = void (*)(const float* a, int64_t lda, const float* b,
                                  int64_t ldb, float* c, int64_t ldc, int64_t m,
                                  int64_t n, int64_t k);
 
-// C[m x n] = A . B^T with B stored n x k (ldb): a decode step's scores
-// straight from the key rows, where transposing K for the plain GEMM would
-// cost as much as the product itself (one query per head).
-using AttnGemmNtFn = void (*)(const float* a, int64_t lda, const float* b,
+// C[m x n] = A . B^T with B stored n x k (ldb; type bt as above): a decode
+// step's scores straight from the key rows, where transposing K for the
+// plain GEMM would cost as much as the product itself (one query per head).
+using AttnGemmNtFn = void (*)(const float* a, int64_t lda, const void* b, DType bt,
                               int64_t ldb, float* c, int64_t ldc, int64_t m,
                               int64_t n, int64_t k);
 
@@ -46,19 +49,19 @@ struct AttnKernels {
   AttnGemmNtFn gemm_nt;
 };
 
-void attn_gemm_ref(const float* a, int64_t lda, const float* b, int64_t ldb,
+void attn_gemm_ref(const float* a, int64_t lda, const void* b, DType bt, int64_t ldb,
                    float* c, int64_t ldc, int64_t m, int64_t n, int64_t k);
 float attn_exp_row_ref(float* x, int64_t n, float max);
-void attn_gemm_nt_ref(const float* a, int64_t lda, const float* b, int64_t ldb,
+void attn_gemm_nt_ref(const float* a, int64_t lda, const void* b, DType bt, int64_t ldb,
                       float* c, int64_t ldc, int64_t m, int64_t n, int64_t k);
 void attn_gemm_tn_acc_ref(const float* a, int64_t lda, const float* b,
                           int64_t ldb, float* c, int64_t ldc, int64_t m,
                           int64_t n, int64_t k);
 #if defined(MIXBITS_HAVE_AVX2)
-void attn_gemm_avx2(const float* a, int64_t lda, const float* b, int64_t ldb,
+void attn_gemm_avx2(const float* a, int64_t lda, const void* b, DType bt, int64_t ldb,
                     float* c, int64_t ldc, int64_t m, int64_t n, int64_t k);
 float attn_exp_row_avx2(float* x, int64_t n, float max);
-void attn_gemm_nt_avx2(const float* a, int64_t lda, const float* b, int64_t ldb,
+void attn_gemm_nt_avx2(const float* a, int64_t lda, const void* b, DType bt, int64_t ldb,
                        float* c, int64_t ldc, int64_t m, int64_t n, int64_t k);
 void attn_gemm_tn_acc_avx2(const float* a, int64_t lda, const float* b,
                            int64_t ldb, float* c, int64_t ldc, int64_t m,

@@ -9,26 +9,26 @@ namespace mixbits {
 namespace {
 // C = A . B, or A . B^T with B stored n x k (BT), in double.
 template <bool BT>
-void gemm_ref(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
-              int64_t m, int64_t n, int64_t k) {
+void gemm_ref(const float* a, int64_t lda, const void* b, DType bt, int64_t ldb, float* c,
+              int64_t ldc, int64_t m, int64_t n, int64_t k) {
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < n; ++j) {
       double s = 0;
       for (int64_t p = 0; p < k; ++p)
-        s += double(a[i * lda + p]) * (BT ? b[j * ldb + p] : b[p * ldb + j]);
+        s += double(a[i * lda + p]) * load_as_f32(b, BT ? j * ldb + p : p * ldb + j, bt);
       c[i * ldc + j] = float(s);
     }
 }
 }  // namespace
 
-void attn_gemm_ref(const float* a, int64_t lda, const float* b, int64_t ldb,
+void attn_gemm_ref(const float* a, int64_t lda, const void* b, DType bt, int64_t ldb,
                    float* c, int64_t ldc, int64_t m, int64_t n, int64_t k) {
-  gemm_ref<false>(a, lda, b, ldb, c, ldc, m, n, k);
+  gemm_ref<false>(a, lda, b, bt, ldb, c, ldc, m, n, k);
 }
 
-void attn_gemm_nt_ref(const float* a, int64_t lda, const float* b, int64_t ldb,
+void attn_gemm_nt_ref(const float* a, int64_t lda, const void* b, DType bt, int64_t ldb,
                       float* c, int64_t ldc, int64_t m, int64_t n, int64_t k) {
-  gemm_ref<true>(a, lda, b, ldb, c, ldc, m, n, k);
+  gemm_ref<true>(a, lda, b, bt, ldb, c, ldc, m, n, k);
 }
 
 float attn_exp_row_ref(float* x, int64_t n, float max) {
