@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "attn/kernel.h"
+#include "common/x86_prefetch.h"
 
 namespace mixbits {
 
@@ -41,8 +42,8 @@ struct BF16 {
 };
 
 // k in chunks of kKc: every column tile of a chunk reads the same kKc rows
-// of B, so B streams from memory once, in order, while the chunk two ahead
-// is prefetched into L2, one line per tile step (as many steps as lines
+// of B, so B streams from memory once, in order, while the rows ahead
+// are prefetched into L2, one line per tile step (as many steps as lines
 // when one block of rows covers C, as in decode). Without the chunks a
 // decode step's P V (3 rows, 64 columns, k = the keys) ran 4 passes over
 // V, one 64-byte line of each 256-byte row per pass, and read a cold cache
@@ -50,7 +51,17 @@ struct BF16 {
 // on the full miss queue. Chunks change no sum: each element of C still
 // adds its k terms in order (C holds the sum between chunks).
 constexpr int64_t kKc = 64;
-constexpr int64_t kAheadRows = 2 * kKc;
+
+// What a loop over the rows of B prefetches: rows below `rows` (counted from
+// its b; 0: none), `ahead` rows on from the one it reads: the x86 kernels'
+// distance (common/x86_prefetch.h) in rows, at least 4. In rows of a fixed
+// count, a 128-dim float32 cache was never prefetched below 132 keys.
+struct Ahead {
+  int64_t rows = 0, ahead = 0;
+};
+inline int64_t rows_ahead(int64_t ldb, size_t elem) {
+  return std::max<int64_t>(4, (kPrefetchAhead / int64_t(elem) + ldb - 1) / std::max<int64_t>(ldb, 1));
+}
 
 // A 6 x 16 tile of C: 12 ymm accumulators + 2 for the B row + 1 broadcast
 // fit the 16 registers, and each k step issues 12 FMAs for 2 loads, so the
@@ -58,18 +69,17 @@ constexpr int64_t kAheadRows = 2 * kKc;
 // TN: A is stored transposed (element (r, p) at a[p * lda + r]) and the
 // tile is added to C (the backward's C += A^T B); else C = A B.
 // `add`: the tile is added to C (TN, or a later chunk of k); else C = the
-// product. Each step prefetches the tile's line of B kAheadRows rows on,
-// while that row is below `pf` (the rows of B from b; 0: none).
+// product. Each step prefetches the tile's line of B `pf.ahead` rows on.
 template <int R, bool TN, class E>
 inline void tile16(const float* a, int64_t lda, const typename E::T* b, int64_t ldb,
-                   float* c, int64_t ldc, int64_t k, bool add, int64_t pf) {
+                   float* c, int64_t ldc, int64_t k, bool add, Ahead pf) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) {
     acc[r][0] = add ? _mm256_loadu_ps(c + r * ldc) : _mm256_setzero_ps();
     acc[r][1] = add ? _mm256_loadu_ps(c + r * ldc + 8) : _mm256_setzero_ps();
   }
   for (int64_t p = 0; p < k; ++p) {
-    if (p + kAheadRows < pf) _mm_prefetch((const char*)(b + (p + kAheadRows) * ldb), _MM_HINT_T1);
+    if (p + pf.ahead < pf.rows) _mm_prefetch((const char*)(b + (p + pf.ahead) * ldb), _MM_HINT_T1);
     const __m256 b0 = E::load8(b + p * ldb);
     const __m256 b1 = E::load8(b + p * ldb + 8);
     for (int r = 0; r < R; ++r) {
@@ -111,7 +121,7 @@ inline void cols_tail(const float* a, int64_t lda, const typename E::T* b, int64
 
 template <int R, bool TN, class E>
 inline void row_block(const float* a, int64_t lda, const typename E::T* b, int64_t ldb,
-                      float* c, int64_t ldc, int64_t n, int64_t k, bool add, int64_t pf) {
+                      float* c, int64_t ldc, int64_t n, int64_t k, bool add, Ahead pf) {
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) tile16<R, TN, E>(a, lda, b + j, ldb, c + j, ldc, k, add, pf);
   if (j < n) cols_tail<TN, E>(a, lda, b + j, ldb, c + j, ldc, R, n - j, k, add);
@@ -123,13 +133,15 @@ template <bool TN, class E>
 void gemm(const float* a, int64_t lda, const typename E::T* b, int64_t ldb, float* c,
           int64_t ldc, int64_t m, int64_t n, int64_t k) {
   const int64_t row_step = TN ? 1 : lda;
+  const int64_t ahead = rows_ahead(ldb, sizeof(typename E::T));
   for (int64_t p0 = 0; p0 == 0 || p0 < k; p0 += kKc) {
     const int64_t kc = std::min(kKc, k - p0);
     const float* ap = TN ? a + p0 * lda : a + p0;
     const typename E::T* bp = b + p0 * ldb;
     const bool add = TN || p0 > 0;
-    int64_t i = 0, pf = k - p0;  // the first block of rows prefetches for all
-    for (; i + 6 <= m; i += 6, pf = 0)
+    int64_t i = 0;
+    Ahead pf{k - p0, ahead};  // the first block of rows prefetches for all
+    for (; i + 6 <= m; i += 6, pf = Ahead{})
       row_block<6, TN, E>(ap + i * row_step, lda, bp, ldb, c + i * ldc, ldc, n, kc, add, pf);
     const float* ai = ap + i * row_step;
     float* ci = c + i * ldc;
@@ -208,17 +220,18 @@ inline float dot1(const float* a, const typename E::T* b, int64_t k) {
   return s;
 }
 
-// The key rows kAheadRows on are prefetched by the first block of query
+// The key rows rows_ahead on are prefetched by the first block of query
 // rows: decode reads a cold cache, which the hardware prefetcher alone
 // streamed at about 10 GB/s here.
 template <class E>
 void gemm_nt(const float* a, int64_t lda, const typename E::T* b, int64_t ldb, float* c,
              int64_t ldc, int64_t m, int64_t n, int64_t k) {
   using T = typename E::T;
+  const int64_t ahead = (rows_ahead(ldb, sizeof(T)) + 3) / 4 * 4;
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {  // 4 key rows, read once from memory, for every query row
     const T* bj = b + j * ldb;
-    const T* pf = j + kAheadRows + 4 <= n ? bj + kAheadRows * ldb : nullptr;
+    const T* pf = j + ahead + 4 <= n ? bj + ahead * ldb : nullptr;
     float* cj = c + j;
     int64_t i = 0;
     for (; i + 3 <= m; i += 3, pf = nullptr)
