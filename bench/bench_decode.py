@@ -20,6 +20,10 @@ thread, ``pp64`` (from an empty cache) and ``tg<steps>`` after a 64-token
 context, before and after our implementations (bench/llama_bench.py): its
 own wall-clock rates, and its CPU-time rates from getrusage of its
 processes.
+
+``--context N`` replaces the 64-token prompt (and llama.cpp's prefill and
+decode depth) with N tokens: decode at a long context, where every step
+reads the whole KV cache (ours float32 like the model; llama.cpp's float16).
 Saves bench/results/decode.json.
 """
 
@@ -165,7 +169,7 @@ def one_round(rnd: int, rows: list, run_llama, a) -> None:
             print(f"repacked {len(mixbits.nn.repack_layers(model))} layers", flush=True)
             if impl.endswith("-linears"):
                 model.model.embed_tokens.unrepack()
-        ids = prompt_ids(tok)
+        ids = prompt_ids(tok, a.context)
         # Stock MLX's CPU quantized matmul is ~10x slower: fewer rounds.
         reps = a.reps if impl != "mlx" else 2
         pf_cpu, pf_wall = prefill_tps(model, ids, reps)
@@ -234,6 +238,9 @@ def main(argv=None):
                          "with the tied head left in MLX's layout; mixbits-int8all-repacked: "
                          "activations='int8-all' (the int8 contract for prompts too), repacked")
     ap.add_argument("--out", default=str(RESULTS / "decode.json"))
+    ap.add_argument("--context", type=int, default=PROMPT,
+                    help="prompt tokens before the decode steps (llama.cpp: -p and -d of this many): "
+                         "decode at a long context reads a KV cache larger than the caches")
     ap.add_argument("--llama-bench", metavar="PATH",
                     help="llama.cpp's llama-bench (bench/ggml/build_llama_bench.sh): run it on the same GGUF, "
                          "one thread, before and after our implementations")
@@ -245,6 +252,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.rounds < 1:
         raise SystemExit("error: --rounds must be at least 1")
+    if not 1 <= a.context <= 8192 - a.steps - 16:  # SmolLM2's 8192 positions, with room for the steps
+        raise SystemExit(f"error: --context must be in [1, {8192 - a.steps - 16}], got {a.context}")
     llama = gguf = None
     if a.llama_bench is not None:  # one clear error before anything is timed
         if a.llama_reps < 2:
@@ -272,7 +281,7 @@ def main(argv=None):
         if llama is None:
             return
         try:
-            m = llama_bench.measure(llama, gguf, PROMPT, a.steps, a.llama_reps)
+            m = llama_bench.measure(llama, gguf, a.context, a.steps, a.llama_reps)
         except llama_bench.LlamaBenchError as e:
             raise SystemExit(f"error: {e}") from None
         pf, dc = m["prefill"], m["decode"]
@@ -289,11 +298,11 @@ def main(argv=None):
         num = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731  (CPU time lost in the noise)
         print(f"{'llama.cpp':14} prefill {num(row['prefill_tps']):>7} tok/s CPU ({row['prefill_wall_tps']:.1f} wall)"
               f"   decode {num(row['decode_tps']):>6} tok/s CPU ({row['decode_wall_tps']:.1f} wall; tg{a.steps} "
-              f"at depth {PROMPT}) [{when}, round {rnd}, load {row['load_average']:.2f}]", flush=True)
+              f"at depth {a.context}) [{when}, round {rnd}, load {row['load_average']:.2f}]", flush=True)
 
     for rnd in range(a.rounds):
         one_round(rnd, rows, run_llama, a)
-    res = {"model": "SmolLM2-135M Q4_1 (GGUF)", "steps": a.steps, "reps": a.reps, "rounds": a.rounds,
+    res = {"model": "SmolLM2-135M Q4_1 (GGUF)", "context": a.context, "steps": a.steps, "reps": a.reps, "rounds": a.rounds,
            "clock": "prefill_tps/decode_*_tps: CPU time (ours: time.process_time; llama.cpp: getrusage of its "
                     "processes, -r R run minus -r 1 run); *_wall_tps: wall clock (ours: time.perf_counter; "
                     "llama.cpp: its samples_ns); 1 thread (mixbits set_max_threads(1), OPENBLAS_NUM_THREADS=1, "

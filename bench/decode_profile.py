@@ -72,9 +72,11 @@ def load_smollm2(patch: bool = True, activations: str = "float", repack: bool = 
 
 
 def prompt_ids(tok, n: int = PROMPT) -> list[int]:
-    ids = tok.encode(TEXT)[:n]
-    assert len(ids) == n
-    return ids
+    """The first n tokens of TEXT, repeated as often as n needs."""
+    text = TEXT
+    while len(ids := tok.encode(text)) < n:
+        text += TEXT
+    return ids[:n]
 
 
 class Plain:
