@@ -105,3 +105,25 @@ def test_prefill_fills_the_cache_with_the_whole_prompt():
     want = model(nxt, cache=ref_cache)
     got = model(nxt, cache=caches[-1])
     assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item()
+
+
+@pytest.mark.parametrize("context", ["0", "9000"])
+def test_context_outside_the_model_is_refused_before_anything_runs(context, capsys):
+    """--context beyond SmolLM2's 8192 positions (less the steps), or empty:
+    one clear error, before a model loads or llama-bench runs."""
+    with pytest.raises(SystemExit, match="--context must be in"):
+        bench_decode.main(["--context", context, "--llama-bench", "/nonexistent/llama-bench"])
+
+
+def test_long_prompts_repeat_the_text():
+    """prompt_ids gives exactly n tokens for any n, the 64-token prompt as before."""
+    from decode_profile import TEXT, prompt_ids
+
+    class Tok:  # one token per character
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    tok = Tok()
+    assert prompt_ids(tok, 64) == [ord(c) for c in TEXT[:64]]
+    long = prompt_ids(tok, 3 * len(TEXT) + 5)
+    assert len(long) == 3 * len(TEXT) + 5 and long == [ord(c) for c in (TEXT * 4)[:len(long)]]
