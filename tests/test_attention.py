@@ -118,6 +118,47 @@ def test_kv_len_reads_a_prefix_of_the_buffers(backend, shape):
         assert np.isnan(np.array(causal_attention(q, k, v, 0.3, backend=backend, kv_len=mx.array(n)))).all()
 
 
+def _views(B, Hk, cap, D, n, dtype, rng):
+    """k and v as the first n rows of (B, Hk, cap, D) buffers (mlx-lm's
+    KVCache hands a step keys[..., :offset, :]), and their contiguous copies."""
+    bufs = [mx.array(rng.standard_normal((B, Hk, cap, D)).astype(np.float32)).astype(dtype) for _ in range(2)]
+    views = [b[:, :, :n] for b in bufs]
+    return views, [mx.array(np.array(x.astype(mx.float32))).astype(dtype) for x in views]
+
+
+@pytest.mark.parametrize("backend", attn_backends())
+@pytest.mark.parametrize("shape", [(1, 9, 3, 1, 300, 200, 64), (2, 4, 1, 1, 70, 33, 16),
+                                   (3, 2, 2, 5, 40, 17, 8), (2, 6, 2, 40, 128, 100, 20)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_cache_prefix_views_read_in_place(backend, shape, dtype):
+    """K and V that are the filled prefix of bigger buffers (heads one
+    buffer length apart) are read where they lie: bit for bit the call on
+    contiguous copies, with and without kv_len, batches and a single KV
+    head included. A view of another layout (a transpose) is copied and
+    gives the same."""
+    B, H, Hk, T, cap, n, D = shape
+    rng = np.random.default_rng(sum(shape))
+    (k, v), (kc, vc) = _views(B, Hk, cap, D, n, dtype, rng)
+    q = mx.array(rng.standard_normal((B, H, T, D)).astype(np.float32)).astype(dtype)
+    want = causal_attention(q, kc, vc, 0.3, backend=backend)
+    assert mx.array_equal(causal_attention(q, k, v, 0.3, backend=backend), want).item()
+    # kv_len over the views: their first m rows
+    m = (T + n) // 2
+    cut = causal_attention(q, kc[:, :, :m], vc[:, :, :m], 0.3, backend=backend)
+    assert mx.array_equal(causal_attention(q, k, v, 0.3, backend=backend, kv_len=mx.array(m)), cut).item()
+    # k a prefix view, v transposed from (B, n, Hk, D): different layouts, both copied
+    vt = mx.array(np.array(vc.astype(mx.float32)).transpose(0, 2, 1, 3)).astype(dtype).transpose(0, 2, 1, 3)
+    assert mx.array_equal(causal_attention(q, k, vt, 0.3, backend=backend), want).item()
+    # every other batch of the buffers: heads a buffer apart, batches not Hk buffers apart
+    if B > 1:
+        (k2, v2), _ = _views(2 * B, Hk, cap, D, n, dtype, rng)
+        k2, v2 = k2[::2], v2[::2]
+        k2c, v2c = (mx.array(np.array(x.astype(mx.float32))).astype(dtype) for x in (k2, v2))
+        assert mx.array_equal(causal_attention(q, k2, v2, 0.3, backend=backend),
+                              causal_attention(q, k2c, v2c, 0.3, backend=backend)).item()
+
+
 HALF_EPS = {mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}  # unit roundoff
 
 

@@ -37,6 +37,24 @@ const float* rows_as_f32(const void* p, int64_t off, int64_t n, DType dt, float*
   return tmp;
 }
 
+// The rows between a head's first key and the next head's, when k (or v),
+// [B, Hk, S, D], is heads of S rows of D contiguous elements each, every
+// head ld >= S rows after the last and every batch Hk * ld rows: a whole
+// buffer (ld = S), or its first S rows as mlx-lm's KVCache hands a decode
+// step (keys[..., :offset, :] of a buffer that grows by 256). The kernel
+// reads those in place; 0: another layout, read through a copy.
+int64_t head_rows(const mx::array& a) {
+  const int64_t B = a.shape(0), Hk = a.shape(1), S = a.shape(2), D = a.shape(3);
+  if (a.flags().row_contiguous) return S;
+  const auto& st = a.strides();
+  if ((D > 1 && st[3] != 1) || (S > 1 && st[2] != D) || D == 0) return 0;
+  // A size-1 axis's stride says nothing: take the row step from an axis that has more.
+  const int64_t step = Hk > 1 ? st[1] : B > 1 ? st[0] / Hk : S * D;
+  if (step <= 0 || step % D != 0 || step / D < S) return 0;
+  if (B > 1 && st[0] != Hk * step) return 0;
+  return step / D;
+}
+
 }  // namespace
 
 void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
@@ -186,8 +204,15 @@ void CausalAttention::eval_cpu(const std::vector<mx::array>& inputs,
     const size_t at = input_count(pro);  // k, v (then kv_len) follow q's inputs
     const mx::array q = run_input(pro, inputs, 0, pbuf);
     const auto& k = inputs[at];
+    const auto& v = inputs[at + 1];
     AttnShape sh{q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2), q.shape(3)};
     if (q.size() == 0) return;
+    // K and V in place when both are heads of rows one stride apart (a
+    // cache buffer or its filled prefix); else both copied row-major. The
+    // copy cost a plain decode step a read and a write of the whole cache.
+    const int64_t ld = head_rows(k);
+    const bool in_place = ld > 0 && head_rows(v) == ld;
+    sh.rows = in_place ? ld : sh.S;
     if (has_len) {
       // Keys [0, kv_len) of the buffers; a length the buffers cannot hold
       // (or shorter than the queries) gives NaN, never a read past them.
@@ -197,12 +222,12 @@ void CausalAttention::eval_cpu(const std::vector<mx::array>& inputs,
         for (size_t i = 0; i < o.size(); ++i) store_from_f32(o.data<void>(), int64_t(i), std::nanf(""), dt);
         return;
       }
-      sh.rows = sh.S;
       sh.S = len;
     }
-    causal_attention_cpu(kern, sh, row_major(q, qbuf), row_major(k, kbuf),
-                         row_major(inputs[at + 1], vbuf), to_dtype(q.dtype()), scale,
-                         o.data<void>());
+    causal_attention_cpu(kern, sh, row_major(q, qbuf),
+                         in_place ? k.data<void>() : row_major(k, kbuf),
+                         in_place ? v.data<void>() : row_major(v, vbuf), to_dtype(q.dtype()),
+                         scale, o.data<void>());
   });
 }
 
