@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "attn/kernel.h"
 #include "common/x86_prefetch.h"
@@ -63,35 +64,39 @@ inline int64_t rows_ahead(int64_t ldb, size_t elem) {
   return std::max<int64_t>(4, (kPrefetchAhead / int64_t(elem) + ldb - 1) / std::max<int64_t>(ldb, 1));
 }
 
-// A 6 x 16 tile of C: 12 ymm accumulators + 2 for the B row + 1 broadcast
-// fit the 16 registers, and each k step issues 12 FMAs for 2 loads, so the
-// loop is FMA-bound instead of load-bound.
+// An R x 8V tile of C. At 6 x 16: 12 ymm accumulators + 2 for the B row +
+// 1 broadcast fit the 16 registers, and each k step issues 12 FMAs for 2
+// loads, so the loop is FMA-bound instead of load-bound. Float32 blocks of
+// 1 or 2 rows (a decode step's P V with 1 or 2 query heads per KV head)
+// take 32 columns: 4 or 8 FMA chains instead of 2 or 4, where a 4-cycle FMA
+// at 2 a cycle needs 8 (at 2 rows, 16 columns, P V was half of a decode
+// call). Half-precision B keeps 16: with its converts, 32 columns measured
+// 5-15% slower (16/8 heads, d 128, 512-2048 keys, alternating processes).
 // TN: A is stored transposed (element (r, p) at a[p * lda + r]) and the
 // tile is added to C (the backward's C += A^T B); else C = A B.
 // `add`: the tile is added to C (TN, or a later chunk of k); else C = the
-// product. Each step prefetches the tile's line of B `pf.ahead` rows on.
-template <int R, bool TN, class E>
-inline void tile16(const float* a, int64_t lda, const typename E::T* b, int64_t ldb,
-                   float* c, int64_t ldc, int64_t k, bool add, Ahead pf) {
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) {
-    acc[r][0] = add ? _mm256_loadu_ps(c + r * ldc) : _mm256_setzero_ps();
-    acc[r][1] = add ? _mm256_loadu_ps(c + r * ldc + 8) : _mm256_setzero_ps();
-  }
+// product. Each step prefetches the tile's lines of B `pf.ahead` rows on.
+template <int R, int V, bool TN, class E>
+inline void tile(const float* a, int64_t lda, const typename E::T* b, int64_t ldb,
+                 float* c, int64_t ldc, int64_t k, bool add, Ahead pf) {
+  constexpr int kLineElems = 64 / int(sizeof(typename E::T));
+  __m256 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v)
+      acc[r][v] = add ? _mm256_loadu_ps(c + r * ldc + 8 * v) : _mm256_setzero_ps();
   for (int64_t p = 0; p < k; ++p) {
-    if (p + pf.ahead < pf.rows) _mm_prefetch((const char*)(b + (p + pf.ahead) * ldb), _MM_HINT_T1);
-    const __m256 b0 = E::load8(b + p * ldb);
-    const __m256 b1 = E::load8(b + p * ldb + 8);
+    if (p + pf.ahead < pf.rows)
+      for (int o = 0; o < 8 * V; o += kLineElems)
+        _mm_prefetch((const char*)(b + (p + pf.ahead) * ldb + o), _MM_HINT_T1);
+    __m256 bv[V];
+    for (int v = 0; v < V; ++v) bv[v] = E::load8(b + p * ldb + 8 * v);
     for (int r = 0; r < R; ++r) {
       const __m256 x = _mm256_broadcast_ss(TN ? a + p * lda + r : a + r * lda + p);
-      acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(x, bv[v], acc[r][v]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(c + r * ldc, acc[r][0]);
-    _mm256_storeu_ps(c + r * ldc + 8, acc[r][1]);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(c + r * ldc + 8 * v, acc[r][v]);
 }
 
 // Columns left over after the 16-wide tiles (n % 16): one row at a time,
@@ -123,7 +128,9 @@ template <int R, bool TN, class E>
 inline void row_block(const float* a, int64_t lda, const typename E::T* b, int64_t ldb,
                       float* c, int64_t ldc, int64_t n, int64_t k, bool add, Ahead pf) {
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) tile16<R, TN, E>(a, lda, b + j, ldb, c + j, ldc, k, add, pf);
+  if constexpr (R <= 2 && std::is_same_v<E, F32>)
+    for (; j + 32 <= n; j += 32) tile<R, 4, TN, E>(a, lda, b + j, ldb, c + j, ldc, k, add, pf);
+  for (; j + 16 <= n; j += 16) tile<R, 2, TN, E>(a, lda, b + j, ldb, c + j, ldc, k, add, pf);
   if (j < n) cols_tail<TN, E>(a, lda, b + j, ldb, c + j, ldc, R, n - j, k, add);
 }
 
