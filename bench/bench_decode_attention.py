@@ -50,7 +50,8 @@ def caches(hk: int, d: int, n: int, dtype, rng):
 
 
 def per_call_s(run, reps: int) -> float:
-    """Median CPU seconds per call: each rep evaluates one graph of LAYERS calls."""
+    """Median CPU seconds per call: each rep runs (and evaluates) one step's
+    LAYERS calls."""
     run()
     times = []
     for _ in range(reps):
@@ -60,6 +61,11 @@ def per_call_s(run, reps: int) -> float:
     return statistics.median(times)
 
 
+def evaluated(outs: list) -> list:
+    mx.eval(outs)
+    return outs
+
+
 def case(name: str, layout, n: int, dtype, reps: int, probe: float, rng) -> dict:
     from mixbits.attention import causal_attention
 
@@ -67,29 +73,34 @@ def case(name: str, layout, n: int, dtype, reps: int, probe: float, rng) -> dict
     kv = caches(hk, d, n, dtype, rng)
     q = mx.array(rng.standard_normal((1, h, 1, d), dtype=np.float32)).astype(dtype)
     kv_len = mx.array([n], dtype=mx.int32)
+    # Each returns the LAYERS outputs, evaluated: what is timed is what is checked.
     impls = {
-        "mixbits": lambda: mx.eval([causal_attention(q, k, v, SCALE, kv_len=kv_len) for k, v in kv]),
-        "mlx": lambda: mx.eval([mx.fast.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], scale=SCALE)
-                                for k, v in kv]),
+        "mixbits": lambda: evaluated([causal_attention(q, k, v, SCALE, kv_len=kv_len) for k, v in kv]),
+        "mlx": lambda: evaluated([mx.fast.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], scale=SCALE)
+                                  for k, v in kv]),
     }
     if dtype == mx.float32:
         npkv = [(np.array(k)[0], np.array(v)[0]) for k, v in kv]  # (hk, n + 32, d)
         qg = np.array(q).reshape(hk, h // hk, d) * SCALE
 
         def numpy_step():
+            out = []
             for k, v in npkv:
                 s = qg @ k[:, :n].transpose(0, 2, 1)
                 p = np.exp(s - s.max(-1, keepdims=True))
-                (p / p.sum(-1, keepdims=True)) @ v[:, :n]
+                out.append(((p / p.sum(-1, keepdims=True)) @ v[:, :n]).reshape(1, h, 1, d))
+            return out
 
         impls["numpy"] = numpy_step
-    # the same answer from each (float32 reference: MLX's op)
-    want = mx.fast.scaled_dot_product_attention(q, kv[0][0][:, :, :n], kv[0][1][:, :, :n], scale=SCALE)
-    got = causal_attention(q, kv[0][0], kv[0][1], SCALE, kv_len=kv_len)
-    err = float(mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))))
+    # The same answers from each, layer by layer: MLX's op in float32 is the reference.
+    want = [np.array(mx.fast.scaled_dot_product_attention(
+        *(a.astype(mx.float32) for a in (q, k[:, :, :n], v[:, :, :n])), scale=SCALE)) for k, v in kv]
+    err = {impl: max(float(np.max(np.abs(np.array(mx.array(o).astype(mx.float32)) - w)))
+                     for o, w in zip(run(), want))
+           for impl, run in impls.items()}
     nbytes = 2 * hk * n * d * (4 if dtype == mx.float32 else 2)
     row = {"layout": name, "heads": layout, "context": n, "dtype": str(dtype).split(".")[-1],
-           "kv_bytes_per_call": nbytes, "max_abs_diff_vs_mlx": err,
+           "kv_bytes_per_call": nbytes, "max_abs_diff_vs_mlx_f32": err,
            "bound_us": nbytes / (probe * 1e9) * 1e6}
     for impl, run in impls.items():
         s = per_call_s(run, reps)
