@@ -14,6 +14,8 @@ same buffer timed in a loop would hide. Head layouts: SmolLM2-135M's
 (9 query heads over 3 KV heads, head dim 64) and a Qwen3-0.6B-like one
 (16 over 8, head dim 128). float32 and bfloat16 caches (numpy: float32
 only). Reports the median per call over the rounds, and GB/s of K and V.
+A round times what a plain step does per layer: MLX's and our calls
+include building their graph node (a few us), numpy its Python calls.
 Saves bench/results/decode_attention.json.
 """
 

@@ -89,7 +89,7 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
       }
     });
   // K and V rows of KV head bh, in the caller's buffers (row stride ld).
-  const size_t es = dt == DType::f32 ? 4 : 2;
+  const size_t es = dtype_bytes(dt);
   auto k_rows = [&](int64_t bh) { return static_cast<const char*>(k) + bh * ld * D * es; };
   auto v_rows = [&](int64_t bh) { return static_cast<const char*>(v) + bh * ld * D * es; };
   const int64_t nqb = (T + kQueryBlock - 1) / kQueryBlock;

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "attn/kernel.h"
+#include "common/x86_half.h"
 #include "common/x86_prefetch.h"
 
 namespace mixbits {
@@ -28,17 +29,12 @@ struct F32 {
 };
 struct F16 {
   using T = uint16_t;
-  static __m256 load8(const uint16_t* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
+  static __m256 load8(const uint16_t* p) { return load8_f32(p, 0, DType::f16); }
   static float load1(const uint16_t* p) { return _cvtsh_ss(*p); }
 };
 struct BF16 {
   using T = uint16_t;
-  static __m256 load8(const uint16_t* p) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-  }
+  static __m256 load8(const uint16_t* p) { return load8_f32(p, 0, DType::bf16); }
   static float load1(const uint16_t* p) { return bf16_to_f32(*p); }
 };
 
@@ -251,24 +247,26 @@ void gemm_nt(const float* a, int64_t lda, const typename E::T* b, int64_t ldb, f
   _mm256_zeroupper();
 }
 
+// fn(E{}, b as E's element type) for B's element type bt.
+template <class Fn>
+void with_b_type(const void* b, DType bt, Fn&& fn) {
+  switch (bt) {
+    case DType::f16: return fn(F16{}, static_cast<const uint16_t*>(b));
+    case DType::bf16: return fn(BF16{}, static_cast<const uint16_t*>(b));
+    default: return fn(F32{}, static_cast<const float*>(b));
+  }
+}
+
 }  // namespace
 
 void attn_gemm_nt_avx2(const float* a, int64_t lda, const void* b, DType bt, int64_t ldb,
                        float* c, int64_t ldc, int64_t m, int64_t n, int64_t k) {
-  switch (bt) {
-    case DType::f16: return gemm_nt<F16>(a, lda, static_cast<const uint16_t*>(b), ldb, c, ldc, m, n, k);
-    case DType::bf16: return gemm_nt<BF16>(a, lda, static_cast<const uint16_t*>(b), ldb, c, ldc, m, n, k);
-    default: return gemm_nt<F32>(a, lda, static_cast<const float*>(b), ldb, c, ldc, m, n, k);
-  }
+  with_b_type(b, bt, [&](auto e, auto bp) { gemm_nt<decltype(e)>(a, lda, bp, ldb, c, ldc, m, n, k); });
 }
 
 void attn_gemm_avx2(const float* a, int64_t lda, const void* b, DType bt, int64_t ldb,
                     float* c, int64_t ldc, int64_t m, int64_t n, int64_t k) {
-  switch (bt) {
-    case DType::f16: return gemm<false, F16>(a, lda, static_cast<const uint16_t*>(b), ldb, c, ldc, m, n, k);
-    case DType::bf16: return gemm<false, BF16>(a, lda, static_cast<const uint16_t*>(b), ldb, c, ldc, m, n, k);
-    default: return gemm<false, F32>(a, lda, static_cast<const float*>(b), ldb, c, ldc, m, n, k);
-  }
+  with_b_type(b, bt, [&](auto e, auto bp) { gemm<false, decltype(e)>(a, lda, bp, ldb, c, ldc, m, n, k); });
 }
 
 void attn_gemm_tn_acc_avx2(const float* a, int64_t lda, const float* b,

@@ -9,6 +9,9 @@ namespace mixbits {
 
 enum class DType : int { f32 = 0, f16 = 1, bf16 = 2 };
 
+// Bytes per element.
+constexpr int dtype_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
+
 inline float bits_to_f32(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);

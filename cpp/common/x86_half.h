@@ -12,6 +12,22 @@
 #include "common/half.h"
 
 namespace mixbits {
+namespace {
+
+// Eight values at p + off as float32 lanes: float32 loaded, float16 by
+// F16C's convert, bfloat16 widened by a shift. The one 8-lane load every
+// AVX2 kernel reading a float of either width uses (repacked scales and
+// biases, the panel packers, KL's logits, attention's K and V), so they
+// widen alike. Internal linkage, one copy per including file, inlined into
+// its AVX2 code; the 16-lane twin is qmatmul_int8/x86_load16.h.
+inline __m256 load8_f32(const void* p, int64_t off, DType t) {
+  if (t == DType::f32) return _mm256_loadu_ps(static_cast<const float*>(p) + off);
+  const __m128i h = _mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(p) + off));
+  if (t == DType::f16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));  // bf16
+}
+
+}  // namespace
 
 inline void widen_half_f16c(const uint16_t* p, int64_t n, DType t, float* dst) {
   int64_t i = 0;

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 
+#include "common/x86_half.h"
 #include "kl/kernel.h"
 
 namespace mixbits {
@@ -47,23 +48,6 @@ inline __m256 exp8(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.3f);
   const __m256 valid = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
   return _mm256_and_ps(valid, exp8_inrange(_mm256_max_ps(x, lo)));
-}
-
-template <DType t>
-inline __m256 load8(const void* p, int64_t i) {
-  switch (t) {
-    case DType::f32:
-      return _mm256_loadu_ps(static_cast<const float*>(p) + i);
-    case DType::f16:
-      return _mm256_cvtph_ps(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
-    default: {
-      __m128i h = _mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
-      return _mm256_castsi256_ps(
-          _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-  }
 }
 
 inline float hmax(__m256 v) {
@@ -170,8 +154,8 @@ template <KLMode kMode, DType kA, DType kB>
 void chunk(const KLChunk& c, KLState& st) {
   constexpr bool kLogits = kMode == KLMode::Logits;
   constexpr bool kProbs = kMode == KLMode::Probs;
-  constexpr int kSizeA = kA == DType::f32 ? 4 : 2;
-  constexpr int kSizeB = kB == DType::f32 ? 4 : 2;
+  constexpr int kSizeA = dtype_bytes(kA);
+  constexpr int kSizeB = dtype_bytes(kB);
   alignas(32) float fa[kBlock];
   alignas(32) float fb[kBlock];
   const __m256 ninf = _mm256_set1_ps(kNegInf);
@@ -204,12 +188,12 @@ void chunk(const KLChunk& c, KLState& st) {
     };
     int v = 0;
     for (; v + 1 < nfull; v += 2) {
-      scan(v, 0, load8<kA>(c.a, i0 + 8 * v), load8<kB>(c.b, i0 + 8 * v));
-      scan(v + 1, 1, load8<kA>(c.a, i0 + 8 * v + 8),
-           load8<kB>(c.b, i0 + 8 * v + 8));
+      scan(v, 0, load8_f32(c.a, i0 + 8 * v, kA), load8_f32(c.b, i0 + 8 * v, kB));
+      scan(v + 1, 1, load8_f32(c.a, i0 + 8 * v + 8, kA),
+           load8_f32(c.b, i0 + 8 * v + 8, kB));
     }
     if (v < nfull) {
-      scan(v, 0, load8<kA>(c.a, i0 + 8 * v), load8<kB>(c.b, i0 + 8 * v));
+      scan(v, 0, load8_f32(c.a, i0 + 8 * v, kA), load8_f32(c.b, i0 + 8 * v, kB));
       ++v;
     }
     if (nfull < nv) {

@@ -27,7 +27,7 @@
 #include "qmatmul/avx2_decode.h"
 #include "qmatmul/avx2_table.h"
 #include "qmatmul_int8/repack.h"
-#include "qmatmul_int8/x86_load8.h"
+#include "common/x86_half.h"
 
 // The scale loader the VNNI GEMV uses too, compiled for MIXBITS_AVX512's
 // target so the packers below can inline it.

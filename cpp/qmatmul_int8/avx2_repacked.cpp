@@ -30,7 +30,7 @@
 #include "common/x86_prefetch.h"
 #include "qmatmul_int8/avx2_repacked.h"
 #include "qmatmul_int8/repack.h"
-#include "qmatmul_int8/x86_load8.h"
+#include "common/x86_half.h"
 
 namespace mixbits {
 namespace {

@@ -7,7 +7,7 @@
 //
 // Include only in files built with -mavx2 -mfma -mf16c (avx2_*.cpp): the
 // helpers have internal linkage, one copy per including file, as
-// x86_load8.h.
+// common/x86_half.h's load8_f32.
 #pragma once
 #include <immintrin.h>
 

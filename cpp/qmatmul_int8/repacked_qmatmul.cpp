@@ -201,7 +201,7 @@ RepackedView repacked_view(const std::vector<SegSpec>& segs, int N, DType sdtype
   v.shape.sdtype = sdtype;
   v.shape.repacked = true;
   const int64_t NB = repack_blocks(N);
-  const size_t sbytes = sdtype == DType::f32 ? 4 : 2;
+  const size_t sbytes = dtype_bytes(sdtype);
   int k0 = 0;
   for (size_t i = 0; i < segs.size(); ++i) {
     const int words = int(int64_t(segs[i].k) * segs[i].bits / 32);
@@ -238,7 +238,7 @@ void run_repacked(const RepackedKernels& k, QmmPath path, const float* xf, int M
   // (at a prompt's 64 rows the un-repack is a tenth to a third of the
   // call), and 3-, 5-, 6-bit words are de-interleaved into a scratch that
   // merge_planes reads, not copied again.
-  const size_t sbytes = shape.sdtype == DType::f32 ? 4 : 2;
+  const size_t sbytes = dtype_bytes(shape.sdtype);
   const size_t nseg = rsegs.size();
   std::vector<std::unique_ptr<uint32_t[]>> wq(nseg);
   std::vector<std::unique_ptr<char[]>> sc(nseg), bi(nseg);
