@@ -157,3 +157,67 @@ def run_repacked(exe: Path, tmp: Path, cases, threads: int = 1) -> list[np.ndarr
         at += size
     assert at == flat.size, "harness output has the wrong size"
     return out
+
+
+# ------------------------------------------------ attention / SwiGLU harness
+
+# What tests/neon/attn_harness.cpp is linked from: the attention driver and
+# the attention and SwiGLU kernels of an aarch64 build, with their dispatch.
+ATTN_SOURCES = [
+    "tests/neon/attn_harness.cpp",
+    "cpp/common/backend.cpp", "cpp/common/cpu.cpp", "cpp/common/parallel.cpp",
+    "cpp/common/convert.cpp", "cpp/common/neon_convert.cpp", "cpp/kl/neon.cpp",
+    "cpp/attn/driver.cpp", "cpp/attn/dispatch.cpp", "cpp/attn/ref.cpp", "cpp/attn/neon.cpp",
+    "cpp/act/dispatch.cpp", "cpp/act/ref.cpp", "cpp/act/neon.cpp",
+]
+
+
+def _f32(a) -> bytes:
+    return np.ascontiguousarray(np.asarray(a, np.float32)).tobytes()
+
+
+def write_attn_cases(path: Path, cases) -> None:
+    """cases, each a tuple by op:
+    ("attn", q, k_buf, v_buf, S, scale): q [B, H, T, D]; k_buf, v_buf
+        [B, Hk, rows, D] MLX arrays of q's dtype whose first S rows per
+        head are the keys (the rest is never to be read);
+    ("attn_vjp", q, k, v, dout, scale): float32, rows = S;
+    ("swiglu", g, u) and ("swiglu_vjp", g, u, dy): float32 of one size."""
+    with open(path, "wb") as f:
+        f.write(b"MBA1" + struct.pack("<I", len(cases)))
+        for case in cases:
+            op = case[0]
+            if op in ("attn", "attn_vjp"):
+                q, k, v = case[1:4]
+                S = case[4] if op == "attn" else k.shape[2]
+                B, H, T, D = q.shape
+                f.write(struct.pack("<9i", 0 if op == "attn" else 1, DTYPE_ID[q.dtype], B, H,
+                                    k.shape[1], T, S, D, k.shape[2]) + struct.pack("<f", case[-1]))
+                f.write(_raw(q) + _raw(k) + _raw(v))
+                if op == "attn_vjp":
+                    f.write(_f32(case[4]))
+            else:
+                g = np.asarray(case[1], np.float32).ravel()
+                f.write(struct.pack("<2i", 2 if op == "swiglu" else 3, g.size))
+                f.write(b"".join(_f32(np.asarray(a).ravel()) for a in case[1:]))
+
+
+def run_attn(exe: Path, tmp: Path, cases, threads: int = 1) -> list[tuple[np.ndarray, ...]]:
+    """Per case the harness's outputs as float64 (out; dq, dk, dv; y; dg, du)."""
+    write_attn_cases(tmp / "cases.bin", cases)
+    r = run(exe, tmp / "cases.bin", tmp / "out.bin", threads=threads)
+    assert r.returncode == 0, f"harness exit {r.returncode}: " + r.stdout + r.stderr
+    flat = np.fromfile(tmp / "out.bin", np.float32).astype(np.float64)
+    out, at = [], 0
+    for case in cases:
+        op = case[0]
+        shapes = {"attn": [case[1].shape], "attn_vjp": [a.shape for a in case[1:4]],
+                  "swiglu": [np.shape(case[1])], "swiglu_vjp": [np.shape(case[1])] * 2}[op]
+        res = []
+        for s in shapes:
+            n = int(np.prod(s))
+            res.append(flat[at:at + n].reshape(s))
+            at += n
+        out.append(tuple(res))
+    assert at == flat.size, "harness output has the wrong size"
+    return out

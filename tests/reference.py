@@ -1,5 +1,6 @@
 """Independent references for kernel tests: MLX's own dequantize, then
-float64 numpy matmul. Nothing here uses mixbits' kernels or packing."""
+float64 numpy matmul; causal attention, SwiGLU and their derivatives in
+float64 numpy. Nothing here uses mixbits' kernels or packing."""
 
 import mlx.core as mx
 import numpy as np
@@ -43,3 +44,46 @@ def assert_matmul_close(y: mx.array, ref: np.ndarray, mag: np.ndarray, acc_rtol:
         raise AssertionError(
             f"{bad.sum()} of {bad.size} outputs off; first at {tuple(i)}: "
             f"got {got[tuple(i)]}, want {ref[tuple(i)]}, tol {tol[tuple(i)]}")
+
+
+def attention64(q, k, v, scale):
+    """softmax(scale q k^T, causal with the queries last) v in float64."""
+    q, k, v = (np.array(a).astype(np.float64) for a in (q, k, v))
+    B, H, T, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    k = np.repeat(k, H // Hk, axis=1)
+    v = np.repeat(v, H // Hk, axis=1)
+    s = scale * q @ k.transpose(0, 1, 3, 2)
+    allowed = np.arange(S)[None, :] <= np.arange(T)[:, None] + (S - T)
+    s = np.where(allowed, s, -np.inf)
+    s -= s.max(-1, keepdims=True)
+    p = np.exp(s)
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+def attention_vjp64(q, k, v, dout, scale):
+    """(dq, dk, dv) of softmax(scale q k^T, causal, queries last) v in float64;
+    the query heads of a group share (and add into) one KV head."""
+    q, k, v, do = (np.array(a).astype(np.float64) for a in (q, k, v, dout))
+    B, H, T, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    r = H // Hk
+    kr, vr = np.repeat(k, r, axis=1), np.repeat(v, r, axis=1)
+    s = scale * q @ kr.transpose(0, 1, 3, 2)
+    allowed = np.arange(S)[None, :] <= np.arange(T)[:, None] + (S - T)
+    s = np.where(allowed, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    dp = do @ vr.transpose(0, 1, 3, 2)
+    ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+    dq = scale * ds @ kr
+    dk = (scale * ds.transpose(0, 1, 3, 2) @ q).reshape(B, Hk, r, S, D).sum(2)
+    dv = (p.transpose(0, 1, 3, 2) @ do).reshape(B, Hk, r, S, D).sum(2)
+    return dq, dk, dv
+
+
+def swiglu_vjp64(g, u, dy):
+    g, u, dy = (np.array(a).astype(np.float64) for a in (g, u, dy))
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = 1 / (1 + np.exp(-g))
+        return dy * u * s * (1 + g * (1 - s)), dy * g * s

@@ -8,27 +8,13 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mixbits._backends import names
+from mixbits._backends import BACKENDS, names
 from mixbits.activations import act_backends, swiglu
 from mixbits.attention import attn_backends, causal_attention
-from mixbits.routing import _has_vector_kernel, patch_functions, unpatch_functions
+from mixbits.routing import _has_vector_kernel, _routes_prompt_attention, patch_functions, unpatch_functions
 
+from reference import attention64
 from tiny_model import tiny_llama, tiny_tokens
-
-
-def attention64(q, k, v, scale):
-    """softmax(scale q k^T, causal with the queries last) v in float64."""
-    q, k, v = (np.array(a).astype(np.float64) for a in (q, k, v))
-    B, H, T, D = q.shape
-    Hk, S = k.shape[1], k.shape[2]
-    k = np.repeat(k, H // Hk, axis=1)
-    v = np.repeat(v, H // Hk, axis=1)
-    s = scale * q @ k.transpose(0, 1, 3, 2)
-    allowed = np.arange(S)[None, :] <= np.arange(T)[:, None] + (S - T)
-    s = np.where(allowed, s, -np.inf)
-    s -= s.max(-1, keepdims=True)
-    p = np.exp(s)
-    return (p / p.sum(-1, keepdims=True)) @ v
 
 
 SHAPES = [  # B, H, Hk, T, S, D
@@ -340,8 +326,8 @@ def test_routing_is_per_model_and_keeps_logits(monkeypatch):
 
 
 def test_no_routing_where_only_the_scalar_kernel_exists(monkeypatch, request):
-    """On a CPU where a kernel has only its scalar reference (arm64 today),
-    MLX's own op is faster: that function is not taken over."""
+    """On a CPU where a kernel has only its scalar reference (x86 without
+    AVX2), MLX's own op is faster: that function is not taken over."""
     from mixbits import _ext
 
     calls = _counting(monkeypatch)
@@ -364,5 +350,35 @@ def test_no_routing_where_only_the_scalar_kernel_exists(monkeypatch, request):
         mx.eval(got)
         assert calls == {"attn": 2, "swiglu": 0}
         assert mx.allclose(got, plain(tokens), atol=1e-4).item()
+    finally:
+        unpatch_functions(routed)
+
+
+def test_arm64_routes_decode_attention_only(monkeypatch, request):
+    """Where the kernels' vector backend is NEON (arm64), SwiGLU and decode
+    steps go to the kernels and prompts' attention stays with MLX (its CPU
+    matmul is Accelerate's there); logits as the plain model's."""
+    from mixbits import _ext
+    from mlx_lm.models.cache import make_prompt_cache
+
+    calls = _counting(monkeypatch)
+    neon = [BACKENDS["ref"], BACKENDS["neon"]]
+    monkeypatch.setattr(_ext, "attn_backends", lambda: neon)
+    monkeypatch.setattr(_ext, "act_backends", lambda: neon)
+    for cached in (_has_vector_kernel, _routes_prompt_attention):
+        cached.cache_clear()
+        request.addfinalizer(cached.cache_clear)
+    routed, plain = tiny_llama(seed=0), tiny_llama(seed=0)
+    tokens = mx.array(tiny_tokens(1, 14))
+    assert sorted(patch_functions(routed)) == ["rms_norm", "rope", "scaled_dot_product_attention", "swiglu"]
+    try:
+        cache = make_prompt_cache(routed)
+        mx.eval(routed(tokens[:, :10], cache=cache))
+        assert calls == {"attn": 0, "swiglu": 2}  # the prompt: SwiGLU only (2 layers)
+        for t in range(10, 14):
+            step = routed(tokens[:, t : t + 1], cache=cache)
+            mx.eval(step)
+            assert calls["attn"] == 2 * (t - 9)
+            assert mx.allclose(step[0, -1], plain(tokens[:, : t + 1])[0, -1], atol=1e-4).item()
     finally:
         unpatch_functions(routed)

@@ -18,30 +18,10 @@ from mixbits.attention import attn_backends
 from mixbits._backends import BACKENDS
 
 import tiny_models
+from reference import attention_vjp64, swiglu_vjp64
 
 ATTN = [BACKENDS[b] for b in attn_backends()]
 ACT = [BACKENDS[b] for b in act_backends()]
-
-
-def attention_vjp64(q, k, v, dout, scale):
-    """(dq, dk, dv) of softmax(scale q k^T, causal, queries last) v in float64;
-    the query heads of a group share (and add into) one KV head."""
-    q, k, v, do = (np.array(a).astype(np.float64) for a in (q, k, v, dout))
-    B, H, T, D = q.shape
-    Hk, S = k.shape[1], k.shape[2]
-    r = H // Hk
-    kr, vr = np.repeat(k, r, axis=1), np.repeat(v, r, axis=1)
-    s = scale * q @ kr.transpose(0, 1, 3, 2)
-    allowed = np.arange(S)[None, :] <= np.arange(T)[:, None] + (S - T)
-    s = np.where(allowed, s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    dp = do @ vr.transpose(0, 1, 3, 2)
-    ds = p * (dp - (p * dp).sum(-1, keepdims=True))
-    dq = scale * ds @ kr
-    dk = (scale * ds.transpose(0, 1, 3, 2) @ q).reshape(B, Hk, r, S, D).sum(2)
-    dv = (p.transpose(0, 1, 3, 2) @ do).reshape(B, Hk, r, S, D).sum(2)
-    return dq, dk, dv
 
 
 def rand(rng, shape, mult=1.0):
@@ -206,13 +186,6 @@ def test_attention_jvp_and_second_order_match_mlx():
 
 
 # --- SwiGLU --------------------------------------------------------------
-
-
-def swiglu_vjp64(g, u, dy):
-    g, u, dy = (np.array(a).astype(np.float64) for a in (g, u, dy))
-    with np.errstate(over="ignore", invalid="ignore"):
-        s = 1 / (1 + np.exp(-g))
-        return dy * u * s * (1 + g * (1 - s)), dy * g * s
 
 
 def ours_swiglu_vjp(g, u, dy, backend=0):

@@ -1,4 +1,4 @@
-// Swiglu: checks, backend choice, and the CPU evaluation (contiguous
+// Swiglu: checks and the CPU evaluation (contiguous
 // element ranges in parallel; strided inputs are copied first).
 #include "act/act.h"
 
@@ -13,27 +13,6 @@
 #include "mlx/backend/cpu/encoder.h"
 
 namespace mixbits {
-
-std::vector<Backend> available_act_backends() {
-  return available_backends(kActBackends);
-}
-
-SwigluFn select_swiglu(Backend requested) {
-  [[maybe_unused]] const Backend b = resolve_backend("swiglu", requested, kActBackends);
-#if defined(MIXBITS_HAVE_AVX2)
-  if (b == Backend::Avx2) return swiglu_avx2;
-#endif
-  return swiglu_ref;
-}
-
-SwigluVjpFn select_swiglu_vjp(Backend requested) {
-  // Same availability rules (and errors) as the forward.
-  [[maybe_unused]] const SwigluFn fwd = select_swiglu(requested);
-#if defined(MIXBITS_HAVE_AVX2)
-  if (fwd == swiglu_avx2) return swiglu_vjp_avx2;
-#endif
-  return swiglu_vjp_ref;
-}
 
 mx::array swiglu(const mx::array& gate, const mx::array& up,
                  Backend backend, mx::StreamOrDevice s) {

@@ -9,7 +9,7 @@
 #include "common/backend.h"
 namespace mixbits {
 
-constexpr BackendSet kActBackends = backend_set({Backend::Ref, Backend::Avx2});
+constexpr BackendSet kActBackends = backend_set({Backend::Ref, Backend::Avx2, Backend::Neon});
 
 // y[i] = silu(g[i]) * u[i] for i in [0, n).
 using SwigluFn = void (*)(const float* g, const float* u, float* y, int64_t n);
@@ -25,6 +25,11 @@ void swiglu_vjp_ref(const float* g, const float* u, const float* dy, float* dg,
 #if defined(MIXBITS_HAVE_AVX2)
 void swiglu_avx2(const float* g, const float* u, float* y, int64_t n);
 void swiglu_vjp_avx2(const float* g, const float* u, const float* dy, float* dg,
+                     float* du, int64_t n);
+#endif
+#if defined(MIXBITS_HAVE_NEON)
+void swiglu_neon(const float* g, const float* u, float* y, int64_t n);
+void swiglu_vjp_neon(const float* g, const float* u, const float* dy, float* dg,
                      float* du, int64_t n);
 #endif
 

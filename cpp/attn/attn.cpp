@@ -1,18 +1,14 @@
-// CausalAttention: argument checks, graph construction, and the CPU driver
-// that cuts the work into (batch, KV head, query block) items run in
-// parallel with the selected backend's GEMM and row exp.
+// CausalAttention: argument checks, graph construction, and the CPU task
+// that hands the inputs' buffers to the driver (driver.cpp).
 #include "attn/attn.h"
 
-#include <algorithm>
 #include <cmath>
-#include <memory>
 #include <stdexcept>
 
 #include "common/convert.h"
 #include "common/cpu_task.h"
 #include "common/inputs.h"
 #include "common/mlx_args.h"
-#include "common/parallel.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
@@ -22,19 +18,6 @@ namespace {
 
 [[noreturn]] void fail(const std::string& msg) {
   throw std::invalid_argument("causal_attention: " + msg);
-}
-
-// Query positions per work item. With 3 query heads per KV head that is 96
-// rows: the scores for 96 rows x 1024 keys (384 KiB) stay in L2, and a
-// 256-token batch still splits into enough items for every core.
-constexpr int64_t kQueryBlock = 32;
-
-// Elements [off, off + n) of a `dt` array as float32: a pointer into it
-// for float32 (no copy), else widened into `tmp`.
-const float* rows_as_f32(const void* p, int64_t off, int64_t n, DType dt, float* tmp) {
-  if (dt == DType::f32) return static_cast<const float*>(p) + off;
-  widen_to_f32(p, off, n, dt, tmp);
-  return tmp;
 }
 
 // The rows between a head's first key and the next head's, when k (or v),
@@ -56,82 +39,6 @@ int64_t head_rows(const mx::array& a) {
 }
 
 }  // namespace
-
-void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
-                          const void* q, const void* k, const void* v,
-                          DType dt, float scale, void* out) {
-  const int64_t B = sh.B, H = sh.H, Hk = sh.Hk, T = sh.T, S = sh.S, D = sh.D;
-  const int64_t r = H / Hk, off = S - T, ld = sh.kv_rows();
-  // K^T per KV head, so the score GEMM reads keys contiguously along its
-  // output row (the vector direction of the GEMM tile); float32 whatever
-  // the inputs' type.
-  // Scratch is written before it is read: no zero fill (a decode step's
-  // attention is small enough for a memset of the block-sized buffers to
-  // show).
-  auto scratch = [](int64_t n) { return std::unique_ptr<float[]>(new float[size_t(n)]); };
-  // A decode step (one query per head) reads each key once, so its scores
-  // come straight from the key rows (gemm_nt): transposing K would cost as
-  // much as the product. Longer queries reuse K^T across their rows.
-  // The GEMMs read half-precision K rows and V as they are: widened copies
-  // cost a write and a read back of twice the bytes (a bfloat16 cache of
-  // 2000 keys went at 8 GB/s).
-  const bool direct = T == 1;
-  auto kt = scratch(direct ? 0 : B * Hk * D * S);
-  if (!direct)
-    parallel_for(B * Hk, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> row(static_cast<size_t>(D));
-      for (int64_t i = i0; i < i1; ++i) {
-        float* dst = kt.get() + i * D * S;
-        for (int64_t s = 0; s < S; ++s) {
-          const float* kr = rows_as_f32(k, (i * ld + s) * D, D, dt, row.data());
-          for (int64_t d = 0; d < D; ++d) dst[d * S + s] = kr[d];
-        }
-      }
-    });
-  // K and V rows of KV head bh, in the caller's buffers (row stride ld).
-  const size_t es = dtype_bytes(dt);
-  auto k_rows = [&](int64_t bh) { return static_cast<const char*>(k) + bh * ld * D * es; };
-  auto v_rows = [&](int64_t bh) { return static_cast<const char*>(v) + bh * ld * D * es; };
-  const int64_t nqb = (T + kQueryBlock - 1) / kQueryBlock;
-  const int64_t qb = std::min(kQueryBlock, T);  // rows of a block: 1 in a decode step
-  parallel_for(B * Hk * nqb, 1, [&](int64_t w0, int64_t w1) {
-    auto qa = scratch(r * qb * D), sc = scratch(r * qb * S), o = scratch(r * qb * D),
-         inv = scratch(r * qb);
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t bh = w / nqb;  // b * Hk + hk
-      const int64_t b = bh / Hk, hk = bh % Hk;
-      const int64_t t0 = (w % nqb) * kQueryBlock;
-      const int64_t nt = std::min(kQueryBlock, T - t0);
-      const int64_t rows = r * nt;
-      const int64_t e = t0 + nt + off;  // keys any row of this block sees
-      for (int64_t g = 0; g < r; ++g) {
-        float* dst = qa.get() + g * nt * D;
-        const float* src = rows_as_f32(q, ((b * H + hk * r + g) * T + t0) * D, nt * D, dt, dst);
-        for (int64_t i = 0; i < nt * D; ++i) dst[i] = src[i] * scale;
-      }
-      if (direct)
-        kern.gemm_nt(qa.get(), D, k_rows(bh), dt, D, sc.get(), e, rows, e, D);
-      else
-        kern.gemm(qa.get(), D, kt.get() + bh * D * S, DType::f32, S, sc.get(), e, rows, e, D);
-      for (int64_t row = 0; row < rows; ++row) {
-        float* x = sc.get() + row * e;
-        const int64_t n = t0 + row % nt + off + 1;  // causal: keys 0 .. t+off
-        inv[row] = 1.0f / kern.exp_row(x, n, attn_row_max(x, n));
-        std::fill(x + n, x + e, 0.0f);
-      }
-      kern.gemm(sc.get(), e, v_rows(bh), dt, D, o.get(), D, rows, D, e);
-      for (int64_t g = 0; g < r; ++g) {
-        const int64_t dst = ((b * H + hk * r + g) * T + t0) * D;
-        for (int64_t t = 0; t < nt; ++t) {
-          const float f = inv[g * nt + t];
-          float* src = o.get() + (g * nt + t) * D;
-          for (int64_t d = 0; d < D; ++d) src[d] *= f;
-          narrow_from_f32(src, D, dt, out, dst + t * D);
-        }
-      }
-    }
-  });
-}
 
 mx::array causal_attention(const mx::array& q, const mx::array& k,
                            const mx::array& v, float scale,

@@ -247,26 +247,16 @@ void gemm_nt(const float* a, int64_t lda, const typename E::T* b, int64_t ldb, f
   _mm256_zeroupper();
 }
 
-// fn(E{}, b as E's element type) for B's element type bt.
-template <class Fn>
-void with_b_type(const void* b, DType bt, Fn&& fn) {
-  switch (bt) {
-    case DType::f16: return fn(F16{}, static_cast<const uint16_t*>(b));
-    case DType::bf16: return fn(BF16{}, static_cast<const uint16_t*>(b));
-    default: return fn(F32{}, static_cast<const float*>(b));
-  }
-}
-
 }  // namespace
 
 void attn_gemm_nt_avx2(const float* a, int64_t lda, const void* b, DType bt, int64_t ldb,
                        float* c, int64_t ldc, int64_t m, int64_t n, int64_t k) {
-  with_b_type(b, bt, [&](auto e, auto bp) { gemm_nt<decltype(e)>(a, lda, bp, ldb, c, ldc, m, n, k); });
+  with_b_type<F32, F16, BF16>(b, bt, [&](auto e, auto bp) { gemm_nt<decltype(e)>(a, lda, bp, ldb, c, ldc, m, n, k); });
 }
 
 void attn_gemm_avx2(const float* a, int64_t lda, const void* b, DType bt, int64_t ldb,
                     float* c, int64_t ldc, int64_t m, int64_t n, int64_t k) {
-  with_b_type(b, bt, [&](auto e, auto bp) { gemm<false, decltype(e)>(a, lda, bp, ldb, c, ldc, m, n, k); });
+  with_b_type<F32, F16, BF16>(b, bt, [&](auto e, auto bp) { gemm<false, decltype(e)>(a, lda, bp, ldb, c, ldc, m, n, k); });
 }
 
 void attn_gemm_tn_acc_avx2(const float* a, int64_t lda, const float* b,

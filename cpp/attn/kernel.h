@@ -7,7 +7,7 @@
 //   O = P V / rowsum(P)    rows x D
 // where "rows" stacks the query block of every query head that shares the
 // KV head (grouped-query attention), so K and V are read once per group.
-// Every backend supplies the GEMM and the row exp; the driver (attn.cpp) is
+// Every backend supplies the GEMM and the row exp; the driver (driver.cpp) is
 // shared, so backends differ only in arithmetic order.
 #pragma once
 #include "common/half.h"
@@ -17,7 +17,7 @@
 #include "common/backend.h"
 namespace mixbits {
 
-constexpr BackendSet kAttnBackends = backend_set({Backend::Ref, Backend::Avx2});
+constexpr BackendSet kAttnBackends = backend_set({Backend::Ref, Backend::Avx2, Backend::Neon});
 
 // C[m x n] = A[m x k] . B[k x n]; row-major, leading dimensions in
 // elements. B is float32, float16 or bfloat16 (bt), widened as it is read:
@@ -67,6 +67,28 @@ void attn_gemm_tn_acc_avx2(const float* a, int64_t lda, const float* b,
                            int64_t ldb, float* c, int64_t ldc, int64_t m,
                            int64_t n, int64_t k);
 #endif
+#if defined(MIXBITS_HAVE_NEON)
+void attn_gemm_neon(const float* a, int64_t lda, const void* b, DType bt, int64_t ldb,
+                    float* c, int64_t ldc, int64_t m, int64_t n, int64_t k);
+float attn_exp_row_neon(float* x, int64_t n, float max);
+void attn_gemm_nt_neon(const float* a, int64_t lda, const void* b, DType bt, int64_t ldb,
+                       float* c, int64_t ldc, int64_t m, int64_t n, int64_t k);
+void attn_gemm_tn_acc_neon(const float* a, int64_t lda, const float* b,
+                           int64_t ldb, float* c, int64_t ldc, int64_t m,
+                           int64_t n, int64_t k);
+#endif
+
+// fn(E{}, b as E's element type) for B's element type bt: a SIMD backend's
+// GEMMs are templates over its element loaders (F32, F16, BF16: how that
+// ISA widens each type), instantiated once per type here.
+template <class F32, class F16, class BF16, class Fn>
+void with_b_type(const void* b, DType bt, Fn&& fn) {
+  switch (bt) {
+    case DType::f16: return fn(F16{}, static_cast<const uint16_t*>(b));
+    case DType::bf16: return fn(BF16{}, static_cast<const uint16_t*>(b));
+    default: return fn(F32{}, static_cast<const float*>(b));
+  }
+}
 
 // max(x[0..n)), n >= 1, in 8 independent lanes: a single running maximum is
 // a serial chain of 4-cycle maxss, ~5 ms of a 1024-token backward; the
@@ -109,12 +131,14 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
 
 // The vjp of causal_attention_cpu: dq [B, H, T, D], dk and dv [B, Hk, S, D]
 // from contiguous float32 q, k, v and the output cotangent dout [B, H, T, D]
-// (grad.cpp says how the work is split). The split and the order of every
+// (driver.cpp says how the work is split). The split and the order of every
 // sum depend on the shapes only, so results do not depend on the thread
 // count.
 void causal_attention_vjp_cpu(const AttnKernels& kern, const AttnShape& sh,
                               const float* q, const float* k, const float* v,
                               const float* dout, float scale, float* dq,
-                              float* dk, float* dv);
+                              float* dk, float* dv, float* partials);
+// The floats of scratch the vjp's `partials` must hold (per-chunk dK, dV).
+int64_t attn_vjp_scratch_floats(const AttnShape& sh);
 
 }  // namespace mixbits

@@ -9,7 +9,8 @@ call. A router takes the call only inside such a mark and only in the
 cases the kernels cover (on the CPU; SwiGLU in float32, attention in
 float32, float16 or bfloat16 with the causal mask,
 a one-query decode step without a mask, or a compiled decode step's prefix
-mask (mixbits.decode), no quantized cache or sinks);
+mask (mixbits.decode), no quantized cache or sinks; on arm64 decode steps
+only);
 everything else (other models of the same architecture, other array masks,
 SwiGLU in half precision, GPU) goes to the original function.
 """
@@ -52,11 +53,23 @@ _KERNEL_BACKENDS = {"scaled_dot_product_attention": lambda: _ext.attn_backends()
 @functools.cache
 def _has_vector_kernel(name: str) -> bool:
     """Whether the kernel behind router ``name`` has more than the scalar
-    reference here. Where it has not (arm64: no NEON attention or SwiGLU
-    kernel yet), MLX's own op is faster and the call is not taken over.
-    Asked once per process (the CPU does not change): the routers call it
-    on every attention / SwiGLU call."""
+    reference here. Where it has not (a CPU with neither AVX2 nor NEON),
+    MLX's own op is faster and the call is not taken over. Asked once per
+    process (the CPU does not change): the routers call it on every
+    attention / SwiGLU call."""
     return any(b != "ref" for b in names(_KERNEL_BACKENDS[name]()))
+
+
+@functools.cache
+def _routes_prompt_attention() -> bool:
+    """Whether prompts (more than one query per head) go to the attention
+    kernel too, not only decode steps: on x86 (AVX2 / AVX-512), where MLX's
+    CPU matmul on Linux is a reference BLAS and the kernel measured 36-75x
+    MLX's sdpa. On arm64 (NEON) MLX's CPU matmul is Accelerate's, whose
+    matrix units a prompt's score and value GEMMs may well favour, so only
+    decode steps are taken: one node that reads its cache once, in place of
+    MLX's chain of small ones. Neither is measured on a Mac."""
+    return any(b in ("avx2", "avx512") for b in names(_ext.attn_backends()))
 
 
 def _prefix_length(cache, mask, queries):
@@ -76,9 +89,10 @@ def _sdpa_router(original):
         # what the causal kernel does for the last query row; a compiled
         # decode step's prefix mask is the same over the first kv_len keys.
         kv_len = _prefix_length(cache, mask, queries) if isinstance(mask, mx.array) else None
+        one_query = queries.shape[-2] == 1
         causal = (isinstance(mask, str) and mask == "causal") or (
-            mask is None and queries.shape[-2] == 1) or kv_len is not None
-        if (_ACTIVE.get() and causal and sinks is None and not hasattr(cache, "bits")
+            mask is None and one_query) or kv_len is not None
+        if (_ACTIVE.get() and causal and (one_query or _routes_prompt_attention()) and sinks is None and not hasattr(cache, "bits")
                 and _one_float_dtype(queries, keys, values) and on_cpu()
                 and _has_vector_kernel("scaled_dot_product_attention")):
             return _ext.causal_attention(queries, keys, values, float(scale), 0, kv_len)
