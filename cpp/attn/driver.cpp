@@ -72,17 +72,21 @@ int64_t packed_ld(int64_t S) {
   return ld % 256 == 0 ? ld + 16 : ld;
 }
 
-// Packs each KV head's [S, D] matrix as [D, ld] (the GEMMs' B operand for
-// Q K^T and dO V^T reads keys contiguously).
-std::vector<float> transpose_heads(const float* x, int64_t heads, int64_t S,
-                                   int64_t D, int64_t ld) {
-  std::vector<float> t(size_t(heads * D * ld));
+// Each KV head's first S rows of D elements (`rows` rows apart per head,
+// type dt) as a float32 [D, ld] matrix: K^T (and the backward's V^T), the
+// GEMMs' B operand for Q K^T and dO V^T, reading keys contiguously along
+// the tile's output row. Columns S .. ld-1 are never read: no fill.
+std::unique_ptr<float[]> transpose_heads(const void* x, DType dt, int64_t heads, int64_t rows,
+                                         int64_t S, int64_t D, int64_t ld) {
+  std::unique_ptr<float[]> t(new float[size_t(heads * D * ld)]);
   parallel_for(heads, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> row(static_cast<size_t>(D));
     for (int64_t i = i0; i < i1; ++i) {
-      const float* src = x + i * S * D;
-      float* dst = t.data() + i * D * ld;
-      for (int64_t s = 0; s < S; ++s)
-        for (int64_t d = 0; d < D; ++d) dst[d * ld + s] = src[s * D + d];
+      float* dst = t.get() + i * D * ld;
+      for (int64_t s = 0; s < S; ++s) {
+        const float* src = rows_as_f32(x, (i * rows + s) * D, D, dt, row.data());
+        for (int64_t d = 0; d < D; ++d) dst[d * ld + s] = src[d];
+      }
     }
   });
   return t;
@@ -95,32 +99,23 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
                           DType dt, float scale, void* out) {
   const int64_t B = sh.B, H = sh.H, Hk = sh.Hk, T = sh.T, S = sh.S, D = sh.D;
   const int64_t r = H / Hk, off = S - T, ld = sh.kv_rows();
-  // K^T per KV head, so the score GEMM reads keys contiguously along its
-  // output row (the vector direction of the GEMM tile); float32 whatever
-  // the inputs' type.
   // Scratch is written before it is read: no zero fill (a decode step's
   // attention is small enough for a memset of the block-sized buffers to
   // show).
   auto scratch = [](int64_t n) { return std::unique_ptr<float[]>(new float[size_t(n)]); };
   // A decode step (one query per head) reads each key once, so its scores
   // come straight from the key rows (gemm_nt): transposing K would cost as
-  // much as the product. Longer queries reuse K^T across their rows.
+  // much as the product. Longer queries reuse K^T, float32 whatever the
+  // inputs' type, across their rows.
   // The GEMMs read half-precision K rows and V as they are: widened copies
   // cost a write and a read back of twice the bytes (a bfloat16 cache of
   // 2000 keys went at 8 GB/s).
   const bool direct = T == 1;
-  auto kt = scratch(direct ? 0 : B * Hk * D * S);
-  if (!direct)
-    parallel_for(B * Hk, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> row(static_cast<size_t>(D));
-      for (int64_t i = i0; i < i1; ++i) {
-        float* dst = kt.get() + i * D * S;
-        for (int64_t s = 0; s < S; ++s) {
-          const float* kr = rows_as_f32(k, (i * ld + s) * D, D, dt, row.data());
-          for (int64_t d = 0; d < D; ++d) dst[d * S + s] = kr[d];
-        }
-      }
-    });
+  // At packed_ld's stride, not S: with S = 1024 the 4 KiB rows of K^T
+  // evicted each other from L1 (SmolLM2 heads, one thread: 2 x 1024
+  // 38.5-38.8 -> 30.1-31.4 ms, 1 x 2048 73.6-74.1 -> 60.8-60.9).
+  const int64_t kld = packed_ld(S);
+  const auto kt = direct ? nullptr : transpose_heads(k, dt, B * Hk, ld, S, D, kld);
   // K and V rows of KV head bh, in the caller's buffers (row stride ld).
   const size_t es = dtype_bytes(dt);
   auto k_rows = [&](int64_t bh) { return static_cast<const char*>(k) + bh * ld * D * es; };
@@ -145,7 +140,7 @@ void causal_attention_cpu(const AttnKernels& kern, const AttnShape& sh,
       if (direct)
         kern.gemm_nt(qa.get(), D, k_rows(bh), dt, D, sc.get(), e, rows, e, D);
       else
-        kern.gemm(qa.get(), D, kt.get() + bh * D * S, DType::f32, S, sc.get(), e, rows, e, D);
+        kern.gemm(qa.get(), D, kt.get() + bh * D * kld, DType::f32, kld, sc.get(), e, rows, e, D);
       for (int64_t row = 0; row < rows; ++row) {
         float* x = sc.get() + row * e;
         const int64_t n = t0 + row % nt + off + 1;  // causal: keys 0 .. t+off
@@ -178,8 +173,8 @@ void causal_attention_vjp_cpu(const AttnKernels& kern, const AttnShape& sh,
   const int64_t r = H / Hk, off = S - T, heads = B * Hk;
   if (heads == 0 || S == 0 || D == 0) return;
   const int64_t ld = packed_ld(S);
-  const std::vector<float> kt = transpose_heads(k, heads, S, D, ld);
-  const std::vector<float> vt = transpose_heads(v, heads, S, D, ld);
+  const auto kt = transpose_heads(k, DType::f32, heads, S, S, D, ld);
+  const auto vt = transpose_heads(v, DType::f32, heads, S, S, D, ld);
   const int64_t nqb = (T + kQueryBlock - 1) / kQueryBlock;
   // Chunk c of every head covers query blocks [lo[c], lo[c + 1]), cut where
   // the causal work (rows x keys seen) reaches c / C of the total.
@@ -223,8 +218,8 @@ void causal_attention_vjp_cpu(const AttnKernels& kern, const AttnShape& sh,
           std::copy(q + src, q + src + nt * D, qa.data() + g * nt * D);
           std::copy(dout + src, dout + src + nt * D, da.data() + g * nt * D);
         }
-        kern.gemm(qa.data(), D, kt.data() + bh * D * ld, DType::f32, ld, sc.data(), ld, rows, e, D);
-        kern.gemm(da.data(), D, vt.data() + bh * D * ld, DType::f32, ld, dp.data(), ld, rows, e, D);
+        kern.gemm(qa.data(), D, kt.get() + bh * D * ld, DType::f32, ld, sc.data(), ld, rows, e, D);
+        kern.gemm(da.data(), D, vt.get() + bh * D * ld, DType::f32, ld, dp.data(), ld, rows, e, D);
         for (int64_t row = 0; row < rows; ++row) {
           const int64_t n = t0 + row % nt + off + 1;  // causal: keys 0 .. t + off
           float* x = sc.data() + row * ld;
