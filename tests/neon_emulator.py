@@ -143,20 +143,26 @@ def write_repacked_cases(path: Path, cases) -> None:
                 f.write(_raw(s.wq_r) + _raw(s.scales_r) + _raw(s.biases_r))
 
 
-def run_repacked(exe: Path, tmp: Path, cases, threads: int = 1) -> list[np.ndarray]:
-    """Per case the harness's y (float64 [M, N]); a nonzero exit (no NEON
-    table offered, a write past y) fails with the harness's message."""
-    write_repacked_cases(tmp / "cases.bin", cases)
+def _outputs(exe: Path, tmp: Path, shapes, threads: int) -> list[np.ndarray]:
+    """Runs a harness on tmp/cases.bin; its float32 outputs, one array per
+    shape in order, as float64. A nonzero exit (no NEON table offered, a
+    write past an output) fails with the harness's message."""
     r = run(exe, tmp / "cases.bin", tmp / "out.bin", threads=threads)
     assert r.returncode == 0, f"harness exit {r.returncode}: " + r.stdout + r.stderr
     flat = np.fromfile(tmp / "out.bin", np.float32).astype(np.float64)
     out, at = [], 0
-    for _, x, rt, _ in cases:
-        size = x.shape[0] * rt.shape[0]
-        out.append(flat[at:at + size].reshape(x.shape[0], -1))
+    for shape in shapes:
+        size = int(np.prod(shape))
+        out.append(flat[at:at + size].reshape(shape))
         at += size
     assert at == flat.size, "harness output has the wrong size"
     return out
+
+
+def run_repacked(exe: Path, tmp: Path, cases, threads: int = 1) -> list[np.ndarray]:
+    """Per case the harness's y (float64 [M, N])."""
+    write_repacked_cases(tmp / "cases.bin", cases)
+    return _outputs(exe, tmp, [(x.shape[0], rt.shape[0]) for _, x, rt, _ in cases], threads)
 
 
 # ------------------------------------------------ attention / SwiGLU harness
@@ -205,19 +211,7 @@ def write_attn_cases(path: Path, cases) -> None:
 def run_attn(exe: Path, tmp: Path, cases, threads: int = 1) -> list[tuple[np.ndarray, ...]]:
     """Per case the harness's outputs as float64 (out; dq, dk, dv; y; dg, du)."""
     write_attn_cases(tmp / "cases.bin", cases)
-    r = run(exe, tmp / "cases.bin", tmp / "out.bin", threads=threads)
-    assert r.returncode == 0, f"harness exit {r.returncode}: " + r.stdout + r.stderr
-    flat = np.fromfile(tmp / "out.bin", np.float32).astype(np.float64)
-    out, at = [], 0
-    for case in cases:
-        op = case[0]
-        shapes = {"attn": [case[1].shape], "attn_vjp": [a.shape for a in case[1:4]],
-                  "swiglu": [np.shape(case[1])], "swiglu_vjp": [np.shape(case[1])] * 2}[op]
-        res = []
-        for s in shapes:
-            n = int(np.prod(s))
-            res.append(flat[at:at + n].reshape(s))
-            at += n
-        out.append(tuple(res))
-    assert at == flat.size, "harness output has the wrong size"
-    return out
+    per_case = [{"attn": [c[1].shape], "attn_vjp": [a.shape for a in c[1:4]],
+                 "swiglu": [np.shape(c[1])], "swiglu_vjp": [np.shape(c[1])] * 2}[c[0]] for c in cases]
+    flat = iter(_outputs(exe, tmp, [s for shapes in per_case for s in shapes], threads))
+    return [tuple(next(flat) for _ in shapes) for shapes in per_case]

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "attn/gemm_chunks.h"
 #include "attn/kernel.h"
 #include "common/x86_half.h"
 #include "common/x86_prefetch.h"
@@ -37,17 +38,6 @@ struct BF16 {
   static __m256 load8(const uint16_t* p) { return load8_f32(p, 0, DType::bf16); }
   static float load1(const uint16_t* p) { return bf16_to_f32(*p); }
 };
-
-// k in chunks of kKc: every column tile of a chunk reads the same kKc rows
-// of B, so B streams from memory once, in order, while the rows ahead
-// are prefetched into L2, one line per tile step (as many steps as lines
-// when one block of rows covers C, as in decode). Without the chunks a
-// decode step's P V (3 rows, 64 columns, k = the keys) ran 4 passes over
-// V, one 64-byte line of each 256-byte row per pass, and read a cold cache
-// at 9 GB/s; prefetching a chunk's lines in one burst at its start stalled
-// on the full miss queue. Chunks change no sum: each element of C still
-// adds its k terms in order (C holds the sum between chunks).
-constexpr int64_t kKc = 64;
 
 // What a loop over the rows of B prefetches: rows below `rows` (counted from
 // its b; 0: none), `ahead` rows on from the one it reads: the x86 kernels'
@@ -130,33 +120,19 @@ inline void row_block(const float* a, int64_t lda, const typename E::T* b, int64
   if (j < n) cols_tail<TN, E>(a, lda, b + j, ldb, c + j, ldc, R, n - j, k, add);
 }
 
-// Rows of C in blocks of 6; row i of A starts at a + i * lda (plain) or at
-// a + i (TN: A's column i).
+// Chunks of k and blocks of rows as gemm_chunks.h; the first block of rows
+// of each chunk prefetches the rows of B ahead for all (row i of A starts
+// at a + i * lda, or at a + i for TN: A's column i).
 template <bool TN, class E>
 void gemm(const float* a, int64_t lda, const typename E::T* b, int64_t ldb, float* c,
           int64_t ldc, int64_t m, int64_t n, int64_t k) {
-  const int64_t row_step = TN ? 1 : lda;
   const int64_t ahead = rows_ahead(ldb, sizeof(typename E::T));
-  for (int64_t p0 = 0; p0 == 0 || p0 < k; p0 += kKc) {
-    const int64_t kc = std::min(kKc, k - p0);
-    const float* ap = TN ? a + p0 * lda : a + p0;
-    const typename E::T* bp = b + p0 * ldb;
-    const bool add = TN || p0 > 0;
-    int64_t i = 0;
-    Ahead pf{k - p0, ahead};  // the first block of rows prefetches for all
-    for (; i + 6 <= m; i += 6, pf = Ahead{})
-      row_block<6, TN, E>(ap + i * row_step, lda, bp, ldb, c + i * ldc, ldc, n, kc, add, pf);
-    const float* ai = ap + i * row_step;
-    float* ci = c + i * ldc;
-    switch (m - i) {
-      case 5: row_block<5, TN, E>(ai, lda, bp, ldb, ci, ldc, n, kc, add, pf); break;
-      case 4: row_block<4, TN, E>(ai, lda, bp, ldb, ci, ldc, n, kc, add, pf); break;
-      case 3: row_block<3, TN, E>(ai, lda, bp, ldb, ci, ldc, n, kc, add, pf); break;
-      case 2: row_block<2, TN, E>(ai, lda, bp, ldb, ci, ldc, n, kc, add, pf); break;
-      case 1: row_block<1, TN, E>(ai, lda, bp, ldb, ci, ldc, n, kc, add, pf); break;
-      default: break;
-    }
-  }
+  attn_gemm_chunks<TN>(a, lda, b, ldb, c, ldc, m, k,
+                       [&](auto R, const float* ai, const typename E::T* bp, float* ci, int64_t kc,
+                           int64_t p0, int64_t i, bool add) {
+                         const Ahead pf = i == 0 ? Ahead{k - p0, ahead} : Ahead{};
+                         row_block<decltype(R)::value, TN, E>(ai, lda, bp, ldb, ci, ldc, n, kc, add, pf);
+                       });
   _mm256_zeroupper();
 }
 

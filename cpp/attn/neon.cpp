@@ -1,5 +1,5 @@
 // NEON attention kernels for arm64, the CPU path of a Mac: avx2.cpp's
-// algorithm (k in chunks, R x 16 tiles, 4 key rows at a time for a decode
+// algorithm (k in chunks as gemm_chunks.h, R x 16 tiles, 4 key rows at a time for a decode
 // step's scores) in 4-lane vectors. arm64 has 32 vector registers, so a
 // 6 x 16 tile holds its 24 accumulators with the B row, and a decode
 // step's scores run 4 query rows against 4 keys (16 chains). No software
@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "attn/gemm_chunks.h"
 #include "attn/kernel.h"
 
 namespace mixbits {
@@ -41,11 +42,6 @@ struct BF16 {
   }
   static float load1(const uint16_t* p) { return bf16_to_f32(*p); }
 };
-
-// k in chunks of 64 rows of B, as avx2.cpp: every column tile of a chunk
-// reads the same rows, so B streams once, in order. C holds each element's
-// running sum between chunks, so no sum changes.
-constexpr int64_t kKc = 64;
 
 // An R x 4V tile of C; TN and `add` as avx2.cpp's tile.
 template <int R, int V, bool TN, class E>
@@ -104,26 +100,11 @@ inline void row_block(const float* a, int64_t lda, const typename E::T* b, int64
 template <bool TN, class E>
 void gemm(const float* a, int64_t lda, const typename E::T* b, int64_t ldb, float* c,
           int64_t ldc, int64_t m, int64_t n, int64_t k) {
-  const int64_t row_step = TN ? 1 : lda;
-  for (int64_t p0 = 0; p0 == 0 || p0 < k; p0 += kKc) {
-    const int64_t kc = std::min(kKc, k - p0);
-    const float* ap = TN ? a + p0 * lda : a + p0;
-    const typename E::T* bp = b + p0 * ldb;
-    const bool add = TN || p0 > 0;
-    int64_t i = 0;
-    for (; i + 6 <= m; i += 6)
-      row_block<6, TN, E>(ap + i * row_step, lda, bp, ldb, c + i * ldc, ldc, n, kc, add);
-    const float* ai = ap + i * row_step;
-    float* ci = c + i * ldc;
-    switch (m - i) {
-      case 5: row_block<5, TN, E>(ai, lda, bp, ldb, ci, ldc, n, kc, add); break;
-      case 4: row_block<4, TN, E>(ai, lda, bp, ldb, ci, ldc, n, kc, add); break;
-      case 3: row_block<3, TN, E>(ai, lda, bp, ldb, ci, ldc, n, kc, add); break;
-      case 2: row_block<2, TN, E>(ai, lda, bp, ldb, ci, ldc, n, kc, add); break;
-      case 1: row_block<1, TN, E>(ai, lda, bp, ldb, ci, ldc, n, kc, add); break;
-      default: break;
-    }
-  }
+  attn_gemm_chunks<TN>(a, lda, b, ldb, c, ldc, m, k,
+                       [&](auto R, const float* ai, const typename E::T* bp, float* ci, int64_t kc,
+                           int64_t, int64_t, bool add) {
+                         row_block<decltype(R)::value, TN, E>(ai, lda, bp, ldb, ci, ldc, n, kc, add);
+                       });
 }
 
 // Scores of R query rows against 4 key rows: 4R independent FMA chains,
