@@ -51,6 +51,31 @@ def test_attention_matches_float64(backend, shape):
 
 
 @pytest.mark.parametrize("backend", attn_backends())
+@pytest.mark.parametrize("shape", [(1, 2, 1, 4, 6, 8), (1, 3, 1, 1, 9, 8), (2, 6, 2, 40, 70, 24)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_nan_scores_give_nan_rows(backend, shape):
+    """A NaN query or key gives NaN rows exactly where MLX's sdpa does (the
+    vector exp maps NaN to 0, which would drop the NaN score from the
+    softmax and return a finite row); the rest as MLX's."""
+    B, H, Hk, T, S, D = shape
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((B, H, T, D), (B, Hk, S, D), (B, Hk, S, D)))
+    for where in ("query", "key"):
+        qn, kn = q.copy(), k.copy()
+        if where == "query":
+            qn[0, 1, T // 2, 3] = np.nan
+        else:
+            kn[0, 0, S - T // 2 - 1, 5] = np.nan  # not key 0: a row's max stays finite
+        args = mx.array(qn), mx.array(kn), mx.array(v)
+        want = np.array(mx.fast.scaled_dot_product_attention(*args, scale=0.5, mask="causal"))
+        got = np.array(causal_attention(*args, 0.5, backend=backend))
+        assert np.isnan(want).any()
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=where)
+        ok = ~np.isnan(want)
+        np.testing.assert_allclose(got[ok], want[ok], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", attn_backends())
 def test_attention_peaked_scores_and_strided_inputs(backend):
     """Large logits (softmax near one-hot, exp far from 0) and inputs that are
     transposed views, as mlx-lm passes them."""

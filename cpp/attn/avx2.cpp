@@ -241,12 +241,23 @@ void attn_gemm_tn_acc_avx2(const float* a, int64_t lda, const float* b,
   gemm<true, F32>(a, lda, b, ldb, c, ldc, m, n, k);
 }
 
+// The KL kernel's exp maps NaN to 0 (its masked lanes), which dropped a
+// NaN score from the softmax and gave a finite row where MLX gives NaN;
+// the subtraction pass notes any NaN, and the row's sum is then NaN.
 float attn_exp_row_avx2(float* x, int64_t n, float max) {
   const __m256 m = _mm256_set1_ps(max);
+  __m256 nan = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(x + i, _mm256_sub_ps(_mm256_loadu_ps(x + i), m));
-  for (; i < n; ++i) x[i] -= max;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + i), m);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(d, d, _CMP_UNORD_Q));
+    _mm256_storeu_ps(x + i, d);
+  }
+  bool any_nan = _mm256_movemask_ps(nan) != 0;
+  for (; i < n; ++i) {
+    x[i] -= max;
+    any_nan = any_nan || std::isnan(x[i]);
+  }
   kl_exp_avx2(x, x, n);  // the KL kernel's vector exp, elementwise in place
   __m256 s = _mm256_setzero_ps();
   for (i = 0; i + 8 <= n; i += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(x + i));
@@ -256,7 +267,7 @@ float attn_exp_row_avx2(float* x, int64_t n, float max) {
   for (float v : lanes) total += v;
   for (; i < n; ++i) total += x[i];
   _mm256_zeroupper();
-  return total;
+  return any_nan ? std::nanf("") : total;
 }
 
 }  // namespace mixbits

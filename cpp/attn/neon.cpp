@@ -194,10 +194,8 @@ void attn_gemm_tn_acc_neon(const float* a, int64_t lda, const float* b,
   gemm<true, F32>(a, lda, b, ldb, c, ldc, m, n, k);
 }
 
-// The KL kernel's exp maps NaN to 0 (its masked lanes), which would drop a
-// NaN score from the softmax; the subtraction pass notes any NaN and the
-// row's sum is then NaN, as the AVX2 exp's would be, so the row comes out
-// NaN.
+// NaN scores as avx2.cpp's exp row: the KL exp maps NaN to 0, so the
+// subtraction pass notes any NaN and the row's sum is then NaN.
 float attn_exp_row_neon(float* x, int64_t n, float max) {
   const float32x4_t m = vdupq_n_f32(max);
   uint32x4_t nan = vdupq_n_u32(0);
