@@ -1,5 +1,6 @@
-// Swiglu: checks and the CPU evaluation (contiguous
-// element ranges in parallel; strided inputs are copied first).
+// Swiglu: checks and the CPU evaluation (contiguous element ranges in
+// parallel; strided inputs are copied first). The kernels' choice is
+// dispatch.cpp's.
 #include "act/act.h"
 
 #include <stdexcept>
