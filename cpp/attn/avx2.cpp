@@ -20,9 +20,8 @@ void kl_exp_avx2(const float* x, float* y, int64_t n);  // kl/avx2.cpp
 namespace {
 
 // B's element types: float32 as stored, float16 / bfloat16 widened exactly
-// as they are loaded, so the products and sums are those of a widened copy.
-// The scalar tails spell their fused multiply-adds out: left to the
-// compiler, one instantiation fused and another did not.
+// as they are loaded, so the products and sums are those of a widened copy
+// (the scalar tails too: gemm_chunks.h's attn_fma_tail).
 struct F32 {
   using T = float;
   static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -102,11 +101,8 @@ inline void cols_tail(const float* a, int64_t lda, const typename E::T* b, int64
                               E::load8(b + p * ldb + j), acc);
       _mm256_storeu_ps(c + i * ldc + j, acc);
     }
-    for (; j < n; ++j) {
-      float s = add ? c[i * ldc + j] : 0.0f;
-      for (int64_t p = 0; p < k; ++p) s = std::fma(ai[p * as], E::load1(b + p * ldb + j), s);
-      c[i * ldc + j] = s;
-    }
+    for (; j < n; ++j)
+      c[i * ldc + j] = attn_fma_tail<E>(ai, as, b + j, ldb, 0, k, add ? c[i * ldc + j] : 0.0f);
   }
 }
 
@@ -147,8 +143,7 @@ inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3, const float* a
   if (p < k) {
     alignas(16) float t[4];
     _mm_store_ps(t, r);
-    for (; p < k; ++p)
-      for (int j = 0; j < 4; ++j) t[j] = std::fma(a[p], E::load1(b + j * ldb + p), t[j]);
+    for (int j = 0; j < 4; ++j) t[j] = attn_fma_tail<E>(a, 1, b + j * ldb, 1, p, k, t[j]);
     r = _mm_load_ps(t);
   }
   return r;
@@ -195,8 +190,7 @@ inline float dot1(const float* a, const typename E::T* b, int64_t k) {
   r = _mm_hadd_ps(r, r);
   r = _mm_hadd_ps(r, r);
   float s = _mm_cvtss_f32(r);
-  for (; p < k; ++p) s = std::fma(a[p], E::load1(b + p), s);
-  return s;
+  return attn_fma_tail<E>(a, 1, b, 1, p, k, s);
 }
 
 // The key rows rows_ahead on are prefetched by the first block of query

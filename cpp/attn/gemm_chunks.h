@@ -1,8 +1,9 @@
 // The loops the SIMD attention GEMMs share (avx2.cpp, neon.cpp): k in
-// chunks, rows of C in blocks; each backend supplies the register tiles
-// that run one block of one chunk.
+// chunks, rows of C in blocks, and the scalar tails; each backend supplies
+// the register tiles that run one block of one chunk.
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -45,6 +46,18 @@ inline void attn_gemm_chunks(const float* a, int64_t lda, const T* b, int64_t ld
       default: break;
     }
   }
+}
+
+// s plus a[p * as] * B's element p * bs for p in [p0, k), in order: the
+// scalar tails of the SIMD GEMMs (columns past the vector tiles, head dims
+// past the vector width), B widened by the backend's element type E. The
+// fused multiply-adds are spelled out: left to the compiler, one
+// instantiation fused them and another did not.
+template <class E>
+inline float attn_fma_tail(const float* a, int64_t as, const typename E::T* b, int64_t bs,
+                           int64_t p0, int64_t k, float s) {
+  for (int64_t p = p0; p < k; ++p) s = std::fma(a[p * as], E::load1(b + p * bs), s);
+  return s;
 }
 
 }  // namespace mixbits

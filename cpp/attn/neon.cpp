@@ -77,11 +77,8 @@ inline void cols_tail(const float* a, int64_t lda, const typename E::T* b, int64
       for (int64_t p = 0; p < k; ++p) acc = vfmaq_n_f32(acc, E::load4(b + p * ldb + j), ai[p * as]);
       vst1q_f32(c + i * ldc + j, acc);
     }
-    for (; j < n; ++j) {
-      float s = add ? c[i * ldc + j] : 0.0f;
-      for (int64_t p = 0; p < k; ++p) s = std::fma(ai[p * as], E::load1(b + p * ldb + j), s);
-      c[i * ldc + j] = s;
-    }
+    for (; j < n; ++j)
+      c[i * ldc + j] = attn_fma_tail<E>(ai, as, b + j, ldb, 0, k, add ? c[i * ldc + j] : 0.0f);
   }
 }
 
@@ -134,8 +131,7 @@ inline void nt_rows4(const float* a, int64_t lda, const typename E::T* b, int64_
     if (p < k) {
       float t[4];
       vst1q_f32(t, s);
-      for (int64_t q = p; q < k; ++q)
-        for (int j = 0; j < 4; ++j) t[j] = std::fma(a[r * lda + q], E::load1(b + j * ldb + q), t[j]);
+      for (int j = 0; j < 4; ++j) t[j] = attn_fma_tail<E>(a + r * lda, 1, b + j * ldb, 1, p, k, t[j]);
       s = vld1q_f32(t);
     }
     vst1q_f32(c + r * ldc, s);
@@ -148,8 +144,7 @@ inline float dot1(const float* a, const typename E::T* b, int64_t k) {
   int64_t p = 0;
   for (; p + 4 <= k; p += 4) acc = vfmaq_f32(acc, vld1q_f32(a + p), E::load4(b + p));
   float s = vaddvq_f32(acc);
-  for (; p < k; ++p) s = std::fma(a[p], E::load1(b + p), s);
-  return s;
+  return attn_fma_tail<E>(a, 1, b, 1, p, k, s);
 }
 
 template <class E>
