@@ -88,13 +88,16 @@ def quantization_config(model: nn.Module) -> tuple[MlxQuantization | None, dict]
     return quant, mixbits_layers
 
 
-def save(model: nn.Module, folder, config: dict | None = None, tokenizer=None) -> Path:
+def save(model: nn.Module, folder, config: dict | None = None, tokenizer=None, *,
+         extra_files: dict | None = None) -> Path:
     """Write ``model`` (weights, config.json, tokenizer) to ``folder``.
 
     ``config``: the model's architecture config (as mlx-lm's config.json);
     taken from ``model.args`` when omitted. Quantization keys are rebuilt
     from the layers. ``tokenizer``: a mixbits tokenizer (``.save``) or a
-    transformers/mlx-lm one (``.save_pretrained``).
+    transformers/mlx-lm one (``.save_pretrained``). ``extra_files``: {name:
+    str or bytes} written beside them (a model card, a plot), inside the
+    same atomic write and manifest.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
@@ -126,6 +129,11 @@ def save(model: nn.Module, folder, config: dict | None = None, tokenizer=None) -
                 tokenizer.save_pretrained(str(tmp))
             else:
                 tokenizer.save(tmp)
+        for name, data in (extra_files or {}).items():
+            target = tmp / name
+            if target.exists() or Path(name).name != name:
+                raise ValueError(f"extra file {name!r}: a plain name not already in the folder")
+            (target.write_bytes if isinstance(data, bytes) else target.write_text)(data)
 
     # Written aside and renamed into place with a completeness marker
     # (mixbits.folder): an interrupted save never leaves a loadable folder.
