@@ -50,6 +50,16 @@ CONFIGS = {
                         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                         n_shared_experts=1, first_k_dense_replace=1, moe_layer_freq=1,
                         n_group=1, topk_group=1, routed_scaling_factor=1.0),
+    # Multi-head latent attention with key heads (16 + 8) wider than value
+    # heads (8): attention calls outside the kernel's contract.
+    "deepseek_v2": dict(model_type="deepseek_v2", tie_word_embeddings=False, kv_lora_rank=16,
+                        q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=16,
+                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                        n_shared_experts=1, first_k_dense_replace=1, moe_layer_freq=1,
+                        n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                        rope_scaling=dict(factor=1.0, original_max_position_embeddings=512,
+                                          beta_fast=32, beta_slow=1, mscale=1.0,
+                                          mscale_all_dim=0)),
     "gpt_oss": dict(model_type="gpt_oss", tie_word_embeddings=False, num_local_experts=4,
                     num_experts_per_tok=2, sliding_window=8, head_dim=16,
                     layer_types=["sliding_attention", "full_attention"] * 2),

@@ -18,7 +18,20 @@ from . import _ext
 from ._backends import backend_id, names, require_cpu
 from .layout import FLOAT_DTYPES
 
-__all__ = ["causal_attention", "attn_backends"]
+__all__ = ["causal_attention", "attn_backends", "fits_kernel"]
+
+
+def fits_kernel(q: mx.array, k: mx.array, v: mx.array) -> bool:
+    """Whether q, k and v have the shapes :func:`causal_attention` takes:
+    4-D, k and v one shape, q's batch and head size those of k, whole
+    query groups per KV head, at least as many keys as queries. Multi-head
+    latent attention (DeepSeek-V2, MiniCPM3: key heads 192 wide, value
+    heads 128) does not: the router sends such calls to MLX's op."""
+    if not (q.ndim == k.ndim == v.ndim == 4) or k.shape != v.shape:
+        return False
+    return (q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3] and k.shape[1] >= 1
+            and q.shape[1] % k.shape[1] == 0 and k.shape[2] >= q.shape[2])
+
 
 def attn_backends() -> list[str]:
     """CPU backends of the attention kernel usable on this machine."""

@@ -7,10 +7,11 @@ routers, and gives the patched model and its decoder layers a subclass
 whose ``__call__`` marks "this model is routed" for the duration of the
 call. A router takes the call only inside such a mark and only in the
 cases the kernels cover (on the CPU; SwiGLU in float32, attention in
-float32, float16 or bfloat16 with the causal mask,
-a one-query decode step without a mask, or a compiled decode step's prefix
-mask (mixbits.decode), no quantized cache or sinks; on arm64 decode steps
-only);
+float32, float16 or bfloat16 with the causal mask, a one-query decode step
+without a mask, or a compiled decode step's prefix mask (mixbits.decode),
+no quantized cache or sinks, and the kernel's shapes, checked per call: key
+and value heads of one size, which multi-head latent attention's are not;
+on arm64 decode steps only);
 everything else (other models of the same architecture, other array masks,
 SwiGLU in half precision, GPU) goes to the original function.
 """
@@ -26,6 +27,7 @@ import mlx.nn as nn
 
 from . import _ext
 from ._backends import names, on_cpu
+from .attention import fits_kernel
 from .layout import FLOAT_DTYPES
 
 __all__ = ["patch_functions", "unpatch_functions"]
@@ -94,7 +96,8 @@ def _sdpa_router(original):
             mask is None and one_query) or kv_len is not None
         if (_ACTIVE.get() and causal and (one_query or _routes_prompt_attention())
                 and sinks is None and not hasattr(cache, "bits")
-                and _one_float_dtype(queries, keys, values) and on_cpu()
+                and _one_float_dtype(queries, keys, values) and fits_kernel(queries, keys, values)
+                and on_cpu()
                 and _has_vector_kernel("scaled_dot_product_attention")):
             return _ext.causal_attention(queries, keys, values, float(scale), 0, kv_len)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
