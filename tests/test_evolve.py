@@ -65,7 +65,8 @@ def test_refine_evolve_on_a_model(tmp_path):
     toks = np.random.default_rng(0).integers(0, 160, (4, 16))
     table = sweep(model, toks, tmp_path / "t.json", ["2b_g64", "3b_g64", "4b_g64"], progress=False)
     ev = JointEvaluator(model, toks, chunk=1)
-    out = refine(table, ev, 3.9, max_evals=12, progress=False, method="evolve", seed=0)
+    out = refine(table, ev, 3.9, max_evals=12, progress=False, method="evolve", seed=0,
+                 check_baselines=False)
     jr = out["joint_refine"]
     assert jr["method"] == "evolve" and jr["evaluations"] <= 12
     assert jr["joint_kl_after"] <= jr["joint_kl_before"]

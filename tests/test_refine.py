@@ -42,7 +42,7 @@ def test_allocation_meets_budget_and_is_optimal_by_brute_force_on_subsets(setup)
 def test_refine_never_worse_than_dp_and_reports(setup):
     model, toks, table = setup
     ev = JointEvaluator(model, toks, chunk=2)
-    out = refine(table, ev, high_avg=3.6, max_evals=6, progress=False)
+    out = refine(table, ev, high_avg=3.6, max_evals=6, progress=False, check_baselines=False)
     jr = out["joint_refine"]
     assert jr["joint_kl_after"] <= jr["joint_kl_before"]
     assert jr["joint_kl_after"] <= min(st["joint_kl"] for st in jr["starts"])
@@ -142,7 +142,8 @@ class SquaredKL:
 def test_refine_starts_from_the_power_that_fits_the_measured_objective(setup):
     _, _, table = setup
     ev = SquaredKL(table)
-    out = refine(table, ev, high_avg=3.6, max_evals=3, progress=False, powers=(2.0,))
+    out = refine(table, ev, high_avg=3.6, max_evals=3, progress=False, powers=(2.0,),
+                 check_baselines=False)
     jr = out["joint_refine"]
     p1, p2 = jr["starts"]
     assert (p1["power"], p2["power"]) == (1.0, 2.0)

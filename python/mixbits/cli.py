@@ -33,6 +33,24 @@ def _message(e: BaseException) -> str:
     return str(e)
 
 
+def _warnings_as_lines(command: str) -> None:
+    """Our own warnings (e.g. CalibrationWarning) print as one line like
+    the errors; other libraries' keep Python's format."""
+    import warnings
+
+    from .errors import CalibrationWarning
+
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, CalibrationWarning):
+            print(f"mixbits {command}: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
 def _module(name: str):
     return importlib.import_module(f"mixbits.commands.{name}")
 
@@ -58,6 +76,7 @@ def main(argv=None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    _warnings_as_lines(args._name)
     try:
         return int(_module(args._name).run(args) or 0)
     except (MixbitsError, ValueError, OSError, RuntimeError) as e:

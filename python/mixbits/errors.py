@@ -29,5 +29,15 @@ class OutputPathError(MixbitsError, OSError):
     unwritable folder ...)."""
 
 
+class OutputBusyError(OutputPathError):
+    """Another process is writing the same output right now (it holds the
+    output's lock, :func:`mixbits.lock.output_lock`)."""
+
+
 class UsageError(MixbitsError, ValueError):
     """A command-line argument or function argument has a bad value."""
+
+
+class CalibrationWarning(UserWarning):
+    """A result rests on a calibration set too small or noisy for it (e.g.
+    an allocation that lost to uniform quantization and was replaced)."""

@@ -134,5 +134,10 @@ def run(args) -> int:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         raise FormatError(f"--allocation: {msg}") from None
     mixbits.save(model, args.out, config, tokenizer)
-    print(f"quantized {len(replaced)} tensors (average {alloc.average_bits:.3f} bits) -> {args.out}")
+    from mixbits.formats.allocation import average_storage_bits
+
+    storage = average_storage_bits(alloc.assignment)
+    what = (f"{storage:.3f} bits per weight as stored" if storage is not None
+            else f"{alloc.average_bits:.3f} nominal bits per weight")
+    print(f"quantized {len(replaced)} tensors ({what}) -> {args.out}")
     return 0

@@ -56,5 +56,10 @@ def run(args) -> int:
     how = (f"{jr['generations']} generations, {jr['improvements']} improvements"
            if jr.get("method") == "evolve" else f"{jr['swaps']} swaps kept")
     print(f"DP sum KL {out['dp_sum_kl']:.4f}; joint KL {jr['joint_kl_before']:.4f} -> "
-          f"{jr['joint_kl_after']:.4f} ({how}; {jr['evaluations']} evaluations); wrote {args.out}")
+          f"{jr['joint_kl_after']:.4f} ({how}; {jr['evaluations']} evaluations)")
+    for b in out["baselines"]:
+        print(f"  baseline {b['name']}: {b['bpw']:.3f} bpw, joint KL {b['joint_kl']:.4f}")
+    bpw = out.get("average_bpw_storage", out["average_bits"])
+    print(f"wrote {out['guard']['written']} ({bpw:.3f} {args.count} bpw, joint KL "
+          f"{out['guard']['joint_kl']:.4f}) to {args.out}")
     return 0

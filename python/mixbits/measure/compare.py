@@ -6,53 +6,8 @@ layers and in every third layer between)."""
 
 from __future__ import annotations
 
+from .baselines import entry_bpw, mixed_rule, nearest_uniform, uniform  # noqa: F401  (re-exported)
 from .refine import allocate_table, refine
-
-
-def entry_bpw(table: dict, assignment: dict[str, str]) -> float:
-    """Storage bits per weight of an assignment over the table's tensors."""
-    bits = total = 0
-    for e in table["entries"]:
-        cands = {c["kind"]: c for c in e["candidates"]}
-        name = assignment[e["path"]]
-        if name not in cands:
-            raise ValueError(f"{e['path']}: candidate {name!r} was not measured")
-        bits += cands[name]["storage_bits"]
-        total += e["nparams"]
-    return bits / total
-
-
-def uniform(table: dict, cand: str) -> dict[str, str]:
-    return {e["path"]: cand for e in table["entries"]}
-
-
-def nearest_uniform(table: dict, bpw: float) -> tuple[str, float]:
-    """The uniform candidate whose storage bpw is closest to ``bpw``."""
-    names = [c["kind"] for c in table["entries"][0]["candidates"]]
-    scored = [(abs(entry_bpw(table, uniform(table, n)) - bpw), n) for n in names
-              if all(n in {c["kind"] for c in e["candidates"]} for e in table["entries"])]
-    _, best = min(scored)
-    return best, entry_bpw(table, uniform(table, best))
-
-
-def mixed_rule(table: dict, low: str, high: str, adapter) -> dict[str, str]:
-    """mlx-lm's mixed recipe, asked of the model's adapter: the attention
-    value and MLP output projections of the first and last eighth of the
-    blocks and of every third block between, and the output head, at
-    ``high``; everything else at ``low``."""
-    n_layers = len(adapter.blocks)
-    eighth = n_layers // 8
-
-    def more_bits(layer: int) -> bool:
-        return layer < eighth or layer >= 7 * n_layers // 8 or (layer - eighth) % 3 == 2
-
-    out = {}
-    for e in table["entries"]:
-        site = adapter.site(e["path"])
-        role = adapter.role(site)
-        pick = role == "head" or (role in ("values", "down") and more_bits(site.block))
-        out[e["path"]] = high if pick else low
-    return out
 
 
 def compare(table: dict, evaluator, targets: list[float], low: str = "3b_g64",
@@ -75,7 +30,8 @@ def compare(table: dict, evaluator, targets: list[float], low: str = "3b_g64",
     for bpw in [*targets, rule_bpw]:
         alloc, sol, _ = allocate_table(table, bpw)
         dp_assign = {a["path"]: a["kind"] for a in alloc["assignment"]}
-        ref = refine(table, evaluator, bpw, max_evals=max_evals, progress=progress)
+        ref = refine(table, evaluator, bpw, max_evals=max_evals, progress=progress,
+                     check_baselines=False)
         if on_refined is not None:
             on_refined(bpw, ref)
         jr = ref["joint_refine"]

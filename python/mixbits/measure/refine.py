@@ -119,8 +119,16 @@ def _powered(prob: MCKProblem, p: float) -> MCKProblem:
 
 def refine(table: dict, evaluator, high_avg: float, low_avg: float | None = None,
            count: str = "storage", max_evals: int = 30, calibration_ids=None,
-           progress: bool = True, powers=(1.5, 2.0), method: str = "swaps", seed: int = 0) -> dict:
+           progress: bool = True, powers=(1.5, 2.0), method: str = "swaps", seed: int = 0,
+           check_baselines: bool = True) -> dict:
     """Allocation dict (allocation.json layout) after joint-KL search.
+
+    ``check_baselines``: also score uniform quantization and mlx-lm's mixed
+    recipe within the budget (:func:`mixbits.measure.baselines.guard`, 1-3
+    evaluations outside ``max_evals``); if one scores a lower joint KL than
+    the search's result, that baseline is returned (with a
+    CalibrationWarning). Their scores are kept under ``"baselines"`` and
+    what was written under ``"guard"``.
 
     ``powers``: exponents p for the extra knapsack starts on KL**p (empty:
     start from the plain optimum only). ``method``: "swaps" (greedy
@@ -204,6 +212,18 @@ def refine(table: dict, evaluator, high_avg: float, low_avg: float | None = None
         if kept:
             choice, current, bits = trial, kl, nb
     bar.close()
+    guarded = {}
+    if check_baselines:
+        from .baselines import guard
+
+        checked = guard(table, evaluator, assignment(choice), current, high_avg, low_avg, count)
+        win = checked["winner"]
+        guarded = {"baselines": checked["baselines"],
+                   "guard": {"written": win["name"] if win else "mixed allocation",
+                             "joint_kl": win["joint_kl"] if win else current,
+                             "mixed_joint_kl": current}}
+        if win:
+            choice = [cand_names[i].index(win["assignment"][n]) for i, n in enumerate(names)]
     out = allocation_from_choice(table, choice, low_avg, high_avg, count)
     out["dp_sum_kl"] = sol.cost
     ids = list(calibration_ids) if calibration_ids is not None else list(range(len(evaluator.tokens)))
@@ -219,6 +239,7 @@ def refine(table: dict, evaluator, high_avg: float, low_avg: float | None = None
         **search,
     }
     out["lagrangian_lower_bound"] = sol.lower_bound
+    out.update(guarded)
     keys = ["average_bits", "embed_bits", "budget", "sum_kl", "dp_sum_kl", "joint_refine",
             "assignment"]
     return {k: out[k] for k in keys} | {k: v for k, v in out.items() if k not in keys}
