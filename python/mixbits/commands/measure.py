@@ -94,12 +94,38 @@ def check_arguments(args) -> None:
     check_calibration_arguments(args)
 
 
+def outputs(args, g) -> list[str]:
+    """The files this process writes, each locked for the whole run (one
+    writer per output): with ranks, each rank's part file, and rank 0 also
+    the merged table and --exl2-out."""
+    from ..measure.distributed import part_path
+
+    if g is None:
+        return [p for p in (args.out, args.exl2_out) if p]
+    mine = [str(part_path(args.out, g.rank(), g.size()))]
+    return mine + ([p for p in (args.out, args.exl2_out) if p] if g.rank() == 0 else [])
+
+
 def run(args) -> int:
-    from ..measure.calib import load_model_and_tokens
-    from ..measure.distributed import group, sharded_sweep
+    from contextlib import ExitStack
+
+    from ..lock import output_lock
+    from ..measure.distributed import group
 
     check_arguments(args)
     g = group()
+    with ExitStack() as stack:
+        # Before the model load: a second run on the same --out is refused
+        # at once, not after minutes (or after overwriting this one's work).
+        for path in outputs(args, g):
+            stack.enter_context(output_lock(path))
+        return _run(args, g)
+
+
+def _run(args, g) -> int:
+    from ..measure.calib import load_model_and_tokens
+    from ..measure.distributed import sharded_sweep
+
     model, tokens = load_model_and_tokens(args, patch=not args.no_patch)
     if args.awq:
         from ..measure.awq_scale import apply_awq

@@ -71,6 +71,9 @@ def sharded_sweep(model, tokens, out, candidates, *, resume=False, **kw) -> dict
     parts = [json.loads(b) for b in gather_bytes(json.dumps(mine).encode(), g)]
     merged = merge_tables(parts)
     if rank == 0:
-        write_json_atomic(merged, out, indent=1)
+        from ..lock import output_lock
+
+        with output_lock(out):
+            write_json_atomic(merged, out, indent=1)
         return merged
     return None

@@ -38,10 +38,18 @@ def _projection_quant(c: Candidate) -> ProjectionQuant:
     raise ValueError(f"candidate {c.name!r}: ExLlamaV2 has no ternary option")
 
 
-def measure_modules(model, tokens, candidates, out, *, chunk: int = 4, resume: bool = False,
-                    progress: bool = True) -> dict:
+def measure_modules(model, tokens, candidates, out, **kw) -> dict:
     """Write (and return) measurement.json for ``model`` on ``tokens``;
-    checkpointed atomically after every module, resumable."""
+    checkpointed atomically after every module, resumable (keywords
+    ``chunk``, ``resume``, ``progress``), under ``out``'s lock (one writer)."""
+    from ..lock import output_lock
+
+    with output_lock(out):
+        return _measure_modules(model, tokens, candidates, out, **kw)
+
+
+def _measure_modules(model, tokens, candidates, out, *, chunk: int = 4, resume: bool = False,
+                     progress: bool = True) -> dict:
     from tqdm import tqdm
 
     cands = [parse_candidate(c) for c in candidates]

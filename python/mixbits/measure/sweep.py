@@ -172,16 +172,26 @@ def table_meta(tokens, cfg, model_id, sites) -> dict:
     }
 
 
-def sweep(model, tokens, out: str | Path, candidates=None, *, resume: bool = False,
-          model_id: str = "", max_batch: int = 8, sites: list[str] | None = None,
-          rank: int = 0, world: int = 1, progress: bool = True, on_site=None) -> dict:
+def sweep(model, tokens, out: str | Path, candidates=None, **kw) -> dict:
     """Measure every (tensor, candidate) of ``model`` on ``tokens`` [B, T].
 
-    Writes the sensitivity table to ``out`` after every tensor (atomic).
-    With ``world > 1`` this process measures every ``world``-th tensor
-    starting at ``rank`` (see :mod:`mixbits.measure.distributed`).
-    Returns the table dict.
+    Writes the sensitivity table to ``out`` after every tensor (atomic),
+    holding ``out``'s lock (:func:`mixbits.lock.output_lock`) throughout:
+    a second sweep into the same file is refused. Keywords: ``resume``,
+    ``model_id``, ``max_batch``, ``sites``, ``rank``, ``world``,
+    ``progress``, ``on_site``. With ``world > 1`` this process measures
+    every ``world``-th tensor starting at ``rank`` (see
+    :mod:`mixbits.measure.distributed`). Returns the table dict.
     """
+    from ..lock import output_lock
+
+    with output_lock(out):
+        return _sweep(model, tokens, out, candidates, **kw)
+
+
+def _sweep(model, tokens, out: str | Path, candidates=None, *, resume: bool = False,
+           model_id: str = "", max_batch: int = 8, sites: list[str] | None = None,
+           rank: int = 0, world: int = 1, progress: bool = True, on_site=None) -> dict:
     from tqdm import tqdm
 
     tokens = np.asarray(tokens)

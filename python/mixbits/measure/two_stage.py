@@ -163,13 +163,23 @@ def plan(entries: list[dict], exact: dict[str, dict[str, float]], targets, quota
     return new
 
 
-def proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=None,
-                targets=(3.0, 3.5, 4.0, 4.5), budget: float = 0.15, rounds: int = ROUNDS,
-                samples: int = 2, seed: int = 0, max_batch: int = 8, model_id: str = "",
-                resume: bool = False, progress: bool = True) -> dict:
+def proxy_sweep(model, tokens, out, candidates, **kw) -> dict:
     """Write and return a sensitivity table by ``method`` "grad" or
     "two-stage" (``budget``: the exact stage's share of a full exact
-    sweep's cost, spent over ``rounds`` rounds; see the module docstring)."""
+    sweep's cost, spent over ``rounds`` rounds; see the module docstring).
+    Keywords: ``method``, ``sites``, ``targets``, ``budget``, ``rounds``,
+    ``samples``, ``seed``, ``max_batch``, ``model_id``, ``resume``,
+    ``progress``. Holds ``out``'s lock (one writer) throughout."""
+    from ..lock import output_lock
+
+    with output_lock(out):
+        return _proxy_sweep(model, tokens, out, candidates, **kw)
+
+
+def _proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=None,
+                 targets=(3.0, 3.5, 4.0, 4.5), budget: float = 0.15, rounds: int = ROUNDS,
+                 samples: int = 2, seed: int = 0, max_batch: int = 8, model_id: str = "",
+                 resume: bool = False, progress: bool = True) -> dict:
     from ..adapter import ModelAdapter
     from ..formats.errors import load_json
     from .candidates import parse_candidate, supports
