@@ -5,7 +5,8 @@ import pytest
 
 from shared_files import DATA
 
-# The test dependencies (pyproject's "test" group). Tests import some of them
+# The test dependencies (tests/requirements.txt and the runtime ones they
+# rely on). Tests import some of them
 # with importorskip; without this check a missing one would turn whole files
 # into skips and a broken install would pass.
 TEST_DEPS = ("scipy", "mlx_lm", "gguf", "matplotlib")
@@ -15,7 +16,7 @@ def pytest_sessionstart(session):
     missing = [m for m in TEST_DEPS if importlib.util.find_spec(m) is None]
     if missing:
         pytest.exit(f"test dependencies not installed: {', '.join(missing)} "
-                    "(pip install --group test, see README)", returncode=4)
+                    "(pip install . && pip install -r tests/requirements.txt, see README)", returncode=4)
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,34 @@ def test_ci_runs_exactly_the_readme_first_commands():
     assert "pip install ." not in cmds[1] and ".[test]" not in cmds[1]
 
 
+def test_ci_keeps_the_stock_pip():
+    """CI checks the README with the pip that `python3 -m venv` gives (pip 23
+    has no `--group`), so .ci/run must not upgrade pip."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    code = [ln.split("#")[0] for ln in ci.splitlines()]
+    assert "python3 -m venv" in ci
+    for ln in code:
+        words = ln.split()
+        if "install" in words and ("-U" in words or "--upgrade" in words):
+            assert "pip" not in words[words.index("install") + 1:], ln
+    assert "--group" not in " ".join(code + _first_commands())
+
+
+def test_test_requirements_have_one_source():
+    """tests/requirements.txt lists the test dependencies; pyproject.toml
+    neither repeats them nor names mixbits there (which would rebuild it)."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    reqs = [ln.split("#")[0].strip() for ln in (ROOT / "tests" / "requirements.txt").read_text().splitlines()]
+    names = {re.split(r"[<>=!~;\[ ]", r)[0].lower() for r in reqs if r}
+    assert names and "mixbits" not in names and not any(r.startswith((".", "-e")) for r in reqs if r)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "dependency-groups" not in project
+    runtime = {re.split(r"[<>=!~;\[ ]", d)[0].lower() for d in project["project"]["dependencies"]}
+    assert not names & runtime, names & runtime
+    assert "tests/requirements.txt" in _first_commands()[1]
+
+
 def test_allocate_examples_run_as_written(tmp_path, monkeypatch, capsys):
     from test_cli_errors import tiny_table
 

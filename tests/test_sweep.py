@@ -71,9 +71,10 @@ def test_sweep_table_and_exact_resume(tmp_path):
 def test_bad_candidate_refused_before_work(tmp_path):
     with pytest.raises(ValueError, match="unknown candidate"):
         sweep(tiny_llama(), tiny_tokens(), tmp_path / "x.json", ["5bits"], progress=False)
-    with pytest.raises(ValueError, match="no candidate fits"):
-        # hidden 64 is not a multiple of 128
-        sweep(tiny_llama(), tiny_tokens(), tmp_path / "x.json", ["4b_g128"], progress=False)
+    with pytest.raises(ValueError, match="no candidate fits any"):
+        # no width (32, 64) is a multiple of 128; a tensor or two that no
+        # candidate fits stay float instead (tests/test_left_float.py)
+        sweep(tiny_llama(hidden=32), tiny_tokens(), tmp_path / "x.json", ["4b_g128"], progress=False)
 
 
 def test_atomic_writer_leaves_no_temp_and_normal_mode(tmp_path):

@@ -142,6 +142,19 @@ def weighted_weight_error(m, w: mx.array, weight: mx.array) -> float:
     return (weight.astype(mx.float32) * d * d).astype(mx.float32).sum().item()
 
 
+def _fixed_spec(rule: dict) -> dict:
+    """{"bits", "group_size"} of a quant_predicate's dict as ``nn.quantize``
+    applies it: ``to_quantized(**rule)``, a missing key taking MLX's default
+    for the mode (rwkv7 pins layers with ``{"bits": 8}``: group size 64)."""
+    try:
+        from mlx.nn.layers.quantized import _defaults_for_mode
+    except ImportError:  # private in MLX; its affine defaults are these
+        def _defaults_for_mode(mode, group_size, bits):
+            return group_size or 64, bits or 4
+    gs, bits = _defaults_for_mode(rule.get("mode", "affine"), rule.get("group_size"), rule.get("bits"))
+    return {"bits": int(bits), "group_size": int(gs)}
+
+
 def _child(parent, key: str):
     return parent[int(key)] if isinstance(parent, list) else parent[key]
 
@@ -177,7 +190,9 @@ class ModelAdapter:
         predicate = getattr(model, "quant_predicate", None)
         self.sites: list[Site] = []
         self.fixed: dict[str, dict] = {}  # path -> {"bits", "group_size"} set by the model
-        self.excluded: list[str] = []  # quantizable, but the model says "keep float"
+        # quantizable, but kept float: the model says so, or pins a group
+        # size that does not divide the tensor's width
+        self.excluded: list[str] = []
         inside = ()  # paths of quantizable modules: their children are storage, not tensors
         for path, m in modules.items():
             if not path or path.startswith(inside) or not _is_quantizable(m):
@@ -188,7 +203,14 @@ class ModelAdapter:
                 self.excluded.append(path)
                 continue
             if isinstance(rule, dict):
-                self.fixed[path] = {"bits": rule.get("bits"), "group_size": rule.get("group_size")}
+                spec = _fixed_spec(rule)
+                if weight_shape(m)[-1] % spec["group_size"]:
+                    # Not quantizable so (mx.quantize refuses); mlx-lm's
+                    # convert, at its default group size, leaves such a
+                    # layer float before asking the model.
+                    self.excluded.append(path)
+                else:
+                    self.fixed[path] = spec
                 continue
             self.sites.append(Site(path, self.block_of(path), weight_shape(m), _form(m),
                                    experts=is_expert_stack(m)))

@@ -43,7 +43,7 @@ def _warnings_as_lines(command: str) -> None:
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, CalibrationWarning):
+        if issubclass(category, CalibrationWarning) or category.__module__.startswith("mixbits."):
             print(f"mixbits {command}: warning: {message}", file=sys.stderr)
         else:
             shown(message, category, filename, lineno, file, line)

@@ -186,6 +186,51 @@ def supports(cand: Candidate, site) -> bool:
     return not (site.form == "stack" and cand.kind == "mixed" and not site.experts)
 
 
+class FloatTensorWarning(UserWarning):
+    """Tensors that stay float because no candidate of the run fits them."""
+
+
+def fitting(sites, cands: list[Candidate]) -> tuple[dict, list[dict]]:
+    """Split ``sites`` by whether some candidate fits them (:func:`supports`).
+
+    Returns (path -> the candidates that fit, for the tensors some fits;
+    one ``{"path", "shape", "reason"}`` per tensor none fits). Those stay
+    float, as mlx-lm's own quantizer leaves a layer whose input width its
+    group size does not divide (mamba's dt_proj, K=48 at 130M widths;
+    gemma3n's AltUp coefficients, K=4); they are named once, in a
+    :class:`FloatTensorWarning`. Only a run in which no tensor fits at all
+    is refused: there would be nothing to measure.
+    """
+    import warnings
+
+    fits, left = {}, []
+    for s in sites:
+        ok = [c for c in cands if supports(c, s)]
+        if ok:
+            fits[s.path] = ok
+        else:
+            left.append({"path": s.path, "shape": list(s.shape), "reason": _why_none(s, cands)})
+    if not fits:
+        raise ValueError(f"no candidate fits any of the {len(left)} tensors (e.g. {left[0]['path']}: "
+                         f"{left[0]['reason']})" if left else "no tensors to measure")
+    if left:
+        names = ", ".join(f"{e['path']} ({e['reason']})" for e in left[:8])
+        more = f" and {len(left) - 8} more" if len(left) > 8 else ""
+        warnings.warn(FloatTensorWarning(
+            f"{len(left)} tensor(s) stay float, as mlx-lm leaves them, no candidate fitting: "
+            f"{names}{more} (listed under 'float' in the table)"), stacklevel=3)
+    return fits, left
+
+
+def _why_none(site, cands: list[Candidate]) -> str:
+    groups = sorted({c.group_size for c in cands})
+    if all(site.k % g for g in groups):
+        return f"K={site.k} is a multiple of none of the group sizes {groups}"
+    where = "" if site.block is not None else " outside the decoder blocks"
+    return (f"the candidates whose group size divides K={site.k} do not apply to a {site.form}{where} "
+            "(mixed kinds: not to multi-head stacks; calibrated ones: to block linears only)")
+
+
 def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None, dense=None):
     """The quantized module that replaces ``module`` at candidate ``cand``.
 

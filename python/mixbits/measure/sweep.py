@@ -27,7 +27,7 @@ import numpy as np
 
 from ..adapter import ModelAdapter, Site, dense_weight
 from ..atomic import write_json_atomic
-from .candidates import Candidate, build_layer, parse_candidate, supports
+from .candidates import Candidate, build_layer, fitting, parse_candidate
 from ..formats.errors import load_json
 from .replay import Replayer, token_chunks
 
@@ -203,11 +203,8 @@ def _sweep(model, tokens, out: str | Path, candidates=None, *, resume: bool = Fa
     cands = [parse_candidate(c) for c in cfg.candidates]
     adapter = ModelAdapter(model)
     all_sites = select_sites(adapter, sites)
-    site_cands = {s.path: [c for c in cands if supports(c, s)] for s in all_sites}
-    bare = [s.path for s in all_sites if not site_cands[s.path]]
-    if bare:  # refuse now, not after hours of work
-        raise ValueError(f"no candidate fits {bare[:3]} (group sizes must divide K; multi-head "
-                         "stacks take single-segment kinds only)")
+    site_cands, left_float = fitting(all_sites, cands)  # refuses now if nothing fits
+    all_sites = [s for s in all_sites if s.path in site_cands]
     meta = table_meta(tokens, cfg, model_id, all_sites)
     mine = all_sites[rank::world]
     out = Path(out)
@@ -228,7 +225,8 @@ def _sweep(model, tokens, out: str | Path, candidates=None, *, resume: bool = Fa
     def table(complete: bool) -> dict:
         entries = [done[s.path] for s in all_sites if s.path in done]
         return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "metric": "kl",
-                "meta": meta, "complete": complete, "entries": entries}
+                "meta": meta, "complete": complete, "entries": entries,
+                **({"float": left_float} if left_float else {})}
 
     bar = tqdm(total=sum(len(site_cands[s.path]) for s in mine),
                initial=sum(len(site_cands[s.path]) for s in mine if s.path in done),

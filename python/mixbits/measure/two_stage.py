@@ -182,7 +182,7 @@ def _proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=
                  resume: bool = False, progress: bool = True) -> dict:
     from ..adapter import ModelAdapter
     from ..formats.errors import load_json
-    from .candidates import parse_candidate, supports
+    from .candidates import fitting, parse_candidate
     from .grad import grad_entries
     from .replay import Replayer, token_chunks
     from .sweep import measure_site
@@ -202,7 +202,8 @@ def _proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=
     cands = [parse_candidate(c) for c in candidates]
     adapter = ModelAdapter(model)
     all_sites = select_sites(adapter, sites)
-    site_cands = {s.path: [c for c in cands if supports(c, s)] for s in all_sites}
+    site_cands, left_float = fitting(all_sites, cands)  # refuses now if nothing fits
+    all_sites = [s for s in all_sites if s.path in site_cands]
     t0 = time.perf_counter()
     entries = grad_entries(model, tokens, all_sites, site_cands, samples=samples, seed=seed,
                            progress=progress)
@@ -210,7 +211,7 @@ def _proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=
     meta.update({"method": method, "fisher_samples": samples, "seed": seed,
                  "proxy_seconds": round(time.perf_counter() - t0, 3)})
     table = {"format": TABLE_FORMAT, "version": TABLE_VERSION, "metric": "kl", "meta": meta,
-             "complete": True, "entries": entries}
+             "complete": True, "entries": entries, **({"float": left_float} if left_float else {})}
     if method == "two-stage":
         t1 = time.perf_counter()
         side = out.with_name(out.name + ".exact.json")  # the exact stage's own checkpoint
