@@ -91,7 +91,43 @@ def check_arguments(args) -> None:
     if args.method == "two-stage" and side.exists() and not args.resume:
         raise ValueError(f"{side} (an interrupted two-stage run's exact measurements) exists; pass "
                          "--resume to continue it or choose another --out")
-    check_calibration_arguments(args)
+    toks = check_calibration_arguments(args)
+    if args.resume and Path(args.out).is_file():
+        check_resume(args, toks)
+
+
+def check_resume(args, toks) -> None:
+    """The resume settings knowable without the model (method and its
+    parameters, candidates, tokens, tensors), against --out's table, so a
+    mismatch costs a second, not a model load. The sweep itself then
+    checks everything (the model's fingerprint included)."""
+    from ..errors import FormatError
+    from ..formats.errors import load_json
+    from ..measure.sweep import settings_mismatch, tokens_digest
+
+    prev = load_json(args.out, "sensitivity table")
+    meta = prev.get("meta") if isinstance(prev, dict) else None
+    if not isinstance(meta, dict):
+        raise FormatError(f"{args.out}: no 'meta' object, not a table `mixbits measure` wrote; "
+                          "choose another --out")
+    now = {"method": args.method, "model": str(args.model), "candidates": list(args.candidates)}
+    if args.method != "exact":
+        now["fisher_samples"] = args.fisher_samples
+    if args.method == "two-stage":
+        now.update(targets_bpw=list(args.targets), exact_budget=args.exact_budget)
+    if toks is not None:
+        now.update(tokens_sha256_16=tokens_digest(toks), n_sequences=int(toks.shape[0]),
+                   seq_len=int(toks.shape[1]))
+    else:
+        now.update(n_sequences=args.n_seq, seq_len=args.seq_len)
+    was = {k: meta.get(k) for k in now}
+    sites = meta.get("sites")
+    have = set(sites) if isinstance(sites, list) and all(isinstance(s, str) for s in sites) else set()
+    # The table lists the tensors that had a fitting candidate, in the
+    # model's order: tensors it has beyond --tensors mean another run.
+    if args.tensors and not have <= set(args.tensors):
+        now["sites"], was["sites"] = sorted(set(args.tensors)), sorted(have)
+    settings_mismatch(args.out, was, now)
 
 
 def outputs(args, g) -> list[str]:

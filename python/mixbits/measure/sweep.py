@@ -17,6 +17,7 @@ uninterrupted one exactly.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -159,10 +160,56 @@ def select_sites(adapter: ModelAdapter, paths: list[str] | None) -> list[Site]:
     return [s for s in adapter.sites if s.path in set(paths)]
 
 
-def table_meta(tokens, cfg, model_id, sites) -> dict:
-    """The settings a table records (and a resumed sweep must match)."""
+def model_fingerprint(model) -> str:
+    """Identity of a model's weights, cheap enough for any size: a hash of
+    every parameter's name, shape and dtype, and of the first 64K values of
+    three of its matrices (first, middle and last by name). Two loads of
+    one model agree; another model, or the same one quantized or
+    AWQ-scaled differently, almost surely does not."""
+    from mlx.utils import tree_flatten
+
+    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
+    h = hashlib.sha256()
+    for k, v in params:
+        h.update(f"{k}:{tuple(v.shape)}:{v.dtype};".encode())
+    mats = [v for _, v in params if v.ndim >= 2] or [v for _, v in params]
+    for v in {id(m): m for m in (mats[:1] + mats[len(mats) // 2:][:1] + mats[-1:])}.values():
+        v = v.reshape(-1)[:65536]
+        if mx.issubdtype(v.dtype, mx.floating):
+            v = v.astype(mx.float32)  # numpy has no bfloat16; float32 holds every value
+        h.update(np.array(v).tobytes())
+    return h.hexdigest()[:16]
+
+
+def settings_mismatch(path, prev_meta, meta, ignore=()) -> None:
+    """Refuse to resume ``path`` (its table's ``prev_meta``) with other
+    settings ``meta``: every key of either, except ``ignore`` (results such
+    as timings), must be equal. The error names each differing setting
+    with both values."""
+    from ..errors import UsageError
+
+    prev_meta = prev_meta if isinstance(prev_meta, dict) else {}
+    keys = [k for k in {**prev_meta, **meta} if k not in ignore]
+    diff = [k for k in keys if prev_meta.get(k) != meta.get(k)]
+    if diff:
+        def short(v):
+            s = "absent" if v is None else json.dumps(v)
+            return s if len(s) <= 60 else s[:57] + "..."
+
+        said = "; ".join(f"{k}: {short(prev_meta.get(k))} in the file, {short(meta.get(k))} now"
+                         for k in diff[:4])
+        raise UsageError(f"{path} was made with different settings ({said}); resume it with the "
+                         "same settings or choose another --out")
+
+
+def table_meta(tokens, cfg, model_id, sites, *, model=None, method: str = "exact") -> dict:
+    """The settings a table records (and a resumed sweep must match):
+    the method, the model (its ``model_fingerprint`` when ``model`` is
+    given), the tokens, candidates (quantizer suffixes included) and tensors."""
     return {
+        "method": method,
         "model": model_id,
+        **({"model_fingerprint": model_fingerprint(model)} if model is not None else {}),
         "tokens_sha256_16": tokens_digest(tokens),
         "n_sequences": int(tokens.shape[0]),
         "seq_len": int(tokens.shape[1]),
@@ -205,7 +252,7 @@ def _sweep(model, tokens, out: str | Path, candidates=None, *, resume: bool = Fa
     all_sites = select_sites(adapter, sites)
     site_cands, left_float = fitting(all_sites, cands)  # refuses now if nothing fits
     all_sites = [s for s in all_sites if s.path in site_cands]
-    meta = table_meta(tokens, cfg, model_id, all_sites)
+    meta = table_meta(tokens, cfg, model_id, all_sites, model=model)
     mine = all_sites[rank::world]
     out = Path(out)
     done: dict[str, dict] = {}
@@ -213,10 +260,7 @@ def _sweep(model, tokens, out: str | Path, candidates=None, *, resume: bool = Fa
         if not resume:
             raise FileExistsError(f"{out} exists; pass resume=True (--resume) to continue it")
         prev = load_json(out, "sweep checkpoint")
-        if prev.get("meta") != meta:
-            diff = [k for k in meta if prev.get("meta", {}).get(k) != meta[k]]
-            raise ValueError(f"{out} was made with different settings ({', '.join(diff)}); "
-                             "use another --out or the same settings")
+        settings_mismatch(out, prev.get("meta"), meta)
         done = {e["path"]: e for e in prev.get("entries", [])}
     todo = [s for s in mine if s.path not in done]
     chunk = max(1, min(len(tokens), max_batch))

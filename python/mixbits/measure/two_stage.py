@@ -55,9 +55,13 @@ import numpy as np
 from ..alloc import solve
 from ..atomic import write_json_atomic
 from .refine import table_problem
-from .sweep import TABLE_FORMAT, TABLE_VERSION, SweepConfig, select_sites, table_meta
+from .sweep import (TABLE_FORMAT, TABLE_VERSION, SweepConfig, select_sites, settings_mismatch,
+                    table_meta)
 
 ROUNDS = 3
+# meta keys that are results of a run, not settings a resume must match
+RESULTS = ("proxy_seconds", "exact_seconds", "exact_pairs", "exact_tensors", "exact_cost_share",
+           "proxy_scales", "proxy_scale_overall")
 SIGMA0, MIN_PAIRS = 0.3, 8  # the proxy's error in log KL before 8 pairs are measured
 
 
@@ -204,26 +208,33 @@ def _proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=
     all_sites = select_sites(adapter, sites)
     site_cands, left_float = fitting(all_sites, cands)  # refuses now if nothing fits
     all_sites = [s for s in all_sites if s.path in site_cands]
+    meta = table_meta(tokens, SweepConfig(list(candidates)), model_id, all_sites, model=model,
+                      method=method)
+    meta.update({"fisher_samples": samples, "seed": seed})
+    if method == "two-stage":
+        meta.update({"targets_bpw": list(targets), "exact_budget": budget, "rounds": rounds})
+    settings = dict(meta)  # what a resume must match; results are added below
+    if out.exists():  # resume: only a table made with these settings (not an exact one, say)
+        prev = load_json(out, "sensitivity table")
+        settings_mismatch(out, prev.get("meta"), settings, ignore=RESULTS)
+        if prev.get("complete") is True:
+            return prev  # finished: the same settings give the same table
     t0 = time.perf_counter()
     entries = grad_entries(model, tokens, all_sites, site_cands, samples=samples, seed=seed,
                            progress=progress)
-    meta = table_meta(tokens, SweepConfig(list(candidates)), model_id, all_sites)
-    meta.update({"method": method, "fisher_samples": samples, "seed": seed,
-                 "proxy_seconds": round(time.perf_counter() - t0, 3)})
+    meta["proxy_seconds"] = round(time.perf_counter() - t0, 3)
     table = {"format": TABLE_FORMAT, "version": TABLE_VERSION, "metric": "kl", "meta": meta,
              "complete": True, "entries": entries, **({"float": left_float} if left_float else {})}
     if method == "two-stage":
         t1 = time.perf_counter()
         side = out.with_name(out.name + ".exact.json")  # the exact stage's own checkpoint
-        side_meta = table_meta(tokens, SweepConfig(list(candidates)), model_id, all_sites)
+        side_meta = settings
         done: dict[str, dict] = {}
         if side.exists():
             if not resume:
                 raise FileExistsError(f"{side} exists; pass resume=True (--resume) to continue it")
             prev = load_json(side, "two-stage exact checkpoint")
-            if prev.get("meta") != side_meta:
-                raise ValueError(f"{side} was made with different settings; use another --out "
-                                 "or the same settings")
+            settings_mismatch(side, prev.get("meta"), side_meta)
             done = {e["path"]: e for e in prev.get("entries", [])}
         exact = {p: {c["kind"]: c["kl"] for c in e["candidates"]} for p, e in done.items()}
         cost = pair_costs(entries)
@@ -254,8 +265,7 @@ def _proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=
                                    "entries": list(done.values())}, side, indent=1)
         scales, overall = kind_scales(entries, exact)
         table["entries"] = merge(entries, exact)
-        meta.update({"targets_bpw": list(targets), "exact_budget": budget, "rounds": rounds,
-                     "exact_pairs": sum(len(v) for v in exact.values()),
+        meta.update({"exact_pairs": sum(len(v) for v in exact.values()),
                      "exact_tensors": len(exact), "exact_cost_share": round(spent / total, 4),
                      "proxy_scales": scales, "proxy_scale_overall": overall,
                      "exact_seconds": round(time.perf_counter() - t1, 3)})
