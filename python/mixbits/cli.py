@@ -14,6 +14,7 @@ from .errors import MixbitsError
 # name -> one-line help. A name listed here must have its module.
 COMMANDS = {
     "demo": "quantize a random matrix into mixed segments; error and bits per weight",
+    "convert": "model -> quantized folder at a storage-bpw budget in one command (measure, refine, quantize)",
     "allocate": "exact bit allocation from an ExLlamaV2 measurement or a sensitivity table",
     "measure": "per-tensor sensitivity sweep (KL of final logits per candidate), resumable",
     "refine": "sensitivity table -> allocation.json: exact optimum, then joint-KL swaps",

@@ -20,6 +20,11 @@ from ..errors import CalibrationWarning
 from .candidates import parse_candidate
 
 
+# mlx-lm's mixed recipes (mlx_lm.convert's QUANT_RECIPES: mixed_2_6, mixed_3_4,
+# mixed_3_6, mixed_4_6) as (low, high) bits.
+MLX_LM_RECIPES = ((2, 6), (3, 4), (3, 6), (4, 6))
+
+
 def entry_bits(table: dict, assignment: dict[str, str], count: str = "storage") -> tuple[int, int]:
     """(total bits, total weights) of an assignment over the table's
     tensors; ``count`` "storage" (codes + scales + biases as stored) or
@@ -82,8 +87,8 @@ def mixed_rule(table: dict, low: str, high: str, adapter) -> dict[str, str]:
 def baselines(table: dict, adapter, high_avg: float, low_avg: float | None = None,
               count: str = "storage") -> list[tuple[str, dict[str, str], float]]:
     """[(name, assignment, bpw)]: the widest uniform candidate(s) and the
-    widest mlx-lm mixed recipe (two affine widths of one group size, as
-    mlx-lm's mixed_2_6 / 3_4 / 3_6 / 4_6) within the budget; the recipe
+    widest of mlx-lm's mixed recipes (:data:`MLX_LM_RECIPES`, at a group
+    size the table measured both widths at) within the budget; the recipe
     needs the model's ``adapter`` (its blocks and tensor roles) and is
     left out without one. Empty when nothing fits."""
     kinds = common_kinds(table)
@@ -102,7 +107,7 @@ def baselines(table: dict, adapter, high_avg: float, low_avg: float | None = Non
     rules = []
     for lo in affine:
         for hi in affine:
-            if lo.group_size == hi.group_size and lo.bits < hi.bits:
+            if lo.group_size == hi.group_size and (lo.bits, hi.bits) in MLX_LM_RECIPES:
                 plan = mixed_rule(table, lo.name, hi.name, adapter)
                 b = entry_bpw(table, plan, count)
                 if fits(b):

@@ -70,8 +70,9 @@ def plot_table(table: dict, out, allocation: dict | None = None, title: str = ""
         bits = {a["path"]: a["bits"] for a in allocation["assignment"]}
         g, kinds, layers = _grid(entries, lambda e: bits.get(e["path"]))
         im2 = ax.imshow(g, aspect="auto", cmap="viridis", interpolation="nearest")
-        avg = allocation.get("average_bits")
-        ax.set_title("chosen bits" + (f" (avg {avg:.3f})" if avg else ""))
+        storage, avg = allocation.get("average_bpw_storage"), allocation.get("average_bits")
+        ax.set_title("chosen bits" + (f" ({storage:.3f} bpw as stored)" if storage
+                                      else f" (avg {avg:.3f})" if avg else ""))
         ax.set_yticks(range(len(kinds)), kinds, fontsize=7)
         ax.set_xlabel("layer")
         fig.colorbar(im2, ax=ax, shrink=0.8)

@@ -2,7 +2,8 @@
 
 - :func:`smollm2.fetch` -- SmolLM2-135M-Instruct GGUF (llama), cached;
 - :func:`gemma3.fetch` -- Gemma 3 270M GGUF (gemma3, K-quants), cached;
-- :func:`load` -- a model by keyword (``"smollm2"``, ``"gemma3"``), GGUF file or saved folder;
+- :func:`load` -- a model by keyword (``"smollm2"``, ``"gemma3"``), GGUF file, saved folder or
+  Hugging Face repo id;
 - :func:`calibration_text` -- real English text for perplexity / sweeps;
 - :func:`perplexity` -- next-token perplexity of a model over token ids.
 """
@@ -17,11 +18,17 @@ KEYWORDS = ("smollm2", "gemma3")
 
 
 def resolve_keyword(spec):
-    """The local path of a keyword model (downloaded on first use), else ``spec`` unchanged."""
+    """The local path of a keyword model (downloaded on first use) or of a
+    Hugging Face repo id (``owner/name`` that is no local path: mlx-lm's
+    resolver, :mod:`mixbits.models.hub`), else ``spec`` unchanged."""
     if isinstance(spec, str) and spec in KEYWORDS:
         import importlib
 
         return importlib.import_module(f".{spec}", __name__).fetch()
+    from .hub import looks_like_repo_id, snapshot
+
+    if looks_like_repo_id(spec):
+        return snapshot(spec)
     return spec
 
 

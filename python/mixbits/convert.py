@@ -1,0 +1,203 @@
+"""One run from a model to quantized folders at the asked storage bpw.
+
+Stages, each kept in a work folder beside the output (``DIR.work/``) so a
+rerun of the same command after a kill continues where it stopped:
+
+1. calibration -- token ids cut from the text (``tokens.npy``);
+2. measure     -- the sensitivity table (``table.json``, checkpointed per
+   tensor by the sweep itself; two-stage's exact pairs in
+   ``table.json.exact.json``);
+3. refine      -- one ``allocation_<bpw>bpw.json`` per budget: exact
+   knapsack optimum, joint-KL search, then the baseline guard (uniform and
+   mlx-lm's mixed recipe at the same or lower bpw win if they score lower);
+4. quantize    -- the folder(s), each written whole or not at all, with a
+   model card (README.md), the allocation and a sensitivity plot.
+
+``settings.json`` in the work folder records what the results depend on
+(model, calibration, method, candidates ...); a rerun with other settings
+is refused, naming them, before any model loads. Several budgets share one
+measurement. Storage bits per weight (codes + fp16 scales and biases, as
+mlx-lm counts them) are what is asked for and what is printed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import UsageError
+
+SETTINGS = "settings.json"
+TOKENS = "tokens.npy"
+TABLE = "table.json"
+
+
+def work_dir(out) -> Path:
+    out = Path(out)
+    return out.with_name(out.name + ".work")
+
+
+def output_dirs(out, bpws) -> dict[float, Path]:
+    """One budget: ``out`` itself; several: ``out/<bpw>bpw`` each."""
+    out = Path(out)
+    if len(bpws) == 1:
+        return {bpws[0]: out}
+    return {b: out / f"{b:g}bpw" for b in bpws}
+
+
+def allocation_path(work: Path, bpw: float) -> Path:
+    return work / f"allocation_{bpw:g}bpw.json"
+
+
+def smallest_storage_bpw(candidates) -> tuple[float, str]:
+    """(storage bpw, name) of the narrowest candidate: codes plus an fp16
+    scale and bias per group."""
+    from .measure.candidates import parse_candidate
+
+    return min((parse_candidate(c).nominal_bits + 32 / parse_candidate(c).group_size, c)
+               for c in candidates)
+
+
+def _file_digest(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def settings(args) -> dict:
+    """What the work folder's results depend on (not the budgets: one
+    measurement serves any bpw)."""
+    calib = {"dtype": args.dtype}
+    if args.tokens:
+        calib["tokens_sha256_16"] = _file_digest(args.tokens)
+    else:
+        calib.update(n_seq=args.n_seq, seq_len=args.seq_len)
+        if args.text:
+            calib["text_sha256_16"] = [_file_digest(p) for p in args.text]
+        else:
+            calib["corpus"] = args.corpus
+    out = {"model": str(args.model), "method": args.method, "candidates": list(args.candidates),
+           "calibration": calib, "max_evals": args.max_evals}
+    if args.method != "exact":
+        out["fisher_samples"] = args.fisher_samples
+    if args.method == "two-stage":
+        out["exact_budget"] = args.exact_budget
+    return out
+
+
+def check_settings(work: Path, current: dict) -> None:
+    """A work folder from another run's settings is refused, naming them."""
+    from .formats.errors import load_json
+
+    path = work / SETTINGS
+    if not path.exists():
+        return
+    saved = load_json(path, str(path))
+    if saved != current:
+        keys = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+        diff = "; ".join(f"{k}: {saved.get(k)!r} then, {current.get(k)!r} now" for k in keys)
+        raise UsageError(f"{work} holds the stages of a run with other settings ({diff}). Rerun with "
+                         f"the same options to continue it, or remove {work} to start over")
+
+
+@dataclass
+class Probe:
+    """A timing probe: one forward over ``tokens`` calibration tokens."""
+
+    seconds: float
+    tokens: int
+    n_tokens: int  # the whole calibration set
+    exact_units: float  # a full exact sweep's cost, in full forwards
+    pairs: int
+
+    @property
+    def forward(self) -> float:
+        """Seconds of one forward over the whole calibration set."""
+        return self.seconds * self.n_tokens / self.tokens
+
+    def stage_seconds(self, method: str, bpws, max_evals: int, exact_budget: float,
+                      samples: int) -> dict[str, float]:
+        """Rough per-stage estimates: an exact pair replays its tensor's
+        block to the output; the Fisher pass is ~3 forwards per sample; a
+        joint evaluation is a forward. Quantizing the saved model is small
+        next to these and not estimated."""
+        exact = self.exact_units * self.forward
+        grad = 3 * samples * self.forward
+        measure = {"exact": exact, "grad": grad, "two-stage": grad + exact_budget * exact}[method]
+        return {"measure": measure, "refine": len(bpws) * (max_evals + 4) * self.forward}
+
+
+def timing_probe(model, tokens, sites, candidates) -> Probe:
+    import mlx.core as mx
+
+    from .measure.candidates import parse_candidate, supports
+    from .measure.two_stage import pair_costs
+
+    chunk = tokens[: min(4, len(tokens))]
+    mx.eval(model(mx.array(chunk)))  # warm-up: first-call allocation and graph setup
+    t0 = time.perf_counter()
+    mx.eval(model(mx.array(chunk)))
+    seconds = time.perf_counter() - t0
+    cands = [parse_candidate(c) for c in candidates]
+    entries = [{"path": s.path, "layer": s.block} for s in sites]
+    cost = pair_costs(entries)
+    blocks = 1 + max((s.block for s in sites if s.block is not None), default=0)
+    per_site = {s.path: sum(supports(c, s) for c in cands) for s in sites}
+    units = sum(cost[p] * n for p, n in per_site.items()) / (blocks + 1)
+    return Probe(seconds, int(chunk.size), int(tokens.size), units, sum(per_site.values()))
+
+
+def _duration(s: float) -> str:
+    if s < 90:
+        return f"{s:.0f} s"
+    if s < 5400:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
+
+
+@dataclass
+class Result:
+    bpw: float
+    out: Path
+    allocation: dict
+    seconds: dict = field(default_factory=dict)
+
+
+def kind_counts(allocation: dict) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for a in allocation["assignment"]:
+        counts[a["kind"]] = counts.get(a["kind"], 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def card(model: str, r: Result, n_tokens: tuple[int, int], method: str) -> str:
+    """The summary card: printed at the end and written as DIR/README.md."""
+    a = r.allocation
+    g = a.get("guard", {})
+    lines = [f"# {Path(str(model)).name} at {r.bpw:g} bpw (mixbits)", "",
+             f"- source model: `{model}`",
+             f"- budget: {r.bpw:g} bits per weight as stored (codes + fp16 scales and biases), "
+             f"over the {len(a['assignment'])} quantized tensors",
+             f"- storage bpw: {a.get('average_bpw_storage', float('nan')):.3f}",
+             f"- measured by `{method}` on {n_tokens[0]} x {n_tokens[1]} calibration tokens",
+             f"- written: {g.get('written', 'mixed allocation')}", "",
+             "| allocation | bpw | joint KL (calibration) |", "|---|---|---|",
+             f"| mixbits mixed allocation | {a.get('average_bpw_storage', float('nan')):.3f} "
+             f"| {g.get('mixed_joint_kl', float('nan')):.4f} |"]
+    lines += [f"| {b['name']} | {b['bpw']:.3f} | {b['joint_kl']:.4f} |" for b in a.get("baselines", [])]
+    lines += ["", "| kind | tensors |", "|---|---|"]
+    lines += [f"| {k} | {n} |" for k, n in kind_counts(a).items()]
+    if r.seconds:
+        lines += ["", "Time: " + ", ".join(f"{k} {_duration(v)}" for k, v in r.seconds.items())]
+    lines += ["", "Run it with `mixbits.load(DIR)`; a folder of MLX-native kinds also loads with "
+              "`mlx_lm.load`, others with `mlx_lm.load(DIR, trust_remote_code=True)`.",
+              "`sensitivity.png`: the per-tensor KL of every candidate and the chosen kinds.", ""]
+    return "\n".join(lines)

@@ -1,0 +1,220 @@
+"""``mixbits convert``: the whole pipeline in one command, on tiny models of
+three architectures (dense, hybrid, MoE); a rerun after a kill continues;
+settings, budgets and outputs checked before the model loads; --dry-run
+writes nothing; several budgets share one measurement; Hugging Face repo
+ids resolved offline from a hub cache laid out as the hub client lays it out."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import tiny_models
+from mixbits.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _folder(tmp_path_factory, arch, seq=4, length=24):
+    import mixbits
+
+    d = tmp_path_factory.mktemp(arch)
+    model, cfg = tiny_models.build(arch)
+    mixbits.save(model, d / "model", cfg)
+    toks = np.random.default_rng(3).integers(0, 160, (seq, length))
+    np.save(d / "tokens.npy", toks)
+    return d
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return _folder(tmp_path_factory, "llama")
+
+
+def _independent_logits(folder, allocation, tokens):
+    """The allocation applied by `mixbits quantize`'s own functions to a
+    fresh load of the source: what the converted folder must hold."""
+    import mixbits
+    from mixbits.commands.quantize import allocation_candidates, quantize_candidates
+
+    model, _, _ = mixbits.load(folder)
+    quantize_candidates(model, allocation_candidates(allocation, model))
+    return model(mx.array(tokens))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5_vlm", "qwen3_moe"])
+def test_convert_end_to_end(arch, tmp_path_factory, tmp_path, capsys):
+    import mixbits
+
+    d = _folder(tmp_path_factory, arch)
+    out = tmp_path / "q"
+    argv = ["convert", "--model", str(d / "model"), "--tokens", str(d / "tokens.npy"),
+            "--bpw", "3.6", "--out", str(out), "--max-evals", "3"]
+    assert main(argv) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    for stage in ("[1/4] calibration", "[2/4] measure", "[3/4] refine", "[4/4] quantize"):
+        assert stage in printed
+    alloc = json.loads((out / "allocation.json").read_text())
+    assert alloc["average_bpw_storage"] <= 3.6 + 1e-9
+    assert alloc["baselines"] and alloc["guard"]["joint_kl"] <= min(b["joint_kl"] for b in alloc["baselines"])
+    card = (out / "README.md").read_text()
+    assert "joint KL" in card and f"{alloc['average_bpw_storage']:.3f}" in card and "uniform" in card
+    assert (out / "sensitivity.png").read_bytes()[:4] == b"\x89PNG"
+    toks = np.load(d / "tokens.npy")[:2]
+    model, _, _ = mixbits.load(out)
+    got = model(mx.array(toks))
+    want = _independent_logits(d / "model", alloc, toks)
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+    # the work folder keeps every stage
+    work = Path(str(out) + ".work")
+    assert {p.name for p in work.iterdir()} >= {"settings.json", "tokens.npy", "table.json",
+                                                "allocation_3.6bpw.json"}
+
+
+def test_rerun_continues_and_skips_finished_stages(dense, tmp_path, capsys):
+    out = tmp_path / "q"
+    argv = ["convert", "--model", str(dense / "model"), "--tokens", str(dense / "tokens.npy"),
+            "--bpw", "3.6", "--out", str(out), "--max-evals", "2"]
+    assert main(argv) == 0
+    first = (out / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "(kept from the last run)" in printed and "already written by the last run" in printed
+    # the folder lost (a kill during the save): only the quantize stage runs again
+    shutil.rmtree(out)
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("(kept from the last run)") == 3  # calibration, measure, refine
+    assert (out / "model.safetensors").read_bytes() == first
+
+
+def test_killed_sweep_resumes_to_the_same_table(dense, tmp_path):
+    """A real process SIGKILLed in the middle of the exact sweep; the same
+    command then finishes, and its table equals an uninterrupted run's."""
+    env = dict(os.environ, MIXBITS_NUM_THREADS="1")
+    base = [sys.executable, "-m", "mixbits.cli", "convert", "--model", str(dense / "model"),
+            "--tokens", str(dense / "tokens.npy"), "--bpw", "3.6", "--method", "exact",
+            "--max-evals", "1", "--candidates", "wide"]
+    killed = tmp_path / "killed"
+    table = Path(str(killed) + ".work") / "table.json"
+    proc = subprocess.Popen(base + ["--out", str(killed)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if table.exists() and not json.loads(table.read_text())["complete"]:
+            break
+        time.sleep(0.005)
+    assert proc.poll() is None, "the sweep finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = json.loads(table.read_text())
+    assert not partial["complete"] and not killed.exists()
+    r = subprocess.run(base + ["--out", str(killed)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "continuing the last run" in r.stdout
+    clean = tmp_path / "clean"
+    r = subprocess.run(base + ["--out", str(clean)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+    def kls(path):
+        t = json.loads(path.read_text())
+        return {e["path"]: {c["kind"]: c["kl"] for c in e["candidates"]} for e in t["entries"]}
+
+    assert kls(table) == kls(Path(str(clean) + ".work") / "table.json")
+    assert (killed / "allocation.json").read_text() == (clean / "allocation.json").read_text()
+
+
+def test_other_settings_are_refused_before_the_model_loads(dense, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "q"
+    argv = ["convert", "--model", str(dense / "model"), "--tokens", str(dense / "tokens.npy"),
+            "--bpw", "3.6", "--out", str(out), "--max-evals", "1"]
+    assert main(argv) == 0
+    import mixbits.models
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(mixbits.models, "load", no_load)
+    monkeypatch.setattr(mixbits, "load", no_load)
+    capsys.readouterr()
+    assert main(argv[:-2] + ["--max-evals", "1", "--method", "grad"]) == 2
+    err = capsys.readouterr().err
+    assert "method: 'two-stage' then, 'grad' now" in err and "remove" in err
+    # budgets below the narrowest candidate, repeated budgets, a file as the work folder
+    assert main(argv[:7] + ["--bpw", "2.0", "--out", str(tmp_path / "x")]) == 2
+    assert "narrowest candidate" in capsys.readouterr().err
+    assert main(argv[:7] + ["--bpw", "3.6", "3.6", "--out", str(tmp_path / "x")]) == 2
+    assert "repeated" in capsys.readouterr().err
+    (tmp_path / "y.work").write_text("")
+    assert main(argv[:7] + ["--bpw", "3.6", "--out", str(tmp_path / "y")]) == 2
+    assert "not a folder" in capsys.readouterr().err
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(dense, tmp_path, capsys):
+    out = tmp_path / "q"
+    assert main(["convert", "--model", str(dense / "model"), "--tokens", str(dense / "tokens.npy"),
+                 "--bpw", "3.6", "4.5", "--out", str(out), "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "quantizable tensors" in printed and "estimated: measure ~" in printed
+    assert f"would write {out / '3.6bpw'}" in printed and f"would write {out / '4.5bpw'}" in printed
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_several_budgets_share_one_measurement(dense, tmp_path, capsys):
+    import mixbits
+
+    out = tmp_path / "q"
+    assert main(["convert", "--model", str(dense / "model"), "--tokens", str(dense / "tokens.npy"),
+                 "--bpw", "4.5", "3.6", "--out", str(out), "--max-evals", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("[2/4] measure") == 1
+    bpw = {}
+    for b in ("3.6", "4.5"):
+        a = json.loads((out / f"{b}bpw" / "allocation.json").read_text())
+        assert a["average_bpw_storage"] <= float(b) + 1e-9
+        bpw[b] = a["average_bpw_storage"]
+        mixbits.load(out / f"{b}bpw")
+    assert bpw["3.6"] < bpw["4.5"]
+
+
+def _hub_cache(root: Path, repo: str, files: Path) -> None:
+    """A Hugging Face hub cache holding ``repo`` at one commit, as the hub
+    client lays it out: blobs, a snapshot of links to them, refs/main."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    base = root / ("models--" + repo.replace("/", "--"))
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / "main").write_text(commit)
+    snap = base / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (base / "blobs").mkdir()
+    for f in files.iterdir():
+        blob = base / "blobs" / f"blob-{f.name}"
+        shutil.copy(f, blob)
+        os.symlink(os.path.relpath(blob, snap), snap / f.name)
+
+
+def test_hf_repo_id_resolves_offline_through_mlx_lm(dense, tmp_path):
+    hub = tmp_path / "hub"
+    _hub_cache(hub, "tiny-org/tiny-llama", dense / "model")
+    env = dict(os.environ, HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1", MIXBITS_NUM_THREADS="1")
+    out = tmp_path / "q"
+    r = subprocess.run([sys.executable, "-m", "mixbits.cli", "convert", "--model", "tiny-org/tiny-llama",
+                        "--tokens", str(dense / "tokens.npy"), "--bpw", "3.6", "--out", str(out),
+                        "--dry-run"], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "30 quantizable tensors" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "mixbits.cli", "convert", "--model", "tiny-org/missing",
+                        "--tokens", str(dense / "tokens.npy"), "--bpw", "3.6", "--out", str(out)],
+                       env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and "tiny-org/missing" in r.stderr and "HF_HUB_OFFLINE" in r.stderr
