@@ -243,6 +243,11 @@ def _proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=
         by_site = {s.path: s for s in all_sites}
         cfg = SweepConfig(list(candidates), max_batch=max_batch)
         rp = None
+        from tqdm import tqdm
+
+        # Progress in the budget's own unit (block forwards), so the ETA is the stage's.
+        bar = tqdm(total=round(budget * total), initial=min(round(spent), round(budget * total)),
+                   desc="exact stage", unit="fwd", disable=not progress, smoothing=0.1)
         for r in range(rounds):
             quota = budget * total * (r + 1) / rounds - spent
             todo: dict[str, list[str]] = {}
@@ -260,9 +265,11 @@ def _proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=
                               "seconds": round(old["seconds"] + got["seconds"], 3)}
                 exact.setdefault(path, {}).update({c["kind"]: c["kl"] for c in got["candidates"]})
                 spent += cost[path] * len(kinds)
+                bar.update(min(cost[path] * len(kinds), bar.total - bar.n))
                 write_json_atomic({"format": TABLE_FORMAT, "version": TABLE_VERSION,
                                    "metric": "kl", "meta": side_meta, "complete": False,
                                    "entries": list(done.values())}, side, indent=1)
+        bar.close()
         scales, overall = kind_scales(entries, exact)
         table["entries"] = merge(entries, exact)
         meta.update({"exact_pairs": sum(len(v) for v in exact.values()),
