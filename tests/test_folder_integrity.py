@@ -142,7 +142,8 @@ def test_broken_config_json_is_a_format_error(tmp_path):
 def test_saved_folder_has_marker_and_loads(tmp_path):
     folder = _saved(tmp_path)
     m = json.loads((folder / MANIFEST).read_text())
-    assert set(m["files"]) == {"model.safetensors", "config.json"}
+    # a two-segment layer: mlx-lm needs mixbits' model file (mixbits.mlx_lm_model_file)
+    assert set(m["files"]) == {"model.safetensors", "config.json", "mixbits_model.py"}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left
     model, _, _ = mixbits.load(folder)
     mixbits.save(model, folder)  # replacing a folder mixbits wrote is allowed

@@ -15,7 +15,9 @@ and the tokenizer files. In config.json:
   mixbits layer (linears, embeddings and expert stacks, whose arrays carry
   a leading expert axis). Multi-segment or permuted layers appear only here (their
   parameters are ``<path>.segments.<i>.weight/scales/biases`` and
-  ``<path>.perm``); :func:`load` reads them.
+  ``<path>.perm``); :func:`load` reads them. Such a folder also holds
+  ``mixbits_model.py``, named by config.json's ``"model_file"``: through it
+  stock mlx-lm runs the folder when told to trust it (mixbits.mlx_lm_model_file).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from .formats.errors import FormatError, expect_dict, load_json
 from .formats.safetensors_header import read_header
 from .formats.mlx_config import MlxQuantization, with_quantization
 from .layout import QuantizedTensor, Segment
+from .mlx_lm_model_file import MODEL_FILE, with_model_file, write_model_file
 from .nn import (MixedQuantizedEmbedding, MixedQuantizedLinear, MixedQuantizedSwitchLinear, MixedWeight,
                  is_expert_stack, repacked_layers, set_module)
 from .nn import patch as _patch
@@ -117,6 +120,7 @@ def save(model: nn.Module, folder, config: dict | None = None, tokenizer=None, *
         cfg = with_quantization(cfg, quant)
     if layers:
         cfg["mixbits"] = {"format": FORMAT_VERSION, "layers": layers}
+    cfg = with_model_file(cfg)  # mixbits-only layers: stock mlx-lm needs mixbits' model file
 
     weights = dict(tree_flatten(model.parameters()))
     text = json.dumps(cfg, indent=2, sort_keys=False)
@@ -129,6 +133,7 @@ def save(model: nn.Module, folder, config: dict | None = None, tokenizer=None, *
                 tokenizer.save_pretrained(str(tmp))
             else:
                 tokenizer.save(tmp)
+        write_model_file(tmp, cfg)
         for name, data in (extra_files or {}).items():
             target = tmp / name
             if target.exists() or Path(name).name != name:
@@ -162,6 +167,27 @@ def _tensor_from_weights(weights: dict, path: str, desc: dict) -> QuantizedTenso
     return QuantizedTensor(segs, perm)
 
 
+def place_layers(model: nn.Module, layers: dict, weights: dict) -> None:
+    """Swap each module named in config.json's ``mixbits.layers`` (path ->
+    descriptor) for the mixbits layer holding its arrays from ``weights``
+    (the folder's saved parameters). Used by :func:`load` and by the
+    model file that lets stock mlx-lm run a folder (mixbits.mlx_lm_model_file)."""
+    modules = dict(model.named_modules())
+    for path, desc in layers.items():
+        if path not in modules:
+            raise ValueError(f"config.json mixbits.layers names {path!r}, which the model does not have")
+        m = modules[path]
+        qt = _tensor_from_weights(weights, path, desc)
+        kinds = desc.get("kinds")
+        if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)):
+            new = MixedQuantizedEmbedding.from_tensor(qt, kinds)
+        elif is_expert_stack(m):  # mlx-lm's SwitchLinear placeholder (or its quantized form)
+            new = MixedQuantizedSwitchLinear.from_tensor(qt, weights.get(f"{path}.bias"), kinds)
+        else:
+            new = MixedQuantizedLinear.from_tensor(qt, weights.get(f"{path}.bias"), kinds)
+        set_module(model, path, new)
+
+
 def _load_folder(folder: Path, patch: bool):
     from mlx_lm.utils import load_model
 
@@ -187,21 +213,13 @@ def _load_folder(folder: Path, patch: bool):
     # only mixbits understands are still float placeholders afterwards and
     # are swapped below. strict=False because of those; completeness is
     # checked after the swap instead.
-    model, config = load_model(folder, strict=False)
-    modules = dict(model.named_modules())
-    for path, desc in layers.items():
-        if path not in modules:
-            raise ValueError(f"config.json mixbits.layers names {path!r}, which the model does not have")
-        m = modules[path]
-        qt = _tensor_from_weights(weights, path, desc)
-        kinds = desc.get("kinds")
-        if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)):
-            new = MixedQuantizedEmbedding.from_tensor(qt, kinds)
-        elif is_expert_stack(m):  # mlx-lm's SwitchLinear placeholder (or its quantized form)
-            new = MixedQuantizedSwitchLinear.from_tensor(qt, weights.get(f"{path}.bias"), kinds)
-        else:
-            new = MixedQuantizedLinear.from_tensor(qt, weights.get(f"{path}.bias"), kinds)
-        set_module(model, path, new)
+    # The folder's own mlx-lm model file (stock mlx-lm's way in) is not
+    # run here: mixbits builds the stock architecture itself.
+    own = {"model_file": None} if config.get("model_file") == MODEL_FILE else None
+    model, config = load_model(folder, strict=False, model_config=own)
+    if own:
+        del config["model_file"]
+    place_layers(model, layers, weights)
 
     have = dict(tree_flatten(model.parameters()))
     missing = sorted(k for k in have if k not in weights)
