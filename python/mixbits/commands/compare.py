@@ -42,6 +42,9 @@ def run(args) -> int:
     n_cal = args.n_seq
     args.n_seq = n_cal + args.holdout_seq
     model, tokens = load_model_and_tokens(args)
+    from ..measure.identity import check_made_for
+
+    check_made_for(model, table["entries"], args.table)  # a table of another model: before any work
     if args.tokens:  # the file's own rows: the last --holdout-seq are held out
         n_cal = len(tokens) - args.holdout_seq
         if n_cal < 1:

@@ -27,11 +27,16 @@ def _allocation(path, table: dict) -> dict:
         expect_dict(e, where)
         expect_str(require(e, "path", where), at(where, "path"))
         expect_number(require(e, "bits", where), at(where, "bits"))
-    known = {e["path"] for e in table["entries"]}
+    known = {e["path"]: e for e in table["entries"]}
     foreign = [e["path"] for e in entries if e["path"] not in known]
     if foreign:
         raise FormatError(f"{path}: {len(foreign)} of its tensors are not in the table, e.g. {foreign[:3]}; "
                           "was the allocation made for another model?")
+    for e in entries:  # same paths, other sizes: another model of the same family
+        mine, theirs = e.get("nparams"), known[e["path"]].get("nparams")
+        if mine is not None and mine != theirs:
+            raise FormatError(f"{path} was made for another model than the table: tensor {e['path']} "
+                              f"has {mine} parameters there and {theirs} in the table")
     return raw
 
 

@@ -122,6 +122,11 @@ def run(args) -> int:
         model, tokenizer, config = mixbits.load(args.model)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"--model: {e}") from None
+    from mixbits.measure.identity import check_made_for
+
+    # An allocation of another model: refused before the AWQ search or any quantization.
+    check_made_for(model, alloc.assignment, f"--allocation {args.allocation}",
+                   strip_prefix=args.strip_prefix)
     if args.awq:
         from mixbits.measure.awq_scale import apply_awq
 

@@ -48,6 +48,9 @@ def run(args) -> int:
     from ..measure.refine import refine
 
     model, tokens = load_model_and_tokens(args)
+    from ..measure.identity import check_made_for
+
+    check_made_for(model, table["entries"], args.table)  # a table of another model: before any work
     ev = JointEvaluator(model, tokens, chunk=4)
     out = refine(table, ev, args.bpw, args.low_bpw, args.count, args.max_evals,
                  method=args.method, seed=args.seed)
