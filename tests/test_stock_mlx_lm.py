@@ -174,6 +174,11 @@ def test_model_file_without_mixbits_says_how_to_install(folders):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "ImportError: this model folder's quantized layers run only with mixbits: pip install mixbits" in r.stderr
+    # a file from a newer mixbits says to upgrade
+    from mixbits.mlx_lm_model_file import MODEL_FILE_FORMAT, model_classes
+
+    with pytest.raises(ImportError, match="pip install --upgrade mixbits"):
+        model_classes(MODEL_FILE_FORMAT + 1)
 
 
 def test_expert_stacks_through_the_model_file(tmp_path):
