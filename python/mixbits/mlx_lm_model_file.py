@@ -18,11 +18,12 @@ The file itself holds no model code: it imports :func:`model_classes` from
 this module, so it runs with whatever mixbits is installed and says
 ``pip install mixbits`` when none is. :class:`Model` builds the stock
 mlx-lm class of the config's ``model_type`` (an instance of a subclass of
-it, so every attribute and method mlx-lm uses is the stock one), keeps
-mixbits' arrays out of the stock ``sanitize`` (they are already in the
-final layout), and on ``load_weights`` swaps in the mixbits layers with
-:func:`mixbits.io.place_layers` -- the same step :func:`mixbits.load`
-takes, so both give the same model.
+it, so every attribute and method mlx-lm uses is the stock one), hands
+mixbits' arrays back unchanged after the stock ``sanitize`` (they were
+saved from the built model, already in their final layout), and on
+``load_weights`` swaps in the mixbits layers with
+:func:`mixbits.io.place_layers` -- the step :func:`mixbits.load` takes, so
+both give the same model. :func:`mixbits.load` itself never runs the file.
 """
 
 from __future__ import annotations
