@@ -25,12 +25,29 @@ and between layers), so it ranks better than it predicts: ``two-stage``
 
 from __future__ import annotations
 
+import math
 import time
+import warnings
 
 import mlx.core as mx
 import numpy as np
 
 from .taps import Taps, split_key
+
+
+class ProxyFallbackWarning(UserWarning):
+    """Tensors the gradient proxy cannot rate (a non-finite Fisher
+    diagonal), measured exactly instead."""
+
+
+def _nonfinite(fisher: dict) -> dict[str, int]:
+    """{path: count of non-finite Fisher entries}, for the tensors that have any."""
+    out = {}
+    for p, f in fisher.items():
+        n = int(f.size - np.count_nonzero(np.isfinite(f)))
+        if n:
+            out[p] = n
+    return out
 
 
 def _float_stack(m, w):
@@ -217,7 +234,15 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
     Calibrated candidates (``+gptq`` ...) get their layer's X^T X from a
     block replay, exactly as the exact sweep does (one K x K at a time),
     and every candidate of such a tensor is then rated with the input
-    correlations (see :func:`estimate`)."""
+    correlations (see :func:`estimate`).
+
+    A tensor whose Fisher diagonal is not finite everywhere (a model whose
+    forward has an infinite derivative: mlx-lm's RG-LRU takes
+    sqrt(1 - a^2), infinite at a^2 = 1, and every tensor upstream of it
+    gets NaN), or whose estimate overflows, cannot be rated by the proxy:
+    it is measured exactly, as the exact sweep does (``source: "exact"``,
+    the reason in the entry's ``proxy_fallback``), and the tensors are
+    named once in a :class:`ProxyFallbackWarning`. No NaN reaches the table."""
     from tqdm import tqdm
 
     from ..adapter import ModelAdapter, dense_weight
@@ -231,16 +256,24 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
                                     progress=progress, out_energy=energy)
     per_site = (time.perf_counter() - t0) / max(1, len(sites))
     ad = ModelAdapter(model)
-    rp = None
-    if any(c.calibrated for cs in site_cands.values() for c in cs):
-        rp = Replayer(model, token_chunks(tokens, 4), ad)
-    out = []
+    replayer = []  # built once, when first needed
+
+    def rp():
+        if not replayer:
+            replayer.append(Replayer(model, token_chunks(tokens, 4), ad))
+        return replayer[0]
+
+    fallback = {p: f"{n} of the Fisher diagonal's {fisher[p].size} entries are not finite"
+                for p, n in _nonfinite(fisher).items()}
+    out = {}
     for s in tqdm(sites, desc="proxy", unit="tensor", disable=not progress):
+        if s.path in fallback:
+            continue
         t1 = time.perf_counter()
         original = ad.get(s.path)
         dense, fish = dense_weight(original), mx.array(fisher[s.path])
         mx.eval(dense, fish)
-        inputs = rp.input_hessian(s) if any(c.calibrated for c in site_cands[s.path]) else None
+        inputs = rp().input_hessian(s) if any(c.calibrated for c in site_cands[s.path]) else None
         cands = []
         for c in site_cands[s.path]:
             layer = build_layer(original, c, scale_dtype, inputs, dense)
@@ -250,9 +283,26 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
                                          inputs[0] if inputs else None, energy.get(s.path)),
                           "storage_bits": sb, "bpw": sb / s.nparams, "group_size": c.group_size,
                           "source": "grad"})
-        entry = {"path": s.path}
-        if s.block is not None:
-            entry["layer"] = s.block
-        out.append({**entry, "nparams": s.nparams, "shape": list(s.shape), "candidates": cands,
-                    "seconds": round(per_site + time.perf_counter() - t1, 3)})
-    return out
+        if not all(math.isfinite(c["kl"]) for c in cands):
+            fallback[s.path] = "the estimate overflows"
+            continue
+        out[s.path] = {"path": s.path, **({"layer": s.block} if s.block is not None else {}),
+                       "nparams": s.nparams, "shape": list(s.shape), "candidates": cands,
+                       "seconds": round(per_site + time.perf_counter() - t1, 3)}
+    if fallback:
+        from .sweep import SweepConfig, measure_site
+
+        named = ", ".join(f"{p} ({why})" for p, why in list(fallback.items())[:6])
+        more = f" and {len(fallback) - 6} more" if len(fallback) > 6 else ""
+        warnings.warn(ProxyFallbackWarning(
+            f"the gradient proxy cannot rate {len(fallback)} tensor(s), measured exactly instead: "
+            f"{named}{more}"), stacklevel=2)
+        by_path = {s.path: s for s in sites}
+        for p, why in tqdm(fallback.items(), desc="exact (proxy fallback)", unit="tensor",
+                           disable=not progress):
+            names = [c.name for c in site_cands[p]]
+            cfg = SweepConfig(names, **({"scale_dtype": scale_dtype} if scale_dtype else {}))
+            entry = measure_site(rp(), by_path[p], site_cands[p], cfg).to_entry()
+            entry["candidates"] = [{**c, "source": "exact"} for c in entry["candidates"]]
+            out[p] = {**entry, "proxy_fallback": why}
+    return [out[s.path] for s in sites]

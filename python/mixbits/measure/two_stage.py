@@ -73,7 +73,7 @@ def kind_scales(entries: list[dict], exact: dict[str, dict[str, float]]) -> tupl
     for e in entries:
         ex = exact.get(e["path"], {})
         for c in e["candidates"]:
-            if ex.get(c["kind"], 0) > 0 and c["kl"] > 0:
+            if ex.get(c["kind"], 0) > 0 and c["kl"] > 0 and c.get("source") != "exact":
                 logs.setdefault(c["kind"], []).append(math.log(ex[c["kind"]] / c["kl"]))
     pooled = [v for vs in logs.values() for v in vs]
     overall = math.exp(float(np.median(pooled))) if pooled else 1.0
@@ -101,7 +101,8 @@ def proxy_sigma(entries: list[dict], exact: dict[str, dict[str, float]]) -> floa
     scales, overall = kind_scales(entries, exact)
     r = [math.log(exact[e["path"]][c["kind"]] / (c["kl"] * scales.get(c["kind"], overall)))
          for e in entries for c in e["candidates"]
-         if exact.get(e["path"], {}).get(c["kind"], 0) > 0 and c["kl"] > 0]
+         if exact.get(e["path"], {}).get(c["kind"], 0) > 0 and c["kl"] > 0
+         and c.get("source") != "exact"]  # a proxy fallback's pairs have no proxy value
     if len(r) < MIN_PAIRS:
         return SIGMA0
     return max(1.4826 * float(np.median(np.abs(np.array(r) - np.median(r)))), 1e-6)
@@ -240,6 +241,9 @@ def _proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=
         cost = pair_costs(entries)
         total = sum(cost[e["path"]] * len(e["candidates"]) for e in entries)
         spent = sum(cost[p] * len(ks) for p, ks in exact.items())
+        for e in entries:  # tensors the proxy could not rate, measured exactly (not in the budget)
+            if "proxy_fallback" in e:
+                exact.setdefault(e["path"], {}).update({c["kind"]: c["kl"] for c in e["candidates"]})
         by_site = {s.path: s for s in all_sites}
         cfg = SweepConfig(list(candidates), max_batch=max_batch)
         rp = None
