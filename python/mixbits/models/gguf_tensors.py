@@ -14,9 +14,16 @@ becomes a dense float array through ``gguf.quants.dequantize`` (float32:
 exactly the values llama.cpp's reference decoder gives), since K-quant
 sub-block scales (6-bit integer x fp16 super-scale) have no fp16 affine
 equivalent.
+
+Non-finite values are refused as they are decoded (a NaN fp16 block scale
+makes its 32 weights NaN, and the model then generates end-of-text without
+a word): a :class:`FormatError` naming the tensor. Set
+``MIXBITS_ALLOW_NONFINITE=1`` to load such a file anyway.
 """
 
 from __future__ import annotations
+
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -72,6 +79,17 @@ def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
     return out
 
 
+ALLOW_NONFINITE = "MIXBITS_ALLOW_NONFINITE"
+
+
+def _refuse_nonfinite(t: TensorInfo, what: str, bad: int, total: int) -> None:
+    if os.environ.get(ALLOW_NONFINITE, "") not in ("", "0"):
+        return
+    raise FormatError(f"GGUF tensor {t.name!r} ({t.type_name}): {bad} of its {total} {what} are "
+                      f"NaN or infinite; the file is damaged (download it again), or set "
+                      f"{ALLOW_NONFINITE}=1 to load it anyway")
+
+
 def affine_triplet(t: TensorInfo):
     """(codes, scales, biases, bits) for an exactly representable 2-D tensor, else None."""
     if t.type_id not in _AFFINE or len(t.shape) != 2:
@@ -80,6 +98,9 @@ def affine_triplet(t: TensorInfo):
     rows, cols = t.shape
     blocks = t.raw.reshape(rows, cols // _GROUP, -1)
     d = _f16(blocks, d_off)
+    for name, v in (("block scales", d), ("block minimums", None if m_off is None else _f16(blocks, m_off))):
+        if v is not None and not np.isfinite(v).all():
+            _refuse_nonfinite(t, name, int(np.count_nonzero(~np.isfinite(v))), v.size)
     if m_off is None:
         bias = (d.astype(np.float32) * -zero).astype(np.float16)
     else:
@@ -109,6 +130,9 @@ def dense(t: TensorInfo, dtype=None) -> mx.array:
             raise FormatError(f"GGUF tensor {t.name!r}: type {t.type_name} cannot be decoded "
                               f"(gguf-py: {e})") from None
         out = mx.array(values.reshape(t.shape))
+    finite = mx.isfinite(out)
+    if not mx.all(finite).item():  # K-quant super-scales, or NaN stored as is
+        _refuse_nonfinite(t, "values", out.size - int(mx.sum(finite).item()), out.size)
     return out if dtype is None else out.astype(dtype)
 
 
