@@ -156,6 +156,9 @@ def test_other_settings_are_refused_before_the_model_loads(dense, tmp_path, caps
     assert "narrowest candidate" in capsys.readouterr().err
     assert main(argv[:7] + ["--bpw", "3.6", "3.6", "--out", str(tmp_path / "x")]) == 2
     assert "repeated" in capsys.readouterr().err
+    assert main(["convert", "--model", str(tmp_path / "nope"), "--bpw", "3.6", "--out", str(tmp_path / "z")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+    assert not (tmp_path / "z.work").exists()
     (tmp_path / "y.work").write_text("")
     assert main(argv[:7] + ["--bpw", "3.6", "--out", str(tmp_path / "y")]) == 2
     assert "not a folder" in capsys.readouterr().err

@@ -69,6 +69,12 @@ def check(args) -> dict:
     _checks.at_least("--max-evals", args.max_evals, 1)
     _checks.at_least("--max-batch", args.max_batch, 1)
     _checks.calibration(args)
+    from ..models import KEYWORDS
+    from ..models.hub import looks_like_repo_id
+
+    if args.model not in KEYWORDS and not looks_like_repo_id(args.model) and not Path(args.model).exists():
+        raise _checks.UsageError(f"--model {args.model}: no such file or folder (nor a Hugging Face repo "
+                                 f"id owner/name, nor one of {', '.join(KEYWORDS)})")
     for out in output_dirs(args.out, sorted(args.bpw)).values():
         check_replaceable(out)
     work = work_dir(args.out)

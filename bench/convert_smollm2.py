@@ -1,0 +1,144 @@
+"""`mixbits convert` on SmolLM2-135M at 3.5 and 4.5 storage bpw: wall and
+CPU time, and held-out KL against mlx-lm's contenders at the same storage
+bpw over the same tensors.
+
+Calibration: convert's defaults (8 x 256 tokens of the built-in Botchan
+text). Held out: 8 x 256 tokens of another text (the license texts under
+/usr/share/common-licenses), never used for any choice. Contenders, each
+scored as the mean per-token KL of the final logits against the
+unquantized model on the held-out tokens:
+- mlx_lm.convert -q at 3 / 4 bits g64 (uniform: 3.5 / 4.5 bpw as stored);
+- mlx-lm's mixed recipes (mixed_3_4 ... ) where one fits the budget;
+- mlx-lm's dynamic_quant (its own estimate_sensitivities, on the same
+  calibration tokens; widths 2/4 at 3.5, 4/8 at 4.5, threshold set at the
+  same storage bpw);
+- the folder `mixbits convert` wrote, loaded with mixbits.load.
+Paired ratio (mixbits / contender) over the 8 held-out sequences, with a
+bootstrap 95% interval.
+
+Run:  python bench/convert_smollm2.py [--threads N]  (about 15 min on two
+Zen 4 cores). Writes bench/results/convert_smollm2.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+RESULT = Path(__file__).parent / "results" / "convert_smollm2.json"
+TARGETS = {3.5: ("3b_g64", ("2b_g64", "4b_g64")), 4.5: ("4b_g64", ("4b_g64", "8b_g64"))}
+HELD_N, HELD_T = 8, 256
+
+
+def host() -> dict:
+    """CPU model, the ISA flags the kernels choose between, cores and load."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")),
+                 platform.processor())
+    flags = set(info.split())
+    isa = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "asimd") if f in flags]
+    return {"machine": platform.machine(), "cpu": model, "isa": isa, "cores": os.cpu_count(),
+            "load_1min": os.getloadavg()[0]}
+
+
+def ratio_ci(a: np.ndarray, b: np.ndarray, n: int = 10_000, seed: int = 0) -> list[float]:
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(a), (n, len(a)))
+    r = a[idx].mean(axis=1) / b[idx].mean(axis=1)
+    return [float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=None, help="MIXBITS_NUM_THREADS for convert")
+    ap.add_argument("--work", default=None, help="keep the converted folders here (default: a temp dir)")
+    args = ap.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="convert_smollm2_"))
+    out = work / "smollm2"
+    env = dict(os.environ)
+    if args.threads:
+        env["MIXBITS_NUM_THREADS"] = str(args.threads)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "mixbits.cli", "convert", "--model", "smollm2",
+           "--bpw", *map(str, TARGETS), "--out", str(out)]
+    subprocess.run(cmd, env=env, check=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    print(f"convert: {wall:.1f} s wall, {cpu:.1f} CPU s", flush=True)
+
+    import mixbits
+    from mixbits.measure.baselines import baselines, entry_bpw, mixed_rule, uniform
+    from mixbits.measure.calib import cast_model, load_texts, token_sequences
+    from mixbits.measure.dynamic_quant import assignment as dq_assignment, sensitivities
+    from mixbits.measure.joint import JointEvaluator
+    from mixbits.nn import patch
+
+    model, tok, _ = mixbits.load("smollm2")
+    cast_model(model, "float32")
+    patch(model)
+    held = token_sequences(tok, load_texts(None, "licenses"), HELD_N, HELD_T)
+    calib = np.load(Path(str(out) + ".work") / "tokens.npy")
+    table = json.loads((Path(str(out) + ".work") / "table.json").read_text())
+    ev = JointEvaluator(model, held, chunk=2)
+    ref = ev.ref_logits  # the unquantized model's logits, per chunk of held-out sequences
+
+    def seq_kls_of_model(m) -> np.ndarray:
+        from mixbits.measure.sweep import kl_per_token
+
+        rows = []
+        for i, r in zip(range(0, HELD_N, ev.chunk), ref):
+            logits = m(mx.array(held[i:i + ev.chunk])).astype(mx.float32)
+            rows.append(np.asarray(kl_per_token(r, logits)).mean(axis=1))
+        return np.concatenate(rows)
+
+    rows = []
+    for bpw, (uni, (dq_lo, dq_hi)) in TARGETS.items():
+        alloc = json.loads((out / f"{bpw:g}bpw" / "allocation.json").read_text())
+        ours_assign = {a["path"]: a["kind"] for a in alloc["assignment"]}
+        folder_model, _, _ = mixbits.load(out / f"{bpw:g}bpw")
+        ours = seq_kls_of_model(folder_model)
+        del folder_model
+        # the folder holds what the allocation says (the same layers the evaluator builds)
+        check = ev.sequence_kls(ours_assign)
+        contenders = {f"mlx_lm.convert -q {uni} (uniform)": uniform(table, uni)}
+        for name, plan, b in baselines(table, ev.adapter, bpw):
+            if name.startswith("mlx-lm mixed"):
+                contenders[name] = plan
+        sens = sensitivities(model, calib, (int(dq_lo[0]), 64), (int(dq_hi[0]), 64))
+        contenders[f"mlx-lm dynamic_quant {dq_lo}/{dq_hi}"] = dq_assignment(table, sens, bpw, dq_lo, dq_hi)
+        row = {"target_bpw": bpw, "mixbits": {"bpw": alloc["average_bpw_storage"],
+                                              "written": alloc["guard"]["written"],
+                                              "heldout_kl": float(ours.mean()),
+                                              "heldout_kl_se": float(ours.std(ddof=1) / np.sqrt(HELD_N)),
+                                              "folder_vs_assignment_max_abs": float(np.abs(ours - check).max())},
+               "contenders": []}
+        for name, plan in contenders.items():
+            k = ev.sequence_kls(plan)
+            row["contenders"].append({"name": name, "bpw": entry_bpw(table, plan),
+                                      "heldout_kl": float(k.mean()),
+                                      "heldout_kl_se": float(k.std(ddof=1) / np.sqrt(HELD_N)),
+                                      "ratio": float(ours.mean() / k.mean()),
+                                      "ratio_ci95": ratio_ci(ours, k)})
+        rows.append(row)
+        print(json.dumps(row, indent=1), flush=True)
+    RESULT.write_text(json.dumps({"host": host(), "command": " ".join(cmd[2:]), "threads": args.threads,
+                                  "convert_wall_s": round(wall, 1), "convert_cpu_s": round(cpu, 1),
+                                  "calibration": list(calib.shape), "heldout": [HELD_N, HELD_T],
+                                  "heldout_text": "licenses", "rows": rows}, indent=1) + "\n")
+    print(f"wrote {RESULT}")
+
+
+if __name__ == "__main__":
+    main()
