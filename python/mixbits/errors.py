@@ -34,11 +34,6 @@ class OutputBusyError(OutputPathError):
     output's lock, :func:`mixbits.lock.output_lock`)."""
 
 
-class OutputBusyError(OutputPathError):
-    """Another process is writing the same output right now (it holds the
-    output's lock, :func:`mixbits.lock.output_lock`)."""
-
-
 class UsageError(MixbitsError, ValueError):
     """A command-line argument or function argument has a bad value."""
 
