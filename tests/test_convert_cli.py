@@ -75,6 +75,11 @@ def test_convert_end_to_end(arch, tmp_path_factory, tmp_path, capsys):
     got = model(mx.array(toks))
     want = _independent_logits(d / "model", alloc, toks)
     assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+    # stock mlx-lm runs the folder too (through its model file when mixbits-only kinds are in it)
+    from mlx_lm.utils import load_model  # mlx_lm.load without a tokenizer (these folders have none)
+
+    stock, _ = load_model(out, trust_remote_code=True)
+    assert mx.allclose(stock(mx.array(toks)), got, atol=1e-5, rtol=1e-5).item()
     # the work folder keeps every stage
     work = Path(str(out) + ".work")
     assert {p.name for p in work.iterdir()} >= {"settings.json", "tokens.npy", "table.json",
