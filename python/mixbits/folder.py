@@ -4,8 +4,12 @@
 and its size in a completeness marker (``mixbits_manifest.json``), fsyncs,
 and only then renames the folder into place. A save killed at any moment
 leaves the previous folder (or none) under the name, never a half-written
-one; the leftover ``.<name>.tmp-*`` sibling has no marker, so it does not
-load. :func:`check_complete` is the reader's side: a folder with a marker
+one; the leftover ``.<name>.tmp-<pid>-*`` sibling has no marker, so it
+does not load, and the next save to the same place removes it (with a
+warning naming it). Saves hold the folder's lock
+(:func:`mixbits.lock.output_lock`): two at once into one folder are
+refused, and a temp folder found under the lock belongs to no running
+save. :func:`check_complete` is the reader's side: a folder with a marker
 must hold exactly the files it lists, at the sizes it lists.
 """
 
@@ -15,6 +19,8 @@ import json
 import os
 import shutil
 import tempfile
+import time
+import warnings
 from pathlib import Path
 
 from .errors import FormatError, IncompleteFolderError, OutputPathError
@@ -44,16 +50,76 @@ def check_replaceable(folder) -> None:
         )
 
 
+class LeftoverWarning(UserWarning):
+    """Files left by an interrupted save were removed."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_leftovers(folder) -> list[str]:
+    """Remove the temp folders (``.<name>.tmp-<pid>-*``) that killed saves
+    of ``folder`` left beside it, warning with their names; returns them.
+    Only those whose creating process is gone (a save from an older
+    mixbits, whose names carry no pid: only after an hour); call it holding
+    the folder's lock, so that no save of ours to it is running."""
+    folder = Path(folder)
+    prefix = f".{folder.name}.tmp-"
+    try:
+        found = [p for p in folder.parent.iterdir() if p.name.startswith(prefix)]
+    except OSError:
+        return []
+    removed = []
+    for p in sorted(found):
+        if p.is_symlink() or not p.is_dir():
+            continue
+        pid = p.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and _alive(int(pid)):
+            continue
+        if not pid.isdigit() and time.time() - p.stat().st_mtime < 3600:
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        if not p.exists():
+            removed.append(p.name)
+    if removed:
+        warnings.warn(LeftoverWarning(f"removed {len(removed)} temp folder(s) that interrupted saves of "
+                                      f"{folder} left in {folder.parent}: {', '.join(removed[:5])}"),
+                      stacklevel=2)
+    return removed
+
+
 def write_folder(folder, fill) -> Path:
     """Call ``fill(tmp_dir)`` to write the folder's files into a temp folder
     beside ``folder``, add the marker, and move it into place (replacing a
-    folder this function wrote before)."""
+    folder this function wrote before). Holds ``folder``'s lock meanwhile,
+    and first removes what killed saves to it left (:func:`remove_leftovers`)."""
+    from .lock import output_lock
+
     folder = Path(folder)
+    check_replaceable(folder)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputPathError(f"cannot write the model folder {folder}: {e.strerror or e}") from None
+    with output_lock(folder):
+        remove_leftovers(folder)
+        return _write_folder(folder, fill)
+
+
+def _write_folder(folder: Path, fill) -> Path:
     check_replaceable(folder)
     parent = folder.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=parent))
+        # The pid in the name: remove_leftovers spares the folders of live saves.
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-{os.getpid()}-", dir=parent))
     except OSError as e:
         raise OutputPathError(f"cannot write the model folder {folder}: {e.strerror or e}") from None
     old = None
@@ -120,3 +186,10 @@ def check_complete(folder: Path, written_by_mixbits: bool) -> None:
     wrong = [name for name, size in files.items() if (folder / name).stat().st_size != size]
     if wrong:
         raise IncompleteFolderError(f"{folder}: files changed size since the save (truncated?): {wrong[:5]}")
+    # The folder is exactly its marker: weight files it does not list (an
+    # old save's, a copy) would be globbed and merged over the saved ones.
+    stray = sorted(p.name for p in folder.glob("model*.safetensors") if p.name not in files)
+    if stray:
+        raise FormatError(f"{folder}: {stray[:5]} are not listed in its {MANIFEST} (left by another save, "
+                          "or copied in); loading would merge them into the saved weights: move them out "
+                          "of the folder")
