@@ -10,14 +10,17 @@ runs the real block once per candidate (on that candidate's slice of the
 batch, with the recorded arguments); the model itself computes everything
 else (embedding scale, masks, sliding windows, soft-capping, the head).
 Candidates share the suffix: the batch is the calibration chunk repeated
-once per candidate.
+once per candidate, along each block's own batch axis (found from the
+recorded shapes against the token batch: the axis of the chunk's size that
+the sequence axis follows; gemma3n's blocks carry their AltUp streams as
+[4, batch, T, D]).
 
 Tensors outside the blocks (embeddings, heads) run the whole model, with
 the tensor's module replaced by a leaf branch that applies each
 candidate to its slice. A model whose blocks cannot be replayed (no
 ``layers``, blocks not called exactly once each, replay not reproducing
-the reference) falls back to one plain forward per candidate, with a
-warning -- slower, never a different network.
+the reference, or the check failing in any way) falls back to one plain
+forward per candidate, with a warning -- slower, never a different network.
 """
 
 from __future__ import annotations
@@ -73,40 +76,47 @@ class _BlockBranch(_Proxy):
     """Runs the real block once per candidate module on its slice of the
     batch, with the block's recorded arguments."""
 
-    def __init__(self, block, path, modules, args, kwargs, b):
+    def __init__(self, block, path, modules, args, kwargs, b, axes):
         super().__init__(block)
         for k, v in dict(path=path, modules=modules, args=args,
-                         kwargs=kwargs, b=b).items():
+                         kwargs=kwargs, b=b, axes=axes).items():
             object.__setattr__(self, "_" + k, v)
 
     def __call__(self, h, *_, **__):
         block = self._inner
         original = get_module(block, self._path)
+        in_axis, out_axes = self._axes
+        lead = (slice(None),) * in_axis
         outs = []
         try:
             for g, m in enumerate(self._modules):
                 set_module(block, self._path, m)
-                x = h[g * self._b : (g + 1) * self._b]
+                x = h[(*lead, slice(g * self._b, (g + 1) * self._b))]
                 outs.append(block(x, *self._args[1:], **self._kwargs))
         finally:
             set_module(block, self._path, original)
-        return _concat(outs)
+        return _concat(outs, out_axes)
 
 
 class _LeafBranch(_Proxy):
     """Applies candidate module g to slice g of the first argument, for
     every method the model calls (``__call__``, ``as_linear``)."""
 
-    def __init__(self, original, modules, b):
+    def __init__(self, original, modules, b, t):
         super().__init__(original)
         object.__setattr__(self, "_modules", modules)
         object.__setattr__(self, "_b", b)
+        object.__setattr__(self, "_t", t)
 
     def _split(self, method):
         def run(x, *args, **kwargs):
             b = self._b
-            return _concat([getattr(m, method)(x[g * b : (g + 1) * b], *args, **kwargs)
-                            for g, m in enumerate(self._modules)])
+            # The batch axis of what the leaf gets (the first, for the usual
+            # [batch, T, ...] inputs of embeddings and heads).
+            axis = batch_axis(x, b * len(self._modules), self._t)
+            lead = (slice(None),) * (axis or 0)
+            return _concat([getattr(m, method)(x[(*lead, slice(g * b, (g + 1) * b))], *args, **kwargs)
+                            for g, m in enumerate(self._modules)], axis or 0)
         return run
 
     def __call__(self, x, *args, **kwargs):
@@ -136,20 +146,42 @@ class _InputRecorder(_Proxy):
         return self._inner(x, *args, **kwargs)
 
 
-def _concat(outs):
+def _concat(outs, axis=0):
+    """Candidates' outputs joined along ``axis`` (per element of a tuple
+    output; None: a part without a batch axis, the first candidate's)."""
     if len(outs) == 1:
         return outs[0]
     if isinstance(outs[0], tuple):
-        return tuple(_concat(list(parts)) for parts in zip(*outs))
-    return mx.concatenate(outs, axis=0)
+        axes = axis if isinstance(axis, tuple) else (axis,) * len(outs[0])
+        return tuple(_concat(list(parts), a) for parts, a in zip(zip(*outs), axes))
+    return outs[0] if axis is None else mx.concatenate(outs, axis=axis)
 
 
-def _tile(out, g: int):
+def _tile(out, g: int, axis=0):
+    """A recorded output repeated for ``g`` candidates along ``axis`` (as
+    :func:`_concat`)."""
     if g == 1:
         return out
     if isinstance(out, tuple):
-        return tuple(_tile(o, g) for o in out)
-    return mx.concatenate([out] * g, axis=0)
+        axes = axis if isinstance(axis, tuple) else (axis,) * len(out)
+        return tuple(_tile(o, g, a) for o, a in zip(out, axes))
+    return out if axis is None else mx.concatenate([out] * g, axis=axis)
+
+
+def batch_axis(x, b: int, t: int):
+    """The axis of ``x`` holding the token batch: of size ``b`` and followed
+    by the sequence axis (size ``t``); None when there is none, or more
+    than one (a [4, 4, 4, D] stream with 4 sequences of 4 tokens)."""
+    if not isinstance(x, mx.array):
+        return None
+    axes = [i for i in range(x.ndim - 1) if x.shape[i] == b and x.shape[i + 1] == t]
+    return axes[0] if len(axes) == 1 else None
+
+
+def _out_axes(out, b: int, t: int):
+    if isinstance(out, tuple):
+        return tuple(batch_axis(o, b, t) for o in out)
+    return batch_axis(out, b, t)
 
 
 def token_chunks(tokens, chunk: int) -> list[mx.array]:
@@ -169,6 +201,7 @@ class Replayer:
         self.chunks = chunks
         self.logits: list[mx.array] = []
         self.records: list[list] = []  # [chunk][block] -> (args, kwargs, out)
+        self.axes: list[list] = []  # [chunk][block] -> (its input's batch axis, its output's)
         self.replayable = bool(self.adapter.blocks)
         for toks in chunks:
             self._reference(toks)
@@ -197,20 +230,38 @@ class Replayer:
             for i, b in enumerate(originals):
                 blocks[i] = _Recorder(b, i, calls)
             logits = self._forward(toks)
+        except Exception as e:  # the recorders in the way: the plain forward is the reference
+            blocks[:] = originals
+            self._not_replayable(f"recording the blocks failed ({type(e).__name__}: {e})")
+            return self._reference(toks)
         finally:
             blocks[:] = originals
         order = [c[0] for c in calls]
+        b, t = int(toks.shape[0]), int(toks.shape[1])
         if order != list(range(len(blocks))) or any(not c[1] for c in calls):
-            self.replayable = False
-            self.reason = ("the model does not call its blocks once each, in order, with the "
-                           "hidden state first")
-            self.records.append(None)
+            self._not_replayable("the model does not call its blocks once each, in order, with "
+                                 "the hidden state first")
         else:
             recs = [(args, kwargs, out) for _, args, kwargs, out in calls]
-            mx.eval(logits, [r[2] for r in recs])
-            self.records.append(recs)
+            axes = [(batch_axis(args[0], b, t), _out_axes(out, b, t)) for args, _, out in recs]
+            bad = [i for i, (a, o) in enumerate(axes)
+                   if a is None or (o[0] if isinstance(o, tuple) else o) is None]
+            if bad:
+                self._not_replayable(f"block {bad[0]}'s hidden state has no batch axis of size {b} "
+                                     f"followed by the sequence ({t})")
+            else:
+                mx.eval(logits, [r[2] for r in recs])
+                self.records.append(recs)
+                self.axes.append(axes)
         mx.eval(logits)
         self.logits.append(logits)
+
+    def _not_replayable(self, reason: str) -> None:
+        if self.replayable:
+            self.replayable = False
+            self.reason = reason
+        self.records.clear()
+        self.axes.clear()
 
     def _check_replay(self):
         """Replaying from the middle must give the reference logits back."""
@@ -218,11 +269,18 @@ class Replayer:
         site = next((s for s in self.adapter.sites if s.block == mid), None)
         if site is None:
             return
-        logits = self.candidate_logits(0, site, [self.adapter.get(site.path)])
-        ref = self.logits[0]
-        if not mx.allclose(logits, ref, rtol=1e-4, atol=1e-4 * (1 + float(mx.abs(ref).max()))).item():
-            self.replayable = False
-            self.reason = "replaying the recorded blocks does not reproduce model(tokens)"
+        # Twice the chunk, as a sweep runs it: the batch axis must be right.
+        same = self.adapter.get(site.path)
+        try:
+            logits = self.candidate_logits(0, site, [same, same])
+            ref = mx.concatenate([self.logits[0]] * 2, axis=0)
+            ok = logits.shape == ref.shape and mx.allclose(
+                logits, ref, rtol=1e-4, atol=1e-4 * (1 + float(mx.abs(ref).max()))).item()
+        except Exception as e:  # the check must never be the crash
+            self._not_replayable(f"replaying the recorded blocks failed ({type(e).__name__}: {e})")
+            return
+        if not ok:
+            self._not_replayable("replaying the recorded blocks does not reproduce model(tokens)")
 
     # ------------------------------------------------------------ layer inputs
 
@@ -266,14 +324,14 @@ class Replayer:
         ad = self.adapter
         if site.block is None or not self.replayable:
             return self._plain(batch, site, modules, b)
-        blocks, recs = ad.blocks, self.records[chunk]
+        blocks, recs, axes = ad.blocks, self.records[chunk], self.axes[chunk]
         originals = list(blocks)
         try:
             for i in range(site.block):
-                blocks[i] = _Stub(originals[i], _tile(recs[i][2], g))
+                blocks[i] = _Stub(originals[i], _tile(recs[i][2], g, axes[i][1]))
             args, kwargs, _ = recs[site.block]
             blocks[site.block] = _BlockBranch(originals[site.block], ad.local_path(site),
-                                              modules, args, kwargs, b)
+                                              modules, args, kwargs, b, axes[site.block])
             return self._forward(batch)
         finally:
             blocks[:] = originals
@@ -282,9 +340,8 @@ class Replayer:
         ad = self.adapter
         original = ad.get(site.path)
         if site.block is None:
-            # Leaf branch: inputs of embeddings and heads keep the batch first.
             try:
-                ad.set(site.path, _LeafBranch(original, modules, b))
+                ad.set(site.path, _LeafBranch(original, modules, b, int(batch.shape[1])))
                 return self._forward(batch)
             finally:
                 ad.set(site.path, original)
