@@ -15,6 +15,7 @@ must hold exactly the files it lists, at the sizes it lists.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -125,7 +126,10 @@ def _write_folder(folder: Path, fill) -> Path:
     old = None
     try:
         os.chmod(tmp, 0o777 & ~_umask())
-        fill(tmp)
+        try:
+            fill(tmp)
+        except (OSError, RuntimeError) as e:
+            raise _write_error(folder, tmp, e) from None
         files = {}
         for p in sorted(tmp.rglob("*")):
             if p.is_file():
@@ -151,6 +155,25 @@ def _write_folder(folder: Path, fill) -> Path:
             shutil.rmtree(old, ignore_errors=True)
     _fsync(parent)
     return folder
+
+
+def _write_error(folder: Path, tmp: Path, e: BaseException) -> BaseException:
+    """A failed write while filling ``tmp`` as an error naming the folder
+    and, when the disk is (nearly) full, saying so: MLX's own message is
+    only '[write] Unable to write N bytes to file.'"""
+    if isinstance(e, OutputPathError) or (isinstance(e, RuntimeError) and "write" not in str(e).lower()):
+        return e
+    try:
+        free = shutil.disk_usage(tmp).free
+    except OSError:
+        free = None
+    full = getattr(e, "errno", None) == errno.ENOSPC or (free is not None and free < 16 << 20)
+    where = f"{tmp.parent}'s disk"
+    said = (f"no space left on {where} ({free / 2**20:.0f} MiB free)" if full and free is not None
+            else "no space left on the device" if full
+            else f"{free / 2**20:.0f} MiB free on {where}" if free is not None else "")
+    what = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return OutputPathError(f"cannot write the model folder {folder}: {what}" + (f"; {said}" if said else ""))
 
 
 def _umask() -> int:

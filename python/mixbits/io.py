@@ -146,10 +146,17 @@ def save(model: nn.Module, folder, config: dict | None = None, tokenizer=None, *
 
 
 def _tensor_from_weights(weights: dict, path: str, desc: dict) -> QuantizedTensor:
+    def whole(v) -> int:  # int(3.9) would quietly read a 3.9-bit segment as 3 bits
+        if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float) and v.is_integer())):
+            raise ValueError(v)
+        return int(v)
+
     try:
-        specs = [tuple(int(v) for v in s) for s in desc["segments"]]
+        specs = [tuple(whole(v) for v in s) for s in desc["segments"]]
     except (KeyError, TypeError, ValueError):
-        raise ValueError(f"config.json mixbits.layers[{path!r}] has no valid 'segments'") from None
+        raise FormatError(f"config.json mixbits.layers[{path!r}] has no valid 'segments' (lists of "
+                          f"whole numbers [bits, group_size, k]), got "
+                          f"{desc.get('segments') if isinstance(desc, dict) else desc!r:.80}") from None
     single = len(specs) == 1 and not desc.get("perm", False)
     segs = []
     for i, (bits, gs, k) in enumerate(specs):

@@ -62,7 +62,8 @@ class MCKProblem:
             c_arr = np.asarray(c, dtype=np.float64)
             if w_arr.ndim != 1 or c_arr.ndim != 1 or len(w_arr) != len(c_arr) or len(w_arr) == 0:
                 raise ValueError(f"slot {i}: weights and costs must be equal-length non-empty 1-D lists")
-            w_arr = _bit_counts(w_arr, f"slot {i}")
+            named = self.names is not None and i < len(self.names)
+            w_arr = _bit_counts(w_arr, f"slot {i} ({self.names[i]})" if named else f"slot {i}")
             if not np.all(np.isfinite(c_arr)):
                 raise ValueError(f"slot {i}: costs must be finite, got {c_arr.tolist()}")
             ws.append(w_arr)
@@ -138,8 +139,10 @@ class MCKProblem:
             measurement.check_total_bits(shapes)
             npm = measurement.module_nparams(shapes)
             nparams = [npm[k] for k in mods]
+        # object arrays: Python ints of any size reach _bit_counts' check (an
+        # int64 cast of total_bits 10**30 raised OverflowError first).
         return cls(
-            weights=[np.array([o.total_bits for o in opts], dtype=np.int64) for opts in mods.values()],
+            weights=[np.array([o.total_bits for o in opts], dtype=object) for opts in mods.values()],
             costs=[np.array([o.cost(power) for o in opts]) for opts in mods.values()],
             names=list(mods),
             nparams=nparams,
@@ -165,7 +168,7 @@ class MCKProblem:
             return int(c.storage_bits)
 
         return cls(
-            weights=[np.array([bits_of(e, i, c, j) for j, c in enumerate(e.candidates)], dtype=np.int64)
+            weights=[np.array([bits_of(e, i, c, j) for j, c in enumerate(e.candidates)], dtype=object)
                      for i, e in enumerate(table.entries)],
             costs=[np.array([c.kl for c in e.candidates]) for e in table.entries],
             names=[e.path for e in table.entries],

@@ -36,7 +36,7 @@ def read_table(path, *, require_complete: bool = True) -> dict:
     from ..formats import SensitivityTable, is_sensitivity_table
     from ..formats.errors import load_json
 
-    raw = load_json(path, str(path))
+    raw = load_json(path, str(path), unique_keys=True)
     if not is_sensitivity_table(raw):
         if isinstance(raw, dict) and "measurement" in raw:
             raise FormatError(

@@ -123,7 +123,7 @@ def run(args) -> int:
     # Errors (FormatError, InfeasibleBudget, OutputPathError ...) are printed
     # as one line by mixbits.cli.
     output_target(args.out)  # a directory or device as --out fails before any work
-    raw = load_json(args.input, args.input)
+    raw = load_json(args.input, args.input, unique_keys=True)
     if is_sensitivity_table(raw):
         return _run_table(args, raw)
     if isinstance(raw, dict) and "measurement" in raw:

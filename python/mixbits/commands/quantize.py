@@ -112,6 +112,13 @@ def run(args) -> int:
         alloc = Allocation.load(args.allocation)
     except (OSError, FormatError) as e:
         raise FormatError(f"--allocation: {e}") from None
+    from mixbits.measure.candidates import candidate_for_entry
+
+    for i, e in enumerate(alloc.assignment):  # kind names ('5b_g48', '+magic'): now, not after the load
+        try:
+            candidate_for_entry(e.kind, e.bits, args.group_size)
+        except ValueError as err:
+            raise FormatError(f"--allocation {args.allocation}: assignment[{i}] ({e.path}): {err}") from None
     check_replaceable(args.out)  # a file, device or folder of other files as --out fails now
     tokens = None
     if args.tokens:

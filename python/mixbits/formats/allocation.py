@@ -46,7 +46,16 @@ from .errors import (
 from .exl2 import layer_of
 
 ALLOWED_BITS = (2, 3, 4, 5, 6, 8)
+EMBED_BITS = ALLOWED_BITS + (16,)  # embeddings/head: a quantized width, or 16 (left in half precision)
+KL_FLOOR = -1e-6  # a KL is never negative; float rounding of a mean may dip just below 0
 TERNARY = "ternary"
+
+
+def expect_embed_bits(obj, where: str) -> int:
+    b = expect_int(obj, where, lo=1)
+    if b not in EMBED_BITS:
+        raise FormatError(f"{where}: {b} is not a width embeddings are stored in; expected one of {EMBED_BITS}")
+    return b
 
 
 def check_kind_bits(kind: str, bits, where: str) -> None:
@@ -103,7 +112,7 @@ class AllocationEntry:
         bits = expect_bits(require(d, "bits", where), at(where, "bits"))
         kind = expect_str(require(d, "kind", where), at(where, "kind"))
         check_kind_bits(kind, bits, where)
-        kl = expect_number(require(d, "kl", where), at(where, "kl"))
+        kl = expect_number(require(d, "kl", where), at(where, "kl"), lo=KL_FLOOR)
         expect_storage_bits(d, where)
         extra = {k: v for k, v in d.items() if k not in cls._KEYS}
         return cls(path, layer, nparams, bits, kind, kl, extra)
@@ -179,7 +188,7 @@ class Allocation:
             sum_kl = expect_number(sum_kl, at(where, "sum_kl"))
         embed = d.get("embed_bits")
         if embed is not None:
-            embed = expect_int(embed, at(where, "embed_bits"), lo=1)
+            embed = expect_embed_bits(embed, at(where, "embed_bits"))
         budget = d.get("budget")
         if budget is not None:
             bw = at(where, "budget")
@@ -235,7 +244,7 @@ class Allocation:
 
     @classmethod
     def load(cls, source, check: bool = True) -> "Allocation":
-        return cls.from_dict(load_json(source, "allocation.json"), check=check)
+        return cls.from_dict(load_json(source, "allocation.json", unique_keys=True), check=check)
 
     def to_dict(self) -> dict:
         out = {"average_bits": self.average_bits}

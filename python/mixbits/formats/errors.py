@@ -90,11 +90,12 @@ def check_close(stored: float, recomputed: float, where: str, what: str, rel: fl
         raise FormatError(f"{where}: stored {what} {stored!r} != {recomputed!r} recomputed from the entries")
 
 
-def load_json(source, name: str):
+def load_json(source, name: str, *, unique_keys: bool = False):
     """Parse ``source`` (a path, or an already-parsed object) as JSON.
 
     Truncated or invalid JSON becomes a FormatError naming the file, line and
-    column, so the user sees which file is broken and where."""
+    column, so the user sees which file is broken and where. ``unique_keys``:
+    an object with a key twice is refused (see :func:`parse_json`)."""
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         try:
@@ -107,17 +108,29 @@ def load_json(source, name: str):
             raise FormatError(f"{name}: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         except OSError as e:
             raise FormatError(f"{name}: cannot read {path}: {e.strerror or e}") from None
-        return parse_json(text, f"{name}: {path}")
+        return parse_json(text, f"{name}: {path}", unique_keys=unique_keys)
     return source
 
 
-def parse_json(text: str, where: str):
+def parse_json(text: str, where: str, *, unique_keys: bool = False):
     """``json.loads`` whose failures are FormatErrors naming ``where``.
 
     Nesting deep enough to exhaust Python's recursion limit is refused as
-    malformed instead of escaping as a RecursionError."""
+    malformed instead of escaping as a RecursionError. ``unique_keys``: an
+    object with a key twice (JSON readers silently keep the last one; two
+    measurements of one module, say) is refused, naming the key."""
+
+    def unique(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise FormatError(f"{where}: key {k!r} appears twice in one object; which one is "
+                                  "meant is unclear (remove one)")
+            seen.add(k)
+        return dict(pairs)
+
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=unique if unique_keys else None)
     except json.JSONDecodeError as e:
         raise FormatError(f"{where} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
     except RecursionError:

@@ -291,7 +291,7 @@ class Measurement:
     @classmethod
     def load(cls, source) -> "Measurement":
         """Read a path (or an already-parsed dict)."""
-        return cls.from_dict(load_json(source, "measurement.json"))
+        return cls.from_dict(load_json(source, "measurement.json", unique_keys=True))
 
     def to_dict(self) -> dict:
         out = {"measurement": {k: None if v is None else [o.to_dict() for o in v]

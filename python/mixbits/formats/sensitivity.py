@@ -57,7 +57,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .allocation import Allocation, AllocationEntry, check_kind_bits, expect_bits, expect_storage_bits
+from .allocation import (Allocation, AllocationEntry, check_kind_bits, expect_bits, expect_embed_bits,
+                         expect_storage_bits)
 from .errors import (
     FormatError,
     at,
@@ -159,7 +160,7 @@ class SensitivityTable:
         metric = expect_str(d.get("metric", "kl"), at(where, "metric"))
         embed = d.get("embed_bits")
         if embed is not None:
-            embed = expect_int(embed, at(where, "embed_bits"), lo=1)
+            embed = expect_embed_bits(embed, at(where, "embed_bits"))
         ew = "entries"
         raw = expect_list(require(d, "entries", where), ew)
         if not raw:
@@ -178,7 +179,7 @@ class SensitivityTable:
 
     @classmethod
     def load(cls, source) -> "SensitivityTable":
-        return cls.from_dict(load_json(source, "sensitivity table"))
+        return cls.from_dict(load_json(source, "sensitivity table", unique_keys=True))
 
     def to_dict(self) -> dict:
         out = {"format": FORMAT, "version": VERSION}

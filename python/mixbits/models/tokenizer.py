@@ -73,10 +73,18 @@ class Tokenizer:
     def from_folder(cls, folder, eos_token_ids=None) -> "Tokenizer":
         from tokenizers import Tokenizer as _Tk
 
+        from ..formats.errors import FormatError, expect_dict, load_json
+
         folder = Path(folder)
-        tk = _Tk.from_file(str(folder / "tokenizer.json"))
+        path = folder / "tokenizer.json"
+        try:
+            tk = _Tk.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises bare Exceptions
+            raise FormatError(f"{path}: not a tokenizer the tokenizers library can read ({e}); "
+                              "put the model's own tokenizer.json there") from None
         cfg_path = folder / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        cfg = (expect_dict(load_json(cfg_path, "tokenizer_config.json"), str(cfg_path))
+               if cfg_path.exists() else {})
         special = {}
         for role in ("bos", "eos", "unk", "pad"):
             tok = cfg.get(f"{role}_token")
