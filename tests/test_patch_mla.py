@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 import tiny_models
 
@@ -36,11 +37,12 @@ def _prompt_then_step(model, toks):
     return np.array(prompt), np.array(step)
 
 
-def test_patched_mla_model_gives_unpatched_logits(monkeypatch):
+@pytest.mark.parametrize("arch", ["deepseek_v2", "minicpm3"])
+def test_patched_mla_model_gives_unpatched_logits(arch, monkeypatch):
     import mixbits
     from mixbits.routing import unpatch_functions
 
-    model, cfg = tiny_models.build("deepseek_v2")
+    model, cfg = tiny_models.build(arch)
     assert cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] != cfg["v_head_dim"]
     toks = mx.array(np.random.default_rng(0).integers(0, 160, (2, 12)))
     want_prompt, want_step = _prompt_then_step(model, toks)
