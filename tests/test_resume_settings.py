@@ -114,3 +114,24 @@ def test_two_stage_side_checkpoint_keeps_its_budget(tmp_path):
         proxy_sweep(model, toks, out, CANDS, budget=0.3, resume=True, **kw)
     t = proxy_sweep(model, toks, out, CANDS, budget=0.5, resume=True, **kw)
     assert {c["source"] for e in t["entries"] for c in e["candidates"]} <= {"exact", "grad"}
+
+
+def test_exl2_measurement_resumes_only_the_same_measurement(folder, tmp_path, capsys, monkeypatch):
+    from mixbits.measure.exl2_measure import measure_modules
+
+    model, toks = tiny_llama(), tiny_tokens(n=2, t=16)
+    out = tmp_path / "m.json"
+    measure_modules(model, toks, CANDS, out, progress=False)
+    before = out.read_text()
+    with pytest.raises(FileExistsError):  # was silently measured again over it
+        measure_modules(model, toks, CANDS, out, progress=False)
+    with pytest.raises(UsageError, match="candidates"):
+        measure_modules(model, toks, ["2b_g64", "3b_g64"], out, resume=True, progress=False)
+    with pytest.raises(UsageError, match="model_fingerprint"):
+        measure_modules(tiny_llama(seed=1), toks, CANDS, out, resume=True, progress=False)
+    assert out.read_text() == before
+    measure_modules(model, toks, CANDS, out, resume=True, progress=False)
+    # the command refuses an existing --exl2-out (without --resume) before the model loads
+    monkeypatch.setattr(mixbits.models, "load", lambda *a, **k: pytest.fail("model loaded"))
+    assert _measure(folder, tmp_path / "t.json", "--exl2-out", str(out)) == 2
+    assert f"{out} exists" in capsys.readouterr().err

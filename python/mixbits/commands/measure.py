@@ -87,6 +87,9 @@ def check_arguments(args) -> None:
             raise ValueError(f"{flag} {path}: folder {Path(path).resolve().parent} does not exist")
     if Path(args.out).exists() and not args.resume:
         raise ValueError(f"{args.out} exists; pass --resume to continue it or choose another --out")
+    if args.exl2_out and Path(args.exl2_out).exists() and not args.resume:
+        raise ValueError(f"{args.exl2_out} exists; pass --resume to continue it or choose another "
+                         "--exl2-out")
     side = Path(args.out + ".exact.json")
     if args.method == "two-stage" and side.exists() and not args.resume:
         raise ValueError(f"{side} (an interrupted two-stage run's exact measurements) exists; pass "
@@ -94,6 +97,28 @@ def check_arguments(args) -> None:
     toks = check_calibration_arguments(args)
     if args.resume and Path(args.out).is_file():
         check_resume(args, toks)
+    if args.resume and args.exl2_out and Path(args.exl2_out).is_file():
+        check_exl2_resume(args, toks)
+
+
+def check_exl2_resume(args, toks) -> None:
+    """--exl2-out's candidates and tokens against this run's, before the
+    model loads (measure_modules then checks the model's fingerprint too)."""
+    from ..formats.errors import load_json
+    from ..measure.candidates import parse_candidate
+    from ..measure.sweep import settings_mismatch, tokens_digest
+
+    prev = load_json(args.exl2_out, "measurement")
+    meta = prev.get("mixbits_meta") if isinstance(prev, dict) else None
+    meta = meta if isinstance(meta, dict) else {}
+    now = {"candidates": [parse_candidate(c).name for c in args.candidates
+                          if not c.startswith("ternary")]}
+    if toks is not None:
+        now.update(tokens_sha256_16=tokens_digest(toks), n_sequences=int(toks.shape[0]),
+                   seq_len=int(toks.shape[1]))
+    else:
+        now.update(n_sequences=args.n_seq, seq_len=args.seq_len)
+    settings_mismatch(args.exl2_out, {k: meta.get(k) for k in now}, now)
 
 
 def check_resume(args, toks) -> None:

@@ -58,12 +58,23 @@ def _measure_modules(model, tokens, candidates, out, *, chunk: int = 4, resume: 
     groups = adapter.groups()
     if not groups:
         raise ValueError("the model has no decoder blocks (model.layers) to group into modules")
+    from .sweep import model_fingerprint, settings_mismatch, tokens_digest
+
+    tokens = np.asarray(tokens)
+    # Recorded beside ExLlamaV2's keys (its readers keep unknown ones): a
+    # resume continues only a measurement of this model, tokens and options.
+    meta = {"method": "exl2-module", "model_fingerprint": model_fingerprint(model),
+            "tokens_sha256_16": tokens_digest(tokens), "n_sequences": int(tokens.shape[0]),
+            "seq_len": int(tokens.shape[1]), "candidates": [c.name for c in cands]}
     done = {}
-    if resume and Path(out).exists():
-        done = {k: v for k, v in load_json(out, "measurement")["measurement"].items() if v}
+    if Path(out).exists():
+        if not resume:
+            raise FileExistsError(f"{out} exists; pass resume=True (--resume) to continue it")
+        prev = load_json(out, "measurement")
+        settings_mismatch(out, prev.get("mixbits_meta") if isinstance(prev, dict) else None, meta)
+        done = {k: v for k, v in prev["measurement"].items() if v}
     keys = list(groups)
     todo = [k for k in keys if k not in done]
-    tokens = np.asarray(tokens)
     rp = Replayer(model, token_chunks(tokens, chunk), adapter) if todo else None
     if rp is not None and not rp.replayable:
         raise ValueError(f"cannot write an ExLlamaV2 measurement: {rp.reason}")
@@ -102,16 +113,17 @@ def _measure_modules(model, tokens, candidates, out, *, chunk: int = 4, resume: 
             opts.append(opt.to_dict())
             bar.update(1)
         done[key] = opts
-        _write(out, keys, done)
+        _write(out, keys, done, meta)
     bar.close()
-    return _write(out, keys, done)
+    return _write(out, keys, done, meta)
 
 
-def _write(out, keys, done) -> dict:
+def _write(out, keys, done, meta) -> dict:
     modules = {k: done.get(k) for k in keys}
     modules["model.norm.norm"] = None
     modules["lm_head.linear"] = None
     # ExLlamaV2 numbers modules embedding (0), attn/mlp per layer, norm, head.
-    m = Measurement.from_dict({"measurement": modules, "last_module_idx": len(keys) + 2})
+    m = Measurement.from_dict({"measurement": modules, "last_module_idx": len(keys) + 2,
+                               "mixbits_meta": meta})
     m.save(out)
     return m.to_dict()
