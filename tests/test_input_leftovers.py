@@ -136,3 +136,15 @@ def test_failed_weight_write_names_the_folder(tmp_path):
     assert r.stdout.startswith("OutputPathError"), r.stdout + r.stderr
     assert f"cannot write the model folder {out}" in r.stdout and "free on" in r.stdout
     assert not out.exists() and not list(tmp_path.glob(".q.tmp-*"))
+
+
+def test_compare_save_allocations_checked_before_the_model_loads(tmp_path, capsys):
+    from test_cli_errors import NO_MODEL, _table_file
+
+    f = tmp_path / "file"
+    f.write_text("not a folder")
+    for d in (f, f / "sub"):  # used to fail only when the first allocation was written
+        assert main(["compare", str(_table_file(tmp_path)), "--model", NO_MODEL,
+                     "--save-allocations", str(d)]) == 2
+        err = capsys.readouterr().err
+        assert f"--save-allocations {d}" in err, err

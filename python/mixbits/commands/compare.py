@@ -38,6 +38,16 @@ def run(args) -> int:
     _checks.calibration(args)
     if args.json:
         output_target(args.json)
+    if args.save_allocations:
+        from pathlib import Path
+
+        from ..errors import OutputPathError
+
+        d = Path(args.save_allocations)  # made when the first allocation is written, after the work
+        if d.exists() and not d.is_dir():
+            raise OutputPathError(f"--save-allocations {d}: it exists and is not a folder")
+        if not d.exists() and any(p.exists() and not p.is_dir() for p in d.parents):
+            raise OutputPathError(f"--save-allocations {d}: a parent of it is not a folder")
     table = _checks.read_table(args.table)
     n_cal = args.n_seq
     args.n_seq = n_cal + args.holdout_seq
