@@ -117,3 +117,14 @@ def test_two_measure_runs_on_one_out(folder, tmp_path):
     # after the first run, the same --out is free again (and resumable)
     c = _measure(folder, out, "--tensors", "model.layers.0.mlp.down_proj", "--resume")
     assert c.wait(timeout=300) == 0, c.stderr.read()
+
+
+def test_missing_folders_are_made_as_the_writers_make_them(tmp_path):
+    from mixbits.errors import OutputPathError
+
+    with output_lock(tmp_path / "new" / "sub" / "t.json") as lock:
+        assert lock.exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OutputPathError, match="a parent of it is not a folder"):
+        with output_lock(tmp_path / "file" / "t.json"):
+            pass

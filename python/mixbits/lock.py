@@ -48,11 +48,15 @@ def _holder(fd: int) -> str:
 
 
 def _acquire(output, lock: Path) -> int:
+    try:  # as the writers do: an output's folder is made when missing
+        lock.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise OutputPathError(f"cannot write {output}: a parent of it is not a folder") from None
+    except OSError as e:
+        raise OutputPathError(f"cannot write {output}: {e.strerror or e}") from None
     while True:
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        except FileNotFoundError:
-            raise OutputPathError(f"cannot write {output}: folder {lock.parent} does not exist") from None
         except OSError as e:
             raise OutputPathError(f"cannot write {output}: cannot create its lock {lock}: "
                                   f"{e.strerror or e}") from None
