@@ -148,3 +148,17 @@ def test_compare_save_allocations_checked_before_the_model_loads(tmp_path, capsy
                      "--save-allocations", str(d)]) == 2
         err = capsys.readouterr().err
         assert f"--save-allocations {d}" in err, err
+
+
+@pytest.mark.parametrize("command", ["refine", "compare"])
+def test_unknown_kind_in_a_table_is_refused_before_the_model_loads(tmp_path, capsys, command):
+    from test_cli_errors import NO_MODEL, tiny_table
+
+    t = tiny_table()
+    t["entries"][1]["candidates"][0]["kind"] = "3b_g48"
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(t))
+    extra = ["--bpw", "3.5", "--out", str(tmp_path / "a.json")] if command == "refine" else []
+    assert main([command, str(path), "--model", NO_MODEL, *extra]) == 2
+    err = capsys.readouterr().err
+    assert "entries[1]['candidates'][0] (model.layers.1.mlp.up_proj)" in err and "group size" in err, err

@@ -29,10 +29,12 @@ def calibration(args) -> None:
     check_calibration_arguments(args)
 
 
-def read_table(path, *, require_complete: bool = True) -> dict:
+def read_table(path, *, require_complete: bool = True, known_kinds: bool = True) -> dict:
     """A sensitivity table (as the dict the measure code takes), validated
     by the format reader first, so a bad file is a FormatError naming the
-    key, never a KeyError from deep inside."""
+    key, never a KeyError from deep inside. ``known_kinds``: every
+    candidate kind must be one mixbits can build (checked now: the commands
+    that build them do so only after the model load)."""
     from ..formats import SensitivityTable, is_sensitivity_table
     from ..formats.errors import load_json
 
@@ -47,4 +49,13 @@ def read_table(path, *, require_complete: bool = True) -> dict:
     table = SensitivityTable.from_dict(raw)
     if require_complete and not table.complete:
         raise FormatError(f"{path}: the sweep that wrote this table has not finished ('complete': false)")
+    if known_kinds:
+        from ..measure.candidates import parse_candidate
+
+        for i, e in enumerate(table.entries):
+            for j, c in enumerate(e.candidates):
+                try:
+                    parse_candidate(c.kind)
+                except ValueError as err:
+                    raise FormatError(f"{path}: entries[{i}]['candidates'][{j}] ({e.path}): {err}") from None
     return raw
