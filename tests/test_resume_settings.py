@@ -135,3 +135,14 @@ def test_exl2_measurement_resumes_only_the_same_measurement(folder, tmp_path, ca
     monkeypatch.setattr(mixbits.models, "load", lambda *a, **k: pytest.fail("model loaded"))
     assert _measure(folder, tmp_path / "t.json", "--exl2-out", str(out)) == 2
     assert f"{out} exists" in capsys.readouterr().err
+
+
+def test_a_table_without_the_new_settings_says_why(tmp_path):
+    model, toks = tiny_llama(), tiny_tokens(n=2, t=16)
+    out = tmp_path / "t.json"
+    sweep(model, toks, out, CANDS, sites=TENSORS[:1], progress=False)
+    t = json.loads(out.read_text())
+    del t["meta"]["model_fingerprint"], t["meta"]["method"]  # as an older mixbits wrote it
+    out.write_text(json.dumps(t))
+    with pytest.raises(UsageError, match="does not record all the settings.*older mixbits"):
+        sweep(model, toks, out, CANDS, sites=TENSORS[:1], resume=True, progress=False)

@@ -198,6 +198,9 @@ def settings_mismatch(path, prev_meta, meta, ignore=()) -> None:
 
         said = "; ".join(f"{k}: {short(prev_meta.get(k))} in the file, {short(meta.get(k))} now"
                          for k in diff[:4])
+        if all(k not in prev_meta for k in diff):  # e.g. no fingerprint: an older mixbits wrote it
+            raise UsageError(f"{path} does not record all the settings a resume must match ({said}): "
+                             "an older mixbits wrote it, or another tool; choose another --out")
         raise UsageError(f"{path} was made with different settings ({said}); resume it with the "
                          "same settings or choose another --out")
 
