@@ -86,3 +86,23 @@ def test_two_saves_into_one_folder_are_refused(tmp_path):
         p.kill()
         p.wait()
     assert not (tmp_path / "out").exists()
+
+
+def test_second_quantize_into_one_folder_is_refused_before_the_model_loads(tmp_path, capsys,
+                                                                          monkeypatch):
+    from mixbits.cli import main
+    from shared_files import ALLOC
+
+    hold = ("import sys, time; from mixbits.lock import output_lock\n"
+            "with output_lock(sys.argv[1]):\n    print('locked', flush=True); time.sleep(120)\n")
+    p = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "q")], stdout=subprocess.PIPE,
+                         text=True)
+    monkeypatch.setattr(mixbits, "load", lambda *a, **k: pytest.fail("model loaded"))
+    try:
+        assert p.stdout.readline().strip() == "locked"
+        assert main(["quantize", "--model", "smollm2", "--allocation", str(ALLOC),
+                     "--out", str(tmp_path / "q")]) == 2
+        assert f"pid {p.pid}" in capsys.readouterr().err
+    finally:
+        p.kill()
+        p.wait()

@@ -93,6 +93,15 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from mixbits.lock import output_lock
+
+    # --out's lock for the whole run (the save takes it too): a second
+    # quantize into the same folder is refused now, not after the model load.
+    with output_lock(args.out):
+        return _run(args)
+
+
+def _run(args) -> int:
     import mixbits
     from mixbits.formats.allocation import Allocation
     from mixbits.formats.errors import FormatError
