@@ -162,3 +162,20 @@ def test_unknown_kind_in_a_table_is_refused_before_the_model_loads(tmp_path, cap
     assert main([command, str(path), "--model", NO_MODEL, *extra]) == 2
     err = capsys.readouterr().err
     assert "entries[1]['candidates'][0] (model.layers.1.mlp.up_proj)" in err and "group size" in err, err
+
+
+def test_config_head_counts_that_lie_name_config_json(tmp_path):
+    import tiny_models
+
+    model, cfg = tiny_models.build("llama")
+    out = tmp_path / "m"
+    mixbits.save(model, out, cfg)
+    c = json.loads((out / "config.json").read_text())
+    c["num_attention_heads"] = 8  # 4 in the weights (head_dim 16)
+    (out / "config.json").write_text(json.dumps(c))
+    man = json.loads((out / MANIFEST).read_text())
+    man["files"]["config.json"] = (out / "config.json").stat().st_size
+    (out / MANIFEST).write_text(json.dumps(man))
+    with pytest.raises(FormatError, match=r"config.json does not describe these weights: "
+                                          r"model.layers.\d+.self_attn has 8 heads .* 64 output rows"):
+        mixbits.load(out)  # loaded, then failed in MLX's rope: '[rope] dims must not exceed ...'

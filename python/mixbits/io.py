@@ -238,6 +238,9 @@ def _load_folder(folder: Path, patch: bool):
     bad = [k for k, v in have.items() if v.shape != weights[k].shape]
     if bad:
         raise ValueError(f"{folder}: shape mismatch for {bad[:5]}")
+    from .config_check import check_attention_heads
+
+    check_attention_heads(model, str(cfg_path))  # head counts that lie fail here, not in rope
     mx.eval(model.parameters())
     model.eval()
     if patch:
@@ -264,6 +267,9 @@ def load(path, *, patch: bool = False):
         from .models.gguf import load_gguf
 
         model, tokenizer, config = load_gguf(p)
+        from .config_check import check_attention_heads
+
+        check_attention_heads(model, f"{p}'s metadata")
         if patch:
             _patch(model)
         return model, tokenizer, config
