@@ -110,49 +110,73 @@ def check_settings(work: Path, current: dict) -> None:
 
 @dataclass
 class Probe:
-    """A timing probe: one forward over ``tokens`` calibration tokens."""
+    """Measured costs on one calibration sequence, scaled to the whole set:
+    what each stage's work is made of, timed rather than modelled (a
+    forward's FLOPs miss the head's KL over the vocabulary, the Fisher
+    pass's bookkeeping and candidate quantization)."""
 
-    seconds: float
-    tokens: int
-    n_tokens: int  # the whole calibration set
-    exact_units: float  # a full exact sweep's cost, in full forwards
-    pairs: int
+    n_seq: int
+    fisher_seq: float  # one Fisher pass over one sequence, one sample
+    pair: tuple[float, float]  # an exact pair's seconds: fixed + per block forward, one sequence
+    pair_units: list[int]  # every (tensor, candidate) pair's block forwards
+    joint_seq: float  # one joint-KL evaluation over one sequence
 
     @property
-    def forward(self) -> float:
-        """Seconds of one forward over the whole calibration set."""
-        return self.seconds * self.n_tokens / self.tokens
+    def pairs(self) -> int:
+        return len(self.pair_units)
 
     def stage_seconds(self, method: str, bpws, max_evals: int, exact_budget: float,
                       samples: int) -> dict[str, float]:
-        """Rough per-stage estimates: an exact pair replays its tensor's
-        block to the output; the Fisher pass is ~3 forwards per sample; a
-        joint evaluation is a forward. Quantizing the saved model is small
-        next to these and not estimated."""
-        exact = self.exact_units * self.forward
-        grad = 3 * samples * self.forward
+        a, b = self.pair
+        exact = self.n_seq * sum(a + b * u for u in self.pair_units)
+        grad = self.n_seq * samples * self.fisher_seq
         measure = {"exact": exact, "grad": grad, "two-stage": grad + exact_budget * exact}[method]
-        return {"measure": measure, "refine": len(bpws) * (max_evals + 4) * self.forward}
+        return {"measure": measure, "refine": len(bpws) * (max_evals + 4) * self.n_seq * self.joint_seq}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def timing_probe(model, tokens, sites, candidates) -> Probe:
-    import mlx.core as mx
-
+    """Time, on the first calibration sequence: a Fisher pass, two exact
+    pairs (a tensor of the first block and one of the last, so the fixed
+    and per-block parts separate) and a joint-KL evaluation."""
+    from .adapter import ModelAdapter
     from .measure.candidates import parse_candidate, supports
+    from .measure.grad import fisher_diagonal
+    from .measure.joint import JointEvaluator
+    from .measure.replay import Replayer, token_chunks
+    from .measure.sweep import SweepConfig, measure_site
     from .measure.two_stage import pair_costs
 
-    chunk = tokens[: min(4, len(tokens))]
-    mx.eval(model(mx.array(chunk)))  # warm-up: first-call allocation and graph setup
-    t0 = time.perf_counter()
-    mx.eval(model(mx.array(chunk)))
-    seconds = time.perf_counter() - t0
+    one = np.asarray(tokens)[:1]
     cands = [parse_candidate(c) for c in candidates]
-    entries = [{"path": s.path, "layer": s.block} for s in sites]
-    cost = pair_costs(entries)
-    blocks = 1 + max((s.block for s in sites if s.block is not None), default=0)
-    per_site = {s.path: sum(supports(c, s) for c in cands) for s in sites}
-    units = sum(cost[p] * n for p, n in per_site.items()) / (blocks + 1)
-    return Probe(seconds, int(chunk.size), int(tokens.size), units, sum(per_site.values()))
+    cost = pair_costs([{"path": s.path, "layer": s.block} for s in sites])
+    units = [cost[s.path] for s in sites for c in cands if supports(c, s)]
+    linears = [s for s in sites if s.block is not None and s.form == "linear"
+               and any(supports(c, s) and not c.calibrated for c in cands)]
+    fisher_sites = linears[:1] or sites[:1]
+    fisher = _timed(lambda: fisher_diagonal(model, one, fisher_sites, progress=False))
+    pair = (0.0, 0.0)
+    if linears:
+        rp = Replayer(model, token_chunks(one, 1), ModelAdapter(model))
+        cfg = SweepConfig([c.name for c in cands])
+        first, last = linears[0], linears[-1]
+        cand = next(c for c in cands if supports(c, first) and not c.calibrated)
+        t_first = _timed(lambda: measure_site(rp, first, [cand], cfg))
+        t_last = _timed(lambda: measure_site(rp, last, [cand], cfg))
+        du = cost[first.path] - cost[last.path]
+        per = max((t_first - t_last) / du, 0.0) if du else 0.0
+        pair = (max(t_last - per * cost[last.path], 0.0), per)
+    ev = JointEvaluator(model, one, chunk=1)
+    plan = {linears[0].path: next(c.name for c in cands if supports(c, linears[0]) and not c.calibrated)} \
+        if linears else {}
+    ev.joint_kl(plan)  # builds the layer once, as refine's first evaluation does
+    joint = _timed(lambda: ev.joint_kl(plan))
+    return Probe(len(tokens), fisher, pair, units, joint)
 
 
 def _duration(s: float) -> str:

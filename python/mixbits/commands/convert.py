@@ -147,11 +147,12 @@ def dry_run(args) -> int:
     print(f"model: {args.model}: {len(sites)} quantizable tensors, "
           f"{sum(s.nparams for s in sites) / 1e6:.1f} M weights")
     print(f"candidates: {' '.join(args.candidates)} ({probe.pairs} (tensor, candidate) pairs)")
-    print(f"calibration: {tokens.shape[0]} x {tokens.shape[1]} tokens; one forward over them "
-          f"~{probe.forward:.2f} s (probe: {probe.tokens} tokens in {probe.seconds:.3f} s)")
+    print(f"calibration: {tokens.shape[0]} x {tokens.shape[1]} tokens; timed on one sequence: "
+          f"Fisher pass {probe.fisher_seq:.2f} s, exact pair {probe.pair[0]:.2f} s + "
+          f"{probe.pair[1]:.3f} s per block, joint evaluation {probe.joint_seq:.2f} s")
     print(f"method: {args.method}; budgets: {', '.join(f'{b:g}' for b in sorted(args.bpw))} bpw (storage)")
     print(f"estimated: measure ~{_duration(est['measure'])}, refine ~{_duration(est['refine'])} "
-          "(rough: from the probe, +-2x), then quantize and save")
+          "(from the probe, at this machine's current load), then quantize and save")
     for b, out in output_dirs(args.out, sorted(args.bpw)).items():
         print(f"would write {out} ({b:g} bpw)")
     print(f"stage outputs would be kept in {work_dir(args.out)}; nothing was written")
