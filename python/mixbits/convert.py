@@ -179,7 +179,7 @@ def timing_probe(model, tokens, sites, candidates) -> Probe:
     return Probe(len(tokens), fisher, pair, units, joint)
 
 
-def _duration(s: float) -> str:
+def format_duration(s: float) -> str:
     if s < 90:
         return f"{s:.0f} s"
     if s < 5400:
@@ -220,7 +220,7 @@ def card(model: str, r: Result, n_tokens: tuple[int, int], method: str) -> str:
     lines += ["", "| kind | tensors |", "|---|---|"]
     lines += [f"| {k} | {n} |" for k, n in kind_counts(a).items()]
     if r.seconds:
-        lines += ["", "Time: " + ", ".join(f"{k} {_duration(v)}" for k, v in r.seconds.items())]
+        lines += ["", "Time: " + ", ".join(f"{k} {format_duration(v)}" for k, v in r.seconds.items())]
     lines += ["", "Run it with `mixbits.load(DIR)`; a folder of MLX-native kinds also loads with "
               "`mlx_lm.load`, others with `mlx_lm.load(DIR, trust_remote_code=True)`.",
               "`sensitivity.png`: the per-tensor KL of every candidate and the chosen kinds.", ""]

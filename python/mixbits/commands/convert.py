@@ -136,7 +136,7 @@ def _tokens(args, tokenizer, model):
 
 def dry_run(args) -> int:
     from ..adapter import ModelAdapter
-    from ..convert import _duration, output_dirs, timing_probe, work_dir
+    from ..convert import format_duration, output_dirs, timing_probe, work_dir
 
     model, tokenizer = _load_measured_model(args)
     tokens = _tokens(args, tokenizer, model)
@@ -151,7 +151,7 @@ def dry_run(args) -> int:
           f"Fisher pass {probe.fisher_seq:.2f} s, exact pair {probe.pair[0]:.2f} s + "
           f"{probe.pair[1]:.3f} s per block, joint evaluation {probe.joint_seq:.2f} s")
     print(f"method: {args.method}; budgets: {', '.join(f'{b:g}' for b in sorted(args.bpw))} bpw (storage)")
-    print(f"estimated: measure ~{_duration(est['measure'])}, refine ~{_duration(est['refine'])} "
+    print(f"estimated: measure ~{format_duration(est['measure'])}, refine ~{format_duration(est['refine'])} "
           "(from the probe, at this machine's current load), then quantize and save")
     for b, out in output_dirs(args.out, sorted(args.bpw)).items():
         print(f"would write {out} ({b:g} bpw)")
@@ -165,7 +165,7 @@ def convert(args, current: dict, work) -> int:
     import numpy as np
 
     from ..atomic import write_json_atomic
-    from ..convert import SETTINGS, TOKENS, Result, _duration, card, output_dirs
+    from ..convert import SETTINGS, TOKENS, Result, format_duration, card, output_dirs
     from ..formats.errors import load_json
 
     t_start = time.perf_counter()
@@ -208,7 +208,7 @@ def convert(args, current: dict, work) -> int:
     for r in results:
         r.seconds = dict(timings)
         print(card(args.model, r, tokens.shape, args.method))
-    print(f"done in {_duration(time.perf_counter() - t_start)} (this run)")
+    print(f"done in {format_duration(time.perf_counter() - t_start)} (this run)")
     return 0
 
 
