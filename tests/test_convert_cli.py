@@ -102,6 +102,20 @@ def test_rerun_continues_and_skips_finished_stages(dense, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert printed.count("(kept from the last run)") == 3  # calibration, measure, refine
     assert (out / "model.safetensors").read_bytes() == first
+    # other weights under the same path: the kept table is not theirs
+    import mixbits
+
+    model, cfg = tiny_models.build("llama", seed=5)
+    mixbits.save(model, tmp_path / "other", cfg)
+    shutil.copytree(Path(str(out) + ".work"), tmp_path / "o.work")
+    argv2 = [a if a != str(dense / "model") else str(tmp_path / "other") for a in argv]
+    argv2[argv2.index("--out") + 1] = str(tmp_path / "o")
+    settings = json.loads((tmp_path / "o.work" / "settings.json").read_text())
+    settings["model"] = str(tmp_path / "other")
+    (tmp_path / "o.work" / "settings.json").write_text(json.dumps(settings))
+    capsys.readouterr()
+    assert main(argv2) == 2
+    assert "is not the model" in capsys.readouterr().err
 
 
 def test_killed_sweep_resumes_to_the_same_table(dense, tmp_path):

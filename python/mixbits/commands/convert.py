@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ..errors import UsageError
+
 METHOD_HELP = ("how per-tensor sensitivity is measured: two-stage (default: the gradient proxy for "
                "every (tensor, candidate), then the exact KL where the allocation's decisions depend "
                "on it, --exact-budget of a full exact sweep's cost; on SmolLM2-135M its allocations "
@@ -223,6 +225,12 @@ def _measure(args, model, tokens, work, timed) -> dict:
     if path.exists() and not side.exists():
         raw = load_json(path, str(path))
         if raw.get("complete") is True:
+            from ..measure.sweep import model_fingerprint
+
+            # settings.json names the model by path: the weights there must still be the same.
+            if raw.get("meta", {}).get("model_fingerprint") != model_fingerprint(model):
+                raise UsageError(f"{args.model} is not the model {path} was measured on (its weights "
+                                 f"changed since); remove {work} to start over")
             _stage(2, "measure", f"{len(raw['entries'])} tensors (kept from the last run)")
             return raw
     resume = path.exists() or side.exists()
