@@ -206,7 +206,7 @@ class _Tiny(nn.Module):
 def _quantized_tiny(mode="affine"):
     mx.random.seed(5)
     m = _Tiny()
-    nn.quantize(m, group_size=64 if mode == "affine" else 32, bits=4, mode=mode)
+    nn.quantize(m, group_size=64 if mode == "affine" else None, bits=None, mode=mode)
     mx.eval(m.parameters())
     return m
 
@@ -229,12 +229,18 @@ def test_patch_same_outputs_and_paths():
     assert mixbits.patch(m) == []  # nothing left to replace
 
 
-def test_patch_non_affine_strict_and_lenient():
-    m = _quantized_tiny(mode="mxfp4")
-    with pytest.raises(ValueError, match=r"layers\.\d\.(up|down)|embed"):
-        mixbits.patch(m)
-    assert isinstance(m.layers[0].up, nn.QuantizedLinear)  # untouched after the failure
+@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4", "mxfp8"])
+def test_patch_leaves_non_affine_to_mlx(mode):
+    """MLX's fp modes have no mixbits kernel: patch leaves those layers to
+    MLX (strict or not) and the model computes what it did."""
+    m = _quantized_tiny(mode=mode)
+    ids = mx.array([[1, 2, 3, 200]])
+    ref = m(ids)
+    assert mixbits.patch(m) == []
     assert mixbits.patch(m, strict=False) == []
+    assert type(m.layers[0].up) is nn.QuantizedLinear and m.layers[0].up.mode == mode
+    assert type(m.embed) is nn.QuantizedEmbedding
+    _close(m(ids), _np(ref), tol=1e-4)  # the norms now run mixbits' kernel
 
 
 def test_quantize_model_changes_exactly_the_assigned_tensors():

@@ -177,24 +177,61 @@ def unrepack(rt: RepackedTensor) -> QuantizedTensor:
     return QuantizedTensor(segs, rt.perm)
 
 
+# MLX's quantization modes and, per mode, its default (group_size, bits)
+# (the table in help(mx.quantize)). mixbits' kernels cover affine only.
+MODES = {"affine": (DEFAULT_GROUP_SIZE, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
+
+
+def _mlx_route(mode, transpose, bits, backend, activations) -> bool:
+    """Whether a call with MLX's arguments goes to MLX's own op: every
+    non-affine mode, ``transpose=False`` and 1-bit affine, for which
+    mixbits has no kernel. ``backend`` and ``activations`` choose among
+    mixbits' kernels, so a routed call refuses any but the defaults."""
+    if not isinstance(mode, str):
+        raise TypeError(f"mode must be a str, got {type(mode).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+    if not isinstance(transpose, (bool, np.bool_)):
+        raise TypeError(f"transpose must be a bool, got {type(transpose).__name__}")
+    route = mode != "affine" or not transpose or (type(bits) is int and bits == 1)
+    if route and (backend is not None or activations != "float"):
+        raise UsageError(
+            f"backend= and activations= choose a mixbits kernel, and mode={mode!r} with "
+            f"transpose={bool(transpose)}{' and bits=1' if bits == 1 else ''} has none "
+            "(the call runs MLX's own op): leave them at their defaults")
+    return route
+
+
 def quantized_matmul(
     x: mx.array,
     w: mx.array,
     scales: mx.array,
-    biases: mx.array,
-    group_size: int = DEFAULT_GROUP_SIZE,
-    bits: int = 4,
+    biases: mx.array | None = None,
+    group_size: int | None = None,
+    bits: int | None = None,
     *,
+    transpose: bool = True,
+    mode: str = "affine",
     backend: str | None = None,
     activations: str = "float",
 ) -> mx.array:
     """Same meaning as ``mx.quantized_matmul(x, w, scales, biases,
-    transpose=True, group_size=group_size, bits=bits)``; ``activations`` as
-    in :func:`qmatmul`. ``w`` may have
+    transpose=transpose, group_size=group_size, bits=bits, mode=mode)``
+    (``group_size`` / ``bits`` default to MLX's for the mode: :data:`MODES`);
+    ``activations`` as in :func:`qmatmul`. ``w`` may have
     leading batch dimensions ``(..., N, K*bits/32)`` (scales and biases
     ``(..., N, K/group_size)``); they broadcast against x's as in MLX, which
     needs x to have batch dimensions too (MLX would silently use the first
-    matrix of w for a 1-D or 2-D x; this refuses with a ValueError)."""
+    matrix of w for a 1-D or 2-D x; this refuses with a ValueError).
+
+    Affine weights with ``transpose=True`` run mixbits' kernels; the calls
+    they do not cover (``mode`` mxfp4 / nvfp4 / mxfp8, ``transpose=False``,
+    1-bit affine) run MLX's own op, with its results and its errors."""
+    if _mlx_route(mode, transpose, bits, backend, activations):
+        return mx.quantized_matmul(x, w, scales, biases, transpose=bool(transpose),
+                                   group_size=group_size, bits=bits, mode=mode)
+    group_size = MODES["affine"][0] if group_size is None else group_size
+    bits = MODES["affine"][1] if bits is None else bits
     qt = _mlx_tensor(w, scales, biases, group_size, bits)
     return qmatmul(_mlx_out_dtype(x, qt), qt, backend=backend, activations=activations)
 
@@ -297,20 +334,33 @@ def gather_quantized_matmul(
     x: mx.array,
     w: mx.array,
     scales: mx.array,
-    biases: mx.array,
+    biases: mx.array | None = None,
     lhs_indices: mx.array | None = None,
     rhs_indices: mx.array | None = None,
-    group_size: int = DEFAULT_GROUP_SIZE,
-    bits: int = 4,
+    group_size: int | None = None,
+    bits: int | None = None,
     sorted_indices: bool = False,
     *,
+    transpose: bool = True,
+    mode: str = "affine",
+    global_scale: mx.array | None = None,
     backend: str | None = None,
 ) -> mx.array:
     """Same meaning as ``mx.gather_qmm(x, w, scales, biases, lhs_indices,
-    rhs_indices, transpose=True, group_size=group_size, bits=bits,
-    sorted_indices=sorted_indices)``: w ``(E..., N, K*bits/32)``, x
-    ``(B..., M, K)``, output ``broadcast(lhs, rhs).shape + (M, N)``. See
-    :func:`gather_qmatmul` for the mixed-segment form."""
+    rhs_indices, transpose=transpose, group_size=group_size, bits=bits,
+    mode=mode, global_scale=global_scale, sorted_indices=sorted_indices)``:
+    w ``(E..., N, K*bits/32)``, x ``(B..., M, K)``, output
+    ``broadcast(lhs, rhs).shape + (M, N)``. See :func:`gather_qmatmul` for
+    the mixed-segment form. Affine weights with ``transpose=True`` run
+    mixbits' kernels; other modes, ``transpose=False``, 1-bit affine and a
+    ``global_scale`` (nvfp4's, which MLX takes on the GPU only) run
+    ``mx.gather_qmm``."""
+    if _mlx_route(mode, transpose, bits, backend, "float") or global_scale is not None:
+        return mx.gather_qmm(x, w, scales, biases, lhs_indices, rhs_indices, transpose=bool(transpose),
+                             group_size=group_size, bits=bits, mode=mode, global_scale=global_scale,
+                             sorted_indices=sorted_indices)
+    group_size = MODES["affine"][0] if group_size is None else group_size
+    bits = MODES["affine"][1] if bits is None else bits
     qt = _mlx_tensor(w, scales, biases, group_size, bits)
     return gather_qmatmul(_mlx_out_dtype(x, qt), qt, lhs_indices, rhs_indices, sorted_indices,
                           backend=backend)

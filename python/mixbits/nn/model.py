@@ -132,10 +132,12 @@ def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
     SwiGLU also run on the mixbits CPU kernels
     (:func:`mixbits.routing.patch_functions`).
 
-    Layers mixbits cannot take over (non-affine modes, unsupported bits or
-    group sizes) raise a ValueError naming the path, or are left as they are
-    with ``strict=False``. Nothing is replaced if any layer fails in strict
-    mode.
+    Layers of MLX's other quantization modes (mxfp4, nvfp4, mxfp8) are left
+    to MLX's own layers, which run them (mixbits has no kernel for them).
+    Affine layers mixbits cannot take over (unsupported bits or group sizes,
+    a global scale) raise a ValueError naming the path, or are left as they
+    are with ``strict=False``. Nothing is replaced if any layer fails in
+    strict mode.
 
     ``activations`` sets every mixbits linear layer's (and tied head's)
     numeric contract, replaced or already mixbits: ``"float"`` (default),
@@ -166,6 +168,8 @@ def patch(model: nn.Module, *, strict: bool = True, functions: bool = True,
     _, stock_stacks = mlx_lm_switch_kinds()
     planned = []
     for path, m in model.named_modules():
+        if getattr(m, "mode", "affine") != "affine":
+            continue  # MLX's layer runs its own mode; nothing here to take over
         try:
             if isinstance(m, nn.QuantizedLinear):
                 planned.append((path, MixedQuantizedLinear.from_quantized(m)))
