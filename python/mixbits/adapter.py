@@ -122,9 +122,25 @@ def quantized_form(m):
                                     m["scales"], m["biases"])])
 
 
+def _fp_mode_weight(m):
+    """The float32 weight of a stock layer in one of MLX's fp modes (mxfp4,
+    nvfp4, mxfp8: no affine segments), decoded by ``mx.dequantize`` (exact
+    in float32: a 2- or 4-bit mantissa times an 8-bit scale); None for any
+    other module."""
+    if "scales" not in m or getattr(m, "mode", "affine") == "affine":
+        return None
+    return mx.dequantize(m["weight"], m["scales"], m.get("biases"), group_size=m.group_size,
+                         bits=m.bits, mode=m.mode, global_scale=m.get("global_scale"),
+                         dtype=mx.float32)
+
+
 def dense_weight(m) -> mx.array:
     """The float32 dense weight of a quantizable module (original column
-    order); quantized ones as ``s*q + b`` in float32 (scales widened first)."""
+    order); quantized ones as ``s*q + b`` in float32 (scales widened first),
+    MLX's fp modes as ``mx.dequantize`` decodes them."""
+    fp = _fp_mode_weight(m)
+    if fp is not None:
+        return fp
     qt = quantized_form(m)
     if qt is None:
         return m["weight"].astype(mx.float32)
@@ -135,7 +151,7 @@ def weighted_weight_error(m, w: mx.array, weight: mx.array) -> float:
     """sum(weight * (dense_weight(m) - w)**2) as a Python float; for a
     quantized module in one pass over its codes (no dense copy), see
     :meth:`~mixbits.layout.QuantizedTensor.weighted_error`."""
-    qt = quantized_form(m)
+    qt = None if _fp_mode_weight(m) is not None else quantized_form(m)
     if qt is not None:
         return qt.weighted_error(w, weight)
     d = dense_weight(m) - w

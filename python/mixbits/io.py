@@ -87,7 +87,11 @@ def quantization_config(model: nn.Module) -> tuple[MlxQuantization | None, dict]
     gs, bits, mode = max(counts, key=counts.get)
     quant = MlxQuantization(group_size=gs, bits=bits, mode=mode)
     for path, e in mlx_entries.items():
-        quant.set_override(path, e["bits"], e["group_size"], None if e["mode"] == "affine" else e["mode"])
+        # A folder mixing modes names every entry's mode, as mlx-lm writes
+        # them: a reader that takes a missing key from the default block
+        # would otherwise read an affine entry as the default's mode.
+        explicit = e["mode"] != "affine" or mode != "affine"
+        quant.set_override(path, e["bits"], e["group_size"], e["mode"] if explicit else None)
     return quant, mixbits_layers
 
 

@@ -19,7 +19,9 @@ def add_arguments(p) -> None:
     p.add_argument("--candidates", nargs="+", default=list(DEFAULT_CANDIDATES),
                    help="names such as 2b_g64 3b_g64 4b_g32 8b_g128 ternary_g64 4b10_3b_g64, or a "
                         f"preset: 'default' ({' '.join(DEFAULT_CANDIDATES)}) or 'wide' (2/3/4/5/6/8 "
-                        "bits at g64 and g128, ternary, three mixed kinds); a tensor gets those whose "
+                        "bits at g64 and g128, ternary, three mixed kinds), 'fp' (MLX's modes mxfp4, "
+                        "nvfp4, mxfp8: 4.25, 4.5, 8.25 bits per weight as stored, saved as MLX's own "
+                        "layers) or 'all' (wide and fp); a tensor gets those whose "
                         "group size divides its K (multi-head stacks such as MLA's: single-segment only). "
                         "A suffix picks a calibrated quantizer, for linears inside decoder blocks: "
                         "+search (per-group clip search on the input-weighted error), +gptq (GPTQ "

@@ -7,6 +7,15 @@ A candidate is named by a short string so tables stay readable:
                           the 4-bit columns are those with the largest
                           weight-column norms (stored first via a permutation)
 
+  ``mxfp4`` ``nvfp4`` ``mxfp8``
+                          MLX's floating-point modes (``mx.quantize(mode=)``):
+                          E2M1 / E4M3 codes with one 8-bit scale per group
+                          and no bias, at MLX's fixed group size (32, 16, 32;
+                          ``mxfp4_g32`` etc. name the same kinds). Stored as
+                          MLX's own quantized layers (``mode`` in
+                          config.json), so mlx-lm loads them; they run on
+                          MLX's kernels (mixbits has none for them)
+
 An optional suffix names the quantizer (default: round-to-nearest min-max):
   ``3b_g64+search``       per-group scale/bias search on the weighted error
   ``3b_g64+gptq``         GPTQ error feedback on the layer input's X^T X; a
@@ -32,18 +41,27 @@ from ..layout import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, TERNARY
 _UNIFORM = re.compile(r"^(\d)b_g(\d+)$")
 _TERNARY = re.compile(r"^ternary_g(\d+)$")
 _MIXED = re.compile(r"^(\d)b(\d+)_(\d)b_g(\d+)$")
+_FP = re.compile(r"^(mxfp4|nvfp4|mxfp8)(?:_g(\d+))?$")
+
+# MLX's floating-point modes -> (group size, bits), fixed by MLX (the table
+# in help(mx.quantize)); scales are one uint8 per group (E8M0 for mx, E4M3
+# for nv), so storage is bits + 8/group: 4.25, 4.5, 8.25. nvfp4's optional
+# per-tensor global scale is not used: MLX's QuantizedLinear and its CPU
+# matmul take none.
+FP_MODES = {"mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
 
 
 @dataclass(frozen=True)
 class Candidate:
     name: str
-    kind: str  # "uniform", "ternary" or "mixed"
+    kind: str  # "uniform", "ternary", "mixed" or "fp" (an MLX fp mode)
     group_size: int
     bits: int | None = None  # uniform
     hi_bits: int | None = None  # mixed
     hi_percent: int | None = None
     lo_bits: int | None = None
     quantizer: str = "rtn"  # "rtn", "act", "search" or "gptq"
+    mode: str = "affine"  # MLX's quantization mode: "affine" or one of FP_MODES
 
     @property
     def calibrated(self) -> bool:
@@ -55,6 +73,8 @@ class Candidate:
         gs = self.group_size
         if k % gs:
             raise ValueError(f"candidate {self.name}: K={k} is not a multiple of group size {gs}")
+        if self.kind == "fp":
+            raise ValueError(f"candidate {self.name}: MLX's {self.mode} mode has no affine segments")
         if self.kind == "uniform":
             return [(self.bits, gs, k)]
         if self.kind == "ternary":
@@ -70,7 +90,7 @@ class Candidate:
     def nominal_bits(self):
         """Width as allocation.json counts it: the bits (ternary: 2), or a
         mixed candidate's share-weighted width."""
-        if self.kind == "uniform":
+        if self.kind in ("uniform", "fp"):
             return self.bits
         if self.kind == "ternary":
             return 2
@@ -117,6 +137,9 @@ def parse_candidate(name: str) -> Candidate:
             raise ValueError(f"candidate {name!r}: unknown quantizer {quantizer!r}; "
                              f"expected one of {', '.join('+' + q for q in QUANTIZERS[1:])}")
         cand = dataclasses.replace(parse_candidate(base), name=name, quantizer=quantizer)
+        if cand.kind == "fp":
+            raise ValueError(f"candidate {name!r}: {base!r} is MLX's {cand.mode} mode, whose scales "
+                             f"MLX computes; the {'+' + quantizer} quantizer makes affine kinds only")
         if quantizer == "act" and cand.kind != "mixed":
             raise ValueError(f"candidate {name!r}: +act only orders a mixed kind's columns; "
                              f"{base!r} has one segment (use {base!r} itself)")
@@ -128,6 +151,14 @@ def parse_candidate(name: str) -> Candidate:
     elif m := _TERNARY.match(name):
         cand = Candidate(name, "ternary", int(m[1]))
         _check(name, cand.group_size, [])
+    elif m := _FP.match(name):
+        mode = m[1]
+        gs, bits = FP_MODES[mode]
+        if m[2] is not None and int(m[2]) != gs:
+            raise ValueError(f"candidate {name!r}: MLX's {mode} mode has group size {gs} "
+                             f"(write {mode!r} or '{mode}_g{gs}')")
+        # One name per kind (the bare mode), however it was written.
+        cand = Candidate(mode, "fp", gs, bits=bits, mode=mode)
     elif m := _MIXED.match(name):
         hi, pct, lo, gs = int(m[1]), int(m[2]), int(m[3]), int(m[4])
         if not 0 < pct < 100:
@@ -136,7 +167,8 @@ def parse_candidate(name: str) -> Candidate:
         _check(name, gs, [hi, lo])
     else:
         raise ValueError(
-            f"unknown candidate {name!r}; expected e.g. '4b_g64', 'ternary_g64' or '4b10_3b_g64'"
+            f"unknown candidate {name!r}; expected e.g. '4b_g64', 'ternary_g64', '4b10_3b_g64' "
+            f"or one of MLX's fp modes {', '.join(map(repr, FP_MODES))}"
         )
     return cand
 
@@ -151,13 +183,18 @@ def _check(name: str, gs: int, bits: list[int]) -> None:
 
 DEFAULT_CANDIDATES = ("2b_g64", "3b_g64", "4b_g64", "8b_g64", "ternary_g64", "4b10_3b_g64")
 
-# Named sets for ``--candidates``: "default", and "wide" -- every width at
+# Named sets for ``--candidates``: "default"; "wide" -- every width at
 # two group sizes, ternary, and two mixed kinds -- for sweeps that can
-# afford ~16 candidates per tensor.
+# afford ~16 candidates per tensor; "fp" -- MLX's three floating-point
+# modes, to add to another set (``default fp``: one allocation over both);
+# "all" -- "wide" and "fp".
+_WIDE = tuple(f"{b}b_g{g}" for b in (2, 3, 4, 5, 6, 8) for g in (64, 128)) + (
+    "ternary_g64", "4b10_3b_g64", "3b10_2b_g64", "6b10_4b_g64")
 PRESETS = {
     "default": DEFAULT_CANDIDATES,
-    "wide": tuple(f"{b}b_g{g}" for b in (2, 3, 4, 5, 6, 8) for g in (64, 128))
-    + ("ternary_g64", "4b10_3b_g64", "3b10_2b_g64", "6b10_4b_g64"),
+    "wide": _WIDE,
+    "fp": tuple(FP_MODES),
+    "all": _WIDE + tuple(FP_MODES),
 }
 
 
@@ -167,7 +204,7 @@ def expand_candidates(names) -> list[str]:
     out = []
     for n in names:
         for c in PRESETS.get(n, (n,)):
-            parse_candidate(c)
+            c = parse_candidate(c).name  # mxfp4_g32 -> mxfp4: one name per kind
             if c not in out:
                 out.append(c)
     return out
@@ -264,6 +301,8 @@ def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None, dense=No
     # the codes), scales and biases then stored in ``scale_dtype``.
     native = _native_dtype(module)
     wn = w if w.dtype == native else w.astype(native)
+    if cand.kind == "fp":
+        return _fp_layer(module, cand, wn)
     segs = cand.segments(k)
     if cand.calibrated:
         if inputs is None or w.ndim != 2:
@@ -307,6 +346,45 @@ def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None, dense=No
     return q
 
 
+def _fp_layer(module, cand: Candidate, wn):
+    """MLX's own quantized module for ``module`` at an fp mode (mxfp4,
+    nvfp4, mxfp8): codes and uint8 scales from ``mx.quantize`` of the
+    weight ``wn`` (in the module's dtype), no biases. mlx-lm's loader and
+    MLX's kernels read these layers as they are."""
+    import copy
+
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from ..nn import MixedQuantizedEmbedding, MixedQuantizedSwitchLinear, is_expert_stack
+
+    gs, bits, mode = cand.group_size, cand.bits, cand.mode
+    wq, scales = mx.quantize(wn, gs, bits, mode=mode)
+    n, k = wn.shape[-2], wn.shape[-1]
+    if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding)):
+        q = nn.QuantizedEmbedding(n, k, gs, bits, mode=mode)
+    elif wn.ndim == 2:
+        q = nn.QuantizedLinear(k, n, bias=False, group_size=gs, bits=bits, mode=mode)
+    elif is_expert_stack(module):
+        from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+        q = QuantizedSwitchLinear(k, n, wn.shape[0], bias=False, group_size=gs, bits=bits, mode=mode)
+    elif "scales" in module:  # another quantized stack (mlx-lm's QuantizedMultiLinear)
+        q = copy.copy(module)
+    else:  # a float stack: its own quantized class (MultiLinear -> QuantizedMultiLinear)
+        q = module.to_quantized(group_size=gs, bits=bits, mode=mode)
+    # The constructors' placeholder codes (lazy, random) are replaced before
+    # anything evaluates them.
+    q.weight, q.scales, q.biases = wq, scales, None
+    q.group_size, q.bits, q.mode = gs, bits, mode
+    if "global_scale" in q:
+        q.global_scale = None
+    if "bias" in module and not isinstance(q, nn.QuantizedEmbedding):
+        q.bias = module["bias"]
+    q.freeze()
+    return q
+
+
 def _native_dtype(module):
     """The dtype MLX would quantize ``module``'s weight in: a float weight's
     own; for a quantized module, that of its scales (what it decodes to)."""
@@ -315,6 +393,9 @@ def _native_dtype(module):
     from ..adapter import quantized_form
     from ..layout import FLOAT_DTYPES
 
+    if getattr(module, "mode", "affine") != "affine":
+        # MLX's fp modes: uint8 scales; MLX decodes them to bfloat16 by default.
+        return mx.bfloat16
     qt = quantized_form(module)
     dt = module["weight"].dtype if qt is None else qt.segments[0].scales.dtype
     return dt if dt in FLOAT_DTYPES else mx.float32
