@@ -140,3 +140,36 @@ def test_refine_and_plot_over_the_mixed_menu(setup):
     png = tmp / "p.png"
     assert main(["plot", str(table), "--allocation", str(refined), "--out", str(png)]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_fp_beside_mixbits_only_layers(setup):
+    """A folder with a mixed-segment kind (only mixbits reads it: stock
+    mlx-lm runs the folder through its model file, when trusted) and fp
+    layers: mlx-lm builds the fp layers from their config entries, the
+    model file places the mixbits ones, and the logits are mixbits.load's."""
+    from mlx_lm.utils import load_model
+
+    tmp, m, t, toks = setup
+    table = tmp / "mixedkind.json"
+    assert main(["measure", "--model", m, "--tokens", t, "--candidates", "4b25_2b_g32", "mxfp4", "nvfp4",
+                 "--method", "grad", "--out", str(table)]) == 0
+    entries, kinds = [], {}
+    for i, e in enumerate(json.loads(table.read_text())["entries"]):
+        c = e["candidates"][i % 3]
+        kinds[e["path"]] = c["kind"]
+        entries.append(AllocationEntry(e["path"], e.get("layer"), e["nparams"], c["bits"], c["kind"],
+                                       c["kl"], {"storage_bits": c["storage_bits"]}))
+    Allocation.from_entries(entries).save(tmp / "mk.json")
+    q = tmp / "qmk"
+    assert main(["quantize", "--model", m, "--allocation", str(tmp / "mk.json"), "--out", str(q)]) == 0
+    assert "model_file" in json.loads((q / "config.json").read_text())
+    stock, _ = load_model(q, trust_remote_code=True)
+    ours, _, _ = mixbits.load(q)
+    sm = dict(stock.named_modules())
+    for path, kind in kinds.items():
+        if kind in FP:
+            assert type(sm[path]) in (nn.QuantizedLinear, nn.QuantizedEmbedding) and sm[path].mode == kind
+        else:
+            assert type(sm[path]).__name__.startswith("MixedQuantized"), path
+    x = mx.array(toks)
+    np.testing.assert_array_equal(_f64(stock(x)), _f64(ours(x)))

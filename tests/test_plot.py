@@ -72,3 +72,22 @@ def test_allocation_of_another_model_is_refused(tmp_path, capsys):
     assert main(["plot", str(t), "--out", str(tmp_path / "f.png"), "--allocation", str(a)]) == 2
     assert "another model" in capsys.readouterr().err
     assert not (tmp_path / "f.png").exists()
+
+
+def test_plot_shows_kinds_of_one_width(tmp_path):
+    """mxfp4 and 4b_g64 are both 4 bits: the allocation panel then shows
+    the chosen kinds, one colour each, not the width."""
+    from mixbits.measure.plot import _chosen_kinds
+
+    t = tmp_path / "t.json"
+    t.write_text(json.dumps(_table()))
+    kinds = ["mxfp4", "4b_g64", "nvfp4"]
+    assignment = [{"path": e["path"], "bits": 4, "kind": kinds[i % 3]}
+                  for i, e in enumerate(_table()["entries"])]
+    assert _chosen_kinds(assignment) == ["4b_g64", "mxfp4", "nvfp4"]
+    assert _chosen_kinds([{**a, "bits": 2 + i} for i, a in enumerate(assignment[:3])]) is None
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps({"average_bits": 4.0, "assignment": assignment}))
+    out = tmp_path / "f.png"
+    assert main(["plot", str(t), "--out", str(out), "--allocation", str(a)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -35,6 +35,8 @@ def _projection_quant(c: Candidate) -> ProjectionQuant:
         p = c.hi_percent / 100
         return ProjectionQuant((c.hi_bits, c.lo_bits), (p, 1 - p),
                                {c.hi_bits: c.group_size, c.lo_bits: c.group_size}, 4)
+    if c.kind == "fp":
+        raise ValueError(f"candidate {c.name!r}: ExLlamaV2 has no {c.mode} option (an MLX mode)")
     raise ValueError(f"candidate {c.name!r}: ExLlamaV2 has no ternary option")
 
 

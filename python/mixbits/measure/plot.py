@@ -1,5 +1,6 @@
 """Heatmaps of a sensitivity table: log10 KL per (layer, tensor kind) for
-each candidate, and, given an allocation, the chosen bits per tensor."""
+each candidate, and, given an allocation, the chosen bits per tensor (the
+chosen kinds, when kinds of one width are among them)."""
 
 from __future__ import annotations
 
@@ -67,18 +68,47 @@ def plot_table(table: dict, out, allocation: dict | None = None, title: str = ""
         fig.colorbar(im, ax=axes.ravel().tolist()[: len(cand_names)], shrink=0.8)
     if allocation:
         ax = axes.flat[len(cand_names)]
-        bits = {a["path"]: a["bits"] for a in allocation["assignment"]}
-        g, kinds, layers = _grid(entries, lambda e: bits.get(e["path"]))
-        im2 = ax.imshow(g, aspect="auto", cmap="viridis", interpolation="nearest")
+        assignment = allocation["assignment"]
+        bits = {a["path"]: a["bits"] for a in assignment}
+        chosen = _chosen_kinds(assignment)
+        if chosen:  # kinds of one width (mxfp4 and 4b_g64 are both 4 bits): one colour per kind
+            index = {p: chosen.index(a["kind"]) for p, a in ((a["path"], a) for a in assignment)}
+            g, kinds, layers = _grid(entries, lambda e: index.get(e["path"]))
+            cmap = plt.get_cmap("tab10" if len(chosen) <= 10 else "tab20", len(chosen))
+            im2 = ax.imshow(g, aspect="auto", cmap=cmap, vmin=-0.5, vmax=len(chosen) - 0.5,
+                            interpolation="nearest")
+            what = "chosen kinds"
+        else:
+            g, kinds, layers = _grid(entries, lambda e: bits.get(e["path"]))
+            im2 = ax.imshow(g, aspect="auto", cmap="viridis", interpolation="nearest")
+            what = "chosen bits"
         storage, avg = allocation.get("average_bpw_storage"), allocation.get("average_bits")
-        ax.set_title("chosen bits" + (f" ({storage:.3f} bpw as stored)" if storage
-                                      else f" (avg {avg:.3f})" if avg else ""))
+        ax.set_title(what + (f" ({storage:.3f} bpw as stored)" if storage
+                             else f" (avg {avg:.3f})" if avg else ""))
         ax.set_yticks(range(len(kinds)), kinds, fontsize=7)
         ax.set_xlabel("layer")
-        fig.colorbar(im2, ax=ax, shrink=0.8)
+        step = max(1, len(layers) // 10)  # as the KL panels label their columns ("out" included)
+        ax.set_xticks(range(0, len(layers), step), layers[::step], fontsize=7)
+        bar = fig.colorbar(im2, ax=ax, shrink=0.8)
+        if chosen:
+            bar.set_ticks(range(len(chosen)), labels=chosen)
     for ax in list(axes.flat)[panels:]:
         ax.axis("off")
     if title:
         fig.suptitle(title)
     fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def _chosen_kinds(assignment) -> list[str] | None:
+    """The allocation's kinds, by width then name, when two of them share a
+    width (bits alone would draw them alike: an fp mode beside the affine
+    kind of its width, or two group sizes); None otherwise."""
+    widths = {}
+    for a in assignment:
+        if not isinstance(a.get("kind"), str):
+            return None
+        widths[a["kind"]] = a["bits"]
+    if len(set(widths.values())) == len(widths):
+        return None
+    return sorted(widths, key=lambda k: (widths[k], k))
