@@ -125,3 +125,21 @@ def test_mode_errors_are_mlx_types():
     aq, a_s, a_b, _ = _quantized(rng, (8, 64), "affine", mx.float32)
     with pytest.raises(ValueError, match="biases must be provided"):
         mixbits.quantized_matmul(x, aq, a_s, None)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("transpose", [True, False])
+def test_gradient_wrt_x(mode, transpose):
+    """d/dx sum(c * (x @ W^T)) = c @ W (transpose=False: c @ W^T), against
+    float64 of the dequantized weight, for routed and kernel calls alike."""
+    rng = np.random.default_rng(9)
+    gs, bits = MODES[mode]
+    wq, s, b, w64 = _quantized(rng, (64, 128) if transpose else (128, 64), mode, mx.float32)
+    k = 128
+    x = mx.array(rng.standard_normal((3, k)).astype(np.float32))
+    c = mx.array(rng.standard_normal((3, 64)).astype(np.float32))
+    f = lambda x: (c * mixbits.quantized_matmul(x, wq, s, b, transpose=transpose, mode=mode)).sum()
+    got = np.array(mx.grad(f)(x), dtype=np.float64)
+    c64 = np.array(c, dtype=np.float64)
+    want = c64 @ (w64 if transpose else w64.T)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
