@@ -137,3 +137,22 @@ def test_fp_kinds_do_not_fit_where_k_is_not_a_multiple():
     assert supports(parse_candidate("nvfp4"), site)
     assert not supports(parse_candidate("mxfp4"), site) and not supports(parse_candidate("mxfp8"), site)
     assert FP_MODES["nvfp4"] == (16, 4)
+
+
+@pytest.mark.parametrize("mode", list(EXPECT))
+def test_multi_head_stack(mode):
+    """MLA's multi-head stacks (mlx-lm's MultiLinear) take fp kinds as
+    their own QuantizedMultiLinear, float or already quantized."""
+    from mlx_lm.models.mla import MultiLinear, QuantizedMultiLinear
+
+    mx.random.seed(4)
+    m = MultiLinear(64, 32, 4)
+    gs, bits, _ = EXPECT[mode]
+    for src in (m, build_layer(m, parse_candidate("4b_g64"))):
+        q = build_layer(src, parse_candidate(mode))
+        assert type(q) is QuantizedMultiLinear and (q.mode, q.group_size, q.bits) == (mode, gs, bits)
+        w64 = _f64(mx.dequantize(q["weight"], q["scales"], group_size=gs, bits=bits, mode=mode,
+                                 dtype=mx.float32))
+        x = mx.random.normal((2, 4, 3, 64))
+        ref = _f64(x) @ np.swapaxes(w64, -1, -2)
+        np.testing.assert_allclose(_f64(q(x)), ref, rtol=1e-5, atol=1e-5)
