@@ -277,7 +277,9 @@ def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None, dense=No
     at single-segment kinds keep mlx-lm's own quantized class with
     MLX-layout arrays, so saved folders load with ``mlx_lm.load``; expert
     stacks at mixed kinds become a MixedQuantizedSwitchLinear with one
-    permutation for all experts. ``scale_dtype`` defaults to float16.
+    permutation for all experts. MLX's fp kinds (mxfp4, nvfp4, mxfp8) are
+    MLX's own quantized class of the module in that mode (:func:`_fp_layer`),
+    in every form. ``scale_dtype`` (affine kinds) defaults to float16.
     ``inputs``: (X^T X [K, K], token count) of the layer's input on the
     calibration set, for calibrated quantizers. ``dense``: the module's
     ``dense_weight``, when the caller builds several candidates of one
