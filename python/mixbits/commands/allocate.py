@@ -13,6 +13,7 @@ from ..atomic import output_target
 from ..formats import FormatError, Measurement, SensitivityTable, is_sensitivity_table, projection_shapes
 from ..formats.errors import load_json, write_json_atomic
 from ..formats.exl2 import layer_of
+from ..measure.refine import chosen_embed_bits
 
 
 def add_arguments(p) -> None:
@@ -38,6 +39,9 @@ def add_arguments(p) -> None:
                    help="sensitivity tables: budget counts each candidate's storage bits (codes + "
                         "scales + biases + permutation: 4-bit g64 = 4.5 bpw; default, as refine and "
                         "compare) or nominal bits (nparams*bits, allocation.json's average_bits)")
+    from .refine import add_embed_bits
+
+    add_embed_bits(p)  # sensitivity tables only
     p.add_argument("--quiet", action="store_true", help="print only the totals, not the per-layer table")
 
 
@@ -96,12 +100,21 @@ def _run_table(args, raw) -> int:
     table = SensitivityTable.from_dict(raw)
     if not table.complete:
         raise FormatError(f"{args.input}: the sweep that wrote this table has not finished ('complete': false)")
+    if args.embed_bits is not None:  # embeddings and head out of the table and the budget
+        table.entries = [e for e in table.entries if e.layer is not None]
+        if not table.entries:
+            raise FormatError(f"{args.input}: --embed-bits leaves no tensor to allocate (every entry "
+                              "is an embedding or head)")
     problem = MCKProblem.from_table(table, args.count)
     budget, lower = _budgets(args, problem)
     sol = solve(problem, budget, lower)
     n = problem.total_params
     alloc = table.to_allocation(sol.choice, low_avg=(lower / n if lower is not None else None),
                                 high_avg=budget / n, count=args.count)
+    # embed_bits says what was chosen: --embed-bits, or the width the
+    # allocation gave the embeddings and head, not the table's default.
+    alloc.embed_bits = chosen_embed_bits(
+        raw, [{"layer": e.layer, "bits": e.bits} for e in alloc.assignment], args.embed_bits)
     alloc.save(args.out)
     if not args.quiet:
         per_layer = defaultdict(list)
@@ -127,6 +140,11 @@ def run(args) -> int:
     if is_sensitivity_table(raw):
         return _run_table(args, raw)
     if isinstance(raw, dict) and "measurement" in raw:
+        if args.embed_bits is not None:
+            from ..errors import UsageError
+
+            raise UsageError("--embed-bits is for sensitivity tables: an ExLlamaV2 measurement has no "
+                             "embeddings or head to set apart")
         return _run_measurement(args, raw)
     raise FormatError(
         f"{args.input}: neither an ExLlamaV2 measurement (no 'measurement' key) nor a "

@@ -8,6 +8,7 @@ always loads with ``mixbits.load``.
 
 from __future__ import annotations
 
+from ..formats.allocation import EMBED_BITS as EMBED_CHOICES
 from ..layout import DEFAULT_GROUP_SIZE
 
 
@@ -41,21 +42,41 @@ def allocation_candidates(alloc, model, *, group_size: int = DEFAULT_GROUP_SIZE,
         out[path] = cand
     return out
 
+def embed_candidates(model, chosen: dict, embed_bits: int | None,
+                     group_size: int = DEFAULT_GROUP_SIZE) -> dict:
+    """{path: Candidate} for the embeddings and head (tensors outside the
+    blocks) that ``chosen`` leaves out, at ``embed_bits`` (allocation.json's
+    embed_bits: outside the budget, as ExLlamaV2-derived allocations set
+    them). None or 16: none (left as loaded). A width whose group size
+    does not divide the tensor leaves it float, as mlx-lm would."""
+    from mixbits.adapter import ModelAdapter
+    from mixbits.measure.candidates import parse_candidate, supports
+
+    if embed_bits is None or embed_bits == 16:
+        return {}
+    cand = parse_candidate(f"{embed_bits}b_g{group_size}")
+    return {s.path: cand for s in ModelAdapter(model).sites
+            if s.block is None and s.path not in chosen and supports(cand, s)}
+
+
 def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = True,
-                        tokens=None) -> list[str]:
+                        tokens=None, embed_bits: int | None = None,
+                        group_size: int = DEFAULT_GROUP_SIZE) -> list[str]:
     """Replace every tensor in ``chosen`` ({path: Candidate}) by its
     candidate module -- the same constructor the sweep measured -- and,
     with ``fixed``, the tensors the model's own quant_predicate pins (e.g.
     MoE router gates at 8 bits), as mlx-lm would. Calibrated candidates
     (``+gptq``, ``+search``) need the calibration ``tokens`` [n_seq, seq_len]
-    their layer inputs come from (the sweep's). Returns replaced paths."""
+    their layer inputs come from (the sweep's). ``embed_bits``: embeddings
+    and head not in ``chosen`` at that width (:func:`embed_candidates`).
+    Returns replaced paths."""
     import mlx.core as mx
 
     from mixbits.adapter import ModelAdapter
     from mixbits.measure.candidates import build_layer, parse_candidate
 
     adapter = ModelAdapter(model)
-    plan = dict(chosen)
+    plan = {**embed_candidates(model, chosen, embed_bits, group_size), **chosen}
     if fixed:
         for path, spec in adapter.fixed.items():
             plan.setdefault(path, parse_candidate(f"{spec['bits']}b_g{spec['group_size']}"))
@@ -84,6 +105,9 @@ def add_arguments(p) -> None:
                    help="group size for entries whose kind is a bare width ('4', 'ternary'); "
                         f"candidate names ('4b_g32') carry their own (default {DEFAULT_GROUP_SIZE})")
     p.add_argument("--strip-prefix", default="", help="remove this prefix from allocation paths first")
+    p.add_argument("--embed-bits", type=int, metavar="N", choices=EMBED_CHOICES,
+                   help="embeddings and head the allocation does not assign: N bits at --group-size "
+                        "(16: left float); default: the allocation's embed_bits")
     p.add_argument("--tokens", metavar="FILE",
                    help="calibration token ids (.npy/.json [n_seq, seq_len]) for calibrated candidates "
                         "(+gptq, +search, +act): the layer inputs they quantize against; use the sweep's")
@@ -150,7 +174,9 @@ def _run(args) -> int:
     try:
         chosen = allocation_candidates(alloc, model, group_size=args.group_size,
                                        strip_prefix=args.strip_prefix)
-        replaced = quantize_candidates(model, chosen, tokens=tokens)
+        embed = args.embed_bits if args.embed_bits is not None else alloc.embed_bits
+        replaced = quantize_candidates(model, chosen, tokens=tokens, embed_bits=embed,
+                                       group_size=args.group_size)
     except (KeyError, ValueError, TypeError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         raise FormatError(f"--allocation: {msg}") from None

@@ -4,6 +4,17 @@ of summed KL under the budget, then joint-KL swaps on calibration data)."""
 from __future__ import annotations
 
 
+def add_embed_bits(p) -> None:
+    """--embed-bits, as refine and allocate take it (quantize's own reads
+    the allocation's by default)."""
+    from ..formats.allocation import EMBED_BITS
+
+    p.add_argument("--embed-bits", type=int, metavar="N", choices=EMBED_BITS,
+                   help="embeddings and head at N bits outside the budget (16: left float), as "
+                        "ExLlamaV2-derived allocations set them; default: allocated inside the "
+                        "budget like every other tensor. allocation.json's embed_bits says which")
+
+
 def add_arguments(p) -> None:
     from ..measure.calib import add_calibration_arguments
 
@@ -22,6 +33,7 @@ def add_arguments(p) -> None:
                         "evolutionary search (random level switches, children scored on growing "
                         "prefixes of the calibration set)")
     p.add_argument("--seed", type=int, default=0, help="random seed of --method evolve")
+    add_embed_bits(p)
     p.add_argument("--out", required=True, help="allocation.json to write")
 
 
@@ -53,7 +65,7 @@ def run(args) -> int:
     check_made_for(model, table["entries"], args.table)  # a table of another model: before any work
     ev = JointEvaluator(model, tokens, chunk=4)
     out = refine(table, ev, args.bpw, args.low_bpw, args.count, args.max_evals,
-                 method=args.method, seed=args.seed)
+                 method=args.method, seed=args.seed, embed_bits=args.embed_bits)
     write_json_atomic(out, args.out)
     jr = out["joint_refine"]
     how = (f"{jr['generations']} generations, {jr['improvements']} improvements"

@@ -27,7 +27,12 @@ class JointEvaluator:
         self.tokens = np.asarray(tokens)
         self.chunk = max(1, chunk)
         self.scale_dtype = scale_dtype
-        self.originals = {p: self.adapter.get(p) for p in self.sites}
+        # What quantize will also do, outside any assignment: the layers the
+        # model pins (quant_predicate: MoE router gates at 8 bits...), and
+        # embeddings/head at --embed-bits (:meth:`pin_outside`). Without
+        # them the joint KL is not the quantized model's.
+        self.pinned = {p: f"{spec['bits']}b_g{spec['group_size']}" for p, spec in self.adapter.fixed.items()}
+        self.originals = {p: self.adapter.get(p) for p in [*self.sites, *self.pinned]}
         self._calibration = calibration
         self._layers: dict[tuple[str, str], object] = {} if calibration is None else calibration._layers
         self.ref_logits = [self._logits(i) for i in range(0, len(self.tokens), self.chunk)]
@@ -49,6 +54,21 @@ class JointEvaluator:
             self._replayer = Replayer(self.model, token_chunks(self.tokens, self.chunk),
                                       self.adapter)
         return self._replayer.input_hessian(self.sites[path])
+
+    def pin_outside(self, embed_bits: int | None, group_size: int = 64) -> dict[str, str]:
+        """Embeddings and head (the tensors outside the blocks) at
+        ``embed_bits`` in every evaluation, as ``quantize --embed-bits``
+        stores them (16 or None: left as loaded). Returns the pins added."""
+        added = {}
+        if embed_bits is not None and embed_bits != 16:
+            from .candidates import supports
+
+            for s in self.adapter.sites:
+                cand = f"{embed_bits}b_g{group_size}"
+                if s.block is None and supports(parse_candidate(cand), s):
+                    added[s.path] = cand
+        self.pinned.update(added)
+        return added
 
     def layer(self, path: str, cand_name: str):
         key = (path, cand_name)
@@ -81,6 +101,7 @@ class JointEvaluator:
         unknown = sorted(set(assignment) - set(self.sites))
         if unknown:
             raise ValueError(f"assignment names unknown tensors: {unknown[:5]}")
+        assignment = {**self.pinned, **assignment}
         try:
             for path, cand in assignment.items():
                 self.adapter.set(path, self.layer(path, cand))

@@ -53,15 +53,44 @@ def _entry(e: dict, c: dict) -> dict:
             "kl": c["kl"], "storage_bits": c.get("storage_bits")}
 
 
+def without_outside(table: dict) -> dict:
+    """The table less its embeddings and head (entries outside the
+    blocks: no layer), for allocations that put them at ``embed_bits``
+    outside the budget."""
+    kept = [e for e in table["entries"] if e.get("layer") is not None]
+    if not kept:
+        raise ValueError("--embed-bits leaves no tensor to allocate: every entry of the table is an "
+                         "embedding or head (no layer)")
+    return {**table, "entries": kept}
+
+
+def chosen_embed_bits(table: dict, assign: list[dict], embed_bits: int | None) -> int | None:
+    """What allocation.json's embed_bits must say: ``embed_bits`` when
+    embeddings and head were set apart at that width; else the width the
+    allocation gave them (all the same integer width), else the table's
+    own (embeddings it did not measure), else None (not one width)."""
+    if embed_bits is not None:
+        return int(embed_bits)
+    from ..formats.allocation import EMBED_BITS
+
+    outside = {float(a["bits"]) for a in assign if a.get("layer") is None}
+    if len(outside) == 1:
+        b = outside.pop()
+        return int(b) if b.is_integer() and int(b) in EMBED_BITS else None
+    if not outside:
+        return table.get("embed_bits")
+    return None
+
+
 def allocation_from_choice(table: dict, choice, low_avg: float | None, high_avg: float,
-                           count: str) -> dict:
+                           count: str, embed_bits: int | None = None) -> dict:
     entries = table["entries"]
     assign = [_entry(e, e["candidates"][j]) for e, j in zip(entries, choice)]
     total = sum(a["nparams"] for a in assign)
     avg = sum(a["nparams"] * float(a["bits"]) for a in assign) / total
     out = {
         "average_bits": avg,
-        "embed_bits": table.get("embed_bits", 8),
+        "embed_bits": chosen_embed_bits(table, assign, embed_bits),
         "budget": {"low_avg": low_avg, "high_avg": high_avg, "count": count},
         "sum_kl": math.fsum(a["kl"] for a in assign),
         "dp_sum_kl": None,
@@ -73,14 +102,18 @@ def allocation_from_choice(table: dict, choice, low_avg: float | None, high_avg:
 
 
 def allocate_table(table: dict, high_avg: float, low_avg: float | None = None,
-                   count: str = "storage"):
-    """Exact optimum of summed KL with low_avg <= bits/weight <= high_avg."""
+                   count: str = "storage", embed_bits: int | None = None):
+    """Exact optimum of summed KL with low_avg <= bits/weight <= high_avg.
+    ``embed_bits``: embeddings and head leave the table and the budget,
+    stored at that width (allocation.json's embed_bits)."""
+    if embed_bits is not None:
+        table = without_outside(table)
     prob = table_problem(table, count)
     total = int(prob.nparams.sum())
     budget = int(math.floor(high_avg * total))
     lower = None if low_avg is None else int(math.ceil(low_avg * total))
     sol = solve(prob, budget, lower)
-    alloc = allocation_from_choice(table, sol.choice, low_avg, high_avg, count)
+    alloc = allocation_from_choice(table, sol.choice, low_avg, high_avg, count, embed_bits)
     alloc["dp_sum_kl"] = sol.cost
     return alloc, sol, prob
 
@@ -120,7 +153,7 @@ def _powered(prob: MCKProblem, p: float) -> MCKProblem:
 def refine(table: dict, evaluator, high_avg: float, low_avg: float | None = None,
            count: str = "storage", max_evals: int = 30, calibration_ids=None,
            progress: bool = True, powers=(1.5, 2.0), method: str = "swaps", seed: int = 0,
-           check_baselines: bool = True) -> dict:
+           check_baselines: bool = True, embed_bits: int | None = None) -> dict:
     """Allocation dict (allocation.json layout) after joint-KL search.
 
     ``check_baselines``: also score uniform quantization and mlx-lm's mixed
@@ -135,11 +168,19 @@ def refine(table: dict, evaluator, high_avg: float, low_avg: float | None = None
     swaps ranked by predicted summed-KL change) or "evolve" (the
     evolutionary search of :mod:`mixbits.measure.evolve`, scored on
     growing prefixes of the calibration chunks; ``max_evals`` counts
-    full-set-equivalent evaluations)."""
+    full-set-equivalent evaluations).
+
+    ``embed_bits``: embeddings and head out of the table and the budget,
+    at that width (16: left float) in every joint evaluation, as
+    ``quantize`` stores them; the layers the model pins (MoE gates...) are
+    in every evaluation too (the evaluator's ``pinned``)."""
     if method not in ("swaps", "evolve"):
         raise ValueError(f"method must be 'swaps' or 'evolve', got {method!r}")
     from tqdm import tqdm
 
+    if embed_bits is not None:
+        table = without_outside(table)
+        evaluator.pin_outside(embed_bits)
     alloc, sol, prob = allocate_table(table, high_avg, low_avg, count)
     names = prob.names
     cand_names = [[c["kind"] for c in e["candidates"]] for e in table["entries"]]
@@ -224,7 +265,7 @@ def refine(table: dict, evaluator, high_avg: float, low_avg: float | None = None
                              "mixed_joint_kl": current}}
         if win:
             choice = [cand_names[i].index(win["assignment"][n]) for i, n in enumerate(names)]
-    out = allocation_from_choice(table, choice, low_avg, high_avg, count)
+    out = allocation_from_choice(table, choice, low_avg, high_avg, count, embed_bits)
     out["dp_sum_kl"] = sol.cost
     ids = list(calibration_ids) if calibration_ids is not None else list(range(len(evaluator.tokens)))
     out["joint_refine"] = {
