@@ -149,12 +149,17 @@ PIPELINE_CANDS = ["2b_g32", "3b_g64", "4b_g64", "8b_g128", "ternary_g64", "4b25_
 @pytest.mark.parametrize("arch", ["llama_tied", "qwen3_moe", "qwen3_5_vlm", "gemma3", "deepseek_v2", "mamba",
                                   "rwkv7", "recurrent_gemma", "gemma3n"])
 def test_measure_allocate_quantize_load(arch, tmp_path):
+    pipeline(*tiny_models.build(arch), tmp_path)
+
+
+def pipeline(model, cfg, tmp_path):
+    """measure -> allocate -> quantize -> save -> load on ``model`` (also
+    tests/test_architectures.py's, on every architecture)."""
     import mixbits
     from mixbits.commands.quantize import allocation_candidates, quantize_candidates
     from mixbits.formats.allocation import Allocation
     from mixbits.measure.refine import allocate_table
 
-    model, cfg = tiny_models.build(arch)
     toks = _tokens(n=2, seq=16)
     table = sweep(model, toks, tmp_path / "t.json", PIPELINE_CANDS, progress=False)
     # every tensor measured, or left float because no candidate fits it

@@ -98,6 +98,10 @@ class _BlockBranch(_Proxy):
         return _concat(outs, out_axes)
 
 
+class _SharedInput(Exception):
+    """A leaf's input has no batch axis: candidates need a forward each."""
+
+
 class _LeafBranch(_Proxy):
     """Applies candidate module g to slice g of the first argument, for
     every method the model calls (``__call__``, ``as_linear``)."""
@@ -114,6 +118,13 @@ class _LeafBranch(_Proxy):
             # The batch axis of what the leaf gets (the first, for the usual
             # [batch, T, ...] inputs of embeddings and heads).
             axis = batch_axis(x, b * len(self._modules), self._t)
+            if axis is None and (not isinstance(x, mx.array) or x.ndim == 0
+                                 or x.shape[0] != b * len(self._modules)):
+                if len(self._modules) == 1:
+                    return getattr(self._modules[0], method)(x, *args, **kwargs)
+                # An input shared by the whole batch (gpt2's position
+                # embedding gets arange(T)): no slice per candidate.
+                raise _SharedInput(method)
             lead = (slice(None),) * (axis or 0)
             return _concat([getattr(m, method)(x[(*lead, slice(g * b, (g + 1) * b))], *args, **kwargs)
                             for g, m in enumerate(self._modules)], axis or 0)
@@ -343,6 +354,8 @@ class Replayer:
             try:
                 ad.set(site.path, _LeafBranch(original, modules, b, int(batch.shape[1])))
                 return self._forward(batch)
+            except _SharedInput:
+                pass  # one forward per candidate, below
             finally:
                 ad.set(site.path, original)
         outs = []

@@ -1,0 +1,89 @@
+"""Every architecture in the installed mlx-lm's models/ folder, from
+tests/data/architectures (written by tests/arch_configs.py --write):
+
+- the data covers exactly the folder's architectures, each a tiny config
+  or a one-line reason it is refused (an mlx-lm bump that adds one fails
+  here until the data is regenerated);
+- on every covered one: the sweep's reference is model(tokens) and one
+  tensor's table KL equals the KL of that candidate in the real model;
+  mixbits.patch leaves prompt and decode logits unchanged;
+- on a fixed subset (not already in test_any_model): measure -> allocate
+  -> quantize -> save -> mixbits.load gives identical logits.
+
+The whole list with every check, timed: bench/all_architectures.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import arch_checks
+import arch_configs
+
+NAMES = sorted(p.stem for p in arch_configs.DATA.glob("*.json"))
+COVERED = [n for n in NAMES if "refused" not in arch_configs.load(n)]
+# Pipeline subset: one of each family test_any_model does not run it on.
+PIPELINE = ["cohere2", "falcon_h1", "granitemoehybrid", "lfm2", "olmoe", "starcoder2"]
+
+
+def test_data_covers_the_installed_models_folder():
+    assert NAMES == arch_configs.architectures()
+    for n in NAMES:
+        cfg = arch_configs.load(n)
+        if "refused" in cfg:
+            reason = cfg["refused"]
+            assert isinstance(reason, str) and reason.strip() and "\n" not in reason, n
+            assert set(cfg) == {"refused"}, n
+        else:
+            assert cfg["model_type"], n
+    assert len(COVERED) >= 100
+
+
+@pytest.mark.parametrize("arch", COVERED)
+def test_reference_kl_and_patch(arch):
+    model, _ = arch_configs.build(arch)
+    rp, _ = arch_checks.reference(model)
+    [(path, cand, kl, direct)] = arch_checks.kl_roles(model, rp, roles=1)
+    assert direct > 0, (path, cand)
+    assert kl == pytest.approx(direct, rel=1e-4), (path, cand)
+    (want_prompt, want_step), (got_prompt, got_step) = arch_checks.patched_logits(model)
+    # RMSNorm / RoPE / attention on mixbits' kernels: float32 rounding apart.
+    np.testing.assert_allclose(got_prompt, want_prompt, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got_step, want_step, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", PIPELINE)
+def test_pipeline(arch, tmp_path):
+    assert arch in COVERED
+    arch_checks.pipeline(*arch_configs.build(arch), tmp_path)
+
+
+def test_configs_are_small():
+    """CI-sized: every covered config builds under the parameter cap."""
+    for n in COVERED:
+        cfg = json.dumps(arch_configs.load(n))
+        assert len(cfg) < 4000, n
+
+
+def test_leaf_with_a_batch_shared_input():
+    """gpt2's position embedding gets arange(T), no batch axis: each
+    candidate is measured on its own forward, not sliced out of a shared
+    one (a broadcast error before; with one candidate, positions 0-1 only)."""
+    import mlx.core as mx
+
+    from mixbits.measure.candidates import parse_candidate
+    from mixbits.measure.sweep import SweepConfig, measure_site
+    from test_any_model import _direct_kl
+
+    model, _ = arch_configs.build("gpt2")
+    rp, _ = arch_checks.reference(model)
+    site = rp.adapter.site("model.wpe")
+    cands = [parse_candidate(c) for c in ("2b_g32", "4b_g32")]
+    res = measure_site(rp, site, cands, SweepConfig([c.name for c in cands], max_batch=8))
+    toks = arch_checks.tokens()
+    ref = model(mx.array(toks))
+    for c in cands:
+        direct = _direct_kl(model, rp.adapter, site, c, toks, ref)
+        assert direct > 0 and res.kl[c.name] == pytest.approx(direct, rel=1e-4), c.name
