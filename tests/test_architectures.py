@@ -87,3 +87,17 @@ def test_leaf_with_a_batch_shared_input():
     for c in cands:
         direct = _direct_kl(model, rp.adapter, site, c, toks, ref)
         assert direct > 0 and res.kl[c.name] == pytest.approx(direct, rel=1e-4), c.name
+
+
+def test_block_state_arguments_fall_back():
+    """deepseek_v41 makes its own per-layer caches when given none and
+    passes them to its blocks: a replay read the reference forward's keys
+    back (table KL 0 for kv_proj against 0.026 in the real model). Such a
+    model is measured with full forwards, with the warning."""
+    model, _ = arch_configs.build("deepseek_v41")
+    rp, replayable = arch_checks.reference(model)  # (asserts the warning came)
+    assert not replayable and "LayerCache" in rp.reason
+    roles = arch_checks.kl_roles(model, rp)
+    assert any(p.endswith("self_attn.kv_proj") for p, *_ in roles)
+    for path, cand, kl, direct in roles:
+        assert direct > 0 and kl == pytest.approx(direct, rel=1e-4), (path, cand)

@@ -202,6 +202,18 @@ def token_chunks(tokens, chunk: int) -> list[mx.array]:
     return [mx.array(tokens[i : i + chunk]) for i in range(0, len(tokens), chunk)]
 
 
+def _stateful(x) -> bool:
+    """A block argument that can hold state between calls: a cache object
+    or a dict the block writes into (deepseek_v41 makes its own caches
+    when given none). Replaying the recorded call would read what the
+    reference forward left there (its keys, not the candidate's: KL 0)."""
+    if x is None or isinstance(x, (mx.array, str, int, float, bool)):
+        return False
+    if isinstance(x, tuple):
+        return any(_stateful(v) for v in x)
+    return True
+
+
 class Replayer:
     """Reference logits of ``model`` on calibration chunks, and logits with
     one tensor replaced by each of several candidate modules."""
@@ -257,9 +269,14 @@ class Replayer:
             axes = [(batch_axis(args[0], b, t), _out_axes(out, b, t)) for args, _, out in recs]
             bad = [i for i, (a, o) in enumerate(axes)
                    if a is None or (o[0] if isinstance(o, tuple) else o) is None]
+            held = next(((i, type(v).__name__) for i, (args, kwargs, _) in enumerate(recs)
+                         for v in (*args[1:], *kwargs.values()) if _stateful(v)), None)
             if bad:
                 self._not_replayable(f"block {bad[0]}'s hidden state has no batch axis of size {b} "
                                      f"followed by the sequence ({t})")
+            elif held:
+                self._not_replayable(f"block {held[0]} gets a {held[1]}, which can carry state from "
+                                     "the reference forward into a replay")
             else:
                 mx.eval(logits, [r[2] for r in recs])
                 self.records.append(recs)
