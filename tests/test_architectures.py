@@ -25,7 +25,8 @@ import arch_configs
 NAMES = sorted(p.stem for p in arch_configs.DATA.glob("*.json"))
 COVERED = [n for n in NAMES if "refused" not in arch_configs.load(n)]
 # Pipeline subset: one of each family test_any_model does not run it on.
-PIPELINE = ["cohere2", "falcon_h1", "granitemoehybrid", "lfm2", "olmoe", "starcoder2"]
+# afm7: its fused qkv_proj (a Linear subclass splitting its product) stays float.
+PIPELINE = ["afm7", "cohere2", "falcon_h1", "granitemoehybrid", "lfm2", "olmoe", "starcoder2"]
 
 
 def test_data_covers_the_installed_models_folder():
@@ -101,3 +102,16 @@ def test_block_state_arguments_fall_back():
     assert any(p.endswith("self_attn.kv_proj") for p, *_ in roles)
     for path, cand, kl, direct in roles:
         assert direct > 0 and kl == pytest.approx(direct, rel=1e-4), (path, cand)
+
+
+def test_linear_with_its_own_call_stays_float(tmp_path):
+    """afm7's qkv_proj is a FusedLinear whose __call__ splits the product
+    into q, k, v: a mixbits layer in its place returned one array (the
+    model's unpacking failed). No candidate fits it: float, listed."""
+    from mixbits.measure.sweep import sweep
+
+    model, _ = arch_configs.build("afm7")
+    with pytest.warns(UserWarning, match="FusedLinear"):
+        table = sweep(model, arch_checks.tokens(), tmp_path / "t.json", ["4b_g64"], progress=False)
+    fused = {p for p, m in model.named_modules() if type(m).__name__ == "FusedLinear"}
+    assert fused and fused == {e["path"] for e in table["float"] if "FusedLinear" in e["reason"]}

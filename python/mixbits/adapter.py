@@ -33,6 +33,10 @@ class Site:
     # its quantized forms): mixbits has a mixed-segment layer for it
     # (MixedQuantizedSwitchLinear); other stacks keep MLX's single segment.
     experts: bool = False
+    # The class name of a linear whose own __call__ post-processes the
+    # product (afm7's FusedLinear splits it into q, k, v): no mixbits layer
+    # can stand in for it, so no candidate fits and it stays float.
+    own_call: str | None = None
 
     @property
     def nparams(self) -> int:
@@ -75,6 +79,16 @@ def _is_quantizable(m) -> bool:
     if "scales" in m:  # a stock quantized module: it knows its bits
         return isinstance(getattr(m, "bits", None), int)
     return hasattr(m, "to_quantized")
+
+
+def _own_call(m) -> str | None:
+    """The class name of a linear subclass with its own ``__call__``, else None."""
+    if isinstance(m, _mixbits_kinds()):
+        return None
+    for base in (nn.QuantizedLinear, nn.Linear):
+        if isinstance(m, base) and type(m).__call__ is not base.__call__:
+            return type(m).__name__
+    return None
 
 
 def _form(m) -> str:
@@ -229,7 +243,7 @@ class ModelAdapter:
                     self.fixed[path] = spec
                 continue
             self.sites.append(Site(path, self.block_of(path), weight_shape(m), _form(m),
-                                   experts=is_expert_stack(m)))
+                                   experts=is_expert_stack(m), own_call=_own_call(m)))
         # Data-flow order: embeddings, blocks (children in the order the
         # block defines them: attention before MLP), then heads.
         self.sites.sort(key=self._order)

@@ -216,7 +216,7 @@ def supports(cand: Candidate, site) -> bool:
     (MixedQuantizedSwitchLinear), not for other stacks (multi-head weights,
     kept in MLX's stock quantized class); calibrated quantizers only for
     linears inside blocks (whose inputs are recorded)."""
-    if site.k % cand.group_size:
+    if site.k % cand.group_size or getattr(site, "own_call", None):
         return False
     if cand.calibrated and (site.form != "linear" or site.block is None):
         return False
@@ -261,6 +261,9 @@ def fitting(sites, cands: list[Candidate]) -> tuple[dict, list[dict]]:
 
 def _why_none(site, cands: list[Candidate]) -> str:
     groups = sorted({c.group_size for c in cands})
+    if getattr(site, "own_call", None):
+        return (f"its class {site.own_call} post-processes the product in its own __call__, which "
+                "no mixbits layer does")
     if all(site.k % g for g in groups):
         return f"K={site.k} is a multiple of none of the group sizes {groups}"
     where = "" if site.block is not None else " outside the decoder blocks"
