@@ -3,7 +3,7 @@
 Layout (all keys but ``assignment`` and ``average_bits`` optional)::
 
     {"average_bits": 3.4985,          # sum(nparams*bits) / sum(nparams)
-     "embed_bits": 8,                 # embedding/head bits, outside the budget
+     "embed_bits": 8,                 # embedding/head bits (outside the budget if not assigned)
      "budget": {"low_avg": 3.4, "high_avg": 3.5},
      "sum_kl": 2.978,                 # sum of the assignment's kl
      "dp_sum_kl": 2.540,              # the allocator's optimum before refinement
