@@ -16,8 +16,11 @@ unquantized model on the held-out tokens:
 Paired ratio (mixbits / contender) over the 8 held-out sequences, with a
 bootstrap 95% interval.
 
-Run:  python bench/convert_smollm2.py [--threads N]  (about 15 min on two
-Zen 4 cores). Writes bench/results/convert_smollm2.json.
+Run:  python bench/convert_smollm2.py [--threads N] [--work DIR]  (about
+15 min on two unloaded Zen 4 cores). Rerun with the same --work after a
+kill: convert continues from its kept stages, and the per-stage times in
+the result (from DIR/smollm2.work/timings.json) sum over the runs. Writes
+bench/results/convert_smollm2.json.
 """
 from __future__ import annotations
 
@@ -133,8 +136,11 @@ def main() -> None:
                                       "ratio_ci95": ratio_ci(ours, k)})
         rows.append(row)
         print(json.dumps(row, indent=1), flush=True)
+    stages = json.loads((Path(str(out) + ".work") / "timings.json").read_text())
     RESULT.write_text(json.dumps({"host": host(), "command": " ".join(cmd[2:]), "threads": args.threads,
-                                  "convert_wall_s": round(wall, 1), "convert_cpu_s": round(cpu, 1),
+                                  "convert_wall_s_this_run": round(wall, 1),
+                                  "convert_cpu_s_this_run": round(cpu, 1),
+                                  "stage_wall_s_all_runs": stages,
                                   "calibration": list(calib.shape), "heldout": [HELD_N, HELD_T],
                                   "heldout_text": "licenses", "rows": rows}, indent=1) + "\n")
     print(f"wrote {RESULT}")

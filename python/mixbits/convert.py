@@ -221,7 +221,13 @@ def card(model: str, r: Result, n_tokens: tuple[int, int], method: str) -> str:
     lines += [f"| {k} | {n} |" for k, n in kind_counts(a).items()]
     if r.seconds:
         lines += ["", "Time: " + ", ".join(f"{k} {format_duration(v)}" for k, v in r.seconds.items())]
-    lines += ["", "Run it with `mixbits.load(DIR)`; a folder of MLX-native kinds also loads with "
-              "`mlx_lm.load`, others with `mlx_lm.load(DIR, trust_remote_code=True)`.",
+    from .measure.candidates import parse_candidate
+
+    if any(parse_candidate(k).kind == "mixed" for k in kind_counts(a)):
+        stock = ("stock mlx-lm runs it through its model file: `mlx_lm.load(DIR, trust_remote_code=True)`, "
+                 "`python -m mlx_lm generate --model DIR --trust-remote-code`")
+    else:
+        stock = "every kind in it is MLX-native: `mlx_lm.load(DIR)` and `python -m mlx_lm generate --model DIR`"
+    lines += ["", f"Run it with `mixbits.load(DIR)`; {stock}.",
               "`sensitivity.png`: the per-tensor KL of every candidate and the chosen kinds.", ""]
     return "\n".join(lines)
