@@ -97,7 +97,7 @@ EXTRA: dict[str, dict] = {
     "mellum": dict(layer_types=_SW2, sliding_window=8,
                    rope_parameters=dict(sliding_attention=dict(rope_theta=10000.0),
                                         full_attention=dict(rope_theta=10000.0))),
-    "longcat_flash": dict(**_MLA, mla_scale_q_lora=True, mla_scale_kv_lora=True),
+    "longcat_flash": dict(**_MLA, mla_scale_q_lora=True, mla_scale_kv_lora=True, zero_expert_type="identity"),
     "longcat_flash_ngram": dict(**_MLA, mla_scale_q_lora=True, mla_scale_kv_lora=True),
     "mimo_v2_flash": dict(partial_rotary_factor=1, topk_method="noaux_tc", hybrid_layer_pattern=[1, 0], moe_layer_freq=[0, 1], sliding_window_size=8,
                           swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
@@ -143,6 +143,11 @@ for _vlm, _text in (("kimi_vl", "deepseek_v3"), ("kimi_k25", "deepseek_v3"),
 
 # Architectures that cannot run on text alone; the reason is written as is.
 REFUSE: dict[str, str] = {
+    "bitnet": "its BitLinear layers run only as a Metal kernel (mlx-lm's bitlinear_layers): no CPU path",
+    "muse_spark": "its fused qk-norm + RoPE runs only as a Metal kernel (mlx-lm's qk_norm_rope): no CPU path",
+    "olmo": "mlx-lm's module needs the ai2-olmo package (hf_olmo), which it asks to install and exits",
+    "prism_hadamard_qwen35": "a pre-quantized format (2-bit, group 128, Hadamard-rotated packs): no float "
+                             "weights to measure or quantize",
     "phi3small": "MLX's CPU backend crashes the process (segmentation fault) in about half the runs of "
                  "this model's forward on a tiny config (its block-sparse attention mask)",
 }
