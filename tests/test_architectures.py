@@ -14,8 +14,6 @@ The whole list with every check, timed: bench/all_architectures.py."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -80,10 +78,15 @@ def test_pipeline(arch, tmp_path):
 
 
 def test_configs_are_small():
-    """CI-sized: every covered config builds under the parameter cap."""
+    """CI-sized: widths <= 64 (afm7's hidden_dim 128 is its MLP), vocabulary
+    <= 256, at most 4 layers, in the config and in a wrapper's text_config
+    (arch_configs.build also refuses more than MAX_PARAMS parameters)."""
     for n in COVERED:
-        cfg = json.dumps(arch_configs.load(n))
-        assert len(cfg) < 4000, n
+        cfg = arch_configs.load(n)
+        for d in (cfg, cfg.get("text_config") or {}):
+            for key, most in (("hidden_size", 64), ("d_model", 64), ("n_embd", 64), ("dim", 64),
+                              ("vocab_size", 256), ("num_hidden_layers", 4), ("num_layers", 4)):
+                assert d.get(key, 0) <= most, (n, key, d[key])
 
 
 def test_leaf_with_a_batch_shared_input():
