@@ -3,7 +3,8 @@
 ``python tests/arch_configs.py --write`` builds a random model from each
 architecture's own ModelArgs with a small config (hidden 64, 2 layers,
 vocabulary 160 unless the architecture needs otherwise), runs it on
-tokens, and writes tests/data/architectures/<name>.json: the config, or
+tokens (each in its own process: a native crash ends only its row), and
+writes tests/data/architectures/<name>.json: the config, or
 ``{"refused": reason}`` when the architecture cannot run on text alone
 (or mlx-lm's own code fails on a tiny config). Rerun it when mlx-lm is
 bumped: tests/test_architectures.py fails while the folder's list and the
@@ -43,7 +44,8 @@ BASE = dict(
     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
 )
 
-# Per-architecture fields beyond BASE (found by running --write).
+# Building blocks of the per-architecture fields: a wrapper's text model,
+# multi-head latent attention, MoE, a sliding + full layer pair.
 _TEXT = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, rms_norm_eps=1e-5,
              max_position_embeddings=512, rope_theta=10000.0)
@@ -53,6 +55,8 @@ _MOE = {k: BASE[k] for k in ("num_experts", "num_local_experts", "n_routed_exper
                               "n_group", "topk_group", "shared_expert_intermediate_size",
                               "mlp_only_layers", "decoder_sparse_step", "norm_topk_prob")}
 _SW2 = ["sliding_attention", "full_attention"]
+# Per-architecture fields beyond BASE and the guesses of _guess (found by
+# running --write: each is what that architecture's code reads).
 EXTRA: dict[str, dict] = {
     "afm7": dict(num_kv_reuse_layers=1, num_hidden_layers=3),
     "afmoe": dict(layer_types=_SW2, sliding_window=8, num_dense_layers=1),
