@@ -61,8 +61,10 @@ def _forced(table_path, out):
     order = ["mxfp4", "nvfp4", "4b_g64", "mxfp8", "3b_g64"]
     entries = []
     for i, e in enumerate(table["entries"]):
-        kind = "nvfp4" if e["path"].endswith("embed_tokens") else order[i % len(order)]
-        c = next(c for c in e["candidates"] if c["kind"] == kind)
+        have = {c["kind"]: c for c in e["candidates"]}
+        turn = [k for k in order[i % len(order):] + order if k in have]  # this turn's kind, or the next measured
+        kind = "nvfp4" if e["path"].endswith("embed_tokens") else turn[0]
+        c = have[kind]
         entries.append(AllocationEntry(e["path"], e.get("layer"), e["nparams"], c["bits"], c["kind"],
                                        c["kl"], {"storage_bits": c["storage_bits"]}))
     Allocation.from_entries(entries).save(out)
@@ -173,3 +175,34 @@ def test_fp_beside_mixbits_only_layers(setup):
             assert type(sm[path]).__name__.startswith("MixedQuantized"), path
     x = mx.array(toks)
     np.testing.assert_array_equal(_f64(stock(x)), _f64(ours(x)))
+
+
+def test_fp_expert_stacks_load_in_mlx_lm(tmp_path):
+    """An MoE's expert stacks at fp kinds are mlx-lm's QuantizedSwitchLinear
+    in that mode, read back by stock mlx-lm from the per-layer entries."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+    from mlx_lm.utils import load_model
+
+    model, cfg = tiny_models.build("qwen3_moe")
+    mixbits.save(model, tmp_path / "m", cfg)
+    toks = np.random.default_rng(1).integers(0, 160, (2, 12))
+    np.save(tmp_path / "t.npy", toks)
+    m, t = str(tmp_path / "m"), str(tmp_path / "t.npy")
+    table = tmp_path / "t.json"
+    assert main(["measure", "--model", m, "--tokens", t, "--candidates", "4b_g64", "fp", "--method", "grad",
+                 "--out", str(table)]) == 0
+    kinds = _forced(table, tmp_path / "a.json")
+    stacks = [p for p in kinds if "switch_mlp" in p]
+    assert stacks and {kinds[p] for p in stacks} & set(FP)
+    q = tmp_path / "q"
+    assert main(["quantize", "--model", m, "--allocation", str(tmp_path / "a.json"), "--out", str(q)]) == 0
+    stock, _ = load_model(q)
+    ours, _, _ = mixbits.load(q, patch=True)
+    sm, om = dict(stock.named_modules()), dict(ours.named_modules())
+    for p in stacks:
+        if kinds[p] in FP:
+            assert type(sm[p]) is QuantizedSwitchLinear and sm[p].mode == kinds[p]
+            assert type(om[p]) is QuantizedSwitchLinear and om[p].mode == kinds[p]
+    x = mx.array(toks)
+    want = _f64(stock(x))
+    assert np.abs(_f64(ours(x)) - want).max() <= 1e-5 * np.abs(want).max()
