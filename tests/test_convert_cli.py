@@ -154,6 +154,20 @@ def test_killed_sweep_resumes_to_the_same_table(dense, tmp_path):
     assert (killed / "allocation.json").read_text() == (clean / "allocation.json").read_text()
 
 
+def test_storage_bpw_of_a_kind_is_what_its_layer_stores():
+    from mixbits.adapter import ModelAdapter
+    from mixbits.measure.candidates import build_layer, parse_candidate
+    from mixbits.measure.sweep import storage_bits
+
+    model, _ = tiny_models.build("llama")
+    ad = ModelAdapter(model)
+    site = next(s for s in ad.sites if s.form == "linear" and s.shape[1] % 128 == 0)
+    for name in ("2b_g64", "3b_g32", "ternary_g64", "8b_g128", "mxfp4", "nvfp4", "mxfp8"):
+        cand = parse_candidate(name)
+        layer = build_layer(ad.get(site.path), cand, mx.float16)
+        assert storage_bits(layer, site) / site.nparams == pytest.approx(cand.storage_bpw), name
+
+
 def test_other_settings_are_refused_before_the_model_loads(dense, tmp_path, capsys, monkeypatch):
     out = tmp_path / "q"
     argv = ["convert", "--model", str(dense / "model"), "--tokens", str(dense / "tokens.npy"),
@@ -173,6 +187,10 @@ def test_other_settings_are_refused_before_the_model_loads(dense, tmp_path, caps
     # budgets below the narrowest candidate, repeated budgets, a file as the work folder
     assert main(argv[:7] + ["--bpw", "2.0", "--out", str(tmp_path / "x")]) == 2
     assert "narrowest candidate" in capsys.readouterr().err
+    # the narrowest candidate counted as stored: fp modes carry one uint8 scale per group
+    assert main(argv[:7] + ["--bpw", "4.2", "--candidates", "mxfp4", "nvfp4", "--out",
+                            str(tmp_path / "x")]) == 2
+    assert "mxfp4, 4.25 bits" in capsys.readouterr().err
     assert main(argv[:7] + ["--bpw", "3.6", "3.6", "--out", str(tmp_path / "x")]) == 2
     assert "repeated" in capsys.readouterr().err
     assert main(["convert", "--model", str(tmp_path / "nope"), "--bpw", "3.6", "--out", str(tmp_path / "z")]) == 2

@@ -56,12 +56,10 @@ def allocation_path(work: Path, bpw: float) -> Path:
 
 
 def smallest_storage_bpw(candidates) -> tuple[float, str]:
-    """(storage bpw, name) of the narrowest candidate: codes plus an fp16
-    scale and bias per group."""
+    """(storage bpw, name) of the narrowest candidate."""
     from .measure.candidates import parse_candidate
 
-    return min((parse_candidate(c).nominal_bits + 32 / parse_candidate(c).group_size, c)
-               for c in candidates)
+    return min((parse_candidate(c).storage_bpw, c) for c in candidates)
 
 
 def _file_digest(path) -> str:

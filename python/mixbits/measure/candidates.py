@@ -96,6 +96,15 @@ class Candidate:
             return 2
         return (self.hi_percent * self.hi_bits + (100 - self.hi_percent) * self.lo_bits) / 100
 
+    @property
+    def storage_bpw(self) -> float:
+        """Bits per weight as stored, for a matrix whose K the group size
+        divides: codes plus an fp16 scale and bias per group (affine kinds),
+        or one uint8 scale per group (fp modes). A mixed kind's permutation
+        (4 bytes per input column) is left out: it vanishes with N."""
+        per_group = 8 if self.kind == "fp" else 32
+        return self.nominal_bits + per_group / self.group_size
+
     def perm(self, w: np.ndarray):
         """Input order for mixed candidates: salient (large-norm) columns
         first. ``w`` is [N, K], or an expert stack [E, N, K] that shares one
