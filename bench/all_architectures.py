@@ -45,12 +45,13 @@ def check_one(name: str) -> dict:
         done.append("reference" if replayable else "reference (full-forward fallback)")
         step = "kl"
         worst = 0.0
-        for path, cand, kl, direct in arch_checks.kl_roles(model, rp):
+        roles = arch_checks.kl_roles(model, rp)
+        for path, cand, kl, direct in roles:
             assert direct > 0, (path, cand)
             rel = abs(kl - direct) / direct
             assert rel <= 1e-4, f"{path} {cand}: table KL {kl:.6g}, real model {direct:.6g}"
             worst = max(worst, rel)
-        done.append(f"kl (worst rel {worst:.1e})")
+        done.append(f"kl ({len(roles)} roles, worst rel {worst:.1e})")
         step = "patch"
         model, cfg = arch_configs.build(name)
         (wp, ws), (gp, gs) = arch_checks.patched_logits(model)
