@@ -14,6 +14,9 @@
 #include "act/act.h"
 #include "attn/attn.h"
 #include "cache/kv_write.h"
+#include "linear/blas.h"
+#include "linear/float_matmul.h"
+#include "linear/kernel.h"
 #include "norm/rms_norm.h"
 #include "rope/rope.h"
 #include "bench/probe.h"
@@ -338,6 +341,37 @@ NB_MODULE(_ext, m) {
       },
       "x"_a, "weight"_a, "eps"_a,
       "mx.fast.rms_norm(x, weight, eps) as one CPU node (float32/16, bfloat16).");
+
+  m.def(
+      "float_matmul",
+      [](const mx::array& a, const mx::array& b, std::optional<mx::array> bias, bool trans_a,
+         bool trans_b, int backend, int path) {
+        return mixbits::float_matmul(a, b, bias, trans_a, trans_b, mixbits::Backend(backend),
+                                     mixbits::MatmulPath(path));
+      },
+      "a"_a, "b"_a, "bias"_a.none() = nb::none(), "trans_a"_a = false, "trans_b"_a = true,
+      "backend"_a = 0, "path"_a = 0,
+      "op(A) @ op(B) + bias in float32/16, bfloat16 on the CPU (A: a's rows); path 0 auto, "
+      "1 GEMV, 2 BLAS.");
+  m.def(
+      "float_matmul_backends",
+      [] {
+        std::vector<int> out;
+        for (auto b : mixbits::available_linear_backends()) out.push_back(int(b));
+        return out;
+      },
+      "GEMV backends of float_matmul usable on this CPU (backend_names() indices).");
+  m.def("float_matmul_gemv_max_rows",
+        [](bool half) { return mixbits::gemv_max_rows(half ? mixbits::DType::f16 : mixbits::DType::f32); },
+        "half"_a, "Rows of x up to which float_matmul's auto path takes the GEMV, by weight dtype.");
+  m.def("load_blas", &mixbits::load_blas, "path"_a,
+        "dlopen a CBLAS (OpenBLAS) for float_matmul: '' when loaded, else why not.");
+  m.def("blas_loaded", &mixbits::blas_loaded, "Whether float_matmul has a BLAS.");
+  m.def("blas_threads", &mixbits::blas_threads, "The loaded BLAS's thread count (0: none).");
+  m.def("set_blas_threads", &mixbits::set_blas_threads, "n"_a,
+        "Set the loaded BLAS's own thread count (numpy's too: one library).");
+  m.def("blas_description", &mixbits::blas_description,
+        "The loaded BLAS's file and sgemm symbol ('' when none).");
 
   m.def(
       "rope",

@@ -1,4 +1,4 @@
-"""Route an mlx-lm model's attention, SwiGLU, RMSNorm and RoPE to the mixbits CPU kernels.
+"""Route an mlx-lm model's attention, SwiGLU, RMSNorm, RoPE and float linears to the mixbits CPU kernels.
 
 mlx-lm's model files call module-level functions,
 ``scaled_dot_product_attention`` and ``swiglu``, bound in the model's own
@@ -25,7 +25,7 @@ import importlib
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import _ext
+from . import _ext, float_linear
 from ._backends import names, on_cpu
 from .attention import fits_kernel
 from .layout import FLOAT_DTYPES
@@ -146,9 +146,42 @@ class _RoutedRoPE(nn.RoPE):
         return super().__call__(x, offset=offset)
 
 
+class _RoutedLinear(nn.Linear):
+    """An ``nn.Linear`` whose calls inside a routed model, on the CPU with a
+    BLAS (Linux), run as one :func:`mixbits.float_linear.float_matmul` node:
+    OpenBLAS or a half-reading GEMV instead of the mlx-cpu wheel's reference
+    BLAS. The module's parameters are untouched."""
+
+    def __call__(self, x):
+        w = self["weight"]
+        b = self["bias"] if "bias" in self else None
+        if _ACTIVE.get() and float_linear.routes(x, w, b):
+            return float_linear.float_matmul(x, w, b)
+        return super().__call__(x)
+
+
+class _RoutedEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` whose ``as_linear`` (a tied output head, the
+    largest matmul of a small model) runs as :class:`_RoutedLinear` does;
+    the lookup is MLX's."""
+
+    def as_linear(self, x):
+        w = self["weight"]
+        if _ACTIVE.get() and float_linear.routes(x, w):
+            return float_linear.float_matmul(x, w)
+        return super().as_linear(x)
+
+
 # Module classes whose instances patch_functions re-classes (exact types
 # only: subclasses such as mlx-lm's scaled ropes keep their own call).
-_LEAF_ROUTES = {nn.RMSNorm: ("rms_norm", _RoutedRMSNorm), nn.RoPE: ("rope", _RoutedRoPE)}
+_LEAF_ROUTES = {nn.RMSNorm: ("rms_norm", _RoutedRMSNorm), nn.RoPE: ("rope", _RoutedRoPE),
+                nn.Linear: ("linear", _RoutedLinear), nn.Embedding: ("linear", _RoutedEmbedding)}
+
+
+def _leaf_route_available(name: str) -> bool:
+    """The float linears are taken only where float_matmul has a BLAS (on
+    Linux; on macOS MLX's matmul is Accelerate's); norms and ropes always."""
+    return name != "linear" or float_linear.blas_library() is not None
 
 
 def _leaves(model: nn.Module, cls: type) -> list[nn.Module]:
@@ -200,7 +233,10 @@ def patch_functions(model: nn.Module) -> list[str]:
     has, whose kernel has a vector backend on this CPU), and ``"rms_norm"``
     / ``"rope"`` when the model has ``nn.RMSNorm`` / ``nn.RoPE`` layers
     (their calls go to one-node kernels on every CPU: MLX's are composed
-    fallbacks everywhere). Other models are not affected. Idempotent."""
+    fallbacks everywhere), and ``"linear"`` when it has float ``nn.Linear``
+    layers or ``nn.Embedding`` tables (a tied head's ``as_linear``) and
+    float_matmul has a BLAS (Linux: :mod:`mixbits.float_linear`). Other
+    models are not affected. Idempotent."""
     taken = []
     for mod in _model_modules(model):
         saved = mod.__dict__.setdefault(_SAVED, {})
@@ -214,10 +250,12 @@ def patch_functions(model: nn.Module) -> list[str]:
             if name not in taken:
                 taken.append(name)
     for cls, (name, routed) in _LEAF_ROUTES.items():
+        if not _leaf_route_available(name):
+            continue
         leaves = _leaves(model, cls) + _leaves(model, routed)
         for m in leaves:
             m.__class__ = routed
-        if leaves:
+        if leaves and name not in taken:
             taken.append(name)
     if taken:
         for m in _entry_points(model):
