@@ -16,6 +16,11 @@ from mixbits.routing import _has_vector_kernel, _routes_prompt_attention, patch_
 from reference import attention64
 from tiny_model import tiny_llama, tiny_tokens
 
+# The float linears are routed too where float_matmul has a BLAS (Linux).
+from mixbits.float_linear import blas_library
+
+_LINEAR = ["linear"] if blas_library() is not None else []
+
 
 SHAPES = [  # B, H, Hk, T, S, D
     (1, 1, 1, 1, 1, 1),
@@ -319,7 +324,7 @@ def test_routing_is_per_model_and_keeps_logits(monkeypatch):
     routed, plain = tiny_llama(seed=0), tiny_llama(seed=0)
     tokens = mx.array(tiny_tokens(2, 40))
     before = plain(tokens)
-    assert sorted(patch_functions(routed)) == ["rms_norm", "rope", "scaled_dot_product_attention", "swiglu"]
+    assert sorted(patch_functions(routed)) == sorted(["rms_norm", "rope", "scaled_dot_product_attention", "swiglu"] + _LINEAR)
     try:
         got = routed(tokens)
         mx.eval(got)
@@ -369,7 +374,7 @@ def test_no_routing_where_only_the_scalar_kernel_exists(monkeypatch, request):
     request.addfinalizer(_has_vector_kernel.cache_clear)
     routed, plain = tiny_llama(seed=0), tiny_llama(seed=0)
     tokens = mx.array(tiny_tokens(1, 20))
-    assert patch_functions(routed) == ["scaled_dot_product_attention", "rms_norm", "rope"]
+    assert patch_functions(routed) == ["scaled_dot_product_attention", "rms_norm", "rope"] + _LINEAR
     try:
         got = routed(tokens)
         mx.eval(got)
@@ -395,7 +400,7 @@ def test_arm64_routes_decode_attention_only(monkeypatch, request):
         request.addfinalizer(cached.cache_clear)
     routed, plain = tiny_llama(seed=0), tiny_llama(seed=0)
     tokens = mx.array(tiny_tokens(1, 14))
-    assert sorted(patch_functions(routed)) == ["rms_norm", "rope", "scaled_dot_product_attention", "swiglu"]
+    assert sorted(patch_functions(routed)) == sorted(["rms_norm", "rope", "scaled_dot_product_attention", "swiglu"] + _LINEAR)
     try:
         cache = make_prompt_cache(routed)
         mx.eval(routed(tokens[:, :10], cache=cache))

@@ -91,7 +91,7 @@ def test_each_path_at_every_m(dtype, path):
     backends = GEMV_BACKENDS if path == "gemv" else [None]
     for backend in backends:
         for M in MS:
-            for K, N in [(13, 29), (257, 77), (300, 130)]:
+            for K, N in [(13, 29), (257, 77), (300, 130), (70, 1031)]:  # 1031: several BLAS blocks
                 x, w, b = _arrays((M, K), N, dtype, True, seed=M + K)
                 _check(float_matmul(x, w, b, path=path, backend=backend), x, w, b, dtype)
 
@@ -233,6 +233,9 @@ def test_patch_routes_float_linears(monkeypatch, dtype):
     if not HAVE_BLAS:
         pytest.fail("no BLAS found on Linux: numpy's OpenBLAS should be there")
     calls = _counting(monkeypatch)
+    acts = []
+    real_swiglu = _ext.swiglu
+    monkeypatch.setattr(_ext, "swiglu", lambda g, u, b: (acts.append(g.dtype), real_swiglu(g, u, b))[1])
     routed, plain = tiny_llama(seed=2), tiny_llama(seed=2)
     for m in (routed, plain):
         m.set_dtype(dtype)
@@ -244,6 +247,8 @@ def test_patch_routes_float_linears(monkeypatch, dtype):
         mx.eval(got)
         # 2 layers x 7 linears, and the tied head's as_linear.
         assert len(calls) == 2 * 7 + 1 and calls[-1] == (256, 64)
+        # SwiGLU in every dtype (half ones through the float32 kernel).
+        assert acts == [mx.float32] * 2
         tol = {mx.float32: 1e-4, mx.float16: 3e-2, mx.bfloat16: 2e-1}[dtype]
         assert np.allclose(_f64(got), _f64(want), atol=tol)
         # A decoder block called directly (as a sweep does) is routed too.
@@ -259,6 +264,34 @@ def test_patch_routes_float_linears(monkeypatch, dtype):
     n = len(calls)
     mx.eval(routed(tokens))
     assert len(calls) == n
+
+
+def test_patch_routes_biased_linears(monkeypatch):
+    """A model whose projections have biases (qwen2's q/k/v): routed calls
+    add them, as MLX's nn.Linear does."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen2
+
+    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=64, num_hidden_layers=1, intermediate_size=96,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=128,
+                           tie_word_embeddings=False)
+    models = []
+    for _ in range(2):
+        m = qwen2.Model(args)
+        rng = np.random.default_rng(0)
+        m.load_weights([(k, mx.array(rng.standard_normal(v.shape).astype(np.float32) * 0.3))
+                        for k, v in tree_flatten(m.parameters())])
+        models.append(m)
+    routed, plain = models
+    calls = _counting(monkeypatch)
+    tokens = mx.array(tiny_tokens(1, 9, vocab=128))
+    patch_functions(routed)
+    try:
+        got = routed(tokens)
+        assert len(calls) == 7 + 1
+        assert np.allclose(np.array(got), np.array(plain(tokens)), atol=1e-4, rtol=1e-4)
+    finally:
+        unpatch_functions(routed)
 
 
 def test_patch_routes_gradients(monkeypatch):

@@ -95,23 +95,25 @@ void run_gemv(GemvFn gemv, const float* x, int64_t M, const void* w, DType wt, i
   });
 }
 
-// Columns of op(B) per BLAS call: at most ~4 MiB of widened float32
-// weight (still in the outer caches when sgemm packs it), and at least 4
-// blocks to share among threads. A function of K and N only, never of the
-// thread count: each block is one single-threaded sgemm, so every output
-// is summed the same way however many threads share the blocks. The cost
-// is sgemm packing A once per block: about 1 / (2 * columns) of the work.
-int64_t block_columns(int64_t K, int64_t N) {
+// Columns of op(B) per BLAS call. A function of K, N and B's dtype only,
+// never of the thread count: each block is one single-threaded sgemm, so
+// every output is summed the same way however many threads share the
+// blocks. Up to 8 blocks to share (threads of a larger machine), but at
+// least 256 columns: sgemm packs A once per call, about 1 / (2 * columns)
+// of the work (at 1024 x 1024 x 256, 4 blocks ran at ~90% of one call).
+// A half B is widened block by block: at most ~4 MiB of float32 then, so
+// the block is still in the outer caches when sgemm packs it.
+int64_t block_columns(int64_t K, int64_t N, bool half) {
   auto round16 = [](int64_t v) { return (v + 15) / 16 * 16; };
-  const int64_t by_cache = round16((int64_t(1) << 20) / std::max<int64_t>(K, 1));
-  const int64_t by_share = round16((N + 3) / 4);
-  return std::min(N, std::max<int64_t>(64, std::min(by_cache, by_share)));
+  int64_t nb = round16((N + 7) / 8);
+  if (half) nb = std::min(nb, round16((int64_t(1) << 20) / std::max<int64_t>(K, 1)));
+  return std::min(N, std::max<int64_t>(256, nb));
 }
 
 void run_blas(bool ta, bool tb, const float* A, const Dims& d, const void* B, DType bt,
               const float* bias, DType ot, void* o) {
   const int64_t M = d.M, N = d.N, K = d.K, lda = d.C;
-  const int64_t nb = block_columns(K, N), blocks = (N + nb - 1) / nb;
+  const int64_t nb = block_columns(K, N, bt != DType::f32), blocks = (N + nb - 1) / nb;
   SingleThreadedBlas single;
   parallel_for(blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> wblk(bt == DType::f32 ? 0 : size_t(nb * K));
