@@ -38,10 +38,6 @@ _ACTIVE = contextvars.ContextVar("mixbits_routed", default=False)
 _SUBCLASSES: dict[type, type] = {}
 
 
-def _f32(*arrays) -> bool:
-    return all(a.dtype == mx.float32 for a in arrays)
-
-
 def _one_float_dtype(*arrays) -> bool:
     """The attention kernel's inputs: float32, float16 or bfloat16, one dtype."""
     dt = arrays[0].dtype
