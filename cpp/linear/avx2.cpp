@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "common/x86_half.h"
+#include "common/x86_prefetch.h"
 #include "linear/kernel.h"
 
 namespace mixbits {
@@ -37,10 +38,19 @@ inline void block(const float* x, int64_t K, const void* w, int64_t n, int64_t m
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < MR; ++i) acc[r][i] = _mm256_setzero_ps();
   const int64_t K8 = K - K % 8;
+  constexpr int64_t kStep = 8 * dtype_bytes(T);  // bytes of W per row per step
   for (int64_t k = 0; k < K8; k += 8) {
     __m256 xv[MR];
     for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_ps(x + (m + i) * K + k);
     for (int r = 0; r < R; ++r) {
+      // One row of x: W streams from memory once; common/x86_prefetch.h's
+      // policy (L2, 16 KiB ahead). 4096 x 4096 from DRAM, one thread,
+      // loaded host: float16 8.2 -> 10.1-11.0 GB/s, bfloat16 8.8 -> 8.8-12.6.
+      if constexpr (MR == 1) {
+        const char* p = static_cast<const char*>(w) + ((n + r) * K + k) * dtype_bytes(T);
+        if ((reinterpret_cast<uintptr_t>(p) & 63) < uintptr_t(kStep))  // once per line
+          _mm_prefetch(p + kPrefetchAhead, _MM_HINT_T1);
+      }
       const __m256 wv = load8_f32(w, (n + r) * K + k, T);
       for (int i = 0; i < MR; ++i) acc[r][i] = _mm256_fmadd_ps(xv[i], wv, acc[r][i]);
     }
