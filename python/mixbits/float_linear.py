@@ -89,14 +89,18 @@ def _candidates() -> list[str]:
 @functools.cache
 def blas_library() -> str | None:
     """The CBLAS file float_matmul uses (loaded on the first call), or None:
-    not on Linux, ``MIXBITS_BLAS=none``, or no loadable OpenBLAS found."""
-    if not sys.platform.startswith("linux"):
+    not on Linux, ``MIXBITS_BLAS=none``, no loadable OpenBLAS found, or an
+    extension without float_matmul."""
+    load = getattr(_ext, "load_blas", None)
+    # No load_blas: an extension built before float_matmul (an editable
+    # install not rebuilt yet); the float layers then stay MLX's.
+    if not sys.platform.startswith("linux") or load is None:
         return None
     choice = os.environ.get("MIXBITS_BLAS", "")
     if choice.lower() == "none":
         return None
     for path in [choice] if choice else _candidates():
-        if _ext.load_blas(path) == "":
+        if load(path) == "":
             return path
     return None
 
