@@ -339,3 +339,17 @@ def test_without_blas_the_route_stays_with_mlx():
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_routed_linears_are_measured_as_linears():
+    """A routed nn.Linear is still a plain linear to the sweep (no own
+    __call__ that would leave it float, unmeasured)."""
+    from mixbits.adapter import ModelAdapter
+
+    model = tiny_llama(seed=4)
+    assert "linear" in patch_functions(model)
+    try:
+        sites = ModelAdapter(model).sites
+        assert len(sites) == 2 * 7 + 1 and all(s.own_call is None for s in sites)
+    finally:
+        unpatch_functions(model)

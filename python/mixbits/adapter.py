@@ -82,12 +82,15 @@ def _is_quantizable(m) -> bool:
 
 
 def _own_call(m) -> str | None:
-    """The class name of a linear subclass with its own ``__call__``, else None."""
+    """The class name of a linear subclass with its own ``__call__``, else None.
+    A class mixbits.routing gave the module (``_mixbits_routes``: the class
+    whose product it computes, on other kernels) counts as that class."""
     if isinstance(m, _mixbits_kinds()):
         return None
+    cls = getattr(type(m), "_mixbits_routes", type(m))
     for base in (nn.QuantizedLinear, nn.Linear):
-        if isinstance(m, base) and type(m).__call__ is not base.__call__:
-            return type(m).__name__
+        if isinstance(m, base) and cls.__call__ is not base.__call__:
+            return cls.__name__
     return None
 
 

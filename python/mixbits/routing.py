@@ -154,7 +154,10 @@ class _RoutedLinear(nn.Linear):
     """An ``nn.Linear`` whose calls inside a routed model, on the CPU with a
     BLAS (Linux), run as one :func:`mixbits.float_linear.float_matmul` node:
     OpenBLAS or a half-reading GEMV instead of the mlx-cpu wheel's reference
-    BLAS. The module's parameters are untouched."""
+    BLAS. The module's parameters are untouched. ``_mixbits_routes``: the
+    class whose product it computes (mixbits.adapter measures it as one)."""
+
+    _mixbits_routes = nn.Linear
 
     def __call__(self, x):
         w = self["weight"]
@@ -168,6 +171,8 @@ class _RoutedEmbedding(nn.Embedding):
     """An ``nn.Embedding`` whose ``as_linear`` (a tied output head, the
     largest matmul of a small model) runs as :class:`_RoutedLinear` does;
     the lookup is MLX's."""
+
+    _mixbits_routes = nn.Embedding
 
     def as_linear(self, x):
         w = self["weight"]
