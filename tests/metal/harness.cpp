@@ -57,8 +57,10 @@ void run_qmm(int M, int N, const std::vector<QmmSegment>& segs, ActType at,
     user[MB_QMM_OUT] = out;
     const std::vector<void*> p = bufs.bind(l, user);
     Guarded smem(std::max<size_t>(l.threadgroup_bytes, 4));
+    smem.threadgroup_space();
     MbQmmParams params = l.params;
     simt::Options o = opt;
+    o.label = l.kernel;
     o.group_start = [&](const simt::Dim3&) { smem.fill_nan_f32(); };
     auto* xs = static_cast<const S*>(p[MB_QMM_X]);
     auto* pp = static_cast<const int32_t*>(p[MB_QMM_PERM]);
@@ -132,9 +134,11 @@ void run_kl(int rows, int V, ActType ta, ActType tb, int mode, int threads,
   Buffers bufs({});
   const std::vector<void*> p = bufs.bind(l, user);
   Guarded smem(l.threadgroup_bytes);
+  smem.threadgroup_space();
   MbKlParams params = l.params;
   auto* fn = simt::find_kernel<KlFn<SA, SB>>(l.kernel);
   simt::Options o = opt;
+  o.label = l.kernel;
   o.group_start = [&](const simt::Dim3&) { smem.fill_nan_f32(); };
   simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
       [&](const simt::ThreadIds& t) {
@@ -236,7 +240,9 @@ int mbemu_selftest(const char* name, int groups, int threads, const float* in,
     Guarded gout(size_t(out_len) * 4);
     gout.fill_nan_f32();
     Guarded tg(size_t(threads) * 4);
+    tg.threadgroup_space();
     simt::Options o = options(order, seed);
+    o.label = name;
     o.group_start = [&](const simt::Dim3&) { tg.fill_nan_f32(); };
     simt::dispatch_threadgroups({uint32_t(groups), 1, 1}, {uint32_t(threads), 1, 1},
         [&](const simt::ThreadIds& t) {
@@ -247,6 +253,39 @@ int mbemu_selftest(const char* name, int groups, int threads, const float* in,
         }, o);
     std::memcpy(out, gout.as<float>(), size_t(out_len) * 4);
   }, err, errlen);
+}
+
+// Traffic counters (simt.h): begin clears the log and records one entry
+// per dispatch until end; record i fills vals (kTrafficFields uint64:
+// threads, grid x y z, group x y z, device read bytes by width 1 2 4 8 16
+// other, device write bytes likewise, threadgroup read, threadgroup write,
+// barriers, simdgroup barriers, MMAs, unique device bytes read, written)
+// and its label; returns 0, or 1 for a bad index or size.
+void mbemu_traffic_begin() { simt::traffic_begin(); }
+void mbemu_traffic_end() { simt::traffic_end(); }
+int mbemu_traffic_records() { return int(simt::traffic_log().size()); }
+int mbemu_traffic_record(int i, uint64_t* vals, int nvals, char* label, int len) {
+  const auto& log = simt::traffic_log();
+  if (i < 0 || size_t(i) >= log.size() || nvals != 26) return 1;
+  const simt::Traffic& t = log[size_t(i)];
+  uint64_t* v = vals;
+  *v++ = t.threads;
+  for (const simt::Dim3& d : {t.grid, t.group}) {
+    *v++ = d.x;
+    *v++ = d.y;
+    *v++ = d.z;
+  }
+  for (int w = 0; w < simt::kWidths; ++w) *v++ = t.device_read[w];
+  for (int w = 0; w < simt::kWidths; ++w) *v++ = t.device_write[w];
+  *v++ = t.tg_read;
+  *v++ = t.tg_write;
+  *v++ = t.barriers;
+  *v++ = t.simd_barriers;
+  *v++ = t.mma;
+  *v++ = t.unique_read;
+  *v++ = t.unique_write;
+  report(t.label.c_str(), label, len);
+  return 0;
 }
 
 // Every [[host_name]] the libraries registered (for the name checks).

@@ -48,11 +48,21 @@ class Guarded {
     data_ = base_ + body - span;
     slack_ = span - bytes;
     std::memset(data_ + bytes, kCanary, slack_);
+    simt::track(data_, bytes_, simt::Space::Device);  // counted as device memory
   }
   Guarded(size_t bytes, const void* src) : Guarded(bytes) {
     if (bytes) std::memcpy(data_, src, bytes);
   }
-  ~Guarded() { munmap(base_, total_); }
+  ~Guarded() {
+    simt::untrack(data_);
+    munmap(base_, total_);
+  }
+  // This buffer is a threadgroup's memory, not a device buffer (counters).
+  Guarded& threadgroup_space() {
+    simt::untrack(data_);
+    simt::track(data_, bytes_, simt::Space::Threadgroup);
+    return *this;
+  }
   Guarded(const Guarded&) = delete;
   Guarded& operator=(const Guarded&) = delete;
   template <typename T>

@@ -67,7 +67,9 @@ void run_gather(const GatherProblem& g, const simt::Options& opt) {
       // Threadgroup memory starts as NaN for every group: a read before a
       // write shows up in the results.
       Guarded smem(l.threadgroup_bytes);
+      smem.threadgroup_space();
       simt::Options o = opt;
+      o.label = l.kernel;
       o.group_start = [&](const simt::Dim3&) { smem.fill_nan_f32(); };
       auto* fn = simt::find_kernel<GatherTiledFn<S, SC>>(l.kernel);
       simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
@@ -78,11 +80,13 @@ void run_gather(const GatherProblem& g, const simt::Options& opt) {
           }, o);
     } else {
       auto* fn = simt::find_kernel<GatherFn<S, SC>>(l.kernel);
+      simt::Options o = opt;
+      o.label = l.kernel;
       simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
           [&](const simt::ThreadIds& t) {
             fn(xs, pp, w, sc, bi, li, ri, acc, y, params, u3(t.threadgroup_position_in_grid),
                t.simdgroup_index_in_threadgroup, t.thread_index_in_simdgroup);
-          }, opt);
+          }, o);
     }
   }
   bufs.finish();

@@ -73,7 +73,9 @@ void run_gt(const GtProblem& t, const simt::Options& opt) {
     const std::vector<void*> p = bufs.bind(l, user);
     auto at = [&](int i) { return size_t(i) < p.size() ? p[size_t(i)] : nullptr; };
     Guarded smem(std::max<size_t>(l.threadgroup_bytes, 4));
+    smem.threadgroup_space();
     simt::Options o = opt;
+    o.label = l.kernel;
     o.group_start = [&](const simt::Dim3&) { smem.fill_nan_f32(); };
     auto* perm = static_cast<int32_t*>(at(MB_GT_PERM));
     auto* inv_p = static_cast<int32_t*>(at(MB_GT_INV));

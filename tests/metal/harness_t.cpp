@@ -58,8 +58,10 @@ void run_t(const TProblem& t, const simt::Options& opt) {
     if (used(MB_QT_OUT)) user[MB_QT_OUT] = t.out;
     const std::vector<void*> p = bufs.bind(l, user);
     Guarded smem(std::max<size_t>(l.threadgroup_bytes, 4));
+    smem.threadgroup_space();
     MbQmvTParams params = l.params;
     simt::Options o = opt;
+    o.label = l.kernel;
     o.group_start = [&](const simt::Dim3&) { smem.fill_nan_f32(); };
     auto* perm = static_cast<int32_t*>(p[MB_QT_PERM]);
     auto* inv_p = static_cast<int32_t*>(p[MB_QT_INV]);

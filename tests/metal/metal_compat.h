@@ -206,6 +206,7 @@ inline void simdgroup_barrier(
   int n;
   char dummy = 0;
   simt::simd_rendezvous("simdgroup_barrier", &dummy, 1, &n, loc);
+  if (simt::current_lane() == 0) simt::count_simd_barrier();
 }
 
 namespace compat_detail {

@@ -139,6 +139,8 @@ void simdgroup_multiply_accumulate(simdgroup_matrix<T, Cols, Rows>& d,
   if (g.n != simt::kSimdWidth)
     throw simt::Error("simt: simdgroup_multiply_accumulate in a simdgroup of " +
                       std::to_string(g.n) + " lanes (simdgroup matrices need all 32)");
+  const uint32_t lane = simt::current_lane();
+  if (lane == 0) simt::count_mma();  // one 8x8x8 op per simdgroup
   float A[8][8], B[8][8], C[8][8];
   for (uint32_t l = 0; l < uint32_t(simt::kSimdWidth); ++l)
     for (int i = 0; i < M::kPerLane; ++i) {
@@ -146,7 +148,6 @@ void simdgroup_multiply_accumulate(simdgroup_matrix<T, Cols, Rows>& d,
       B[M::row(l)][M::col(l, i)] = float(g.v[l].b[i]);
       C[M::row(l)][M::col(l, i)] = float(g.v[l].c[i]);
     }
-  const uint32_t lane = simt::current_lane();
   for (int i = 0; i < M::kPerLane; ++i) {
     const int r = M::row(lane), col = M::col(lane, i);
     float s = C[r][col];

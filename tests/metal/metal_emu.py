@@ -9,6 +9,7 @@ a change to a kernel, header or emulator file rebuilds it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import hashlib
@@ -36,6 +37,15 @@ FLAGS = [
     f"-I{METAL_DIR}", f"-I{EMU_DIR}",
 ]
 
+# The units holding the kernels are instrumented: GCC's ThreadSanitizer pass
+# calls a hook (defined in simt.cpp, no TSan runtime linked) with the
+# address and width of every memory access, which counts device and
+# threadgroup traffic (simt.h). The passes that would merge or widen the
+# kernels' own loads (byte loads into one word, scalar loads into vectors)
+# are off, so a load is counted at the width the kernel source wrote.
+KERNEL_FLAGS = ["-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0",
+                "-fno-expensive-optimizations", "-fno-store-merging", "-fno-tree-vectorize"]
+
 ACT_TYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
 PATHS = {"auto": 0, "gemv": 1, "tiled": 2}
@@ -61,7 +71,7 @@ def _build_key(cxx: str) -> str:
     h = hashlib.sha256()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     h.update(version.encode())
-    h.update(" ".join(FLAGS).encode())
+    h.update(" ".join(FLAGS + KERNEL_FLAGS).encode())
     for f in _sources():
         h.update(f.name.encode())
         h.update(f.read_bytes())
@@ -86,7 +96,8 @@ def build() -> Path:
         try:
             def compile_unit(unit: str) -> Path:
                 obj = tmp / (Path(unit).stem + ".o")
-                r = subprocess.run([cxx, *FLAGS, "-c", str(EMU_DIR / unit), "-o", str(obj)],
+                extra = KERNEL_FLAGS if unit.startswith("emu_") else []
+                r = subprocess.run([cxx, *FLAGS, *extra, "-c", str(EMU_DIR / unit), "-o", str(obj)],
                                    capture_output=True, text=True)
                 if r.returncode != 0:
                     raise RuntimeError(f"compiling {unit} failed:\n{r.stderr[-8000:]}")
@@ -139,9 +150,14 @@ def lib() -> ctypes.CDLL:
         L.mbemu_selftest.argtypes = [ctypes.c_char_p, I, I, P, P, I, I, U64,
                                      ctypes.c_char_p, I]
         L.mbemu_kernel_count.argtypes = []
+        L.mbemu_traffic_begin.argtypes = []
+        L.mbemu_traffic_end.argtypes = []
+        L.mbemu_traffic_records.argtypes = []
+        L.mbemu_traffic_record.argtypes = [I, P, I, ctypes.c_char_p, I]
+        L.mbemu_traffic_begin.restype = L.mbemu_traffic_end.restype = None
         for f in (L.mbemu_qmm, L.mbemu_gather, L.mbemu_gather_kernel, L.mbemu_qmv_t,
                   L.mbemu_gather_t, L.mbemu_gather_t_applies, L.mbemu_kl, L.mbemu_selftest,
-                  L.mbemu_kernel_count):
+                  L.mbemu_kernel_count, L.mbemu_traffic_records, L.mbemu_traffic_record):
             f.restype = I
         _LIB = L
     return _LIB
@@ -395,3 +411,45 @@ def selftest(name: str, inp: np.ndarray, groups: int, threads: int, out_len: int
 
 def kernel_count() -> int:
     return lib().mbemu_kernel_count()
+
+
+# ---------------------------------------------------------------- traffic
+
+WIDTHS = ("1", "2", "4", "8", "16", "other")
+
+
+def _traffic_records() -> list[dict]:
+    L = lib()
+    out = []
+    for i in range(L.mbemu_traffic_records()):
+        v = np.zeros(26, np.uint64)
+        label = ctypes.create_string_buffer(256)
+        if L.mbemu_traffic_record(i, _ptr(v), 26, label, len(label)) != 0:
+            raise EmulatorError(f"traffic record {i} unreadable")
+        v = [int(a) for a in v]
+        rd, wr = v[7:13], v[13:19]
+        out.append({
+            "kernel": label.value.decode(), "threads": v[0], "grid": v[1:4], "group": v[4:7],
+            "device_read_bytes": sum(rd), "device_write_bytes": sum(wr),
+            "device_read_by_width": dict(zip(WIDTHS, rd)),
+            "device_write_by_width": dict(zip(WIDTHS, wr)),
+            "threadgroup_read_bytes": v[19], "threadgroup_write_bytes": v[20],
+            "barriers": v[21], "simdgroup_barriers": v[22], "mma": v[23],
+            "device_unique_read_bytes": v[24], "device_unique_write_bytes": v[25]})
+    return out
+
+
+@contextlib.contextmanager
+def counting():
+    """Records every dispatch run inside the block; yields a list that holds
+    one dict per dispatch (kernel, threads, device bytes read and written by
+    access width, distinct device bytes read and written, threadgroup
+    bytes, barriers, simdgroup barriers, 8x8x8 MMAs) once the block ends."""
+    L = lib()
+    records: list[dict] = []
+    L.mbemu_traffic_begin()
+    try:
+        yield records
+    finally:
+        L.mbemu_traffic_end()
+        records.extend(_traffic_records())

@@ -122,6 +122,19 @@ template <int unused>
 
 // ---- simdgroup matrices ----------------------------------------------------
 // 128 threads copy `in` into threadgroup memory, read there as an 8 x 16
+// st_reverse with one planted extra device read per threadgroup: thread 0
+// also reads its group's last input (already read by another thread), and
+// adds 0 times it (kept: 0 * x is not 0 for every float). The traffic
+// counters must see 4 more bytes read per group, and no new distinct byte.
+template <int unused>
+[[kernel]] void st_reverse_extra_read(ST_ARGS) {
+  const uint gid = tgid.x * tsize.x + lid;
+  tg[lid] = in[gid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float extra = lid == 0 ? 0.0f * in[tgid.x * tsize.x + tsize.x - 1] : 0.0f;
+  out[gid] = tg[tsize.x - 1 - lid] + extra;
+}
+
 // row-major matrix T = [L | R] (two 8x8 blocks). Each simdgroup s computes
 // one product and stores it into the right half (columns 8..15) of its own
 // 8 x 16 region out[128 s ...], leaving the left half untouched:
@@ -224,6 +237,7 @@ template <int unused>
 
 MB_INSTANTIATE_KERNEL("st_group_sum", st_group_sum, 0)
 MB_INSTANTIATE_KERNEL("st_reverse", st_reverse, 0)
+MB_INSTANTIATE_KERNEL("st_reverse_extra_read", st_reverse_extra_read, 0)
 MB_INSTANTIATE_KERNEL("st_reverse_no_barrier", st_reverse_no_barrier, 0)
 MB_INSTANTIATE_KERNEL("st_shuffles", st_shuffles, 0)
 MB_INSTANTIATE_KERNEL("st_divergent_sum", st_divergent_sum, 0)

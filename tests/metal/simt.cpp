@@ -72,6 +72,56 @@ struct Group {
 
 thread_local Group* g_group = nullptr;
 
+// Traffic counting (simt.h). g_record: the running dispatch's record while
+// recording; g_active: the same, but only while a kernel thread runs, so
+// the harness's own accesses (poisoning, copying) are never counted.
+struct Range {
+  uintptr_t lo, size;
+  Space space;
+  // While recording: per byte of a device buffer, bit 0 read and bit 1
+  // written in this dispatch (the unique-byte counts).
+  std::vector<uint8_t> seen;
+};
+bool g_recording = false;
+std::vector<Traffic> g_log;
+std::vector<Range> g_ranges;
+Traffic* g_record = nullptr;
+Traffic* g_active = nullptr;
+
+int width_slot(size_t n) {
+  switch (n) {
+    case 1: return 0;
+    case 2: return 1;
+    case 4: return 2;
+    case 8: return 3;
+    case 16: return 4;
+    default: return 5;
+  }
+}
+
+inline void count_access(const void* p, size_t n, bool write) {
+  Traffic* t = g_active;
+  if (!t) return;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  for (Range& r : g_ranges)
+    if (a - r.lo < r.size) {
+      if (r.space == Space::Threadgroup) {
+        (write ? t->tg_write : t->tg_read) += n;
+        return;
+      }
+      (write ? t->device_write : t->device_read)[width_slot(n)] += n;
+      const uint8_t bit = write ? 2 : 1;
+      uint8_t* s = r.seen.data() + (a - r.lo);
+      const size_t m = std::min<size_t>(n, r.size - (a - r.lo));
+      for (size_t i = 0; i < m; ++i)
+        if (!(s[i] & bit)) {
+          s[i] |= bit;
+          ++(write ? t->unique_write : t->unique_read);
+        }
+      return;
+    }
+}
+
 std::string where(const std::source_location& l) {
   std::ostringstream os;
   const char* f = l.file_name();
@@ -215,15 +265,46 @@ void resolve(Group& g, const Dim3& tg) {
     }
   }
   for (uint32_t i = 0; i < n; ++i) g.fibers[i].state = State::Runnable;
+  if (g_record) g_record->barriers++;
 }
 
 struct GroupGuard {
-  ~GroupGuard() { g_group = nullptr; }
+  ~GroupGuard() {
+    g_group = nullptr;
+    g_record = g_active = nullptr;
+  }
 };
 
 }  // namespace
 
-void abandon_dispatch() { g_group = nullptr; }
+void abandon_dispatch() {
+  g_group = nullptr;
+  g_record = g_active = nullptr;
+}
+
+void traffic_begin() {
+  g_log.clear();
+  g_recording = true;
+}
+void traffic_end() {
+  g_recording = false;
+  for (Range& r : g_ranges) r.seen = {};
+}
+const std::vector<Traffic>& traffic_log() { return g_log; }
+
+void track(const void* p, size_t bytes, Space space) {
+  if (bytes) g_ranges.push_back({reinterpret_cast<uintptr_t>(p), bytes, space, {}});
+}
+void untrack(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  std::erase_if(g_ranges, [a](const Range& r) { return r.lo == a; });
+}
+void count_mma() {
+  if (g_record) g_record->mma++;
+}
+void count_simd_barrier() {
+  if (g_record) g_record->simd_barriers++;
+}
 
 bool in_kernel() { return g_group && g_group->current >= 0; }
 
@@ -288,6 +369,16 @@ void dispatch_threadgroups(Dim3 groups, Dim3 threads, const Body& body,
   };
   GroupGuard guard;
   g_group = &g;
+  if (g_recording) {
+    g_log.push_back(Traffic{});
+    g_record = &g_log.back();
+    g_record->label = opt.label;
+    g_record->grid = groups;
+    g_record->group = threads;
+    g_record->threads = uint64_t(groups.count()) * n;
+    for (Range& r : g_ranges)
+      if (r.space == Space::Device) r.seen.assign(r.size, 0);
+  }
 
   for (uint32_t gz = 0; gz < groups.z; ++gz)
     for (uint32_t gy = 0; gy < groups.y; ++gy)
@@ -330,7 +421,9 @@ void dispatch_threadgroups(Dim3 groups, Dim3 threads, const Body& body,
             queue.pop_front();
             if (g.fibers[i].state != State::Runnable) continue;
             g.current = int(i);
+            g_active = g_record;
             swapcontext(&g.sched, &g.fibers[i].ctx);
+            g_active = nullptr;
             g.current = -1;
             if (g.error) std::rethrow_exception(g.error);
             // A simdgroup whose last lane just arrived at a simd op goes on
@@ -393,3 +486,28 @@ void* find_kernel_raw(const std::string& name, const std::type_info& t) {
 size_t kernel_count() { return registry().size(); }
 
 }  // namespace simt
+
+// ---- ThreadSanitizer instrumentation hooks --------------------------------
+// The kernels' units are compiled with -fsanitize=thread but linked without
+// its runtime: these definitions receive the calls (see simt.h). Hidden, so
+// the instrumented code calls them directly rather than through the PLT.
+#define MB_HOOK extern "C" __attribute__((visibility("hidden"))) void
+#define MB_RW_HOOKS(N)                                                              \
+  MB_HOOK __tsan_read##N(void* p) { simt::count_access(p, N, false); }              \
+  MB_HOOK __tsan_write##N(void* p) { simt::count_access(p, N, true); }              \
+  MB_HOOK __tsan_unaligned_read##N(void* p) { simt::count_access(p, N, false); }    \
+  MB_HOOK __tsan_unaligned_write##N(void* p) { simt::count_access(p, N, true); }
+MB_RW_HOOKS(1)
+MB_RW_HOOKS(2)
+MB_RW_HOOKS(4)
+MB_RW_HOOKS(8)
+MB_RW_HOOKS(16)
+#undef MB_RW_HOOKS
+MB_HOOK __tsan_read_range(void* p, unsigned long n) { simt::count_access(p, n, false); }
+MB_HOOK __tsan_write_range(void* p, unsigned long n) { simt::count_access(p, n, true); }
+MB_HOOK __tsan_init() {}
+MB_HOOK __tsan_func_entry(void*) {}
+MB_HOOK __tsan_func_exit() {}
+MB_HOOK __tsan_vptr_update(void**, void*) {}
+MB_HOOK __tsan_vptr_read(void**) {}
+#undef MB_HOOK

@@ -26,6 +26,7 @@
 #include <stdexcept>
 #include <string>
 #include <typeinfo>
+#include <vector>
 
 namespace simt {
 
@@ -67,6 +68,8 @@ struct Options {
   // Called before each threadgroup starts (e.g. to poison threadgroup
   // memory, whose contents are undefined at that point on the GPU).
   std::function<void(const Dim3& threadgroup)> group_start;
+  // Names the dispatch in the traffic log (the kernel's host_name).
+  std::string label;
 };
 
 using Body = std::function<void(const ThreadIds&)>;
@@ -102,6 +105,48 @@ const unsigned char* simd_rendezvous(const char* op, const void* value,
 
 // The calling thread's lane index (for simd ops that need it).
 uint32_t current_lane();
+
+// ---- traffic counters -------------------------------------------------------
+//
+// Metal's address spaces are empty macros here, so a device pointer is a raw
+// C++ pointer; the kernels' translation units are instead compiled with
+// GCC's ThreadSanitizer instrumentation (metal_emu.py), which calls a hook
+// (__tsan_readN / __tsan_writeN, defined in simt.cpp) before every memory
+// access with its address and width. The hook counts an access made by a
+// kernel thread into a range the harness tracked: a device buffer or the
+// threadgroup memory. Stack, constant parameters and emulator state are not
+// tracked, so they are not counted. Barriers, simdgroup barriers and MMAs
+// are counted where they are modelled (here and metal_compat_matrix.h).
+
+enum class Space : uint8_t { Device, Threadgroup };
+
+// Widths a load or store is counted under: 1, 2, 4, 8, 16 bytes, other.
+constexpr int kWidths = 6;
+
+struct Traffic {
+  std::string label;
+  Dim3 grid, group;
+  uint64_t threads = 0;
+  uint64_t device_read[kWidths] = {}, device_write[kWidths] = {};  // bytes
+  // Distinct device bytes read / written in this dispatch: the traffic if
+  // every repeated access hit a cache (a lower bound on DRAM traffic).
+  uint64_t unique_read = 0, unique_write = 0;
+  uint64_t tg_read = 0, tg_write = 0;                                // bytes
+  uint64_t barriers = 0;       // threadgroup barriers, once per threadgroup
+  uint64_t simd_barriers = 0;  // simdgroup barriers, once per simdgroup
+  uint64_t mma = 0;            // 8x8x8 simdgroup multiply-accumulates
+};
+
+// Starts (clearing the log) or stops recording one Traffic per dispatch.
+void traffic_begin();
+void traffic_end();
+const std::vector<Traffic>& traffic_log();
+// Tracks [p, p + bytes) as memory of `space` until untrack(p).
+void track(const void* p, size_t bytes, Space space);
+void untrack(const void* p);
+// Called by lane 0 of a simdgroup (metal_compat_matrix.h / metal_compat.h).
+void count_mma();
+void count_simd_barrier();
 
 // ---- kernel registry: [[host_name]] instantiations register here ---------
 

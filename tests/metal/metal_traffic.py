@@ -1,0 +1,239 @@
+"""Device-memory traffic of the Metal kernels, counted in the SIMT emulator.
+
+Every public op call of the case list (qmatmul at 1, 2 and 3 K-segments and
+with a permutation, M = 1, 8, 17, 512; the gathered qmatmul at top-8 of 128
+experts, decode and sorted prefill; KL) runs on the emulator with its
+counters on (metal_emu.counting: bytes read and written per access width,
+threadgroup bytes, barriers, MMAs, threads), one record per call with the
+analytic minimum -- every weight, scale, bias, index and x element read
+once, every output written once -- and the ratio of the counted device
+bytes to it.
+
+    python tests/metal/metal_traffic.py --json          # quick sizes (default)
+    python tests/metal/metal_traffic.py --full --json   # 4096 x 4096 GEMV etc.
+
+The weights, scales and x are random: the kernels' access pattern does not
+depend on the values (indices excepted, which are valid and sorted as
+mlx-lm sorts them). Counts are exact for what the kernel source asks
+(loads at the width it wrote them, see metal_emu.KERNEL_FLAGS); what a GPU
+cache turns into DRAM traffic is not modelled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import metal_emu as E  # noqa: E402
+
+BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+# ---------------------------------------------------------------- cases
+
+# (N, K) per M. The emulator's cost grows with M N K (the tiled kernel runs
+# every 8x8x8 MMA lane by lane), so the tiled rows run smaller matrices; the
+# counts per call scale with N K at fixed M and layout (see the notes).
+SIZES = {
+    False: {1: (1024, 1024), 8: (1024, 1024), 17: (1024, 1024), 512: (256, 512)},
+    True: {1: (4096, 4096), 8: (4096, 4096), 17: (2048, 2048), 512: (512, 512)},
+}
+
+
+def qmatmul_cases(full: bool) -> list[dict]:
+    """Equal bits (4-bit, group 64) for every layout, so the layouts differ
+    only in how the product is split: one segment, two, three, and two with
+    a K permutation (a mixbits layout's reordered columns)."""
+    cases = []
+    for M, (N, K) in SIZES[full].items():
+        h = K // 2
+        for segs, perm in (([[4, 64, K]], False),
+                           ([[4, 64, h], [4, 64, h]], False),
+                           ([[4, 64, K // 4], [4, 64, K // 4], [4, 64, h]], False),
+                           ([[4, 64, h], [4, 64, h]], True)):
+            cases.append({"op": "qmatmul", "M": M, "N": N, "K": K, "segments": segs,
+                          "perm": perm, "x_dtype": "float16", "scale_dtype": "float16"})
+    return cases
+
+
+def gather_cases(full: bool) -> list[dict]:
+    """Top-8 routing over 128 experts: a decode token (8 pairs of one row,
+    unsorted: the GEMV) and a sorted prefill of 8 tokens (64 pairs, sorted
+    by expert as mlx-lm does from 64 pairs: the tiled kernel)."""
+    decode = (768, 2048) if full else (256, 512)
+    prefill = (256, 512) if full else (128, 256)
+    cases = []
+    for T, sort, (N, K) in ((1, False, decode), (8, True, prefill)):
+        cases.append({"op": "gather", "M": 1, "N": N, "K": K, "segments": [[4, 64, K]],
+                      "perm": False, "x_dtype": "float16", "scale_dtype": "float16",
+                      "experts": 128, "top_k": 8, "tokens": T, "sorted": sort})
+    return cases
+
+
+def kl_cases(full: bool) -> list[dict]:
+    V = 151936 if full else 32000
+    return [{"op": "kl", "M": rows, "N": V, "K": 0, "segments": [], "perm": False,
+             "x_dtype": "float16"} for rows in (1, 8)]
+
+
+# ---------------------------------------------------------------- inputs
+
+def _storage(rng, shape, dtype: str, scale=1.0) -> np.ndarray:
+    a = (scale * rng.standard_normal(shape)).astype(np.float32)
+    if dtype == "bfloat16":
+        return E.bf16_bits(a)
+    return a.astype(E.storage_dtype(dtype))
+
+
+def _packed(rng, lead, N, bits, gs, k, sdt):
+    wq = rng.integers(0, 2**32, size=(*lead, N, k * bits // 32), dtype=np.uint64)
+    return (wq.astype(np.uint32), _storage(rng, (*lead, N, k // gs), sdt, 0.01),
+            _storage(rng, (*lead, N, k // gs), sdt, 0.01))
+
+
+def run_case(c: dict, rng) -> list[dict]:
+    """Runs one op call with counting on; returns its per-dispatch records."""
+    M, N, K = c["M"], c["N"], c["K"]
+    with E.counting() as rec:
+        if c["op"] == "qmatmul":
+            x = _storage(rng, (M, K), c["x_dtype"])
+            segs = [(b, g, k, *_packed(rng, (), N, b, g, k, c["scale_dtype"]))
+                    for b, g, k in c["segments"]]
+            perm = rng.permutation(K).astype(np.int32) if c["perm"] else None
+            E.qmatmul(x, c["x_dtype"], segs, N, perm=perm, scale_type=c["scale_dtype"])
+        elif c["op"] == "gather":
+            T, top, nexp = c["tokens"], c["top_k"], c["experts"]
+            idx = np.stack([rng.choice(nexp, top, replace=False) for _ in range(T)])
+            c["_experts_used"] = len(np.unique(idx))  # for the analytic minimum
+            if c["sorted"]:  # mlx-lm: x rows repeated per pair, pairs sorted by expert
+                order = np.argsort(idx.ravel(), kind="stable")
+                rhs = idx.ravel()[order].astype(np.uint32)
+                lhs = np.arange(T * top, dtype=np.uint32)
+                x = _storage(rng, (T * top, M, K), c["x_dtype"])
+            else:
+                rhs = idx.ravel().astype(np.uint32)
+                lhs = np.repeat(np.arange(T), top).astype(np.uint32)
+                x = _storage(rng, (T, M, K), c["x_dtype"])
+            packed = [a for b, g, k in c["segments"]
+                      for a in _packed(rng, (nexp,), N, b, g, k, c["scale_dtype"])]
+            E.gather([x, *packed, lhs, rhs], c["segments"], c["x_dtype"], c["scale_dtype"],
+                     False, sorted_indices=c["sorted"])
+        elif c["op"] == "kl":
+            a = _storage(rng, (M, N), c["x_dtype"], 3.0)
+            b = _storage(rng, (M, N), c["x_dtype"], 3.0)
+            E.kl(a, b, c["x_dtype"])
+        else:
+            raise ValueError(f"unknown op {c['op']!r}")
+    return rec
+
+
+def analytic_min(c: dict) -> int:
+    """Bytes a call must move at least: every input element it needs read
+    once, every output written once."""
+    M, N, K, xb = c["M"], c["N"], c["K"], BYTES[c["x_dtype"]]
+    if c["op"] == "kl":  # two [rows, V] inputs; six 4-byte outputs per row
+        return 2 * M * N * xb + 6 * 4 * M
+    sb = BYTES[c["scale_dtype"]]
+
+    def weights(n_mats):
+        return n_mats * sum(N * k * b // 8 + 2 * N * (k // g) * sb
+                            for b, g, k in c["segments"])
+
+    perm = 4 * K if c["perm"] else 0
+    if c["op"] == "qmatmul":
+        return weights(1) + M * K * xb + M * N * xb + perm
+    T, top = c["tokens"], c["top_k"]
+    pairs = T * top
+    experts_used = c["_experts_used"]
+    x_rows = pairs if c["sorted"] else T
+    return (weights(experts_used) + x_rows * M * K * xb + pairs * M * N * xb
+            + 2 * 4 * pairs + perm)
+
+
+def summarize(c: dict, rec: list[dict]) -> dict:
+    out = {k: v for k, v in c.items() if not k.startswith("_")}
+    if "_experts_used" in c:
+        out["experts_used"] = c["_experts_used"]
+    tot = lambda key: sum(r[key] for r in rec)  # noqa: E731
+    by_w = {w: sum(r["device_read_by_width"][w] for r in rec) for w in E.WIDTHS}
+    by_ww = {w: sum(r["device_write_by_width"][w] for r in rec) for w in E.WIDTHS}
+    out.update({
+        "dispatches": len(rec), "kernels": [r["kernel"] for r in rec],
+        "bytes_read": tot("device_read_bytes"), "bytes_written": tot("device_write_bytes"),
+        "unique_read": tot("device_unique_read_bytes"),
+        "unique_written": tot("device_unique_write_bytes"),
+        "read_by_width": by_w, "write_by_width": by_ww,
+        "threadgroup_read": tot("threadgroup_read_bytes"),
+        "threadgroup_written": tot("threadgroup_write_bytes"),
+        "barriers": tot("barriers"), "simdgroup_barriers": tot("simdgroup_barriers"),
+        "mma": tot("mma"), "threads": tot("threads")})
+    out["analytic_min"] = analytic_min(c)
+    out["ratio"] = round((out["bytes_read"] + out["bytes_written"]) / out["analytic_min"], 3)
+    # Distinct bytes per dispatch, summed: the ratio if caches caught every
+    # repeat within a dispatch (what stays is cross-dispatch round trips).
+    out["unique_ratio"] = round((out["unique_read"] + out["unique_written"])
+                                / out["analytic_min"], 3)
+    if c["op"] in ("qmatmul", "gather") and out["mma"]:
+        # MMA work needed: every row of x times N columns, K deep, in 8x8x8.
+        rows = c["M"] * (c["tokens"] * c["top_k"] if c["op"] == "gather" else 1)
+        out["mma_utilisation"] = round(rows * c["N"] * c["K"] / 512 / out["mma"], 3)
+    out["per_dispatch"] = rec
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print the records as JSON")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", default=True,
+                      help="small shapes (default; seconds to a minute or two)")
+    size.add_argument("--full", action="store_true", help="4096 x 4096 and larger shapes")
+    ap.add_argument("--op", choices=("qmatmul", "gather", "kl"), action="append",
+                    help="only these ops (repeatable)")
+    ap.add_argument("--per-dispatch", action="store_true",
+                    help="keep every dispatch's own record in the JSON")
+    ap.add_argument("--out", type=Path, help="also write {host, records} JSON here")
+    a = ap.parse_args(argv)
+    full = bool(a.full)
+    cases = qmatmul_cases(full) + gather_cases(full) + kl_cases(full)
+    if a.op:
+        cases = [c for c in cases if c["op"] in a.op]
+    rng = np.random.default_rng(0)
+    records = []
+    for c in cases:
+        t0 = time.perf_counter()
+        rec = run_case(c, rng)
+        r = summarize(c, rec)
+        r["emulator_s"] = round(time.perf_counter() - t0, 2)
+        if not a.per_dispatch:
+            r.pop("per_dispatch")
+        records.append(r)
+        if not a.json:
+            print(f"{r['op']:8s} M={r['M']:<4d} N={r['N']:<6d} K={r['K']:<5d} "
+                  f"segs={len(r['segments'])} perm={int(r['perm'])} "
+                  f"disp={r['dispatches']} read={r['bytes_read']:>11d} "
+                  f"write={r['bytes_written']:>10d} min={r['analytic_min']:>11d} "
+                  f"ratio={r['ratio']:<6} uniq={r['unique_ratio']:<6} bytes1={r['read_by_width']['1']:>10d} "
+                  f"mma={r['mma']} bar={r['barriers']} ({r['emulator_s']} s)", flush=True)
+    if a.json:
+        print(json.dumps(records, indent=1))
+    if a.out:
+        doc = {"host": {"machine": platform.machine(), "node": platform.node(),
+                        "python": platform.python_version(),
+                        "note": "counts from the SIMT emulator (tests/metal), not a GPU"},
+               "size": "full" if full else "quick", "records": records}
+        tmp = a.out.with_suffix(a.out.suffix + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        tmp.replace(a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
