@@ -137,6 +137,14 @@ def test_sweep_on_real_model_matches_model_forward(patched, prose_ids, tmp_path)
     ref = Replayer(model, [x]).logits[0]
     assert mx.allclose(ref, direct, rtol=1e-5, atol=1e-4).item()
 
+    # The replay must hold on this model (not fall back to full forwards):
+    # its own forward at two rows per token moves the logits by ~0.06 from
+    # one row's, which the replay check has to tell from a replay fault.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="replaying the recorded blocks")
+        assert Replayer(model, [x]).replayable
     out = tmp_path / "table.json"
     table = sweep(model, tokens, out, ["2b_g64", "4b_g64"], sites=SITES, progress=False)
     assert json.loads(out.read_text())["complete"] is True

@@ -298,12 +298,21 @@ class Replayer:
         if site is None:
             return
         # Twice the chunk, as a sweep runs it: the batch axis must be right.
+        # Kernels may round differently at another row count, and a model
+        # can amplify that (Gemma 3 270M's own forward at batch 2 differs
+        # from batch 1 by 0.06 in logits of magnitude 31), which is no fault
+        # of the replay: the tolerance admits twice the model's own noise.
         same = self.adapter.get(site.path)
         try:
             logits = self.candidate_logits(0, site, [same, same])
             ref = mx.concatenate([self.logits[0]] * 2, axis=0)
-            ok = logits.shape == ref.shape and mx.allclose(
-                logits, ref, rtol=1e-4, atol=1e-4 * (1 + float(mx.abs(ref).max()))).item()
+            ok = logits.shape == ref.shape
+            if ok:
+                tol = 1e-4 * (1 + float(mx.abs(ref).max()))
+                err = float(mx.abs(logits - ref).max())
+                if err > tol:  # only then is the model's own batch-2 forward worth running
+                    own = self._forward(mx.concatenate([self.chunks[0]] * 2, axis=0))
+                    ok = err <= tol + 2 * float(mx.abs(own - ref).max())
         except Exception as e:  # the check must never be the crash
             self._not_replayable(f"replaying the recorded blocks failed ({type(e).__name__}: {e})")
             return
