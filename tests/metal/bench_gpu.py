@@ -10,10 +10,22 @@ when mixbits is slower (check_on_mac.sh reports the ratios, it does not
 judge them).
 
     python tests/metal/bench_gpu.py [--quick]
+    python tests/metal/bench_gpu.py --traffic [--out FILE]
+
+--traffic times every case metal_traffic.py counts in the emulator (its
+--full case list: qmatmul at 1, 2, 3 K-segments and with a permutation at
+M = 1, 8, 17, 512; the gathered matmul at top-8 of 128 experts; KL)
+against mx.quantized_matmul / mx.gather_qmm / MLX's composition, at the
+issue's sizes (qmatmul 4096 x 4096 at every M), and prints the achieved
+bandwidth on the analytic minimum, so the first Mac run gives the real
+table next to the counts (bench/results/metal_traffic.json).
 """
 
+import json
+import platform
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -164,10 +176,112 @@ def kl_rows(quick):
         yield f"kl {rows}x{V}", ours, best_ms(composed, 10)
 
 
+def traffic_rows():
+    """(case, mixbits ms, mlx ms) for every counted case of metal_traffic.py;
+    the qmatmul cases at 4096 x 4096 whatever M (the emulator counts smaller
+    matrices at M = 17, 512; counts scale with N K)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import metal_traffic as T  # numpy-only at import: no emulator build
+
+    dt = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+    for c in T.qmatmul_cases(True) + T.gather_cases(True) + T.kl_cases(True):
+        rng = np.random.default_rng(0)
+        c = dict(c)
+        if c["op"] == "qmatmul":
+            N = K = 4096
+            scale = K / c["K"]
+            c["segments"] = [[b, g, int(k * scale)] for b, g, k in c["segments"]]
+            c["N"], c["K"] = N, K
+            w = mx.array(rng.standard_normal((N, K)).astype(np.float32)).astype(
+                dt[c["scale_dtype"]])
+            x = mx.array(rng.standard_normal((c["M"], K)).astype(np.float32)).astype(
+                dt[c["x_dtype"]])
+            qt = mixbits.quantize(w, [tuple(s) for s in c["segments"]],
+                                  perm=rng.permutation(K) if c["perm"] else None,
+                                  dtype=dt[c["scale_dtype"]])
+            b, g = c["segments"][0][:2]  # every layout is one width: MLX's equal
+            wq, s, bi = mx.quantize(w, group_size=g, bits=b)
+            mx.eval(x, wq, s, bi, *qt.arrays())
+            ours = best_ms(lambda: mixbits.qmatmul(x, qt), 20)
+            mlx = best_ms(lambda: mx.quantized_matmul(x, wq, s, bi, transpose=True,
+                                                      group_size=g, bits=b), 20)
+        elif c["op"] == "gather":
+            nexp, top, Tn = c["experts"], c["top_k"], c["tokens"]
+            N, K = c["N"], c["K"]
+            b, g, _ = c["segments"][0]
+            w = mx.array(rng.standard_normal((nexp, N, K)).astype(np.float32)).astype(
+                dt[c["scale_dtype"]])
+            wq, s, bi = mx.quantize(w, group_size=g, bits=b)
+            idx = np.stack([rng.choice(nexp, top, replace=False) for _ in range(Tn)])
+            if c["sorted"]:
+                flat = idx.reshape(-1)
+                ridx = mx.array(flat[np.argsort(flat, kind="stable")].astype(np.uint32))
+                x = mx.array(rng.standard_normal((Tn * top, 1, K)).astype(np.float16))
+            else:
+                ridx = mx.array(idx.astype(np.uint32))
+                x = mx.array(rng.standard_normal((Tn, 1, 1, K)).astype(np.float16))
+            mx.eval(x, ridx, wq, s, bi)
+            srt = c["sorted"]
+            ours = best_ms(lambda: mixbits.gather_quantized_matmul(
+                x, wq, s, bi, None, ridx, g, b, sorted_indices=srt), 20)
+            mlx = best_ms(lambda: mx.gather_qmm(x, wq, s, bi, None, ridx, transpose=True,
+                                                group_size=g, bits=b, sorted_indices=srt), 20)
+            c["_experts_used"] = len(np.unique(idx))
+        else:
+            rows, V = c["M"], c["N"]
+            a = mx.array((3 * rng.standard_normal((rows, V))).astype(np.float16))
+            bb = mx.array((3 * rng.standard_normal((rows, V))).astype(np.float16))
+
+            def composed():
+                la = a.astype(mx.float32) - mx.logsumexp(a.astype(mx.float32), -1,
+                                                         keepdims=True)
+                lb = bb.astype(mx.float32) - mx.logsumexp(bb.astype(mx.float32), -1,
+                                                          keepdims=True)
+                return mx.sum(mx.exp(la) * (la - lb), -1)
+
+            ours = best_ms(lambda: mkl.kl_divergence(a, bb, check=False), 10)
+            mlx = best_ms(composed, 10)
+        minimum = T.analytic_min(c)
+        if c["op"] == "kl":
+            name = f"kl rows={c['M']} V={c['N']}"
+        else:
+            name = (f"{c['op']} M={c['M']} {c['N']}x{c['K']} segs={len(c['segments'])}"
+                    f"{' perm' if c['perm'] else ''}"
+                    + (f" tok={c['tokens']}{' sorted' if c['sorted'] else ''}"
+                       if c["op"] == "gather" else ""))
+        rec = {k: v for k, v in c.items() if not k.startswith("_")}
+        rec.update({"mixbits_ms": ours, "mlx_ms": mlx, "analytic_min": minimum,
+                    "mixbits_gbps_on_min": minimum / ours / 1e6,
+                    "mlx_gbps_on_min": minimum / mlx / 1e6})
+        yield name, ours, mlx, rec
+
+
+def traffic_main(out):
+    mx.set_default_device(mx.gpu)
+    print(f"{'case':52} {'mixbits ms':>11} {'mlx ms':>9} {'mlx/mixbits':>12} "
+          f"{'GB/s(min)':>10}")
+    records = []
+    for name, ours, mlx, rec in traffic_rows():
+        records.append(rec)
+        print(f"{name:52} {ours:11.3f} {mlx:9.3f} {mlx / ours:12.2f} "
+              f"{rec['mixbits_gbps_on_min']:10.1f}", flush=True)
+    if out:
+        doc = {"host": {"machine": platform.machine(), "platform": platform.platform(),
+                        "processor": platform.processor(), "mlx": mx.__version__},
+               "records": records}
+        tmp = Path(out + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        tmp.replace(out)
+    return 0
+
+
 def main():
     if not mx.metal.is_available():
         print("no Metal GPU")
         return 2
+    if "--traffic" in sys.argv:
+        i = sys.argv.index("--out") if "--out" in sys.argv else -1
+        return traffic_main(sys.argv[i + 1] if i >= 0 else None)
     quick = "--quick" in sys.argv
     mx.set_default_device(mx.gpu)
     print(f"{'case':38} {'mixbits ms':>11} {'mlx ms':>9} {'mlx/mixbits':>12}")

@@ -10,7 +10,8 @@
 # through the gathered transposed kernel (MixedGatherQMMT) against the
 # CPU's, KL in every mode, bad input refused before dispatch) and the Metal
 # benchmarks against mx.quantized_matmul and mx.gather_qmm (forward and
-# dx), then prints one summary. Nothing is installed
+# dx), and every case the emulator's traffic counters count
+# (tests/metal/metal_traffic.py) timed the same way, then prints one summary. Nothing is installed
 # outside the temporary directory. Needs: macOS 14+ on Apple silicon,
 # python3 (3.10+), Xcode command line tools with the Metal toolchain.
 #
@@ -138,6 +139,10 @@ step gpu-tests "$PY" -m pytest tests/metal/test_gpu_device.py -q -rs -p no:cache
 step no-gpu-test-skipped bash -c "! grep -q 'SKIPPED' '$LOG/gpu-tests.txt'"
 step full-suite "$PY" -m pytest tests -q -rs -p no:cacheprovider
 step metal-bench "$PY" tests/metal/bench_gpu.py ${QUICK:+--quick}
+# Every case the emulator counts (tests/metal/metal_traffic.py), timed on
+# the GPU against MLX's own kernels: the real table next to the counts in
+# bench/results/metal_traffic.json.
+step metal-traffic-bench "$PY" tests/metal/bench_gpu.py --traffic --out "$LOG/metal_traffic_mac.json"
 
 echo
 echo "==================== mixbits Metal check: summary ===================="
@@ -148,5 +153,7 @@ grep -E "passed|failed" "$LOG/full-suite.txt" 2>/dev/null | tail -1 | sed 's/^/f
 grep -E "passed|failed" "$LOG/gpu-tests.txt" 2>/dev/null | tail -1 | sed 's/^/GPU tests:  /'
 echo "benchmarks (mlx/mixbits > 1: mixbits faster):"
 cat "$LOG/metal-bench.txt" 2>/dev/null
+echo "counted cases (tests/metal/metal_traffic.py) timed; JSON: $LOG/metal_traffic_mac.json"
+cat "$LOG/metal-traffic-bench.txt" 2>/dev/null
 echo "logs: $LOG"
 ! printf '%s\n' "${RESULTS[@]}" | grep -q '^FAIL'
