@@ -317,3 +317,21 @@ def test_decisions_weigh_distance_by_the_unmeasured_error():
     assert got["b"][0] == pytest.approx(free["b"][0] / 0.5) and got["b"][0] > 0
     assert got["a"][0] == pytest.approx(free["a"][0] * math.sqrt(2) / 0.5)
     assert [d[1] for d in decisions(tab, (3.5,), exact, sigma=0.5)] == ["m", "b", "a"]
+
+
+def test_a_soft_capped_model_s_table_says_its_proxy_runs_low(tmp_path):
+    """gemma2 soft-caps its final logits: the gradient proxy's KLs run low
+    in scale there (issue 43: ~16x), which the table says in its meta; a
+    resume of that table still matches its settings."""
+    import arch_configs
+
+    model, _ = arch_configs.build("gemma2")
+    toks = np.random.default_rng(0).integers(0, 100, (2, 12))
+    out = tmp_path / "t.json"
+    table = proxy_sweep(model, toks, out, ["4b_g32"], method="grad", progress=False)
+    assert "soft-capped" in table["meta"]["proxy_bias"] and "two-stage" in table["meta"]["proxy_bias"]
+    again = proxy_sweep(model, toks, out, ["4b_g32"], method="grad", progress=False, resume=True)
+    assert again["entries"] == table["entries"]
+    plain, _ = arch_configs.build("llama")
+    t2 = proxy_sweep(plain, toks, tmp_path / "u.json", ["4b_g32"], method="grad", progress=False)
+    assert "proxy_bias" not in t2["meta"]

@@ -60,7 +60,7 @@ from .sweep import (TABLE_FORMAT, TABLE_VERSION, SweepConfig, select_sites, sett
 
 ROUNDS = 3
 # meta keys that are results of a run, not settings a resume must match
-RESULTS = ("proxy_seconds", "exact_seconds", "exact_pairs", "exact_tensors", "exact_cost_share",
+RESULTS = ("proxy_seconds", "proxy_bias", "exact_seconds", "exact_pairs", "exact_tensors", "exact_cost_share",
            "proxy_scales", "proxy_scale_overall")
 SIGMA0, MIN_PAIRS = 0.3, 8  # the proxy's error in log KL before 8 pairs are measured
 
@@ -224,6 +224,12 @@ def _proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=
     entries = grad_entries(model, tokens, all_sites, site_cands, samples=samples, seed=seed,
                            progress=progress)
     meta["proxy_seconds"] = round(time.perf_counter() - t0, 3)
+    cap = getattr(getattr(model, "args", None), "final_logit_softcapping", None)
+    if cap:  # the table says where its proxy values are known to be off in scale
+        meta["proxy_bias"] = (f"final logits soft-capped at {cap}: the Fisher proxy's KLs are known "
+                              "to run low in scale (gemma2: ~16x) with their ranking kept; "
+                              + ("exact pairs rescale them per kind" if method == "two-stage"
+                                 else "use --method two-stage or exact for KL values"))
     table = {"format": TABLE_FORMAT, "version": TABLE_VERSION, "metric": "kl", "meta": meta,
              "complete": True, "entries": entries, **({"float": left_float} if left_float else {})}
     if method == "two-stage":
