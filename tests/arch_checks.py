@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 import arch_configs
-from test_any_model import _direct_kl, _one_per_kind, pipeline
+from test_any_model import direct_kl, _one_per_kind, pipeline
 
 SEQ = 16
 # 2-bit codes are the largest damage: a KL no rounding hides. The 4-bit
@@ -54,7 +54,7 @@ def kl_roles(model, rp, roles: int | None = None) -> list[tuple[str, str, float,
     for site in _one_per_kind(adapter, cands)[:roles]:
         c = next(c for c in cands if supports(c, site))
         res = measure_site(rp, site, [c], SweepConfig([c.name], max_batch=8))
-        out.append((site.path, c.name, res.kl[c.name], _direct_kl(model, adapter, site, c, toks, ref)))
+        out.append((site.path, c.name, res.kl[c.name], direct_kl(model, adapter, site, c, toks, ref)))
     return out
 
 

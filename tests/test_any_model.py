@@ -47,7 +47,7 @@ def _one_per_kind(adapter, cands=()):
     return list(picked.values())
 
 
-def _direct_kl(model, adapter, site, cand, toks, ref):
+def direct_kl(model, adapter, site, cand, toks, ref):
     """KL with the candidate placed in the real model, full model(tokens)."""
     orig = adapter.get(site.path)
     adapter.set(site.path, build_layer(orig, cand, mx.float16))
@@ -76,7 +76,7 @@ def test_reference_is_model_and_sweep_kl_is_real_kl(arch):
         cs = [c for c in cands if supports(c, site)]
         res = measure_site(rp, site, cs, SweepConfig([c.name for c in cs], max_batch=8))
         for c in cs:
-            direct = _direct_kl(model, adapter, site, c, toks, ref)
+            direct = direct_kl(model, adapter, site, c, toks, ref)
             assert direct > 0, (site.path, c.name)  # the candidate really changes the model
             assert res.kl[c.name] == pytest.approx(direct, rel=1e-4), (site.path, c.name)
         kinds.add(site.form if site.block is not None else "outside")
@@ -140,7 +140,7 @@ def test_unreplayable_model_falls_back_with_warning():
     site = next(s for s in adapter.sites if s.block == 1)
     c = parse_candidate("2b_g32")
     res = measure_site(rp, site, [c], SweepConfig([c.name]))
-    assert res.kl[c.name] == pytest.approx(_direct_kl(model, adapter, site, c, toks, ref), rel=1e-6)
+    assert res.kl[c.name] == pytest.approx(direct_kl(model, adapter, site, c, toks, ref), rel=1e-6)
 
 
 PIPELINE_CANDS = ["2b_g32", "3b_g64", "4b_g64", "8b_g128", "ternary_g64", "4b25_2b_g32"]

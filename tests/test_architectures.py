@@ -97,7 +97,7 @@ def test_leaf_with_a_batch_shared_input():
 
     from mixbits.measure.candidates import parse_candidate
     from mixbits.measure.sweep import SweepConfig, measure_site
-    from test_any_model import _direct_kl
+    from test_any_model import direct_kl
 
     model, _ = arch_configs.build("gpt2")
     rp, _ = arch_checks.reference(model)
@@ -107,7 +107,7 @@ def test_leaf_with_a_batch_shared_input():
     toks = arch_checks.tokens()
     ref = model(mx.array(toks))
     for c in cands:
-        direct = _direct_kl(model, rp.adapter, site, c, toks, ref)
+        direct = direct_kl(model, rp.adapter, site, c, toks, ref)
         assert direct > 0 and res.kl[c.name] == pytest.approx(direct, rel=1e-4), c.name
 
 

@@ -19,6 +19,7 @@ from mixbits.adapter import ModelAdapter
 from mixbits.measure.candidates import build_layer, parse_candidate, supports
 from mixbits.measure.replay import Replayer, batch_axis, token_chunks
 from mixbits.measure.sweep import SweepConfig, kl_per_token, measure_site
+from test_any_model import direct_kl
 
 CANDS = ["2b_g32", "ternary_g64", "3b16_2b_g32"]
 
@@ -57,16 +58,6 @@ def _tokens(n, seq=24, seed=0):
     return np.random.default_rng(seed).integers(0, 160, (n, seq))
 
 
-def _direct_kl(model, adapter, site, cand, toks, ref):
-    orig = adapter.get(site.path)
-    adapter.set(site.path, build_layer(orig, cand, mx.float16))
-    try:
-        kl = kl_per_token(ref, model(mx.array(toks)))
-    finally:
-        adapter.set(site.path, orig)
-    return float(np.array(kl, dtype=np.float64).mean())
-
-
 def test_batch_axis():
     assert batch_axis(mx.zeros((4, 2, 24, 8)), 2, 24) == 1
     assert batch_axis(mx.zeros((2, 24, 8)), 2, 24) == 0
@@ -97,7 +88,7 @@ def test_gemma3n_replays_along_its_batch_axis(n_seq):
         cs = [c for c in cands if supports(c, site)]
         res = measure_site(rp, site, cs, SweepConfig([c.name for c in cs], max_batch=8))
         for c in cs:
-            direct = _direct_kl(model, adapter, site, c, toks, ref)
+            direct = direct_kl(model, adapter, site, c, toks, ref)
             assert direct > 0, (site.path, c.name)
             assert res.kl[c.name] == pytest.approx(direct, rel=1e-4), (site.path, c.name)
 
@@ -123,7 +114,7 @@ def test_failing_check_falls_back_with_warning(monkeypatch):
     c = parse_candidate("2b_g32")
     res = measure_site(rp, site, [c], SweepConfig([c.name]))
     ref = model(mx.array(toks))
-    assert res.kl[c.name] == pytest.approx(_direct_kl(model, adapter, site, c, toks, ref), rel=1e-6)
+    assert res.kl[c.name] == pytest.approx(direct_kl(model, adapter, site, c, toks, ref), rel=1e-6)
 
 
 def test_hidden_state_without_batch_axis_falls_back():
@@ -161,4 +152,4 @@ def test_hidden_state_without_batch_axis_falls_back():
     c = parse_candidate("2b_g32")
     res = measure_site(rp, site, [c], SweepConfig([c.name]))
     ref = model(mx.array(toks))
-    assert res.kl[c.name] == pytest.approx(_direct_kl(model, adapter, site, c, toks, ref), rel=1e-6)
+    assert res.kl[c.name] == pytest.approx(direct_kl(model, adapter, site, c, toks, ref), rel=1e-6)
