@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from mixbits.adapter import ModelAdapter
-from mixbits.measure.candidates import build_layer, parse_candidate, supports
+from mixbits.measure.candidates import parse_candidate, supports
 from mixbits.measure.replay import Replayer, batch_axis, token_chunks
-from mixbits.measure.sweep import SweepConfig, kl_per_token, measure_site
+from mixbits.measure.sweep import SweepConfig, measure_site
 from test_any_model import direct_kl
 
 CANDS = ["2b_g32", "ternary_g64", "3b16_2b_g32"]

@@ -23,8 +23,6 @@ mlx-lm counts them) are what is asked for and what is printed.
 from __future__ import annotations
 
 import hashlib
-import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -370,7 +370,7 @@ def _fp_layer(module, cand: Candidate, wn):
     import mlx.core as mx
     import mlx.nn as nn
 
-    from ..nn import MixedQuantizedEmbedding, MixedQuantizedSwitchLinear, is_expert_stack
+    from ..nn import MixedQuantizedEmbedding, is_expert_stack
 
     gs, bits, mode = cand.group_size, cand.bits, cand.mode
     wq, scales = mx.quantize(wn, gs, bits, mode=mode)
