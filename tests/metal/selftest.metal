@@ -135,6 +135,21 @@ template <int unused>
   out[gid] = tg[tsize.x - 1 - lid] + extra;
 }
 
+// Loads of every width the traffic counters tell apart: thread i reads
+// byte 4i, the 2-byte half-word 2i, float i, and (even i) the 8-byte word
+// i / 2 of `in`, so a group of n threads reads n, 2n, 4n and 4n bytes at
+// widths 1, 2, 4, 8, and every input byte at least once.
+template <int unused>
+[[kernel]] void st_load_widths(ST_ARGS) {
+  const uint gid = tgid.x * tsize.x + lid;
+  const device uchar* b = (const device uchar*)in;
+  const device ushort* h = (const device ushort*)in;
+  const device ulong* q = (const device ulong*)in;
+  float v = float(b[4 * gid]) + float(h[2 * gid]) + in[gid];
+  if (gid % 2 == 0) v += float(q[gid / 2] & 1ul);
+  out[gid] = v;
+}
+
 // row-major matrix T = [L | R] (two 8x8 blocks). Each simdgroup s computes
 // one product and stores it into the right half (columns 8..15) of its own
 // 8 x 16 region out[128 s ...], leaving the left half untouched:
@@ -238,6 +253,7 @@ template <int unused>
 MB_INSTANTIATE_KERNEL("st_group_sum", st_group_sum, 0)
 MB_INSTANTIATE_KERNEL("st_reverse", st_reverse, 0)
 MB_INSTANTIATE_KERNEL("st_reverse_extra_read", st_reverse_extra_read, 0)
+MB_INSTANTIATE_KERNEL("st_load_widths", st_load_widths, 0)
 MB_INSTANTIATE_KERNEL("st_reverse_no_barrier", st_reverse_no_barrier, 0)
 MB_INSTANTIATE_KERNEL("st_shuffles", st_shuffles, 0)
 MB_INSTANTIATE_KERNEL("st_divergent_sum", st_divergent_sum, 0)

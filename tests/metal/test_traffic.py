@@ -50,6 +50,17 @@ def test_planted_extra_read_is_counted_but_not_as_a_new_byte():
     assert r["device_unique_read_bytes"] == base["device_unique_read_bytes"]
 
 
+def test_each_load_width_counted_under_its_own():
+    G, N = 2, 64
+    r, _ = one("st_load_widths", G, N, G * N)
+    n = G * N
+    assert r["device_read_by_width"] == {"1": n, "2": 2 * n, "4": 4 * n, "8": 4 * n, "16": 0,
+                                         "other": 0}
+    assert r["device_read_bytes"] == 11 * n
+    assert r["device_unique_read_bytes"] == 4 * n  # every byte of in, once
+    assert r["device_write_by_width"]["4"] == r["device_write_bytes"] == 4 * n
+
+
 def test_simdgroup_matrix_ops():
     # st_sgmm: 4 simdgroups, each one 8x8x8 multiply-accumulate and one 8x8
     # float store; every simdgroup loads L and R from threadgroup memory,
