@@ -258,3 +258,31 @@ def test_hf_repo_id_resolves_offline_through_mlx_lm(dense, tmp_path):
                         "--tokens", str(dense / "tokens.npy"), "--bpw", "3.6", "--out", str(out)],
                        env=env, capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 2 and "tiny-org/missing" in r.stderr and "HF_HUB_OFFLINE" in r.stderr
+
+
+def test_time_budget_picks_the_most_exact_method_that_fits(dense, tmp_path, capsys):
+    base = ["convert", "--model", str(dense / "model"), "--tokens", str(dense / "tokens.npy"),
+            "--bpw", "3.6", "--max-evals", "1"]
+    # a generous budget: the exact sweep fits
+    out = tmp_path / "a"
+    assert main(base + ["--out", str(out), "--time-budget", "600"]) == 0
+    printed = capsys.readouterr().out
+    assert "method: exact (projected" in printed and "[2/4] measure: exact" in printed
+    assert json.loads((Path(str(out) + ".work") / "settings.json").read_text())["method"] == "exact"
+    assert json.loads((Path(str(out) + ".work") / "table.json").read_text())["meta"]["method"] == "exact"
+    # a rerun keeps the first run's choice, whatever the budget now (no probe)
+    assert main(base + ["--out", str(out), "--time-budget", "1e-9"]) == 0
+    printed = capsys.readouterr().out
+    assert "method:" not in printed and "(kept from the last run)" in printed
+    # nothing fits: the cheapest runs, with a one-line warning
+    out = tmp_path / "b"
+    assert main(base + ["--out", str(out), "--time-budget", "1e-9"]) == 0
+    cap = capsys.readouterr()
+    assert "method: grad (projected" in cap.out
+    assert "mixbits convert: warning: no method is projected to fit --time-budget" in cap.err
+    # --method wins over the budget; a bad budget is refused before the model loads
+    out = tmp_path / "c"
+    assert main(base + ["--out", str(out), "--time-budget", "1e-9", "--method", "two-stage"]) == 0
+    assert "method: " not in capsys.readouterr().out
+    assert main(base + ["--out", str(tmp_path / "d"), "--time-budget", "-1"]) == 2
+    assert "positive number of minutes" in capsys.readouterr().err

@@ -89,6 +89,26 @@ def settings(args) -> dict:
     return out
 
 
+# Sensitivity methods, most exact first: --time-budget takes the first that fits.
+METHODS = ("exact", "two-stage", "grad")
+
+
+def saved_settings(work: Path) -> dict | None:
+    from .formats.errors import load_json
+
+    path = work / SETTINGS
+    return load_json(path, str(path)) if path.exists() else None
+
+
+def pick_method(totals: dict[str, float], budget_s: float) -> tuple[str, bool]:
+    """(method, fits): the most exact method whose projected time fits the
+    budget, else the cheapest (fits False)."""
+    for m in METHODS:
+        if totals[m] <= budget_s:
+            return m, True
+    return METHODS[-1], False
+
+
 def check_settings(work: Path, current: dict) -> None:
     """A work folder from another run's settings is refused, naming them."""
     from .formats.errors import load_json
@@ -128,6 +148,11 @@ class Probe:
         grad = self.n_seq * samples * self.fisher_seq
         measure = {"exact": exact, "grad": grad, "two-stage": grad + exact_budget * exact}[method]
         return {"measure": measure, "refine": len(bpws) * (max_evals + 4) * self.n_seq * self.joint_seq}
+
+    def totals(self, bpws, max_evals: int, exact_budget: float, samples: int) -> dict[str, float]:
+        """Projected measure + refine seconds of every method."""
+        return {m: sum(self.stage_seconds(m, bpws, max_evals, exact_budget, samples).values())
+                for m in METHODS}
 
 
 def _timed(fn) -> float:

@@ -41,3 +41,8 @@ class UsageError(MixbitsError, ValueError):
 class CalibrationWarning(UserWarning):
     """A result rests on a calibration set too small or noisy for it (e.g.
     an allocation that lost to uniform quantization and was replaced)."""
+
+
+class TimeBudgetWarning(UserWarning):
+    """No way of doing the work is projected to fit the time the user gave;
+    the cheapest runs anyway."""

@@ -5,6 +5,7 @@ continue after a kill)."""
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -32,8 +33,13 @@ def add_arguments(p) -> None:
                    help="the quantized folder (with several --bpw: DIR/<bpw>bpw for each); the "
                         "stages' outputs are kept in DIR.work so a rerun continues after a kill")
     add_calibration_arguments(p)
-    p.add_argument("--method", choices=("two-stage", "exact", "grad"), default="two-stage",
+    p.add_argument("--method", choices=("two-stage", "exact", "grad"), default=None,
                    help=METHOD_HELP)
+    p.add_argument("--time-budget", type=float, metavar="MIN",
+                   help="minutes measure and refine may take: without --method, a timing probe picks "
+                        "the most exact method projected to fit (exact, then two-stage, then grad, "
+                        "which is taken, with a warning, when nothing fits); a rerun keeps the first "
+                        "run's choice")
     p.add_argument("--candidates", nargs="+", default=["default"],
                    help="candidate kinds or a preset (as `mixbits measure --candidates`; default: "
                         "the 'default' preset)")
@@ -51,7 +57,8 @@ def add_arguments(p) -> None:
 
 def check(args) -> dict:
     """Every argument, output and the work folder's settings, before the model loads."""
-    from ..convert import check_settings, output_dirs, settings, smallest_storage_bpw, work_dir
+    from ..convert import (check_settings, output_dirs, saved_settings, settings, smallest_storage_bpw,
+                           work_dir)
     from ..folder import check_replaceable
     from ..measure.candidates import expand_candidates
     from . import _checks
@@ -82,6 +89,16 @@ def check(args) -> dict:
     work = work_dir(args.out)
     if work.exists() and not work.is_dir():
         raise _checks.UsageError(f"{work} (the work folder) exists and is not a folder")
+    if args.time_budget is not None and not (math.isfinite(args.time_budget) and args.time_budget > 0):
+        raise _checks.UsageError(f"--time-budget must be a positive number of minutes, got {args.time_budget}")
+    if args.method is None:
+        saved = saved_settings(work) if work.is_dir() else None
+        if args.time_budget is None:
+            args.method = "two-stage"
+        elif saved is not None:
+            args.method = saved.get("method")  # chosen by the run that started this work folder
+        else:
+            return None  # chosen after the model loads, by a timing probe
     current = settings(args)
     check_settings(work, current)
     return current
@@ -144,6 +161,8 @@ def dry_run(args) -> int:
     tokens = _tokens(args, tokenizer, model)
     sites = ModelAdapter(model).sites
     probe = timing_probe(model, tokens, sites, args.candidates)
+    if args.method is None:
+        _choose_method(args, probe)
     est = probe.stage_seconds(args.method, args.bpw, args.max_evals, args.exact_budget,
                               args.fisher_samples)
     print(f"model: {args.model}: {len(sites)} quantizable tensors, "
@@ -180,11 +199,18 @@ def convert(args, current: dict, work) -> int:
         timings[key] = round(timings.get(key, 0.0) + time.perf_counter() - t0, 3)
         write_json_atomic(timings, timings_path)
 
-    if not (work / SETTINGS).exists():
-        write_json_atomic(current, work / SETTINGS)
     t0 = time.perf_counter()
     model, tokenizer = _load_measured_model(args)
     tok_path = work / TOKENS
+    if current is None:  # --time-budget without --method: the probe decides
+        from ..adapter import ModelAdapter
+        from ..convert import settings, timing_probe
+
+        tokens = _tokens(args, tokenizer, model)
+        _choose_method(args, timing_probe(model, tokens, ModelAdapter(model).sites, args.candidates))
+        current = settings(args)
+    if not (work / SETTINGS).exists():
+        write_json_atomic(current, work / SETTINGS)
     if tok_path.exists():
         from ..measure.calib import load_tokens
 
@@ -212,6 +238,25 @@ def convert(args, current: dict, work) -> int:
         print(card(args.model, r, tokens.shape, args.method))
     print(f"done in {format_duration(time.perf_counter() - t_start)} (this run)")
     return 0
+
+
+def _choose_method(args, probe) -> None:
+    """Set args.method to the most exact method the probe projects within --time-budget."""
+    from ..convert import format_duration, pick_method
+
+    totals = probe.totals(args.bpw, args.max_evals, args.exact_budget, args.fisher_samples)
+    args.method, fits = pick_method(totals, args.time_budget * 60)
+    plan = ", ".join(f"{m} ~{format_duration(t)}" for m, t in totals.items())
+    print(f"method: {args.method} (projected measure + refine: {plan}; budget {args.time_budget:g} min)")
+    if not fits:
+        import warnings
+
+        from ..errors import TimeBudgetWarning
+
+        warnings.warn(f"no method is projected to fit --time-budget {args.time_budget:g} min (the "
+                      f"cheapest, grad, ~{format_duration(totals['grad'])}); running grad. Lower "
+                      "--max-evals or the calibration set (--n-seq) to save time",
+                      TimeBudgetWarning, stacklevel=2)
 
 
 def _measure(args, model, tokens, work, timed) -> dict:
