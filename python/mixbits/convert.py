@@ -111,13 +111,8 @@ def pick_method(totals: dict[str, float], budget_s: float) -> tuple[str, bool]:
 
 def check_settings(work: Path, current: dict) -> None:
     """A work folder from another run's settings is refused, naming them."""
-    from .formats.errors import load_json
-
-    path = work / SETTINGS
-    if not path.exists():
-        return
-    saved = load_json(path, str(path))
-    if saved != current:
+    saved = saved_settings(work)
+    if saved is not None and saved != current:
         keys = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
         diff = "; ".join(f"{k}: {saved.get(k)!r} then, {current.get(k)!r} now" for k in keys)
         raise UsageError(f"{work} holds the stages of a run with other settings ({diff}). Rerun with "

@@ -51,8 +51,9 @@ def add_arguments(p) -> None:
                    help="joint-KL evaluations of the allocation search per budget (default 30)")
     p.add_argument("--max-batch", type=int, default=8, help="sequences per forward in the sweep")
     p.add_argument("--dry-run", action="store_true",
-                   help="load the model, time one forward, print the plan (tensors, candidates, "
-                        "estimated time per stage) and exit without writing anything")
+                   help="load the model, time the stages' work on one calibration sequence, print "
+                        "the plan (tensors, candidates, estimated time per stage) and exit without "
+                        "writing anything")
 
 
 def check(args) -> dict:
@@ -92,7 +93,7 @@ def check(args) -> dict:
     if args.time_budget is not None and not (math.isfinite(args.time_budget) and args.time_budget > 0):
         raise _checks.UsageError(f"--time-budget must be a positive number of minutes, got {args.time_budget}")
     if args.method is None:
-        saved = saved_settings(work) if work.is_dir() else None
+        saved = saved_settings(work)
         if args.time_budget is None:
             args.method = "two-stage"
         elif saved is not None:
@@ -122,43 +123,22 @@ def run(args) -> int:
 
 
 def _load_measured_model(args):
-    """The model as the sweep runs it: float weights cast to --dtype,
-    quantized layers on mixbits kernels; and its tokenizer."""
-    from ..measure.calib import cast_model
-    from ..models import load
-    from ..nn import patch
+    from ..measure.calib import load_model
 
     try:
-        model, tokenizer, _ = load(args.model)
+        return load_model(args)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"--model: {e}") from None
-    cast_model(model, args.dtype)
-    patch(model)
-    return model, tokenizer
-
-
-def _tokens(args, tokenizer, model):
-    from ..measure.calib import check_calibration_arguments, load_texts, token_sequences
-
-    tokens = check_calibration_arguments(args)
-    if tokens is None:
-        if tokenizer is None:
-            raise ValueError(f"{args.model} has no tokenizer: give calibration ids with --tokens")
-        tokens = token_sequences(tokenizer, load_texts(args.text, args.corpus), args.n_seq, args.seq_len)
-    from ..adapter import ModelAdapter
-
-    emb = [s for s in ModelAdapter(model).sites if s.form == "embedding"]
-    if emb and tokens.max() >= emb[0].shape[0]:
-        raise ValueError(f"token id {int(tokens.max())} is outside the model's vocabulary ({emb[0].shape[0]})")
-    return tokens
 
 
 def dry_run(args) -> int:
     from ..adapter import ModelAdapter
     from ..convert import format_duration, output_dirs, timing_probe, work_dir
 
+    from ..measure.calib import calibration_tokens
+
     model, tokenizer = _load_measured_model(args)
-    tokens = _tokens(args, tokenizer, model)
+    tokens = calibration_tokens(args, model, tokenizer)
     sites = ModelAdapter(model).sites
     probe = timing_probe(model, tokens, sites, args.candidates)
     if args.method is None:
@@ -202,26 +182,27 @@ def convert(args, current: dict, work) -> int:
     t0 = time.perf_counter()
     model, tokenizer = _load_measured_model(args)
     tok_path = work / TOKENS
-    if current is None:  # --time-budget without --method: the probe decides
-        from ..adapter import ModelAdapter
-        from ..convert import settings, timing_probe
-
-        tokens = _tokens(args, tokenizer, model)
-        _choose_method(args, timing_probe(model, tokens, ModelAdapter(model).sites, args.candidates))
-        current = settings(args)
-    if not (work / SETTINGS).exists():
-        write_json_atomic(current, work / SETTINGS)
     if tok_path.exists():
         from ..measure.calib import load_tokens
 
         tokens = load_tokens(tok_path)
         _stage(1, "calibration", f"{tokens.shape[0]} x {tokens.shape[1]} tokens (kept from the last run)")
     else:
-        tokens = _tokens(args, tokenizer, model)
+        from ..measure.calib import calibration_tokens
+
+        tokens = calibration_tokens(args, model, tokenizer)
         tmp = tok_path.with_name(".tokens.tmp.npy")
         np.save(tmp, tokens)
         tmp.replace(tok_path)
         _stage(1, "calibration", f"{tokens.shape[0]} x {tokens.shape[1]} tokens")
+    if current is None:  # --time-budget without --method: the probe decides
+        from ..adapter import ModelAdapter
+        from ..convert import settings, timing_probe
+
+        _choose_method(args, timing_probe(model, tokens, ModelAdapter(model).sites, args.candidates))
+        current = settings(args)
+    if not (work / SETTINGS).exists():
+        write_json_atomic(current, work / SETTINGS)
     timed("load", t0)
 
     table = _measure(args, model, tokens, work, timed)

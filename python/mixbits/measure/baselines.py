@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import CalibrationWarning
 from .candidates import parse_candidate
+from .refine import option_bits
 
 
 # mlx-lm's mixed recipes (mlx_lm.convert's QUANT_RECIPES: mixed_2_6, mixed_3_4,
@@ -35,8 +36,7 @@ def entry_bits(table: dict, assignment: dict[str, str], count: str = "storage") 
         name = assignment[e["path"]]
         if name not in cands:
             raise ValueError(f"{e['path']}: candidate {name!r} was not measured")
-        c = cands[name]
-        bits += c["storage_bits"] if count == "storage" else round(float(c["bits"]) * e["nparams"])
+        bits += option_bits(cands[name], e["nparams"], count)
         total += e["nparams"]
     return bits, total
 

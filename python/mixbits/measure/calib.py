@@ -119,16 +119,25 @@ def cast_model(model, dtype: str) -> None:
         mx.eval(model.parameters())
 
 
-def load_model_and_tokens(args, patch: bool = True):
+def load_model(args, patch: bool = True):
+    """(model, tokenizer) of ``args.model`` as the sweep runs it: float
+    weights cast to ``args.dtype``, quantized layers on mixbits kernels
+    (``patch``)."""
     from ..models import load
 
-    tokens = check_calibration_arguments(args)
     model, tokenizer, _ = load(args.model)
     cast_model(model, getattr(args, "dtype", "float32"))
     if patch:
         from ..nn import patch as patch_model
 
         patch_model(model)
+    return model, tokenizer
+
+
+def calibration_tokens(args, model, tokenizer) -> np.ndarray:
+    """Token ids [n_seq, seq_len] from --tokens, or cut from --text / the
+    built-in corpus with ``tokenizer``; checked against the model's vocabulary."""
+    tokens = check_calibration_arguments(args)
     if tokens is None:
         if tokenizer is None:
             raise ValueError(f"{args.model} has no tokenizer: give calibration ids with --tokens")
@@ -136,7 +145,13 @@ def load_model_and_tokens(args, patch: bool = True):
     vocab = _vocab_size(model)
     if vocab is not None and tokens.max() >= vocab:
         raise ValueError(f"token id {int(tokens.max())} is outside the model's vocabulary ({vocab})")
-    return model, tokens
+    return tokens
+
+
+def load_model_and_tokens(args, patch: bool = True):
+    check_calibration_arguments(args)  # a bad --tokens file fails before the model loads
+    model, tokenizer = load_model(args, patch)
+    return model, calibration_tokens(args, model, tokenizer)
 
 
 def _vocab_size(model):

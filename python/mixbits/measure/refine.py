@@ -28,7 +28,8 @@ import numpy as np
 from ..alloc import MCKProblem, solve
 
 
-def _option_bits(c: dict, nparams: int, count: str) -> int:
+def option_bits(c: dict, nparams: int, count: str) -> int:
+    """A candidate entry's bits in the budget's count ("storage" or "nominal")."""
     if count == "storage":
         if "storage_bits" not in c:
             raise ValueError(f"candidate {c.get('kind')!r} has no storage_bits; use count='nominal'")
@@ -40,7 +41,7 @@ def table_problem(table: dict, count: str = "storage") -> MCKProblem:
     entries = table["entries"]
     if not entries:
         raise ValueError("the sensitivity table has no entries")
-    weights = [[_option_bits(c, e["nparams"], count) for c in e["candidates"]] for e in entries]
+    weights = [[option_bits(c, e["nparams"], count) for c in e["candidates"]] for e in entries]
     costs = [[float(c["kl"]) for c in e["candidates"]] for e in entries]
     return MCKProblem(weights, costs, [e["path"] for e in entries], [e["nparams"] for e in entries])
 
