@@ -176,20 +176,19 @@ def timing_probe(model, tokens, sites, candidates) -> Probe:
                and any(supports(c, s) and not c.calibrated for c in cands)]
     fisher_sites = linears[:1] or sites[:1]
     fisher = _timed(lambda: fisher_diagonal(model, one, fisher_sites, progress=False))
-    pair = (0.0, 0.0)
+    pair, plan = (0.0, 0.0), {}
     if linears:
         rp = Replayer(model, token_chunks(one, 1), ModelAdapter(model))
         cfg = SweepConfig([c.name for c in cands])
         first, last = linears[0], linears[-1]
         cand = next(c for c in cands if supports(c, first) and not c.calibrated)
+        plan = {first.path: cand.name}  # the joint evaluation below quantizes the same tensor
         t_first = _timed(lambda: measure_site(rp, first, [cand], cfg))
         t_last = _timed(lambda: measure_site(rp, last, [cand], cfg))
         du = cost[first.path] - cost[last.path]
         per = max((t_first - t_last) / du, 0.0) if du else 0.0
         pair = (max(t_last - per * cost[last.path], 0.0), per)
     ev = JointEvaluator(model, one, chunk=1)
-    plan = {linears[0].path: next(c.name for c in cands if supports(c, linears[0]) and not c.calibrated)} \
-        if linears else {}
     ev.joint_kl(plan)  # builds the layer once, as refine's first evaluation does
     joint = _timed(lambda: ev.joint_kl(plan))
     return Probe(len(tokens), fisher, pair, units, joint)
