@@ -23,12 +23,6 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline float scalar_at(const void* w, DType t, int64_t i) {
-  if (t == DType::f32) return static_cast<const float*>(w)[i];
-  const uint16_t h = static_cast<const uint16_t*>(w)[i];
-  return t == DType::f16 ? _cvtsh_ss(h) : bf16_to_f32(h);
-}
-
 // y[m + i][n + r] for r < R, i < MR. Every output is summed in the same
 // order by every instantiation (thread-independent results).
 template <DType T, int R, int MR>
@@ -59,7 +53,7 @@ inline void block(const float* x, int64_t K, const void* w, int64_t n, int64_t m
     for (int i = 0; i < MR; ++i) {
       float s = hsum(acc[r][i]);
       const float* xr = x + (m + i) * K;
-      for (int64_t k = K8; k < K; ++k) s = std::fma(xr[k], scalar_at(w, T, (n + r) * K + k), s);
+      for (int64_t k = K8; k < K; ++k) s = std::fma(xr[k], load_as_f32(w, (n + r) * K + k, T), s);
       y[(m + i) * ldy + n + r] = s;
     }
 }

@@ -6,16 +6,6 @@
 
 namespace mixbits {
 
-namespace {
-
-float weight_at(const void* w, DType t, int64_t i) {
-  if (t == DType::f32) return static_cast<const float*>(w)[i];
-  const uint16_t h = static_cast<const uint16_t*>(w)[i];
-  return t == DType::f16 ? f16_to_f32(h) : bf16_to_f32(h);
-}
-
-}  // namespace
-
 void gemv_ref(const float* x, int64_t M, const void* w, DType wt, int64_t K, int64_t n0,
               int64_t n1, float* y, int64_t ldy) {
   const int64_t K8 = K - K % 8;
@@ -24,9 +14,9 @@ void gemv_ref(const float* x, int64_t M, const void* w, DType wt, int64_t K, int
       const float* xr = x + m * K;
       float lane[8] = {};
       for (int64_t k = 0; k < K8; k += 8)
-        for (int j = 0; j < 8; ++j) lane[j] += xr[k + j] * weight_at(w, wt, n * K + k + j);
+        for (int j = 0; j < 8; ++j) lane[j] += xr[k + j] * load_as_f32(w, n * K + k + j, wt);
       float s = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
-      for (int64_t k = K8; k < K; ++k) s += xr[k] * weight_at(w, wt, n * K + k);
+      for (int64_t k = K8; k < K; ++k) s += xr[k] * load_as_f32(w, n * K + k, wt);
       y[m * ldy + n] = s;
     }
   }

@@ -137,8 +137,11 @@ def float_matmul(a: mx.array, b: mx.array, bias: mx.array | None = None, *, tran
 
 
 def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
-    """``nn.Linear``'s ``x @ weight.T + bias`` through :func:`float_matmul`."""
-    return float_matmul(x, weight, bias)
+    """``nn.Linear``'s ``x @ weight.T + bias`` as one float_matmul node, for
+    a routed model's calls: the arguments are those :func:`routes` accepted
+    (which is what float_matmul's checks would verify again on every call of
+    every layer), and the BLAS is loaded (``routes`` asked for it)."""
+    return _ext.float_matmul(x, weight, bias, False, True, 0, PATHS["auto"])
 
 
 def routes(x, weight, bias=None) -> bool:

@@ -163,7 +163,7 @@ class _RoutedLinear(nn.Linear):
         w = self["weight"]
         b = self["bias"] if "bias" in self else None
         if _ACTIVE.get() and float_linear.routes(x, w, b):
-            return float_linear.float_matmul(x, w, b)
+            return float_linear.linear(x, w, b)
         return super().__call__(x)
 
 
@@ -177,7 +177,7 @@ class _RoutedEmbedding(nn.Embedding):
     def as_linear(self, x):
         w = self["weight"]
         if _ACTIVE.get() and float_linear.routes(x, w):
-            return float_linear.float_matmul(x, w)
+            return float_linear.linear(x, w)
         return super().as_linear(x)
 
 

@@ -98,13 +98,13 @@ def affine_triplet(t: TensorInfo):
     rows, cols = t.shape
     blocks = t.raw.reshape(rows, cols // _GROUP, -1)
     d = _f16(blocks, d_off)
-    for name, v in (("block scales", d), ("block minimums", None if m_off is None else _f16(blocks, m_off))):
-        if v is not None and not np.isfinite(v).all():
-            _refuse_nonfinite(t, name, int(np.count_nonzero(~np.isfinite(v))), v.size)
-    if m_off is None:
-        bias = (d.astype(np.float32) * -zero).astype(np.float16)
-    else:
-        bias = _f16(blocks, m_off)
+    m = None if m_off is None else _f16(blocks, m_off)
+    for name, v in (("block scales", d), ("block minimums", m)):
+        bad = 0 if v is None else v.size - int(np.count_nonzero(np.isfinite(v)))
+        if bad:
+            _refuse_nonfinite(t, name, bad, v.size)
+    bias = (d.astype(np.float32) * -zero).astype(np.float16) if m is None else m
+    # With MIXBITS_ALLOW_NONFINITE, or d * -zero overflowing: not representable.
     if not (np.isfinite(d).all() and np.isfinite(bias).all()):
         return None
     codes = _codes(blocks, t.type_id).reshape(rows, cols)
