@@ -39,12 +39,10 @@ def _warnings_as_lines(command: str) -> None:
     the errors; other libraries' keep Python's format."""
     import warnings
 
-    from .errors import CalibrationWarning
-
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, CalibrationWarning) or category.__module__.startswith("mixbits."):
+        if category.__module__.startswith("mixbits."):
             print(f"mixbits {command}: warning: {message}", file=sys.stderr)
         else:
             shown(message, category, filename, lineno, file, line)

@@ -331,7 +331,9 @@ def _quantize(args, r, table, tokens, timings, timed, step) -> None:
     _stage(4, "quantize", f"{r.out} ({r.bpw:g} bpw, {step})")
     t0 = time.perf_counter()
     model, tokenizer, config = mixbits.load(args.model)
-    quantize_candidates(model, allocation_candidates(r.allocation, model), tokens=tokens)
+    # As `mixbits quantize` applies an allocation: tensors it leaves out at its embed_bits.
+    quantize_candidates(model, allocation_candidates(r.allocation, model), tokens=tokens,
+                        embed_bits=r.allocation.get("embed_bits"))
     png = io.BytesIO()
     plot_table(table, png, allocation=r.allocation, title=f"{Path(str(args.model)).name}, {r.bpw:g} bpw")
     r.seconds = dict(timings)

@@ -134,10 +134,12 @@ def load_model(args, patch: bool = True):
     return model, tokenizer
 
 
-def calibration_tokens(args, model, tokenizer) -> np.ndarray:
-    """Token ids [n_seq, seq_len] from --tokens, or cut from --text / the
-    built-in corpus with ``tokenizer``; checked against the model's vocabulary."""
-    tokens = check_calibration_arguments(args)
+def calibration_tokens(args, model, tokenizer, tokens=None) -> np.ndarray:
+    """Token ids [n_seq, seq_len]: ``tokens`` (--tokens already read), else
+    --tokens, else cut from --text / the built-in corpus with ``tokenizer``;
+    checked against the model's vocabulary."""
+    if tokens is None:
+        tokens = check_calibration_arguments(args)
     if tokens is None:
         if tokenizer is None:
             raise ValueError(f"{args.model} has no tokenizer: give calibration ids with --tokens")
@@ -149,9 +151,9 @@ def calibration_tokens(args, model, tokenizer) -> np.ndarray:
 
 
 def load_model_and_tokens(args, patch: bool = True):
-    check_calibration_arguments(args)  # a bad --tokens file fails before the model loads
+    tokens = check_calibration_arguments(args)  # a bad --tokens file fails before the model loads
     model, tokenizer = load_model(args, patch)
-    return model, calibration_tokens(args, model, tokenizer)
+    return model, calibration_tokens(args, model, tokenizer, tokens)
 
 
 def _vocab_size(model):
