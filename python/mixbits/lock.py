@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import inspect
 import os
 import threading
 import time
@@ -110,3 +112,16 @@ def output_lock(output):
             if entry[1] == 0:
                 del _held[key]
                 _release(lock, entry[0])
+
+
+def locks_output(fn):
+    """Decorator: ``fn`` runs holding the lock of its ``out`` argument, so a
+    second job writing the same output is refused (:func:`output_lock`)."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def locked(*args, **kwargs):
+        with output_lock(sig.bind(*args, **kwargs).arguments["out"]):
+            return fn(*args, **kwargs)
+
+    return locked

@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..adapter import ModelAdapter, get_module, set_module
+from ..lock import locks_output
 from ..formats.exl2 import Measurement, Option, ProjectionQuant
 from .candidates import Candidate, build_layer, parse_candidate, supports
 from ..formats.errors import load_json
@@ -40,18 +41,12 @@ def _projection_quant(c: Candidate) -> ProjectionQuant:
     raise ValueError(f"candidate {c.name!r}: ExLlamaV2 has no ternary option")
 
 
-def measure_modules(model, tokens, candidates, out, **kw) -> dict:
+@locks_output
+def measure_modules(model, tokens, candidates, out, *, chunk: int = 4, resume: bool = False,
+                    progress: bool = True) -> dict:
     """Write (and return) measurement.json for ``model`` on ``tokens``;
-    checkpointed atomically after every module, resumable (keywords
-    ``chunk``, ``resume``, ``progress``), under ``out``'s lock (one writer)."""
-    from ..lock import output_lock
-
-    with output_lock(out):
-        return _measure_modules(model, tokens, candidates, out, **kw)
-
-
-def _measure_modules(model, tokens, candidates, out, *, chunk: int = 4, resume: bool = False,
-                     progress: bool = True) -> dict:
+    checkpointed atomically after every module, resumable, under ``out``'s
+    lock (one writer)."""
     from tqdm import tqdm
 
     cands = [parse_candidate(c) for c in candidates]

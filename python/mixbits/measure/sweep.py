@@ -30,6 +30,7 @@ from ..adapter import ModelAdapter, Site, dense_weight
 from ..atomic import write_json_atomic
 from .candidates import Candidate, build_layer, fitting, parse_candidate
 from ..formats.errors import load_json
+from ..lock import locks_output
 from .replay import Replayer, token_chunks
 
 TABLE_FORMAT = "mixbits.sensitivity"
@@ -222,26 +223,18 @@ def table_meta(tokens, cfg, model_id, sites, *, model=None, method: str = "exact
     }
 
 
-def sweep(model, tokens, out: str | Path, candidates=None, **kw) -> dict:
+@locks_output
+def sweep(model, tokens, out: str | Path, candidates=None, *, resume: bool = False,
+           model_id: str = "", max_batch: int = 8, sites: list[str] | None = None,
+           rank: int = 0, world: int = 1, progress: bool = True, on_site=None) -> dict:
     """Measure every (tensor, candidate) of ``model`` on ``tokens`` [B, T].
 
     Writes the sensitivity table to ``out`` after every tensor (atomic),
     holding ``out``'s lock (:func:`mixbits.lock.output_lock`) throughout:
-    a second sweep into the same file is refused. Keywords: ``resume``,
-    ``model_id``, ``max_batch``, ``sites``, ``rank``, ``world``,
-    ``progress``, ``on_site``. With ``world > 1`` this process measures
-    every ``world``-th tensor starting at ``rank`` (see
+    a second sweep into the same file is refused. With ``world > 1`` this
+    process measures every ``world``-th tensor starting at ``rank`` (see
     :mod:`mixbits.measure.distributed`). Returns the table dict.
     """
-    from ..lock import output_lock
-
-    with output_lock(out):
-        return _sweep(model, tokens, out, candidates, **kw)
-
-
-def _sweep(model, tokens, out: str | Path, candidates=None, *, resume: bool = False,
-           model_id: str = "", max_batch: int = 8, sites: list[str] | None = None,
-           rank: int = 0, world: int = 1, progress: bool = True, on_site=None) -> dict:
     from tqdm import tqdm
 
     tokens = np.asarray(tokens)

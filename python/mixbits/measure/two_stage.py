@@ -54,6 +54,7 @@ import numpy as np
 
 from ..alloc import solve
 from ..atomic import write_json_atomic
+from ..lock import locks_output
 from .refine import table_problem
 from .sweep import (TABLE_FORMAT, TABLE_VERSION, SweepConfig, select_sites, settings_mismatch,
                     table_meta)
@@ -168,23 +169,15 @@ def plan(entries: list[dict], exact: dict[str, dict[str, float]], targets, quota
     return new
 
 
-def proxy_sweep(model, tokens, out, candidates, **kw) -> dict:
+@locks_output
+def proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=None,
+                targets=(3.0, 3.5, 4.0, 4.5), budget: float = 0.15, rounds: int = ROUNDS,
+                samples: int = 2, seed: int = 0, max_batch: int = 8, model_id: str = "",
+                resume: bool = False, progress: bool = True) -> dict:
     """Write and return a sensitivity table by ``method`` "grad" or
     "two-stage" (``budget``: the exact stage's share of a full exact
     sweep's cost, spent over ``rounds`` rounds; see the module docstring).
-    Keywords: ``method``, ``sites``, ``targets``, ``budget``, ``rounds``,
-    ``samples``, ``seed``, ``max_batch``, ``model_id``, ``resume``,
-    ``progress``. Holds ``out``'s lock (one writer) throughout."""
-    from ..lock import output_lock
-
-    with output_lock(out):
-        return _proxy_sweep(model, tokens, out, candidates, **kw)
-
-
-def _proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=None,
-                 targets=(3.0, 3.5, 4.0, 4.5), budget: float = 0.15, rounds: int = ROUNDS,
-                 samples: int = 2, seed: int = 0, max_batch: int = 8, model_id: str = "",
-                 resume: bool = False, progress: bool = True) -> dict:
+    Holds ``out``'s lock (one writer) throughout."""
     from ..adapter import ModelAdapter
     from ..formats.errors import load_json
     from .candidates import fitting, parse_candidate
