@@ -13,7 +13,7 @@ from ..atomic import output_target
 from ..formats import FormatError, Measurement, SensitivityTable, is_sensitivity_table, projection_shapes
 from ..formats.errors import load_json, write_json_atomic
 from ..formats.exl2 import layer_of
-from ..measure.refine import chosen_embed_bits
+from ..measure.refine import chosen_embed_bits, without_outside
 
 
 def add_arguments(p) -> None:
@@ -101,10 +101,10 @@ def _run_table(args, raw) -> int:
     if not table.complete:
         raise FormatError(f"{args.input}: the sweep that wrote this table has not finished ('complete': false)")
     if args.embed_bits is not None:  # embeddings and head out of the table and the budget
-        table.entries = [e for e in table.entries if e.layer is not None]
-        if not table.entries:
-            raise FormatError(f"{args.input}: --embed-bits leaves no tensor to allocate (every entry "
-                              "is an embedding or head)")
+        try:
+            table = SensitivityTable.from_dict(without_outside(raw))
+        except ValueError as e:
+            raise FormatError(f"{args.input}: {e}") from None
     problem = MCKProblem.from_table(table, args.count)
     budget, lower = _budgets(args, problem)
     sol = solve(problem, budget, lower)
