@@ -150,6 +150,11 @@ def cold_m1_rows(n: int, k: int, dtypes, pool_bytes: int) -> list[dict]:
     return rows
 
 
+# Llama shapes of the reference pass; 1b is a 1.03B-parameter TinyLlama-like model (2048 wide, 20 layers).
+MODELS = {"156m": dict(hidden=1024, layers=8, inter=2816, vocab=32000),
+          "1b": dict(hidden=2048, layers=20, inter=5632, vocab=32000)}
+
+
 def llama_float16(hidden: int, layers: int, inter: int, vocab: int, seed: int = 0):
     """A random-weight Llama (mlx-lm's class) in float16, untied head."""
     from mlx.utils import tree_flatten, tree_map
@@ -188,6 +193,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-model", action="store_true")
     ap.add_argument("--model-only", action="store_true", help="only the reference pass (e.g. with --threads 2)")
+    ap.add_argument("--model-size", choices=sorted(MODELS), default="156m",
+                    help="the float16 Llama whose reference pass is timed (1b: TinyLlama-like, issue 40's 1B case)")
     ap.add_argument("--min-time", type=float, default=1.0, help="seconds per GEMM case (interleaved)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "float_linear.json"))
     a = ap.parse_args(argv)
@@ -219,7 +226,7 @@ def main(argv=None):
               flush=True)
     result = {"meta": info, "rows": rows, "m1_dram": cold}
     if not a.no_model:
-        cfg = dict(hidden=1024, layers=8, inter=2816, vocab=32000)
+        cfg = MODELS[a.model_size]
         model, nparams = llama_float16(**cfg)
         tokens = np.random.default_rng(1).integers(0, cfg["vocab"], size=(2, 128))
         reference_pass(model, tokens[:, :16], routed=True)  # first-call costs (BLAS threads, buffers)
