@@ -18,6 +18,9 @@ unquantized model on the held-out tokens:
 Paired ratio (mixbits / contender) over the 8 held-out sequences, with a
 bootstrap 95% interval.
 
+Superseded for quality claims by bench/quality_protocol.py (more budgets,
+seeds, two held-out sets, every contender); kept for its stage timings.
+
 Run:  python bench/convert_smollm2.py [--threads N] [--work DIR]  (about
 15 min on two unloaded Zen 4 cores). Rerun with the same --work after a
 kill: convert continues from its kept stages, and the per-stage times in
@@ -29,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -40,30 +42,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+# one evaluation protocol: the host record and the paired bootstrap live there
+from quality_protocol import host, ratio_ci
+
 RESULT = Path(__file__).parent / "results" / "convert_smollm2.json"
 # target bpw -> (mlx_lm.convert -q kind, dynamic_quant's widths). dynamic_quant
 # with adjacent widths (3/4 at 3.5, 4/5 at 4.5) can upgrade nothing at these
 # budgets and is the uniform row; the wider pairs are its real alternative.
 TARGETS = {3.5: ("3b_g64", ("2b_g64", "4b_g64")), 4.5: ("4b_g64", ("3b_g64", "8b_g64"))}
 HELD_N, HELD_T = 8, 256
-
-
-def host() -> dict:
-    """CPU model, the ISA flags the kernels choose between, cores and load."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")),
-                 platform.processor())
-    flags = set(info.split())
-    isa = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "asimd") if f in flags]
-    return {"machine": platform.machine(), "cpu": model, "isa": isa, "cores": os.cpu_count(),
-            "load_1min": os.getloadavg()[0]}
-
-
-def ratio_ci(a: np.ndarray, b: np.ndarray, n: int = 10_000, seed: int = 0) -> list[float]:
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(a), (n, len(a)))
-    r = a[idx].mean(axis=1) / b[idx].mean(axis=1)
-    return [float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))]
 
 
 def main() -> None:
@@ -147,7 +134,7 @@ def main() -> None:
                                       "heldout_kl": float(k.mean()),
                                       "heldout_kl_se": float(k.std(ddof=1) / np.sqrt(HELD_N)),
                                       "ratio": float(ours.mean() / k.mean()),
-                                      "ratio_ci95": ratio_ci(ours, k)})
+                                      "ratio_ci95": ratio_ci(ours, k)[1]})
         rows.append(row)
         print(json.dumps(row, indent=1), flush=True)
         rows.sort(key=lambda r: r["target_bpw"])
