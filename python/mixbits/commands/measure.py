@@ -111,18 +111,14 @@ def check_exl2_resume(args, toks) -> None:
     model loads (measure_modules then checks the model's fingerprint too)."""
     from ..formats.errors import load_json
     from ..measure.candidates import parse_candidate
-    from ..measure.sweep import settings_mismatch, tokens_digest
+    from ..measure.sweep import settings_mismatch, token_settings
 
     prev = load_json(args.exl2_out, "measurement")
     meta = prev.get("mixbits_meta") if isinstance(prev, dict) else None
     meta = meta if isinstance(meta, dict) else {}
     now = {"candidates": [parse_candidate(c).name for c in args.candidates
                           if not c.startswith("ternary")]}
-    if toks is not None:
-        now.update(tokens_sha256_16=tokens_digest(toks), n_sequences=int(toks.shape[0]),
-                   seq_len=int(toks.shape[1]))
-    else:
-        now.update(n_sequences=args.n_seq, seq_len=args.seq_len)
+    now.update(token_settings(toks, args.n_seq, args.seq_len))
     settings_mismatch(args.exl2_out, {k: meta.get(k) for k in now}, now)
 
 
@@ -133,7 +129,7 @@ def check_resume(args, toks) -> None:
     checks everything (the model's fingerprint included)."""
     from ..errors import FormatError
     from ..formats.errors import load_json
-    from ..measure.sweep import settings_mismatch, tokens_digest
+    from ..measure.sweep import settings_mismatch, token_settings
 
     prev = load_json(args.out, "sensitivity table")
     meta = prev.get("meta") if isinstance(prev, dict) else None
@@ -145,11 +141,7 @@ def check_resume(args, toks) -> None:
         now["fisher_samples"] = args.fisher_samples
     if args.method == "two-stage":
         now.update(targets_bpw=list(args.targets), exact_budget=args.exact_budget)
-    if toks is not None:
-        now.update(tokens_sha256_16=tokens_digest(toks), n_sequences=int(toks.shape[0]),
-                   seq_len=int(toks.shape[1]))
-    else:
-        now.update(n_sequences=args.n_seq, seq_len=args.seq_len)
+    now.update(token_settings(toks, args.n_seq, args.seq_len))
     was = {k: meta.get(k) for k in now}
     sites = meta.get("sites")
     have = set(sites) if isinstance(sites, list) and all(isinstance(s, str) for s in sites) else set()

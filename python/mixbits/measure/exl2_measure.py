@@ -55,14 +55,13 @@ def measure_modules(model, tokens, candidates, out, *, chunk: int = 4, resume: b
     groups = adapter.groups()
     if not groups:
         raise ValueError("the model has no decoder blocks (model.layers) to group into modules")
-    from .sweep import model_fingerprint, settings_mismatch, tokens_digest
+    from .sweep import model_fingerprint, settings_mismatch, token_settings
 
     tokens = np.asarray(tokens)
     # Recorded beside ExLlamaV2's keys (its readers keep unknown ones): a
     # resume continues only a measurement of this model, tokens and options.
     meta = {"method": "exl2-module", "model_fingerprint": model_fingerprint(model),
-            "tokens_sha256_16": tokens_digest(tokens), "n_sequences": int(tokens.shape[0]),
-            "seq_len": int(tokens.shape[1]), "candidates": [c.name for c in cands]}
+            **token_settings(tokens), "candidates": [c.name for c in cands]}
     done = {}
     if Path(out).exists():
         if not resume:

@@ -49,6 +49,17 @@ def tokens_digest(tokens: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(tokens, dtype=np.int64).tobytes()).hexdigest()[:16]
 
 
+def token_settings(tokens=None, n_seq: int | None = None, seq_len: int | None = None) -> dict:
+    """What a table or measurement records of its calibration tokens (and a
+    resume must match): their digest and shape; before the tokens exist
+    (cut from text after the model loads), the requested shape only."""
+    if tokens is None:
+        return {"n_sequences": n_seq, "seq_len": seq_len}
+    tokens = np.asarray(tokens)
+    return {"tokens_sha256_16": tokens_digest(tokens), "n_sequences": int(tokens.shape[0]),
+            "seq_len": int(tokens.shape[1])}
+
+
 @dataclass
 class SweepConfig:
     candidates: list[str]
@@ -214,9 +225,7 @@ def table_meta(tokens, cfg, model_id, sites, *, model=None, method: str = "exact
         "method": method,
         "model": model_id,
         **({"model_fingerprint": model_fingerprint(model)} if model is not None else {}),
-        "tokens_sha256_16": tokens_digest(tokens),
-        "n_sequences": int(tokens.shape[0]),
-        "seq_len": int(tokens.shape[1]),
+        **token_settings(tokens),
         "candidates": list(cfg.candidates),
         "scale_dtype": str(cfg.scale_dtype).replace("mlx.core.", ""),
         "sites": [s.path for s in sites],
