@@ -1,0 +1,49 @@
+"""bench/quality_protocol.py's invariants: held-out windows never among any
+seed's calibration windows, seed 0 is exactly convert's default cut, the
+paired bootstrap's ratio, and the group-size choice per budget."""
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import quality_protocol as qp  # noqa: E402
+
+
+def test_ratio_ci_is_the_ratio_of_means_and_pairs_sequences():
+    rng = np.random.default_rng(1)
+    b = rng.uniform(1, 3, 16)
+    a = 0.5 * b  # paired: every resample has ratio exactly 0.5
+    r, ci = qp.ratio_ci(a, b)
+    assert r == 0.5 and abs(ci[0] - 0.5) < 1e-12 and abs(ci[1] - 0.5) < 1e-12
+    # two seeds of mixbits against one contender row: ratio of the pooled means
+    a2 = np.stack([0.4 * b, 0.6 * b])
+    r2, ci2 = qp.ratio_ci(a2, b)
+    assert abs(r2 - 0.5) < 1e-12 and ci2[0] <= r2 <= ci2[1]
+    # unpaired noise widens the interval
+    _, ci3 = qp.ratio_ci(rng.permutation(a), b)
+    assert ci3[1] - ci3[0] > 0.01
+
+
+def test_finest_fitting_takes_the_smallest_group_within_each_budget():
+    plans = {"uniform 3b_g32": {"w": "3b_g32"}, "uniform 3b_g64": {"w": "3b_g64"},
+             "mlx-lm mixed_3_4 g32": {"w": "m32"}, "mlx-lm mixed_3_4 g64": {"w": "m64"}}
+    bpw = {"3b_g32": 4.0, "3b_g64": 3.5, "m32": 4.1, "m64": 3.6}
+    got = qp.finest_fitting(plans, lambda p: bpw[p["w"]], [3.5, 4.0])
+    assert sorted(got) == ["mlx-lm mixed_3_4 g64", "uniform 3b_g32", "uniform 3b_g64"]
+
+
+def test_token_sets_seed0_is_converts_cut_and_heldout_is_disjoint():
+    import mixbits
+    from mixbits.measure.calib import load_texts, token_sequences
+
+    _, tok, _ = mixbits.load("smollm2")
+    calib, held = qp.token_sets(tok, [0, 1, 2])
+    assert np.array_equal(calib[0], token_sequences(tok, load_texts(None, "auto"), qp.N_CAL, qp.SEQ_LEN))
+    assert not np.array_equal(calib[1], calib[2])
+    seen = {w.tobytes() for s in calib for w in calib[s]}
+    for name, h in held.items():
+        assert h.shape == (qp.HELD_N, qp.SEQ_LEN)
+        assert not any(w.tobytes() in seen for w in h), name
+    # the in-domain set is the story, not the Gutenberg license after it
+    assert "Project Gutenberg" not in tok.decode(list(held["botchan_story_tail"].ravel()))
