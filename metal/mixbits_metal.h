@@ -4,6 +4,16 @@
 // metal_compat.h (included before this) provides the same names.
 #pragma once
 
+// twofloat.h's error-free sums, the KL's compensated sums and the NaN / inf
+// checks are exact only under IEEE arithmetic: fast math may reassociate
+// them away or assume no NaN. mlx_build_metallib passes -fno-fast-math (the
+// Metal compiler's own default is fast math on); a build that turns fast
+// math on stops here instead of giving wrong numbers. The emulator's g++
+// defines the same macro under -ffast-math (tests/metal/test_build_flags.py).
+#if defined(__FAST_MATH__)
+#error "mixbits' Metal kernels must be compiled without fast math (-fno-fast-math)"
+#endif
+
 #if defined(__METAL_VERSION__)
 #include <metal_simdgroup>
 #include <metal_simdgroup_matrix>

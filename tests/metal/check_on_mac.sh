@@ -36,6 +36,12 @@ step venv python3 -m venv "$WORK/venv"
 PY="$WORK/venv/bin/python"
 step build-wheel "$PY" -m pip wheel "$ROOT" --no-deps -w "$WORK/dist"
 step wheel-has-metallib bash -c "unzip -l '$WORK'/dist/mixbits-*.whl | grep -q 'mixbits/mixbits.metallib'"
+# The wheel's tag names the macOS the metallib is built for (pyproject.toml's
+# CMAKE_OSX_DEPLOYMENT_TARGET), whatever macOS builds it.
+step wheel-tag-is-metallib-target bash -c "ls '$WORK'/dist/mixbits-*-macosx_14_0_arm64.whl"
+# Apple's compiler defines __FAST_MATH__ under -ffast-math as g++ does (the
+# Linux test of the guard relies on it): a fast-math build must stop.
+step fast-math-refused bash -c "! xcrun -sdk macosx metal -std=metal3.1 -ffast-math -I '$ROOT/metal' -c '$ROOT/metal/kl.metal' -o '$WORK/fast_math.air' > '$WORK/fast_math.txt' 2>&1 && grep -q 'without fast math' '$WORK/fast_math.txt'"
 step install bash -c "'$PY' -m pip install '$WORK'/dist/mixbits-*.whl && '$PY' -m pip install 'pytest>=8' 'pytest-benchmark>=4' 'scipy>=1.10' 'mlx-lm==0.32.2' 'gguf>=0.10'"
 # The installed wheel, not the checkout's python/ tree, must be imported.
 step import-on-gpu "$PY" -c "
