@@ -286,3 +286,47 @@ def test_time_budget_picks_the_most_exact_method_that_fits(dense, tmp_path, caps
     assert "method: " not in capsys.readouterr().out
     assert main(base + ["--out", str(tmp_path / "d"), "--time-budget", "-1"]) == 2
     assert "positive number of minutes" in capsys.readouterr().err
+
+
+def test_time_budget_lowers_refines_evaluations_when_no_method_fits():
+    """plan_for_budget against the probe's own stage projections: the
+    largest number of joint evaluations whose projected total fits."""
+    from mixbits.convert import Probe, plan_for_budget
+
+    probe = Probe(n_seq=8, fisher_seq=1.0, pair=(0.5, 0.1), pair_units=[10] * 100, joint_seq=2.0)
+    args = dict(bpws=[3.5], max_evals=30, exact_budget=0.15, samples=2)
+
+    def total(method, evals):
+        return sum(probe.stage_seconds(method, args["bpws"], evals, args["exact_budget"],
+                                       args["samples"]).values())
+
+    assert total("exact", 30) > total("two-stage", 30) > total("grad", 30)
+    generous = plan_for_budget(probe, **args, budget_s=total("exact", 30) + 1)
+    assert (generous.method, generous.max_evals, generous.fits) == ("exact", 30, True)
+    middle = plan_for_budget(probe, **args, budget_s=total("grad", 30) + 1)
+    assert (middle.method, middle.max_evals, middle.fits) == ("grad", 30, True)
+    for budget in (total("grad", 13) + 0.5, total("grad", 2)):
+        plan = plan_for_budget(probe, **args, budget_s=budget)
+        assert plan.method == "grad" and plan.fits and 1 <= plan.max_evals < 30
+        assert total("grad", plan.max_evals) <= budget < total("grad", plan.max_evals + 1)
+    hopeless = plan_for_budget(probe, **args, budget_s=total("grad", 1) - 1)
+    assert (hopeless.method, hopeless.max_evals, hopeless.fits) == ("grad", 1, False)
+
+
+def test_time_budget_rerun_keeps_the_lowered_evaluations(dense, tmp_path, capsys, monkeypatch):
+    import mixbits.convert as conv
+
+    base = ["convert", "--model", str(dense / "model"), "--tokens", str(dense / "tokens.npy"),
+            "--bpw", "3.6", "--max-evals", "3", "--time-budget", "5", "--out", str(tmp_path / "q")]
+    monkeypatch.setattr(conv, "plan_for_budget",
+                        lambda probe, *a, **k: conv.Plan("grad", 1, True, {m: 1.0 for m in conv.METHODS}))
+    assert main(base) == 0
+    printed = capsys.readouterr().out
+    assert "refine: 1 joint evaluations per budget instead of 3" in printed
+    saved = json.loads((tmp_path / "q.work" / "settings.json").read_text())
+    assert (saved["method"], saved["max_evals"]) == ("grad", 1)
+    monkeypatch.undo()
+    shutil.rmtree(tmp_path / "q")  # the work folder stays: a rerun continues from it
+    assert main(base) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "(kept from the last run)" in printed and "method:" not in printed

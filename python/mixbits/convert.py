@@ -23,6 +23,7 @@ mlx-lm counts them) are what is asked for and what is printed.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,13 +101,36 @@ def saved_settings(work: Path) -> dict | None:
     return load_json(path, str(path)) if path.exists() else None
 
 
-def pick_method(totals: dict[str, float], budget_s: float) -> tuple[str, bool]:
-    """(method, fits): the most exact method whose projected time fits the
-    budget, else the cheapest (fits False)."""
+@dataclass
+class Plan:
+    """What --time-budget chose: the method, refine's evaluations, whether
+    the projection fits the budget and the projected seconds of each
+    method at the user's --max-evals."""
+
+    method: str
+    max_evals: int
+    fits: bool
+    totals: dict
+
+
+def plan_for_budget(probe: "Probe", bpws, max_evals: int, exact_budget: float, samples: int,
+                    budget_s: float) -> Plan:
+    """The most exact method whose projected measure + refine fits
+    ``budget_s``. When none does, grad with refine's joint evaluations
+    lowered to what the rest of the budget pays for (at least 1: refine
+    keeps the knapsack optimum and the baseline guard), ``fits`` False only
+    when even that is over."""
+    totals = probe.totals(bpws, max_evals, exact_budget, samples)
     for m in METHODS:
         if totals[m] <= budget_s:
-            return m, True
-    return METHODS[-1], False
+            return Plan(m, max_evals, True, totals)
+    cheapest = METHODS[-1]
+    measure = probe.stage_seconds(cheapest, bpws, max_evals, exact_budget, samples)["measure"]
+    fixed = measure + probe.refine_seconds(bpws, 0)  # the guard's evaluations included
+    per_eval = probe.refine_seconds(bpws, 1) - probe.refine_seconds(bpws, 0)
+    affordable = math.floor((budget_s - fixed) / per_eval) if per_eval > 0 else max_evals
+    evals = max(1, min(max_evals, affordable))
+    return Plan(cheapest, evals, affordable >= 1, totals)
 
 
 def check_settings(work: Path, current: dict) -> None:
@@ -142,7 +166,11 @@ class Probe:
         exact = self.n_seq * sum(a + b * u for u in self.pair_units)
         grad = self.n_seq * samples * self.fisher_seq
         measure = {"exact": exact, "grad": grad, "two-stage": grad + exact_budget * exact}[method]
-        return {"measure": measure, "refine": len(bpws) * (max_evals + 4) * self.n_seq * self.joint_seq}
+        return {"measure": measure, "refine": self.refine_seconds(bpws, max_evals)}
+
+    def refine_seconds(self, bpws, max_evals: int) -> float:
+        # Each budget: its joint-KL evaluations plus ~4 of the baseline guard's.
+        return len(bpws) * (max_evals + 4) * self.n_seq * self.joint_seq
 
     def totals(self, bpws, max_evals: int, exact_budget: float, samples: int) -> dict[str, float]:
         """Projected measure + refine seconds of every method."""

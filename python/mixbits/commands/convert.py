@@ -37,8 +37,9 @@ def add_arguments(p) -> None:
                    help=METHOD_HELP)
     p.add_argument("--time-budget", type=float, metavar="MIN",
                    help="minutes measure and refine may take: without --method, a timing probe picks "
-                        "the most exact method projected to fit (exact, then two-stage, then grad, "
-                        "which is taken, with a warning, when nothing fits); a rerun keeps the first "
+                        "the most exact method projected to fit (exact, then two-stage, then grad); "
+                        "when none fits, grad with refine's joint evaluations (--max-evals) lowered to "
+                        "what the budget leaves (a warning if even 1 is over); a rerun keeps the first "
                         "run's choice")
     p.add_argument("--candidates", nargs="+", default=["default"],
                    help="candidate kinds or a preset (as `mixbits measure --candidates`; default: "
@@ -96,8 +97,9 @@ def check(args) -> dict:
         saved = saved_settings(work)
         if args.time_budget is None:
             args.method = "two-stage"
-        elif saved is not None:
-            args.method = saved.get("method")  # chosen by the run that started this work folder
+        elif saved is not None:  # chosen by the run that started this work folder
+            args.method = saved.get("method")
+            args.max_evals = saved.get("max_evals", args.max_evals)
         else:
             return None  # chosen after the model loads, by a timing probe
     current = settings(args)
@@ -222,21 +224,25 @@ def convert(args, current: dict, work) -> int:
 
 
 def _choose_method(args, probe) -> None:
-    """Set args.method to the most exact method the probe projects within --time-budget."""
-    from ..convert import format_duration, pick_method
+    """Set args.method (and args.max_evals) to what the probe projects within --time-budget."""
+    from ..convert import format_duration, plan_for_budget
 
-    totals = probe.totals(args.bpw, args.max_evals, args.exact_budget, args.fisher_samples)
-    args.method, fits = pick_method(totals, args.time_budget * 60)
-    plan = ", ".join(f"{m} ~{format_duration(t)}" for m, t in totals.items())
-    print(f"method: {args.method} (projected measure + refine: {plan}; budget {args.time_budget:g} min)")
-    if not fits:
+    plan = plan_for_budget(probe, args.bpw, args.max_evals, args.exact_budget, args.fisher_samples,
+                           args.time_budget * 60)
+    projected = ", ".join(f"{m} ~{format_duration(t)}" for m, t in plan.totals.items())
+    print(f"method: {plan.method} (projected measure + refine: {projected}; budget {args.time_budget:g} min)")
+    if plan.max_evals < args.max_evals:
+        print(f"refine: {plan.max_evals} joint evaluations per budget instead of {args.max_evals}, "
+              "to fit the time budget")
+    args.method, args.max_evals = plan.method, plan.max_evals
+    if not plan.fits:
         import warnings
 
         from ..errors import TimeBudgetWarning
 
         warnings.warn(f"no method is projected to fit --time-budget {args.time_budget:g} min (the "
-                      f"cheapest, grad, ~{format_duration(totals['grad'])}); running grad. Lower "
-                      "--max-evals or the calibration set (--n-seq) to save time",
+                      f"cheapest, grad with 1 joint evaluation, is over it); running that. Lower "
+                      "the calibration set (--n-seq) to save time",
                       TimeBudgetWarning, stacklevel=2)
 
 
