@@ -214,3 +214,25 @@ def test_save_killed_mid_way_leaves_no_loadable_half_folder(tmp_path):
     assert p.returncode == -signal.SIGKILL, p.stderr
     assert (out / "model.safetensors").read_bytes() == before
     mixbits.load(out)
+
+
+@pytest.mark.parametrize("section", [5, [], {"layers": 3}, {"layers": None}])
+def test_malformed_mixbits_section_is_one_format_error(tmp_path, section):
+    """config.json's "mixbits" block is read the same way by mixbits.load
+    and by the folder's mlx-lm model file (stock mlx-lm's way in)."""
+    from mixbits.mlx_lm_model_file import build_model
+
+    folder = _saved(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["mixbits"] = section
+    (folder / "config.json").write_text(json.dumps(config))
+    manifest = json.loads((folder / MANIFEST).read_text())  # an edit, not a truncation
+    manifest["files"]["config.json"] = (folder / "config.json").stat().st_size
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match="'mixbits' must be an object with a 'layers' object"):
+        mixbits.load(folder)
+    with pytest.raises(FormatError, match="'mixbits' must be an object with a 'layers' object"):
+        build_model(config)
+    del config["mixbits"]  # the model file exists only for folders that have the block
+    with pytest.raises(FormatError, match="'mixbits' must be an object"):
+        build_model(config)

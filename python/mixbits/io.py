@@ -34,7 +34,7 @@ from .errors import UsageError
 from .folder import check_complete, write_folder
 from .formats.errors import FormatError, expect_dict, load_json
 from .formats.safetensors_header import read_header
-from .formats.mlx_config import MlxQuantization, with_quantization
+from .formats.mlx_config import MlxQuantization, mixbits_layers, with_quantization
 from .layout import QuantizedTensor, Segment
 from .mlx_lm_model_file import MODEL_FILE, with_model_file, write_model_file
 from .nn import (MixedQuantizedEmbedding, MixedQuantizedLinear, MixedQuantizedSwitchLinear, MixedWeight,
@@ -209,10 +209,7 @@ def _load_folder(folder: Path, patch: bool):
         raise FileNotFoundError(f"{folder} has no config.json")
     config = expect_dict(load_json(cfg_path, "config.json"), str(cfg_path))
     check_complete(folder, written_by_mixbits="mixbits" in config)
-    section = config.get("mixbits") or {}
-    layers = section.get("layers", {}) if isinstance(section, dict) else None
-    if not isinstance(layers, dict):
-        raise FormatError(f"{cfg_path}: 'mixbits' must be an object with a 'layers' object")
+    layers = mixbits_layers(config, str(cfg_path))
     weights = {}
     for f in sorted(folder.glob("model*.safetensors")):
         read_header(f)  # MLX's loader does not validate it: duplicates, overlaps

@@ -125,12 +125,9 @@ class Model:
 def build_model(config: dict):
     from mlx_lm.utils import _get_classes
 
-    from .formats.errors import FormatError
+    from .formats.mlx_config import mixbits_layers
 
-    section = config.get("mixbits")
-    layers = section.get("layers") if isinstance(section, dict) else None
-    if not isinstance(layers, dict):
-        raise FormatError("config.json: 'mixbits' must be an object with a 'layers' object")
+    layers = mixbits_layers(config, required=True)
     stock_model, stock_args = _get_classes(config)
     # A subclass per load: the layers descriptor lives on the class, out of
     # the module tree (an nn.Module stores dict attributes as children).

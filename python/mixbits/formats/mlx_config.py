@@ -117,6 +117,18 @@ def read_config(source) -> tuple[dict, MlxQuantization | None]:
     return cfg, None
 
 
+def mixbits_layers(config: dict, where: str = "config.json", required: bool = False) -> dict:
+    """config.json's ``"mixbits": {"layers": {...}}``: the layers only
+    mixbits can build. Absent is {} (a stock folder) unless ``required``."""
+    section = config.get("mixbits")
+    if section is None and not required:
+        return {}
+    layers = section.get("layers", None if required else {}) if isinstance(section, dict) else None
+    if not isinstance(layers, dict):
+        raise FormatError(f"{where}: 'mixbits' must be an object with a 'layers' object")
+    return layers
+
+
 def with_quantization(config: dict, q: MlxQuantization) -> dict:
     """A copy of ``config`` carrying ``q`` under both keys mlx-lm writes."""
     out = dict(expect_dict(config, "config"))
