@@ -42,23 +42,6 @@ def allocation_candidates(alloc, model, *, group_size: int = DEFAULT_GROUP_SIZE,
         out[path] = cand
     return out
 
-def embed_candidates(model, chosen: dict, embed_bits: int | None,
-                     group_size: int = DEFAULT_GROUP_SIZE) -> dict:
-    """{path: Candidate} for the embeddings and head (tensors outside the
-    blocks) that ``chosen`` leaves out, at ``embed_bits`` (allocation.json's
-    embed_bits: outside the budget, as ExLlamaV2-derived allocations set
-    them). None or 16: none (left as loaded). A width whose group size
-    does not divide the tensor leaves it float, as mlx-lm would."""
-    from mixbits.adapter import ModelAdapter
-    from mixbits.measure.candidates import parse_candidate, supports
-
-    if embed_bits is None or embed_bits == 16:
-        return {}
-    cand = parse_candidate(f"{embed_bits}b_g{group_size}")
-    return {s.path: cand for s in ModelAdapter(model).sites
-            if s.block is None and s.path not in chosen and supports(cand, s)}
-
-
 def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = True,
                         tokens=None, embed_bits: int | None = None,
                         group_size: int = DEFAULT_GROUP_SIZE) -> list[str]:
@@ -68,12 +51,12 @@ def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = 
     MoE router gates at 8 bits), as mlx-lm would. Calibrated candidates
     (``+gptq``, ``+search``) need the calibration ``tokens`` [n_seq, seq_len]
     their layer inputs come from (the sweep's). ``embed_bits``: embeddings
-    and head not in ``chosen`` at that width (:func:`embed_candidates`).
+    and head not in ``chosen`` at that width (:func:`mixbits.measure.candidates.embed_candidates`).
     Returns replaced paths."""
     import mlx.core as mx
 
     from mixbits.adapter import ModelAdapter
-    from mixbits.measure.candidates import build_layer, parse_candidate
+    from mixbits.measure.candidates import build_layer, embed_candidates, parse_candidate
 
     adapter = ModelAdapter(model)
     plan = {**embed_candidates(model, chosen, embed_bits, group_size), **chosen}

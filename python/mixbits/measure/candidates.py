@@ -468,3 +468,20 @@ def _calibrated(w, segs, cand: Candidate, inputs, scale_dtype):
     if cand.kind == "mixed":  # salient columns first, by the input's energy, as act-order does
         perm = np.argsort(-diag, kind="stable").astype(np.int32)
     return quantizers.search(w, segs, perm=perm, dtype=scale_dtype, h_diag=diag)
+
+
+def embed_candidates(model, chosen: dict, embed_bits: int | None,
+                     group_size: int = DEFAULT_GROUP_SIZE) -> dict:
+    """{path: Candidate} for the embeddings and head (tensors outside the
+    blocks) that ``chosen`` leaves out, at ``embed_bits`` (allocation.json's
+    embed_bits: outside the budget, as ExLlamaV2-derived allocations set
+    them). None or 16: none (left as loaded). A width whose group size
+    does not divide the tensor leaves it float, as mlx-lm would. What
+    quantize stores and what the joint evaluation pins alike."""
+    from ..adapter import ModelAdapter
+
+    if embed_bits is None or embed_bits == 16:
+        return {}
+    cand = parse_candidate(f"{embed_bits}b_g{group_size}")
+    return {s.path: cand for s in ModelAdapter(model).sites
+            if s.block is None and s.path not in chosen and supports(cand, s)}

@@ -9,7 +9,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..adapter import ModelAdapter
-from .candidates import build_layer, parse_candidate
+from ..layout import DEFAULT_GROUP_SIZE
+from .candidates import build_layer, embed_candidates, parse_candidate
 from .sweep import kl_per_token
 
 
@@ -55,18 +56,11 @@ class JointEvaluator:
                                       self.adapter)
         return self._replayer.input_hessian(self.sites[path])
 
-    def pin_outside(self, embed_bits: int | None, group_size: int = 64) -> dict[str, str]:
+    def pin_outside(self, embed_bits: int | None, group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, str]:
         """Embeddings and head (the tensors outside the blocks) at
         ``embed_bits`` in every evaluation, as ``quantize --embed-bits``
         stores them (16 or None: left as loaded). Returns the pins added."""
-        added = {}
-        if embed_bits is not None and embed_bits != 16:
-            from .candidates import supports
-
-            for s in self.adapter.sites:
-                cand = f"{embed_bits}b_g{group_size}"
-                if s.block is None and supports(parse_candidate(cand), s):
-                    added[s.path] = cand
+        added = {p: c.name for p, c in embed_candidates(self.model, {}, embed_bits, group_size).items()}
         self.pinned.update(added)
         return added
 
