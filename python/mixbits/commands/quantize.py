@@ -15,32 +15,26 @@ from ..layout import DEFAULT_GROUP_SIZE
 def allocation_candidates(alloc, model, *, group_size: int = DEFAULT_GROUP_SIZE,
                           strip_prefix: str = "") -> dict:
     """allocation entries -> {module path: Candidate}, each checked against
-    the model's tensor (path exists, nparams equal, candidate fits)."""
-    from mixbits.adapter import ModelAdapter
+    the model's tensor (:func:`mixbits.measure.identity.check_made_for`:
+    path exists, same size; then the candidate fits)."""
     from mixbits.formats.allocation import Allocation
     from mixbits.measure.candidates import candidate_for_entry, supports
+    from mixbits.measure.identity import check_made_for
 
     if not isinstance(alloc, Allocation):
         alloc = Allocation.load(alloc)
-    adapter = ModelAdapter(model)
-    known = {s.path: s for s in adapter.sites}
+    known = check_made_for(model, alloc.assignment, "the allocation", strip_prefix=strip_prefix)
     out = {}
     for i, e in enumerate(alloc.assignment):
         path = e.path[len(strip_prefix):] if strip_prefix and e.path.startswith(strip_prefix) else e.path
-        site = known.get(path)
-        if site is None:
-            raise KeyError(f"assignment[{i}]: path {path!r} is not a quantizable tensor of this model "
-                           f"(its paths look like {[s.path for s in adapter.sites[:2]]})")
-        if site.nparams != e.nparams:
-            raise ValueError(
-                f"assignment[{i}] ({path}): nparams {e.nparams} but the model's tensor is "
-                f"{'x'.join(map(str, site.shape))} = {site.nparams}; was the allocation made for another model?")
+        site = known[path]
         cand = candidate_for_entry(e.kind, e.bits, group_size)
         if not supports(cand, site):
             raise ValueError(f"assignment[{i}] ({path}): candidate {cand.name!r} does not fit a "
                              f"{site.form} of shape {site.shape}")
         out[path] = cand
     return out
+
 
 def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = True,
                         tokens=None, embed_bits: int | None = None,

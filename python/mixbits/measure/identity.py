@@ -17,14 +17,14 @@ def _size(shape, nparams) -> str:
     return f"{'x'.join(map(str, shape))} = {nparams}" if shape else str(nparams)
 
 
-def check_made_for(model, entries, source: str, *, strip_prefix: str = "") -> None:
+def check_made_for(model, entries, source: str, *, strip_prefix: str = "") -> dict:
     """Refuse ``entries`` -- a table's ``entries`` or an allocation's
     ``assignment``: dicts (or objects) with ``path`` and ``nparams``, and
     optionally ``shape`` -- unless every path is a quantizable tensor of
     ``model`` of the same size. Raises :class:`~mixbits.errors.FormatError`
     naming ``source`` (the file), the first mismatching tensor and both
     sizes. ``strip_prefix`` is removed from the paths first (quantize's
-    --strip-prefix)."""
+    --strip-prefix). Returns the model's quantizable tensors {path: site}."""
     from ..adapter import ModelAdapter
 
     sites = {s.path: s for s in ModelAdapter(model).sites}
@@ -44,3 +44,4 @@ def check_made_for(model, entries, source: str, *, strip_prefix: str = "") -> No
                 f"{source} was made for another model: tensor {path} is "
                 f"{_size(shape, nparams)} there and {_size(site.shape, site.nparams)} in this "
                 "model; measure this model (or give the model the file was made for)")
+    return sites
