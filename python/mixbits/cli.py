@@ -26,6 +26,10 @@ COMMANDS = {
 }
 
 
+# Long commands end with their peak resident set ("peak memory 3.10 GiB").
+REPORTS_PEAK = ("convert", "measure", "quantize", "refine", "compare")
+
+
 def _message(e: BaseException) -> str:
     """One line for ``e``. OSErrors raised by the OS carry errno text and
     the file name; ours carry a full sentence already."""
@@ -77,7 +81,12 @@ def main(argv=None) -> int:
         return 2
     _warnings_as_lines(args._name)
     try:
-        return int(_module(args._name).run(args) or 0)
+        rc = int(_module(args._name).run(args) or 0)
+        if args._name in REPORTS_PEAK:
+            from .streaming import peak_line
+
+            print(peak_line())
+        return rc
     except (MixbitsError, ValueError, OSError, RuntimeError) as e:
         # The one place errors become output. Bad input (files, shapes,
         # budgets, settings, unwritable outputs): one clear line, no

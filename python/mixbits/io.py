@@ -199,7 +199,7 @@ def place_layers(model: nn.Module, layers: dict, weights: dict) -> None:
         set_module(model, path, new)
 
 
-def _load_folder(folder: Path, patch: bool):
+def _load_folder(folder: Path, patch: bool, lazy: bool = False):
     from mlx_lm.utils import load_model
 
     from .models.tokenizer import Tokenizer
@@ -224,7 +224,7 @@ def _load_folder(folder: Path, patch: bool):
     # The folder's own mlx-lm model file (stock mlx-lm's way in) is not
     # run here: mixbits builds the stock architecture itself.
     own = {"model_file": None} if config.get("model_file") == MODEL_FILE else None
-    model, config = load_model(folder, strict=False, model_config=own)
+    model, config = load_model(folder, strict=False, model_config=own, lazy=lazy)
     if own:
         del config["model_file"]
     place_layers(model, layers, weights)
@@ -242,7 +242,13 @@ def _load_folder(folder: Path, patch: bool):
     from .config_check import check_attention_heads
 
     check_attention_heads(model, str(cfg_path))  # head counts that lie fail here, not in rope
-    mx.eval(model.parameters())
+    if lazy:
+        from . import streaming
+
+        # Left on disk, read by the block that uses them (mixbits.streaming).
+        streaming.attach(model, sorted(folder.glob("model*.safetensors")), getattr(model, "sanitize", None))
+    else:
+        mx.eval(model.parameters())
     model.eval()
     if patch:
         _patch(model)
@@ -252,13 +258,16 @@ def _load_folder(folder: Path, patch: bool):
     return model, tokenizer, config
 
 
-def load(path, *, patch: bool = False):
+def load(path, *, patch: bool = False, lazy: bool = False):
     """(model, tokenizer, config) from a folder written by :func:`save` (or
     mlx-lm), a ``.gguf`` file, or a keyword of :data:`mixbits.models.KEYWORDS`
     (``"smollm2"``, ``"gemma3"``).
 
     ``patch=True`` also swaps every remaining stock quantized layer for a
-    mixbits one (see :func:`mixbits.patch`).
+    mixbits one (see :func:`mixbits.patch`). ``lazy=True`` (a folder): the
+    weights stay on disk until used, and code that runs the model block by
+    block can let them go again (:mod:`mixbits.streaming`); a GGUF file is
+    always read whole.
     """
     from .models import resolve_keyword
 
@@ -275,5 +284,5 @@ def load(path, *, patch: bool = False):
             _patch(model)
         return model, tokenizer, config
     if p.is_dir():
-        return _load_folder(p, patch)
+        return _load_folder(p, patch, lazy)
     raise FileNotFoundError(f"model not found: {path!r} (expected 'smollm2', 'gemma3', a .gguf file, or a model folder)")

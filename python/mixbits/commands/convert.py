@@ -177,8 +177,12 @@ def convert(args, current: dict, work) -> int:
     timings = load_json(timings_path, str(timings_path)) if timings_path.exists() else {}
 
     def timed(key, t0):
-        """Seconds per stage, summed over the runs that worked on it."""
+        """Seconds per stage, summed over the runs that worked on it; the
+        peak resident set of the runs (bytes), under PEAK_KEY."""
+        from ..streaming import peak_rss
+
         timings[key] = round(timings.get(key, 0.0) + time.perf_counter() - t0, 3)
+        timings[PEAK_KEY] = max(timings.get(PEAK_KEY, 0), peak_rss())
         write_json_atomic(timings, timings_path)
 
     t0 = time.perf_counter()
@@ -217,10 +221,18 @@ def convert(args, current: dict, work) -> int:
         _quantize(args, r, table, tokens, timings, timed, f"{i + 1}/{len(bpws)}")
     print()
     for r in results:
-        r.seconds = dict(timings)
+        r.seconds = _seconds(timings)
         print(card(args.model, r, tokens.shape, args.method))
     print(f"done in {format_duration(time.perf_counter() - t_start)} (this run)")
     return 0
+
+
+PEAK_KEY = "peak_rss_bytes"  # in timings.json: the largest peak of the runs, not a duration
+
+
+def _seconds(timings: dict) -> dict:
+    """The stages' durations of timings.json (the card's Time line)."""
+    return {k: v for k, v in timings.items() if k != PEAK_KEY}
 
 
 def _choose_method(args, probe) -> None:
@@ -336,13 +348,13 @@ def _quantize(args, r, table, tokens, timings, timed, step) -> None:
         return
     _stage(4, "quantize", f"{r.out} ({r.bpw:g} bpw, {step})")
     t0 = time.perf_counter()
-    model, tokenizer, config = mixbits.load(args.model)
+    model, tokenizer, config = mixbits.load(args.model, lazy=True)  # each tensor read as it is quantized
     # As `mixbits quantize` applies an allocation: tensors it leaves out at its embed_bits.
     quantize_candidates(model, allocation_candidates(r.allocation, model), tokens=tokens,
                         embed_bits=r.allocation.get("embed_bits"))
     png = io.BytesIO()
     plot_table(table, png, allocation=r.allocation, title=f"{Path(str(args.model)).name}, {r.bpw:g} bpw")
-    r.seconds = dict(timings)
+    r.seconds = _seconds(timings)
     mixbits.save(model, r.out, config, tokenizer,
                  extra_files={"README.md": card(args.model, r, tokens.shape, args.method),
                               "allocation.json": text, "sensitivity.png": png.getvalue()})

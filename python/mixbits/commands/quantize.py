@@ -65,12 +65,20 @@ def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = 
             raise ValueError("the allocation has calibrated candidates (+gptq/+search/+act): give the "
                              "calibration tokens they were measured with (--tokens or --text)")
         rp = Replayer(model, token_chunks(tokens, 4), adapter)
-    # Hessians come from the unquantized model: all layers are built before any is swapped in.
-    built = {p: build_layer(adapter.get(p), c, scale_dtype,
+    from mixbits import streaming
+
+    # Hessians come from the unquantized model: all layers are built before
+    # any is swapped in. Tensor by tensor: each built and evaluated, then
+    # its float weight let go (a model loaded lazily keeps it on disk).
+    built = {}
+    for p, c in plan.items():
+        original = adapter.get(p)
+        layer = build_layer(original, c, scale_dtype,
                             rp.input_hessian(adapter.site(p)) if c.calibrated else None)
-             for p, c in plan.items()}
-    for p, layer in built.items():
         mx.eval(layer.parameters())
+        built[p] = layer
+        streaming.release(original)
+    for p, layer in built.items():
         adapter.set(p, layer)
     return list(built)
 
@@ -136,7 +144,8 @@ def _run(args) -> int:
 
         tokens = load_tokens(args.tokens)
     try:
-        model, tokenizer, config = mixbits.load(args.model)
+        # Lazily: each tensor is read when it is quantized (mixbits.streaming).
+        model, tokenizer, config = mixbits.load(args.model, lazy=True)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"--model: {e}") from None
     from mixbits.measure.identity import check_made_for

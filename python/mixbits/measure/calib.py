@@ -105,6 +105,8 @@ def cast_model(model, dtype: str) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
+    from .. import streaming
+
     dt = getattr(mx, dtype)
     quantized = {p for p, m in model.named_modules() if "scales" in m}
     new = []
@@ -113,9 +115,15 @@ def cast_model(model, dtype: str) -> None:
         if owner in quantized and leaf in ("scales", "biases"):
             continue
         if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dt:
-            new.append((k, v.astype(dt)))
+            new.append((k, v))
+    if streaming.streams(model):  # weights on disk: cast as each is read, nothing evaluated now
+        done = streaming.cast(model, {k for k, _ in new}, dt)
+        rest = [(k, v.astype(dt)) for k, v in new if k not in done]
+        if rest:
+            model.load_weights(rest, strict=False)
+        return
     if new:
-        model.load_weights(new, strict=False)
+        model.load_weights([(k, v.astype(dt)) for k, v in new], strict=False)
         mx.eval(model.parameters())
 
 
@@ -125,7 +133,8 @@ def load_model(args, patch: bool = True):
     (``patch``)."""
     from ..models import load
 
-    model, tokenizer, _ = load(args.model)
+    # Lazily: the weights stay on disk until a block runs (mixbits.streaming).
+    model, tokenizer, _ = load(args.model, lazy=True)
     cast_model(model, getattr(args, "dtype", "float32"))
     if patch:
         from ..nn import patch as patch_model

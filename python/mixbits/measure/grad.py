@@ -165,6 +165,10 @@ def fisher_diagonal(model, tokens, sites, *, samples: int = 1, seed: int = 0, ba
             m.weight = weights0.get(p, m.weight)
         for p, m in originals.items():
             ad.set(p, m)
+        from .. import streaming
+
+        # The backward needs every weight at once; a model on disk lets them go after it.
+        streaming.release(model)
     bar.close()
     return fisher, toks.size * samples
 
@@ -283,6 +287,9 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
                                          inputs[0] if inputs else None, energy.get(s.path)),
                           "storage_bits": sb, "bpw": sb / s.nparams, "group_size": c.group_size,
                           "source": "grad"})
+        from .. import streaming
+
+        streaming.release(original)  # its weight, read for the candidates (a model on disk)
         if not all(math.isfinite(c["kl"]) for c in cands):
             fallback[s.path] = "the estimate overflows"
             continue

@@ -40,8 +40,27 @@ class JointEvaluator:
         self.evaluations = 0
 
     def _logits(self, i):
-        out = self.model(mx.array(self.tokens[i : i + self.chunk])).astype(mx.float32)
+        out = self._forward(mx.array(self.tokens[i : i + self.chunk])).astype(mx.float32)
         mx.eval(out)
+        return out
+
+    def _forward(self, x):
+        """``model(x)``; for a model whose weights stay on disk
+        (:mod:`mixbits.streaming`), one block's weights at a time."""
+        from .. import streaming
+        from .replay import _Streamed
+
+        blocks = self.adapter.blocks
+        if not blocks or not streaming.streams(self.model):
+            return self.model(x)
+        originals = list(blocks)
+        try:
+            blocks[:] = [_Streamed(b) for b in originals]
+            out = self.model(x)
+            mx.eval(out)
+        finally:
+            blocks[:] = originals
+        streaming.release(self.model)
         return out
 
     def hessian(self, path: str):
@@ -71,6 +90,9 @@ class JointEvaluator:
             h = self.hessian(path) if cand.calibrated else None
             layer = build_layer(self.originals[path], cand, self.scale_dtype, h)
             mx.eval(layer.parameters())
+            from .. import streaming
+
+            streaming.release(self.originals[path])  # its float weight, when it stays on disk
             self._layers[key] = layer
         return self._layers[key]
 
@@ -102,7 +124,7 @@ class JointEvaluator:
             parts = []
             starts = list(range(0, len(self.tokens), self.chunk))[: chunks or None]
             for ci, i in enumerate(starts):
-                logits = self.model(mx.array(self.tokens[i : i + self.chunk]))
+                logits = self._forward(mx.array(self.tokens[i : i + self.chunk]))
                 kl = kl_per_token(self.ref_logits[ci], logits)
                 parts.append(np.array(kl, dtype=np.float64).reshape(logits.shape[0], -1))
         finally:

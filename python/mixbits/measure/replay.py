@@ -31,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .. import streaming
 from ..adapter import ModelAdapter, Site, get_module, set_module
 
 
@@ -49,16 +50,43 @@ class _Proxy(nn.Module):
             return getattr(object.__getattribute__(self, "_inner"), name)
 
 
+def _arrays(out) -> list:
+    """The arrays of a block's output (an array, or a tuple with other parts)."""
+    if isinstance(out, mx.array):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [a for o in out for a in _arrays(o)]
+    return []
+
+
+def _settle(out, block, stream: bool):
+    """With ``stream`` (a model whose weights stay on disk, see
+    :mod:`mixbits.streaming`): evaluate the block's output now and let go
+    of the block's weights, so a forward holds one block's at a time."""
+    if stream:
+        mx.eval(_arrays(out))
+        streaming.release(block)
+    return out
+
+
 class _Recorder(_Proxy):
-    def __init__(self, block, index: int, calls: list):
+    def __init__(self, block, index: int, calls: list, stream: bool = False):
         super().__init__(block)
         object.__setattr__(self, "_index", index)
         object.__setattr__(self, "_calls", calls)
+        object.__setattr__(self, "_stream", stream)
 
     def __call__(self, *args, **kwargs):
-        out = self._inner(*args, **kwargs)
+        out = _settle(self._inner(*args, **kwargs), self._inner, self._stream)
         self._calls.append((self._index, args, kwargs, out))
         return out
+
+
+class _Streamed(_Proxy):
+    """Runs its block as it is, one block's weights at a time (:func:`_settle`)."""
+
+    def __call__(self, *args, **kwargs):
+        return _settle(self._inner(*args, **kwargs), self._inner, True)
 
 
 class _Stub(_Proxy):
@@ -76,10 +104,10 @@ class _BlockBranch(_Proxy):
     """Runs the real block once per candidate module on its slice of the
     batch, with the block's recorded arguments."""
 
-    def __init__(self, block, path, modules, args, kwargs, b, axes):
+    def __init__(self, block, path, modules, args, kwargs, b, axes, stream=False):
         super().__init__(block)
         for k, v in dict(path=path, modules=modules, args=args,
-                         kwargs=kwargs, b=b, axes=axes).items():
+                         kwargs=kwargs, b=b, axes=axes, stream=stream).items():
             object.__setattr__(self, "_" + k, v)
 
     def __call__(self, h, *_, **__):
@@ -93,9 +121,11 @@ class _BlockBranch(_Proxy):
                 set_module(block, self._path, m)
                 x = h[(*lead, slice(g * self._b, (g + 1) * self._b))]
                 outs.append(block(x, *self._args[1:], **self._kwargs))
+            if self._stream:
+                mx.eval([a for o in outs for a in _arrays(o)])
         finally:
             set_module(block, self._path, original)
-        return _concat(outs, out_axes)
+        return _settle(_concat(outs, out_axes), block, self._stream)
 
 
 class _SharedInput(Exception):
@@ -226,6 +256,9 @@ class Replayer:
         self.records: list[list] = []  # [chunk][block] -> (args, kwargs, out)
         self.axes: list[list] = []  # [chunk][block] -> (its input's batch axis, its output's)
         self.replayable = bool(self.adapter.blocks)
+        # Weights on disk (mixbits.load(..., lazy=True)): every forward runs
+        # block by block, evaluating each and letting its weights go.
+        self.stream = streaming.streams(model)
         for toks in chunks:
             self._reference(toks)
         if self.replayable:
@@ -238,12 +271,22 @@ class Replayer:
 
     def _forward(self, toks):
         out = self.model(toks)
-        return (out[0] if isinstance(out, tuple) else out).astype(mx.float32)
+        out = (out[0] if isinstance(out, tuple) else out).astype(mx.float32)
+        if self.stream:  # the embedding, final norm and head, read by this forward's logits
+            mx.eval(out)
+            streaming.release(self.model)
+        return out
+
+    def _streamed(self, blocks, start: int = 0) -> None:
+        """Blocks ``start``.. wrapped to run one at a time (a streaming model)."""
+        if self.stream:
+            for i in range(start, len(blocks)):
+                blocks[i] = _Streamed(blocks[i])
 
     def _reference(self, toks):
         blocks = self.adapter.blocks
         if not self.replayable:
-            logits = self._forward(toks)
+            logits = self._plain_model(toks)
             mx.eval(logits)
             self.logits.append(logits)
             return
@@ -251,7 +294,7 @@ class Replayer:
         originals = list(blocks)
         try:
             for i, b in enumerate(originals):
-                blocks[i] = _Recorder(b, i, calls)
+                blocks[i] = _Recorder(b, i, calls, self.stream)
             logits = self._forward(toks)
         except Exception as e:  # the recorders in the way: the plain forward is the reference
             blocks[:] = originals
@@ -311,7 +354,7 @@ class Replayer:
                 tol = 1e-4 * (1 + float(mx.abs(ref).max()))
                 err = float(mx.abs(logits - ref).max())
                 if err > tol:  # only then is the model's own batch-2 forward worth running
-                    own = self._forward(mx.concatenate([self.chunks[0]] * 2, axis=0))
+                    own = self._plain_model(mx.concatenate([self.chunks[0]] * 2, axis=0))
                     ok = err <= tol + 2 * float(mx.abs(own - ref).max())
         except Exception as e:  # the check must never be the crash
             self._not_replayable(f"replaying the recorded blocks failed ({type(e).__name__}: {e})")
@@ -339,13 +382,14 @@ class Replayer:
                     block(*args, **kwargs)
             finally:
                 set_module(block, local, original)
+                streaming.release(block)
         else:
             original = ad.get(site.path)
             rec = _InputRecorder(original)
             ad.set(site.path, rec)
             try:
                 for toks in self.chunks:
-                    self._forward(toks)
+                    self._plain_model(toks)
             finally:
                 ad.set(site.path, original)
         return rec._h, rec._n
@@ -368,12 +412,29 @@ class Replayer:
                 blocks[i] = _Stub(originals[i], _tile(recs[i][2], g, axes[i][1]))
             args, kwargs, _ = recs[site.block]
             blocks[site.block] = _BlockBranch(originals[site.block], ad.local_path(site),
-                                              modules, args, kwargs, b, axes[site.block])
+                                              modules, args, kwargs, b, axes[site.block], self.stream)
+            self._streamed(blocks, site.block + 1)
             return self._forward(batch)
         finally:
             blocks[:] = originals
 
+    def _plain_model(self, batch, run=None):
+        """``run()`` (default: the model's forward on ``batch``) with every
+        block streamed (a model on disk)."""
+        blocks = self.adapter.blocks
+        originals = list(blocks) if blocks else None
+        try:
+            if originals:
+                self._streamed(blocks)
+            return run() if run else self._forward(batch)
+        finally:
+            if originals:
+                blocks[:] = originals
+
     def _plain(self, batch, site, modules, b):
+        return self._plain_model(batch, lambda: self._plain_forward(batch, site, modules, b))
+
+    def _plain_forward(self, batch, site, modules, b):
         ad = self.adapter
         original = ad.get(site.path)
         if site.block is None:

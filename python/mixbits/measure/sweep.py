@@ -130,6 +130,9 @@ def measure_site(rp: Replayer, site: Site, cands: list[Candidate], cfg: SweepCon
         v = np.concatenate(parts)
         kl_mean[name] = float(v.mean())
         kl_se[name] = float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else 0.0
+    from .. import streaming
+
+    streaming.release(original)  # its weight, read for the candidates (a model on disk)
     return SiteResult(site, kl_mean, kl_se, storage, time.perf_counter() - t0,
                       {c.name: c for c in cands})
 
@@ -190,6 +193,9 @@ def model_fingerprint(model) -> str:
         if mx.issubdtype(v.dtype, mx.floating):
             v = v.astype(mx.float32)  # numpy has no bfloat16; float32 holds every value
         h.update(np.array(v).tobytes())
+    from .. import streaming
+
+    streaming.release(model)  # the three matrices read above, when the weights stay on disk
     return h.hexdigest()[:16]
 
 
