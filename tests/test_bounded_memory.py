@@ -8,7 +8,7 @@ must stay below 3/4 of the weights' size. Before the streaming loader the
 sweep held the float16 weights and their float32 cast (3.8x the weights on
 bench/bench_memory.py's model) and quantize the whole source model.
 Streaming must not move a number: the streamed sweep and quantize are
-compared with the eagerly loaded model's on a tiny llama.
+compared with the eagerly loaded model's on tiny models (four architectures).
 """
 
 from __future__ import annotations
@@ -128,17 +128,24 @@ def test_quantize_peak_below_the_weights(big, tmp_path):
     assert type(q.model.layers[0].mlp.down_proj).__name__ != "Linear"
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def _tiny(tmp_path_factory, arch):
     import mixbits
 
-    d = tmp_path_factory.mktemp("tiny")
-    model, cfg = tiny_models.build("llama")
+    d = tmp_path_factory.mktemp(arch)
+    model, cfg = tiny_models.build(arch)
     mixbits.save(model, d / "model", cfg)
     return d / "model"
 
 
-def test_streamed_sweep_equals_eager(tiny, tmp_path):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return _tiny(tmp_path_factory, "llama")
+
+
+# Tied head, expert stacks (mlx-lm's sanitize stacks them), a VLM wrapper
+# with sliding windows, a hybrid with recurrent blocks.
+@pytest.mark.parametrize("arch", ["llama_tied", "qwen3_moe", "gemma3", "qwen3_5"])
+def test_streamed_sweep_equals_eager(arch, tmp_path_factory, tmp_path):
     """The same table from a model on disk (block by block) as from one in memory."""
     import mixbits
     from mixbits import streaming
@@ -146,6 +153,7 @@ def test_streamed_sweep_equals_eager(tiny, tmp_path):
     from mixbits.measure.sweep import sweep
     from mixbits.nn import patch
 
+    tiny = _tiny(tmp_path_factory, arch)
     toks = np.random.default_rng(3).integers(0, 160, (3, 12))
     tables = []
     for lazy in (False, True):
