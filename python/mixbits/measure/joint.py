@@ -55,7 +55,7 @@ class JointEvaluator:
             return self.model(x)
         originals = list(blocks)
         try:
-            blocks[:] = [_Streamed(b) for b in originals]
+            blocks[:] = [_Streamed(b, self.model) for b in originals]
             out = self.model(x)
             mx.eval(out)
         finally:
