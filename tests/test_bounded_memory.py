@@ -206,3 +206,21 @@ def test_release_leaves_replaced_weights_alone(tiny):
     assert norm.weight is not before  # untouched since the load: fresh from disk
     np.testing.assert_array_equal(np.array(norm.weight), np.array(before))
     assert np.array_equal(disk * 2, changed)
+
+
+def test_convert_records_its_peak(tiny, tmp_path, capsys):
+    """timings.json holds the run's peak resident set; the card's Time line
+    lists durations only."""
+    from mixbits.cli import main
+
+    np.save(tmp_path / "t.npy", np.random.default_rng(5).integers(0, 160, (2, 12)))
+    out = tmp_path / "q"
+    assert main(["convert", "--model", str(tiny), "--tokens", str(tmp_path / "t.npy"), "--bpw", "4.5",
+                 "--method", "grad", "--candidates", "4b_g64", "8b_g64", "--max-evals", "1",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    timings = json.loads((tmp_path / "q.work" / "timings.json").read_text())
+    assert timings["peak_rss_bytes"] > 50 * 2**20
+    assert text.strip().splitlines()[-1].startswith("peak memory ")
+    card = (out / "README.md").read_text()
+    assert "peak_rss" not in card
