@@ -144,14 +144,22 @@ def tiny(tmp_path_factory):
 # Tied head, expert stacks (mlx-lm's sanitize stacks them), a VLM wrapper
 # with sliding windows, a hybrid with recurrent blocks.
 @pytest.mark.parametrize("arch", ["llama_tied", "qwen3_moe", "gemma3", "qwen3_5"])
-def test_streamed_sweep_equals_eager(arch, tmp_path_factory, tmp_path):
-    """The same table from a model on disk (block by block) as from one in memory."""
+def test_streamed_sweep_equals_eager(arch, tmp_path_factory, tmp_path, monkeypatch):
+    """The same table from a model on disk (block by block, the reference
+    logits and recorded calls spilled to disk and read back per use) as
+    from one in memory."""
     import mixbits
     from mixbits import streaming
+    from mixbits.measure import replay
     from mixbits.measure.calib import cast_model
     from mixbits.measure.sweep import sweep
     from mixbits.nn import patch
 
+    # Every array of a tiny model's records is small: spill them all.
+    monkeypatch.setattr(replay, "_SPILL_BYTES", 1)
+    spilled = []
+    append = replay._Spill.append
+    monkeypatch.setattr(replay._Spill, "append", lambda self, v: (spilled.append(self), append(self, v)))
     tiny = _tiny(tmp_path_factory, arch)
     toks = np.random.default_rng(3).integers(0, 160, (3, 12))
     tables = []
@@ -166,6 +174,7 @@ def test_streamed_sweep_equals_eager(arch, tmp_path_factory, tmp_path):
                        for t in tables)
     assert streamed == eager
     assert tables[0]["meta"] == tables[1]["meta"]
+    assert spilled  # the streamed sweep's Replayer kept its chunks on disk
 
 
 def test_streamed_quantize_equals_eager(tiny, tmp_path):

@@ -25,7 +25,9 @@ forward per candidate, with a warning -- slower, never a different network.
 
 from __future__ import annotations
 
+import tempfile
 import warnings
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -241,6 +243,75 @@ def token_chunks(tokens, chunk: int) -> list[mx.array]:
     return [mx.array(tokens[i : i + chunk]) for i in range(0, len(tokens), chunk)]
 
 
+class _Key(str):
+    """Where a spilled array sits in its chunk's file (:class:`_Spill`)."""
+
+
+_SPILL_BYTES = 1 << 16  # smaller arrays (masks, positions) stay in memory
+
+
+def _template(value, arrays: dict, seen: dict):
+    """``value`` with its large arrays replaced by keys into ``arrays``
+    (one key per array object: a block's output that is the next block's
+    input is written once)."""
+    if isinstance(value, mx.array):
+        if value.ndim == 0 or value.nbytes < _SPILL_BYTES:
+            return value
+        key = seen.get(id(value))
+        if key is None:
+            key = seen[id(value)] = _Key(f"a{len(arrays)}")
+            arrays[key] = value
+        return key
+    if isinstance(value, (tuple, list)):
+        return type(value)(_template(v, arrays, seen) for v in value)
+    if isinstance(value, dict):
+        return {k: _template(v, arrays, seen) for k, v in value.items()}
+    return value
+
+
+def _filled(value, loaded: dict):
+    if isinstance(value, _Key):
+        return loaded[value]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_filled(v, loaded) for v in value)
+    if isinstance(value, dict):
+        return {k: _filled(v, loaded) for k, v in value.items()}
+    return value
+
+
+class _Spill:
+    """Per-chunk values of a streaming Replayer (reference logits, recorded
+    block calls) kept in temporary safetensors files instead of memory.
+    Each access reads them back lazily, so only what a computation
+    evaluates is loaded, and only while it runs: a replay from block i
+    evaluates block i-1's recorded output, never those of the stubs before
+    it (each stub ignores what it is given). Values are bit-identical."""
+
+    def __init__(self, folder: Path, name: str):
+        self._folder, self._name, self._items = folder, name, []
+
+    def append(self, value) -> None:
+        arrays: dict = {}
+        template = _template(value, arrays, {})
+        path = self._folder / f"{self._name}{len(self._items)}.safetensors"
+        if arrays:
+            mx.save_safetensors(str(path), arrays)
+        self._items.append((path if arrays else None, template))
+
+    def __getitem__(self, i):
+        path, template = self._items[i]
+        return _filled(template, mx.load(str(path)) if path else {})
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self._items)))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+
 def _stateful(x) -> bool:
     """A block argument that can hold state between calls: a cache object
     or a dict the block writes into (deepseek_v41 makes its own caches
@@ -266,8 +337,14 @@ class Replayer:
         self.axes: list[list] = []  # [chunk][block] -> (its input's batch axis, its output's)
         self.replayable = bool(self.adapter.blocks)
         # Weights on disk (mixbits.load(..., lazy=True)): every forward runs
-        # block by block, evaluating each and letting its weights go.
+        # block by block, evaluating each and letting its weights go; the
+        # reference logits and recorded calls go to disk too, read back per
+        # use (:class:`_Spill`), so memory does not grow with the chunks.
         self.stream = streaming.streams(model)
+        if self.stream:
+            self._spill_dir = tempfile.TemporaryDirectory(prefix="mixbits-replay-")
+            folder = Path(self._spill_dir.name)
+            self.logits, self.records = _Spill(folder, "logits"), _Spill(folder, "records")
         for toks in chunks:
             self._reference(toks)
         if self.replayable:
