@@ -55,16 +55,17 @@ import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
 N_CAL, SEQ_LEN, HELD_N = 8, 256, 16
 # group 128 divides neither SmolLM2 (576) nor Gemma-3-270M (640) columns
 BITS, GROUPS = (2, 3, 4, 5, 6, 8), (32, 64)
 RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
-# dynamic_quant (low, high) bit pairs, group 64 as mlx-lm's defaults: the
-# adjacent pairs and one step wider (3/8 and 2/4 scored 1.6-2.9x uniform's KL
-# in convert_smollm2.json; each pair costs a backward pass per seed).
-DQ_PAIRS = ((2, 3), (2, 4), (3, 4), (3, 5), (4, 5))
+# dynamic_quant (low, high) bit pairs, group 64 as mlx-lm's defaults (4/5 is
+# its default pair); each pair costs mlx-lm's backward passes per seed, ~4 min
+# here, so four (3/8 and 2/4 scored 1.6-2.9x uniform's KL in convert_smollm2.json).
+DQ_PAIRS = ((2, 3), (2, 4), (3, 5), (4, 5))
 RESULTS = Path(__file__).parent / "results"
 
 def host() -> dict:
@@ -107,12 +108,14 @@ def token_sets(tok, seeds) -> tuple[dict[int, np.ndarray], dict[str, np.ndarray]
 
 # -------------------------------------------------------------- storage bits
 
-def kind_bits(kind: str, nparams: int) -> int:
-    """Storage bits of one tensor at ``kind`` (affine: codes + fp16 scale and
-    bias per group), the count mixbits' tables and mlx-lm both use."""
+def kind_bits(kind: str, shape) -> int:
+    """Storage bits of one tensor [N, K] at a uniform affine ``kind``: codes
+    + an fp16 scale and bias per group (mlx-lm's count; equal to the stored
+    layer's bytes, which :meth:`Scorer.bpw` counts for other kinds)."""
     from mixbits.measure.candidates import parse_candidate
 
-    return int(round(parse_candidate(kind).storage_bpw * nparams))
+    return int(round(parse_candidate(kind).storage_bpw * int(np.prod(shape))))
+
 
 def size_table(sites, kinds) -> dict:
     """A table-shaped dict (entries with candidates' storage_bits) over the
@@ -122,7 +125,7 @@ def size_table(sites, kinds) -> dict:
     for s in sites:
         n = int(np.prod(s.shape))
         entries.append({"path": s.path, "nparams": n,
-                        "candidates": [{"kind": k, "storage_bits": kind_bits(k, n)} for k in kinds]})
+                        "candidates": [{"kind": k, "storage_bits": kind_bits(k, s.shape)} for k in kinds]})
     return {"entries": entries}
 
 # ------------------------------------------------------------------- scoring
@@ -153,7 +156,18 @@ class Scorer:
 
     def bpw(self, plan: dict[str, str]) -> float:
         from mixbits.measure.baselines import entry_bpw
+        from mixbits.measure.candidates import parse_candidate
+        from mixbits.measure.sweep import storage_bits
 
+        kinds = {c["kind"] for c in self.table["entries"][0]["candidates"]}
+        for k in sorted(set(plan.values()) - kinds):
+            # a kind first seen here (mixbits' ternary, 4b10_3b ...): the built
+            # layer's codes, scales, biases and permutation, as measure counts them
+            uni = parse_candidate(k).kind == "uniform"
+            ev = next(iter(self.evals.values()))
+            for e, s in zip(self.table["entries"], self.sites):
+                bits = kind_bits(k, s.shape) if uni else storage_bits(ev.layer(s.path, k), s)
+                e["candidates"].append({"kind": k, "storage_bits": bits})
         return entry_bpw(self.table, plan)
 
     def score(self, plan: dict[str, str], sets=None) -> dict[str, list[float]]:
@@ -202,14 +216,23 @@ def finest_fitting(plans: dict[str, dict[str, str]], bpw, budgets) -> dict[str, 
 def dq_plans(scorer: Scorer, calib: np.ndarray, budgets, cache: Path) -> dict[str, dict[str, str]]:
     """mlx-lm dynamic_quant at every DQ_PAIRS pair and budget, its
     sensitivities (kept in ``cache``) estimated on ``calib``."""
-    from mixbits.measure.dynamic_quant import assignment, sensitivities
+    from mlx_lm.quant.dynamic_quant import estimate_sensitivities
+
+    from mixbits.measure.dynamic_quant import assignment, float_copy
+    from mixbits.nn import patch
 
     out = {}
     for lo, hi in DQ_PAIRS:
         f = cache / f"dq_sens_{lo}_{hi}.json"
         if not f.exists():
             t0 = time.perf_counter()
-            sens = sensitivities(scorer.model, calib, (lo, 64), (hi, 64))
+            # the float twin's linears on mixbits' float GEMM (same function and
+            # gradients, tests/test_float_linear.py): MLX's Linux CPU matmul
+            # takes ~25 min per 4 x 256-token batch here
+            twin = float_copy(scorer.model)
+            patch(twin)
+            sens = dict(estimate_sensitivities(twin, mx.array(calib), lo, 64, hi, 64, batch_size=4))
+            del twin
             f.write_text(json.dumps({"seconds": time.perf_counter() - t0, "sens": sens}))
         sens = json.loads(f.read_text())["sens"]
         lo_bpw = scorer.bpw({s.path: f"{lo}b_g64" for s in scorer.sites})
@@ -301,6 +324,8 @@ def main() -> None:
                     help="seeds mixbits convert runs on (default: --seeds)")
     ap.add_argument("--work", default="/tmp/quality_protocol")
     ap.add_argument("--skip-dq", action="store_true")
+    ap.add_argument("--no-convert", action="store_true",
+                    help="score the mixbits allocations already written (a convert running elsewhere)")
     args = ap.parse_args()
     mseeds = args.mixbits_seeds if args.mixbits_seeds is not None else args.seeds
     if not set(mseeds) <= set(args.seeds):
@@ -346,14 +371,16 @@ def main() -> None:
                 add(f"{name} seed{s}", plan, sets=["licenses"])  # the claim's set only: CPU is short
     for s in mseeds:
         out = work / f"seed{s}" / args.model
-        if not all((Path(str(out) + ".work") / f"allocation_{b:g}bpw.json").exists() for b in args.budgets):
+        ready = [b for b in args.budgets if (Path(str(out) + ".work") / f"allocation_{b:g}bpw.json").exists()]
+        if len(ready) < len(args.budgets) and not args.no_convert:
             run_convert(args.model, calib[s], args.budgets, out)
+            ready = args.budgets
         tf = Path(str(out) + ".work") / "timings.json"
         timings[s] = json.loads(tf.read_text()) if tf.exists() else None
         used = np.load(Path(str(out) + ".work") / "tokens.npy")
         if not np.array_equal(used, calib[s]):
             raise SystemExit(f"{out}.work holds other calibration tokens than seed {s}'s")
-        for b in args.budgets:
+        for b in ready:
             plan, written = mixbits_plan(out, b)
             add(f"mixbits @{b:g} seed{s}", plan, written=written)
     result = {"host": host(), "model": args.model, "command": " ".join(sys.argv),
