@@ -21,6 +21,7 @@
 #include "rope/rope.h"
 #include "bench/probe.h"
 #include "common/backend.h"
+#include "fpmatmul/fpmatmul.h"
 #include "gather/gather.h"
 #include "gather/transposed.h"
 #include "common/parallel.h"
@@ -417,6 +418,25 @@ NB_MODULE(_ext, m) {
         return out;
       },
       "Attention backends usable on this CPU (backend_names() indices).");
+
+  m.def(
+      "fp_qmatmul",
+      [](const mx::array& x, const mx::array& wq, const mx::array& scales, int mode, int backend) {
+        if (mode < 0 || mode > 2) throw std::invalid_argument("fp_qmatmul: mode must be 0, 1 or 2");
+        return mixbits::fp_qmatmul(x, wq, scales, mixbits::FpMode(mode), mixbits::Backend(backend));
+      },
+      "x"_a, "wq"_a, "scales"_a, "mode"_a, "backend"_a = 0,
+      "y = x @ W.T on the CPU for W in an fp mode of mx.quantize (mode: 0 mxfp4, 1 nvfp4, "
+      "2 mxfp8), w and scales 2-D as MLX stores them.");
+
+  m.def(
+      "fpm_backends",
+      [] {
+        std::vector<int> out;
+        for (auto b : mixbits::available_backends(mixbits::kFpmBackends)) out.push_back(int(b));
+        return out;
+      },
+      "fp-mode matmul backends usable on this CPU (backend_names() indices).");
 
   m.def(
       "qmm_backends",

@@ -178,14 +178,54 @@ def unrepack(rt: RepackedTensor) -> QuantizedTensor:
 
 
 # MLX's quantization modes and, per mode, its default (group_size, bits)
-# (the table in help(mx.quantize)). mixbits' kernels cover affine only.
+# (the table in help(mx.quantize)). The fp modes' group size and bits are
+# fixed: mx.quantize refuses any other.
 MODES = {"affine": (DEFAULT_GROUP_SIZE, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
+# The fp modes with a mixbits CPU kernel (cpp/fpmatmul), by the C++ FpMode value.
+FP_MODES = {"mxfp4": 0, "nvfp4": 1, "mxfp8": 2}
+
+
+def available_fp_backends() -> list[str]:
+    """CPU backends of the fp-mode matmul usable on this machine."""
+    return names(_ext.fpm_backends())
+
+
+def _fp_kernel_runs(mode, transpose, w) -> bool:
+    """Whether a call in an fp mode runs mixbits' CPU kernel: transpose=True,
+    a 2-D w, and the default device a CPU. Other calls in these modes
+    (transpose=False, a stack of matrices, the GPU) run MLX's op."""
+    return (isinstance(mode, str) and mode in FP_MODES and isinstance(transpose, (bool, np.bool_))
+            and bool(transpose) and isinstance(w, mx.array) and w.ndim == 2
+            and mx.default_device().type == mx.cpu)
+
+
+def _fp_quantized_matmul(x, w, scales, biases, group_size, bits, mode, backend, activations):
+    """The CPU fp-mode kernel, after MLX's checks of what only Python sees
+    (the C++ node checks dtypes and shapes, with ValueErrors as MLX)."""
+    if activations != "float":
+        activations_id(activations)  # a bad value: its own error first
+        raise UsageError(f"activations={activations!r} chooses an integer contract of the affine "
+                         f"kernels, and mode={mode!r} has none: leave it at 'float'")
+    g, b = MODES[mode]
+    # mx.quantized_matmul accepts any group_size / bits in these modes and
+    # reads the codes as the mode's anyway; mx.quantize refuses them with a
+    # ValueError, and so does this (the same words).
+    if group_size is not None and group_size != g:
+        raise ValueError(f"[quantized_matmul] {mode} quantization requires group size {g} but got {group_size}.")
+    if bits is not None and bits != b:
+        raise ValueError(f"[quantized_matmul] {mode} quantization requires bits to be {b} but got {bits}.")
+    if biases is not None:
+        raise ValueError(f"[quantized_matmul] Biases must be null for quantization mode '{mode}'.")
+    for name, a in (("x", x), ("w", w), ("scales", scales)):
+        if not isinstance(a, mx.array):
+            raise TypeError(f"{name} must be an mlx.core.array, got {type(a).__name__}")
+    return _ext.fp_qmatmul(x, w, scales, FP_MODES[mode], _backend_id(backend))
 
 
 def _mlx_route(mode, transpose, bits, backend, activations) -> bool:
-    """Whether a call with MLX's arguments goes to MLX's own op: every
-    non-affine mode, ``transpose=False`` and 1-bit affine, for which
-    mixbits has no kernel. ``backend`` and ``activations`` choose among
+    """Whether a call with MLX's arguments goes to MLX's own op: the
+    non-affine modes' calls :func:`_fp_kernel_runs` leaves out,
+    ``transpose=False`` and 1-bit affine, for which mixbits has no kernel. ``backend`` and ``activations`` choose among
     mixbits' kernels, so a routed call refuses any but the defaults."""
     if not isinstance(mode, str):
         raise TypeError(f"mode must be a str, got {type(mode).__name__}")
@@ -226,7 +266,15 @@ def quantized_matmul(
 
     Affine weights with ``transpose=True`` run mixbits' kernels; the calls
     they do not cover (``mode`` mxfp4 / nvfp4 / mxfp8, ``transpose=False``,
-    1-bit affine) run MLX's own op, with its results and its errors."""
+    1-bit affine) run MLX's own op, with its results and its errors.
+
+    On the CPU, ``mode`` mxfp4 / nvfp4 / mxfp8 with ``transpose=True`` and
+    a 2-D ``w`` runs mixbits' fp-mode kernels (cpp/fpmatmul: float32 sums,
+    the same result at any thread count; ``backend`` as for affine, among
+    :func:`available_fp_backends`); their other calls (``transpose=False``,
+    a stack of matrices, the GPU) run MLX's op."""
+    if _fp_kernel_runs(mode, transpose, w):
+        return _fp_quantized_matmul(x, w, scales, biases, group_size, bits, mode, backend, activations)
     if _mlx_route(mode, transpose, bits, backend, activations):
         return mx.quantized_matmul(x, w, scales, biases, transpose=bool(transpose),
                                    group_size=group_size, bits=bits, mode=mode)

@@ -1,0 +1,192 @@
+// AVX2 + FMA + F16C kernel of the fp-mode matmul (kernel.h). The weights
+// are decoded in registers: e2m1 by a permute of the group's 8 scaled
+// magnitudes with the sign bit xor-ed in; e4m3 by placing its exponent and
+// mantissa bits in a float (subnormals and NaN fixed up). Each output is
+// sum over k in two 8-lane float32 accumulators (chunks of 16 columns: the
+// first 8 in one, the last 8 in the other), then one fixed reduction: the
+// same arithmetic on every path, so the result does not depend on M's path,
+// the row blocking or the number of threads.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "common/parallel.h"
+#include "fpmatmul/kernel.h"
+
+namespace mixbits {
+
+namespace {
+
+struct ScaleTables {
+  float e8m0[256];
+  float e4m3[256];
+};
+
+const ScaleTables& scale_tables() {
+  static const ScaleTables t = [] {
+    ScaleTables s;
+    for (int i = 0; i < 256; ++i) {
+      s.e8m0[i] = e8m0_value(uint32_t(i));
+      s.e4m3[i] = e4m3_value(uint32_t(i));
+    }
+    return s;
+  }();
+  return t;
+}
+
+// The 8 codes of one word: lane i gets tab[code_i & 7] with code_i's bit 3
+// as its sign (tab = the e2m1 magnitudes times the group's scale; a sign
+// flip commutes exactly with that product).
+inline __m256 e2m1x8(uint32_t u, __m256 tab) {
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(int(u)), shifts);
+  const __m256 mag = _mm256_permutevar8x32_ps(tab, v);  // reads bits 0-2 only
+  const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(v, 28),
+                                        _mm256_set1_epi32(int(0x80000000u)));
+  return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
+}
+
+// 8 e4m3 codes (bytes) times the scale.
+inline __m256 e4m3x8(const uint8_t* p, __m256 scale) {
+  const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7f));
+  // Exponent e and mantissa m in float position with the bias moved from 7
+  // to 127: 2^(e-7)·(1 + m/8) exactly, for e > 0.
+  __m256 f = _mm256_castsi256_ps(
+      _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+  // e == 0 (subnormal, m·2^-9): the value above is 2^-7·(1 + m/8), so
+  // 2f - 2^-6 is it, exactly (and +0 for m = 0). No subnormal float ever
+  // enters an instruction (x86 would take a slow assist).
+  const __m256 sub = _mm256_fmsub_ps(f, _mm256_set1_ps(2.0f), _mm256_set1_ps(1.0f / 64.0f));
+  const __m256i is_sub = _mm256_cmpeq_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x78)),
+                                            _mm256_setzero_si256());
+  f = _mm256_blendv_ps(f, sub, _mm256_castsi256_ps(is_sub));
+  // 0x7f / 0xff: NaN (all ones is a NaN).
+  f = _mm256_or_ps(f, _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f))));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_mul_ps(_mm256_xor_ps(f, _mm256_castsi256_ps(sign)), scale);
+}
+
+// Group g of a row, decoded into v[0 .. group/8).
+template <FpMode MD>
+inline void decode_group(const uint32_t* row, const uint8_t* srow, int64_t g, __m256* v) {
+  constexpr int G = fp_mode_group(MD);
+  const ScaleTables& t = scale_tables();
+  if constexpr (MD == FpMode::Mxfp8) {
+    const __m256 sc = _mm256_set1_ps(t.e8m0[srow[g]]);
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(row) + g * G;
+    for (int i = 0; i < G / 8; ++i) v[i] = e4m3x8(p + 8 * i, sc);
+  } else {
+    const float s = MD == FpMode::Nvfp4 ? t.e4m3[srow[g]] : t.e8m0[srow[g]];
+    const __m256 tab = _mm256_mul_ps(_mm256_loadu_ps(kE2m1), _mm256_set1_ps(s));
+    const uint32_t* p = row + g * (G / 8);
+    for (int i = 0; i < G / 8; ++i) v[i] = e2m1x8(p[i], tab);
+  }
+}
+
+// The one reduction of an output's two accumulators.
+inline float reduce(__m256 a0, __m256 a1) {
+  const __m256 s = _mm256_add_ps(a0, a1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+// Few rows of x (a decode step): each weight group is decoded in registers
+// and multiplied into MB rows at once.
+template <FpMode MD, int MB>
+void fused(const float* x, const FpView& w, float* y, int n0, int n1) {
+  constexpr int G = fp_mode_group(MD);
+  const int64_t K = w.K, groups = w.groups_per_row();
+  for (int n = n0; n < n1; ++n) {
+    const uint32_t* row = w.wq + int64_t(n) * w.words_per_row();
+    const uint8_t* srow = w.scales + int64_t(n) * groups;
+    __m256 a0[MB], a1[MB];
+    for (int i = 0; i < MB; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 v[G / 8];
+      decode_group<MD>(row, srow, g, v);
+      for (int c = 0; c < G / 8; c += 2) {
+        const int64_t k = g * G + 8 * c;
+        for (int i = 0; i < MB; ++i) {
+          a0[i] = _mm256_fmadd_ps(v[c], _mm256_loadu_ps(x + i * K + k), a0[i]);
+          a1[i] = _mm256_fmadd_ps(v[c + 1], _mm256_loadu_ps(x + i * K + k + 8), a1[i]);
+        }
+      }
+    }
+    for (int i = 0; i < MB; ++i) y[int64_t(i) * w.N + n] = reduce(a0[i], a1[i]);
+  }
+}
+
+// Many rows of x (a prompt): RB weight rows are decoded once into a float
+// buffer, then every x row is multiplied with them four at a time (one x
+// load feeds four rows' accumulators).
+template <FpMode MD>
+void buffered(const float* x, int M, const FpView& w, float* y, int n0, int n1) {
+  constexpr int G = fp_mode_group(MD), RB = 16;
+  const int64_t K = w.K, groups = w.groups_per_row();
+  std::vector<float> buf(size_t(RB) * K);
+  for (int nb = n0; nb < n1; nb += RB) {
+    const int rows = std::min(RB, n1 - nb);
+    for (int r = 0; r < rows; ++r) {
+      const int n = nb + r;
+      const uint32_t* row = w.wq + int64_t(n) * w.words_per_row();
+      const uint8_t* srow = w.scales + int64_t(n) * groups;
+      float* dst = buf.data() + int64_t(r) * K;
+      for (int64_t g = 0; g < groups; ++g) {
+        __m256 v[G / 8];
+        decode_group<MD>(row, srow, g, v);
+        for (int c = 0; c < G / 8; ++c) _mm256_storeu_ps(dst + g * G + 8 * c, v[c]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      const float* xr = x + int64_t(m) * K;
+      for (int r0 = 0; r0 < rows; r0 += 4) {
+        const float* wr[4];
+        for (int i = 0; i < 4; ++i) wr[i] = buf.data() + int64_t(std::min(r0 + i, rows - 1)) * K;
+        __m256 a0[4], a1[4];
+        for (int i = 0; i < 4; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16) {
+          const __m256 xa = _mm256_loadu_ps(xr + k), xb = _mm256_loadu_ps(xr + k + 8);
+          for (int i = 0; i < 4; ++i) {
+            a0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(wr[i] + k), xa, a0[i]);
+            a1[i] = _mm256_fmadd_ps(_mm256_loadu_ps(wr[i] + k + 8), xb, a1[i]);
+          }
+        }
+        for (int i = 0; i < 4 && r0 + i < rows; ++i)
+          y[int64_t(m) * w.N + nb + r0 + i] = reduce(a0[i], a1[i]);
+      }
+    }
+  }
+}
+
+template <FpMode MD>
+void run_mode(const float* x, int M, const FpView& w, float* y) {
+  if (M > 4) {
+    parallel_for(w.N, 16, [&](int64_t n0, int64_t n1) { buffered<MD>(x, M, w, y, int(n0), int(n1)); });
+    return;
+  }
+  parallel_for(w.N, 16, [&](int64_t n0, int64_t n1) {
+    switch (M) {
+      case 1: return fused<MD, 1>(x, w, y, int(n0), int(n1));
+      case 2: return fused<MD, 2>(x, w, y, int(n0), int(n1));
+      case 3: return fused<MD, 3>(x, w, y, int(n0), int(n1));
+      default: return fused<MD, 4>(x, w, y, int(n0), int(n1));
+    }
+  });
+}
+
+}  // namespace
+
+void fpm_avx2_run(const float* x, int M, const FpView& w, float* y) {
+  if (M <= 0 || w.N <= 0) return;
+  switch (w.mode) {
+    case FpMode::Mxfp4: return run_mode<FpMode::Mxfp4>(x, M, w, y);
+    case FpMode::Nvfp4: return run_mode<FpMode::Nvfp4>(x, M, w, y);
+    case FpMode::Mxfp8: return run_mode<FpMode::Mxfp8>(x, M, w, y);
+  }
+}
+
+}  // namespace mixbits

@@ -1,0 +1,118 @@
+// FpQMatmul: argument checks, graph node, CPU evaluation and gradients.
+#include "fpmatmul/fpmatmul.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "common/cpu_task.h"
+#include "common/inputs.h"
+#include "common/mlx_args.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "qmatmul/qmatmul.h"
+
+namespace mixbits {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) {
+  throw std::invalid_argument("[quantized_matmul] " + msg);
+}
+
+}  // namespace
+
+mx::array fp_qmatmul(const mx::array& x, const mx::array& wq, const mx::array& scales,
+                     FpMode mode, Backend backend, mx::StreamOrDevice s) {
+  const int bits = fp_mode_bits(mode), group = fp_mode_group(mode);
+  if (!is_float_dtype(x.dtype())) fail("x must be float32, float16 or bfloat16");
+  if (x.ndim() < 1) fail("x must have at least one dimension");
+  if (wq.dtype() != mx::uint32)
+    fail("The weight matrix should be uint32, got shape " + shape_str(wq));
+  if (scales.dtype() != mx::uint8) fail("Scale type must be uint8 for mode " + std::string(fp_mode_name(mode)));
+  if (wq.ndim() != 2 || scales.ndim() != 2)
+    fail("w and scales must be 2-D here, got " + shape_str(wq) + " and " + shape_str(scales));
+  const int N = wq.shape(0);
+  const int64_t K = int64_t(wq.shape(1)) * 32 / bits;
+  if (scales.shape(0) != N || int64_t(scales.shape(1)) * group != K)
+    fail("The shapes of the weight and scales are incompatible for " + std::string(fp_mode_name(mode)) +
+         " (group size " + std::to_string(group) + ", " + std::to_string(bits) +
+         " bits): w.shape() == " + shape_str(wq) + " and scales.shape() == " + shape_str(scales));
+  if (x.shape(-1) != K)
+    fail("Last dimension of x (" + std::to_string(x.shape(-1)) +
+         ") does not match the quantized matrix's K = " + std::to_string(K));
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) fail("the fp-mode kernels are CPU kernels");
+  select_fpm(backend);  // throws now, not inside the graph, if unavailable
+  mx::Shape out_shape = x.shape();
+  out_shape.back() = N;
+  return mx::array(out_shape, x.dtype(), std::make_shared<FpQMatmul>(stream, mode, backend),
+                   {x, wq, scales});
+}
+
+std::vector<mx::Shape> FpQMatmul::output_shapes(const std::vector<mx::array>& inputs) {
+  mx::Shape s = inputs[0].shape();
+  s.back() = inputs[1].shape(0);
+  return {s};
+}
+
+bool FpQMatmul::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const FpQMatmul&>(other);
+  return mode_ == o.mode_ && backend_ == o.backend_;
+}
+
+void FpQMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  mx::array task_out = begin_cpu_task(enc, inputs, out);
+  enc.dispatch([inputs, out = std::move(task_out), mode = mode_,
+                fn = select_fpm(backend_)]() mutable {
+    std::vector<char> wbuf, sbuf;
+    FpView w;
+    w.mode = mode;
+    w.N = inputs[1].shape(0);
+    w.K = int(int64_t(inputs[1].shape(1)) * 32 / fp_mode_bits(mode));
+    w.wq = static_cast<const uint32_t*>(row_major(inputs[1], wbuf));
+    w.scales = static_cast<const uint8_t*>(row_major(inputs[2], sbuf));
+    // x gathered into dense float32 and y narrowed to x's dtype as for the
+    // affine kernels; no bias is folded here, so an inf in x needs no
+    // separate IEEE path (every path gives MLX's inf / NaN).
+    qmatmul_cpu_eval(inputs[0], nullptr, w.K, w.N, 0, out,
+                     [&](QmmPath, const float* xf, int M, float* y) { fn(xf, M, w, y); });
+  });
+}
+
+void FpQMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("FpQMatmul: a CPU primitive (GPU calls run MLX's quantized_matmul)");
+}
+
+std::vector<mx::array> FpQMatmul::vjp(const std::vector<mx::array>& primals,
+                                      const std::vector<mx::array>& cotangents,
+                                      const std::vector<int>& argnums,
+                                      const std::vector<mx::array>&) {
+  auto s = stream();
+  std::vector<mx::array> out;
+  for (int arg : argnums) {
+    if (arg == 0) {
+      // dx = dy · W: MLX's own transposed product in this mode.
+      out.push_back(mx::astype(
+          mx::quantized_matmul(cotangents[0], primals[1], primals[2], std::nullopt, false,
+                               fp_mode_group(mode_), fp_mode_bits(mode_), fp_mode_name(mode_), s),
+          primals[0].dtype(), s));
+    } else if (arg == 2) {
+      throw std::invalid_argument(std::string("[QuantizedMatmul::vjp] no gradient wrt scales in ") +
+                                  fp_mode_name(mode_) + " quantization.");
+    } else {
+      throw std::runtime_error("[QuantizedMatmul::vjp] no gradient wrt the quantized weights.");
+    }
+  }
+  return out;
+}
+
+std::vector<mx::array> FpQMatmul::jvp(const std::vector<mx::array>& primals,
+                                      const std::vector<mx::array>& tangents,
+                                      const std::vector<int>& argnums) {
+  for (int arg : argnums)
+    if (arg != 0)
+      throw std::runtime_error("[FpQMatmul::jvp] only x has a tangent (the weights are fixed codes).");
+  return {fp_qmatmul(tangents[0], primals[1], primals[2], mode_, backend_, stream())};
+}
+
+}  // namespace mixbits

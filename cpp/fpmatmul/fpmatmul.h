@@ -1,0 +1,40 @@
+// MLX primitive for y = x · Wᵀ with W in one of MLX's floating-point
+// quantization modes (mxfp4, nvfp4, mxfp8), as mx.quantize stores it: the
+// CPU evaluation runs fpmatmul/kernel.h's kernels. Python routes only CPU
+// calls with a 2-D W and transpose=True here (mixbits/ops.py); the rest
+// runs MLX's own op.
+#pragma once
+#include "common/primitive.h"
+#include "fpmatmul/kernel.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace mixbits {
+
+namespace mx = mlx::core;
+
+// Inputs: x, wq, scales.
+class FpQMatmul : public mx::UnaryPrimitive {
+ public:
+  FpQMatmul(mx::Stream s, FpMode mode, Backend backend)
+      : mx::UnaryPrimitive(s), mode_(mode), backend_(backend) {}
+
+  MIXBITS_EVAL_UNARY()
+  // As MLX's QuantizedMatmul in these modes: a gradient wrt x only (dy·W
+  // by MLX's quantized_matmul with transpose=False); wrt the scales a
+  // ValueError, wrt the codes a RuntimeError, with MLX's messages.
+  MIXBITS_GRADS()
+  MIXBITS_NAME_AND_EQUIVALENT(FpQMatmul)
+  MIXBITS_OUTPUT_SHAPES()
+
+ private:
+  FpMode mode_;
+  Backend backend_;
+};
+
+// Checks the arguments (std::invalid_argument naming the bad one, which
+// Python sees as a ValueError, as MLX's own checks) and builds the node.
+mx::array fp_qmatmul(const mx::array& x, const mx::array& wq, const mx::array& scales,
+                     FpMode mode, Backend backend = Backend::Auto, mx::StreamOrDevice s = {});
+
+}  // namespace mixbits
