@@ -1,0 +1,62 @@
+// Runs the fp-mode matmul kernels of an aarch64 build (cpp/fpmatmul) on
+// cases the Python tests write (tests/test_fp_modes_kernel.py): codes and
+// scales exactly as mx.quantize stores them. Built for aarch64, run under
+// qemu-user.
+//
+//   fpm_harness CASES OUT
+//
+// CASES: "MBF1", u32 count, then per case: i32 mode (FpMode), M, N, K; the
+// float32 x [M, K]; the codes [N, K*bits/32] (uint32) and the scales
+// [N, K/group] (uint8). OUT gets per case y [M, N] float32 of the
+// reference, then of the NEON kernel (Backend::Auto's choice).
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "fpmatmul/kernel.h"
+#include "harness_io.h"
+
+using namespace mixbits;
+
+const char* const kHarnessName = "fpm_harness";
+
+int main(int argc, char** argv) {
+  if (argc != 3) die("usage: fpm_harness CASES OUT");
+  FILE* f = std::fopen(argv[1], "rb");
+  if (!f) die("cannot open the case file");
+  Reader r;
+  char chunk[1 << 16];
+  for (size_t n; (n = std::fread(chunk, 1, sizeof chunk, f)) > 0;) r.buf.insert(r.buf.end(), chunk, chunk + n);
+  std::fclose(f);
+  if (std::memcmp(r.take(4), "MBF1", 4) != 0) die("not a case file");
+  const int count = r.i32();
+  FILE* out = std::fopen(argv[2], "wb");
+  if (!out) die("cannot open the output file");
+  const FpmRun kernels[2] = {fpm_ref_run, select_fpm(Backend::Auto)};
+  if (kernels[1] != fpm_neon_run) die("Auto did not select the NEON kernel");
+  for (int c = 0; c < count; ++c) {
+    FpView w;
+    w.mode = FpMode(r.i32());
+    const int M = r.i32();
+    w.N = r.i32();
+    w.K = r.i32();
+    std::vector<float> x(size_t(M) * w.K);
+    std::memcpy(x.data(), r.take(x.size() * 4), x.size() * 4);
+    std::vector<uint32_t> wq(size_t(w.N) * w.words_per_row());
+    std::memcpy(wq.data(), r.take(wq.size() * 4), wq.size() * 4);
+    std::vector<uint8_t> sc(size_t(w.N) * w.groups_per_row());
+    std::memcpy(sc.data(), r.take(sc.size()), sc.size());
+    w.wq = wq.data();
+    w.scales = sc.data();
+    for (FpmRun k : kernels) {
+      // Poisoned, so an output a kernel forgets to write shows as NaN.
+      std::vector<float> y(size_t(M) * w.N, std::numeric_limits<float>::quiet_NaN());
+      k(x.data(), M, w, y.data());
+      std::fwrite(y.data(), 4, y.size(), out);
+    }
+  }
+  std::fclose(out);
+  return 0;
+}
