@@ -1,7 +1,7 @@
 // AVX2 + FMA + F16C kernel of the fp-mode matmul (kernel.h). The weights
 // are decoded in registers: e2m1 by a permute of the group's 8 scaled
-// magnitudes with the sign bit xor-ed in; e4m3 by placing its exponent and
-// mantissa bits in a float (subnormals and NaN fixed up). Each output is
+// magnitudes with the sign bit xor-ed in; e4m3 by moving its bits to
+// float16 positions and widening them with F16C. Each output is
 // sum over k in two 8-lane float32 accumulators (chunks of 16 columns: the
 // first 8 in one, the last 8 in the other), then one fixed reduction: the
 // same arithmetic on every path, so the result does not depend on M's path,
@@ -47,25 +47,19 @@ inline __m256 e2m1x8(uint32_t u, __m256 tab) {
   return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
 }
 
-// 8 e4m3 codes (bytes) times the scale.
-inline __m256 e4m3x8(const uint8_t* p, __m256 scale) {
-  const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7f));
-  // Exponent e and mantissa m in float position with the bias moved from 7
-  // to 127: 2^(e-7)·(1 + m/8) exactly, for e > 0.
-  __m256 f = _mm256_castsi256_ps(
-      _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
-  // e == 0 (subnormal, m·2^-9): the value above is 2^-7·(1 + m/8), so
-  // 2f - 2^-6 is it, exactly (and +0 for m = 0). No subnormal float ever
-  // enters an instruction (x86 would take a slow assist).
-  const __m256 sub = _mm256_fmsub_ps(f, _mm256_set1_ps(2.0f), _mm256_set1_ps(1.0f / 64.0f));
-  const __m256i is_sub = _mm256_cmpeq_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x78)),
-                                            _mm256_setzero_si256());
-  f = _mm256_blendv_ps(f, sub, _mm256_castsi256_ps(is_sub));
-  // 0x7f / 0xff: NaN (all ones is a NaN).
-  f = _mm256_or_ps(f, _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f))));
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
-  return _mm256_mul_ps(_mm256_xor_ps(f, _mm256_castsi256_ps(sign)), scale);
+// 16 e4m3 codes (bytes) as two vectors of 8 values times 2^-8: e4m3 is
+// float16 with the exponent bias 7 lower, so the byte's sign, exponent and
+// mantissa moved to float16's positions (sign-extended byte << 7, bit 14
+// cleared) is the value times 2^-8 exactly, subnormals included (float16's
+// subnormals line up with e4m3's), and F16C widens it exactly. 0x7f / 0xff
+// become a float16 NaN. The caller multiplies by 2^8 times the scale.
+inline void e4m3x16(const uint8_t* p, __m256* lo, __m256* hi) {
+  const __m256i c = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256i h = _mm256_and_si256(_mm256_slli_epi16(c, 7), _mm256_set1_epi16(int16_t(0xbfff)));
+  const __m256i e_m = _mm256_set1_epi16(0x3f80);  // exponent and mantissa all ones: NaN
+  h = _mm256_or_si256(h, _mm256_cmpeq_epi16(_mm256_and_si256(h, e_m), e_m));
+  *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
 
 // Group g of a row, decoded into v[0 .. group/8).
@@ -74,9 +68,20 @@ inline void decode_group(const uint32_t* row, const uint8_t* srow, int64_t g, __
   constexpr int G = fp_mode_group(MD);
   const ScaleTables& t = scale_tables();
   if constexpr (MD == FpMode::Mxfp8) {
-    const __m256 sc = _mm256_set1_ps(t.e8m0[srow[g]]);
     const uint8_t* p = reinterpret_cast<const uint8_t*>(row) + g * G;
-    for (int i = 0; i < G / 8; ++i) v[i] = e4m3x8(p + 8 * i, sc);
+    for (int i = 0; i < G / 8; i += 2) e4m3x16(p + 8 * i, &v[i], &v[i + 1]);
+    const uint8_t sb = srow[g];
+    if (sb < 247) {
+      // 2^8 · scale is exact below 2^120 (byte 247), so one product per
+      // value, rounded once as code · scale is.
+      const __m256 sc = _mm256_set1_ps(256.0f * t.e8m0[sb]);
+      for (int i = 0; i < G / 8; ++i) v[i] = _mm256_mul_ps(v[i], sc);
+    } else {
+      // 2^8 · scale would overflow: the exact code value first.
+      const __m256 sc = _mm256_set1_ps(t.e8m0[sb]);
+      for (int i = 0; i < G / 8; ++i)
+        v[i] = _mm256_mul_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(256.0f)), sc);
+    }
   } else {
     const float s = MD == FpMode::Nvfp4 ? t.e4m3[srow[g]] : t.e8m0[srow[g]];
     const __m256 tab = _mm256_mul_ps(_mm256_loadu_ps(kE2m1), _mm256_set1_ps(s));
@@ -95,7 +100,8 @@ inline float reduce(__m256 a0, __m256 a1) {
 }
 
 // Few rows of x (a decode step): each weight group is decoded in registers
-// and multiplied into MB rows at once.
+// and multiplied into MB rows at once. (Two weight rows side by side, for
+// more accumulator chains, measured slower at M = 1: register spills.)
 template <FpMode MD, int MB>
 void fused(const float* x, const FpView& w, float* y, int n0, int n1) {
   constexpr int G = fp_mode_group(MD);
