@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/parallel.h"
+#include "common/x86_prefetch.h"
 #include "fpmatmul/kernel.h"
 
 namespace mixbits {
@@ -67,6 +68,13 @@ template <FpMode MD>
 inline void decode_group(const uint32_t* row, const uint8_t* srow, int64_t g, __m256* v) {
   constexpr int G = fp_mode_group(MD);
   const ScaleTables& t = scale_tables();
+  // The codes stream into L2 ahead of use, once per 64-byte line, as the
+  // affine kernels' (common/x86_prefetch.h: rows are contiguous, so this
+  // runs on into the next rows).
+  constexpr int kGroupBytes = G * fp_mode_bits(MD) / 8;
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row) + g * kGroupBytes;
+  if ((reinterpret_cast<uintptr_t>(bytes) & 63) < uintptr_t(kGroupBytes))
+    _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchAhead, _MM_HINT_T1);
   if constexpr (MD == FpMode::Mxfp8) {
     const uint8_t* p = reinterpret_cast<const uint8_t*>(row) + g * G;
     for (int i = 0; i < G / 8; i += 2) e4m3x16(p + 8 * i, &v[i], &v[i + 1]);
