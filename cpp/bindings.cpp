@@ -421,13 +421,15 @@ NB_MODULE(_ext, m) {
 
   m.def(
       "fp_qmatmul",
-      [](const mx::array& x, const mx::array& wq, const mx::array& scales, int mode, int backend) {
+      [](const mx::array& x, const mx::array& wq, const mx::array& scales, int mode, bool transpose,
+         int backend) {
         if (mode < 0 || mode > 2) throw std::invalid_argument("fp_qmatmul: mode must be 0, 1 or 2");
-        return mixbits::fp_qmatmul(x, wq, scales, mixbits::FpMode(mode), mixbits::Backend(backend));
+        return mixbits::fp_qmatmul(x, wq, scales, mixbits::FpMode(mode), transpose,
+                                   mixbits::Backend(backend));
       },
-      "x"_a, "wq"_a, "scales"_a, "mode"_a, "backend"_a = 0,
-      "y = x @ W.T on the CPU for W in an fp mode of mx.quantize (mode: 0 mxfp4, 1 nvfp4, "
-      "2 mxfp8), w and scales 2-D as MLX stores them.");
+      "x"_a, "wq"_a, "scales"_a, "mode"_a, "transpose"_a = true, "backend"_a = 0,
+      "y = x @ W.T (transpose) or x @ W on the CPU for W in an fp mode of mx.quantize "
+      "(mode: 0 mxfp4, 1 nvfp4, 2 mxfp8), w and scales 2-D as MLX stores them.");
 
   m.def(
       "fpm_backends",

@@ -42,7 +42,8 @@ def quantized(rng, n, k, mode, scale=1.0):
 def assert_close(got: np.ndarray, x64, w64, dtype, what):
     ref = x64 @ w64.T
     mag = np.abs(x64) @ np.abs(w64).T
-    tol = ACC_TOL * mag + OUT_EPS[dtype] * np.abs(ref) + 1e-30
+    # (+ half float16's subnormal spacing: a tiny output rounds absolutely)
+    tol = ACC_TOL * mag + OUT_EPS[dtype] * np.abs(ref) + (2.0 ** -25 if dtype == mx.float16 else 1e-30)
     bad = ~(np.abs(got - ref) <= tol)
     if bad.any():
         i = tuple(np.argwhere(bad)[0])
@@ -90,6 +91,18 @@ def all_codes(mode, finite=False):
     return codes, mx.array(wq), mx.array(scales)
 
 
+def finite_rows(mode):
+    """all_codes' rows whose decoded values are all finite (here every
+    output of x @ W sums over all rows of W, so one inf or NaN row would
+    make every output NaN and the check vacuous): most scale bytes."""
+    codes, wq, s = all_codes(mode, finite=True)
+    with np.errstate(invalid="ignore", over="ignore"):
+        keep = np.flatnonzero(np.isfinite(dequantized(wq, s, mode)).all(axis=1))
+    assert keep.size >= 200
+    idx = mx.array(keep.astype(np.int32))
+    return mx.contiguous(wq[idx]), mx.contiguous(s[idx])
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_spec_decode_is_mlx_dequantize(mode):
     """The format as documented (numpy float64, rounded to float32 as MLX
@@ -103,6 +116,21 @@ def test_spec_decode_is_mlx_dequantize(mode):
         want = (val * sc[:, None]).astype(np.float32)
     got = np.array(mx.dequantize(wq, s, mode=mode, dtype=mx.float32))
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_code_and_scale_exact_not_transposed(mode, backend):
+    """transpose=False (y = x @ W) with x = the identity is W itself: the
+    decoded values of the column kernels, bit for bit (one output chain per
+    value, the rest zeros; every scale byte whose row is finite)."""
+    wq, s = finite_rows(mode)
+    want = dequantized(wq, s, mode)
+    r = want.shape[0]
+    for m in (1, r):
+        x = mx.eye(r, dtype=mx.float32)[:m]
+        got = f64(mixbits.quantized_matmul(x, wq, s, mode=mode, transpose=False, backend=backend))
+        np.testing.assert_array_equal(got, want[:m], err_msg=f"{mode} {backend} M={m}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -168,6 +196,22 @@ def test_random_shapes_against_float64(mode, dtype):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_random_shapes_not_transposed(mode, dtype):
+    """y = x @ W with W (R, C) grouped along C (MLX's transpose=False)."""
+    rng = np.random.default_rng(zlib.crc32(f"T {mode} {dtype}".encode()))
+    for m, c, r in shapes(rng, mode):  # (rows of x, R, C): C a multiple of the group
+        c += c * r % 32 != 0
+        wq, s = quantized(rng, c, r, mode, scale=float(rng.choice([0.05, 1.0, 50.0])))
+        w64 = dequantized(wq, s, mode)  # (R, C) = (c, r) here
+        x = mx.array(rng.standard_normal((m, c)).astype(np.float32)).astype(dtype)
+        for backend in BACKENDS:
+            y = mixbits.quantized_matmul(x, wq, s, mode=mode, transpose=False, backend=backend)
+            assert y.dtype == dtype and y.shape == (m, r)
+            assert_close(f64(y), f64(x), w64.T, dtype, f"T {mode} {dtype} {backend} M={m} R={c} C={r}")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 def test_leading_dims_and_strided_x(mode):
     rng = np.random.default_rng(5)
     g, _ = MODES[mode]
@@ -200,6 +244,18 @@ def test_threads_and_paths_bit_identical(mode):
                                                                      backend=backend))
                                    for i in range(9)])
             np.testing.assert_array_equal(rows, outs[0], err_msg=backend)
+            # transpose=False: its own column split; 203 rows of W are its K
+            xt = mx.array(rng.standard_normal((7, 203)).astype(np.float32))
+            outs = []
+            for t in (1, 2):
+                _ext.set_max_threads(t)
+                outs.append(np.array(mixbits.quantized_matmul(xt, wq, s, mode=mode, transpose=False,
+                                                              backend=backend)))
+            np.testing.assert_array_equal(outs[0], outs[1], err_msg="transpose=False " + backend)
+            rows = np.concatenate([np.array(mixbits.quantized_matmul(xt[i:i + 1], wq, s, mode=mode,
+                                                                     transpose=False, backend=backend))
+                                   for i in range(7)])
+            np.testing.assert_array_equal(rows, outs[0], err_msg="transpose=False " + backend)
     finally:
         _ext.set_max_threads(prev)
 
@@ -233,19 +289,19 @@ def test_inf_and_nan_in_x_as_mlx():
 # ------------------------------------------------ routing
 
 def test_cpu_fp_calls_run_the_kernel(monkeypatch):
-    """transpose=True with a 2-D w on the CPU runs mixbits' node; the other
-    fp calls (transpose=False, a stack of matrices) MLX's op."""
+    """A 2-D w on the CPU runs mixbits' node, either transpose; a stack of
+    matrices MLX's op."""
     rng = np.random.default_rng(14)
     seen = []
     real = _ext.fp_qmatmul
-    monkeypatch.setattr(_ext, "fp_qmatmul", lambda *a: seen.append(a[3]) or real(*a))
+    monkeypatch.setattr(_ext, "fp_qmatmul", lambda *a: seen.append(a[3:5]) or real(*a))
     x = mx.array(rng.standard_normal((2, 64)).astype(np.float32))
     for i, mode in enumerate(MODES):
         wq, s = quantized(rng, 64, 64, mode)
         mixbits.quantized_matmul(x, wq, s, mode=mode)
         mixbits.quantized_matmul(x, wq, s, mode=mode, transpose=False)
         mixbits.quantized_matmul(x[None], mx.stack([wq, wq]), mx.stack([s, s]), mode=mode)
-    assert seen == [0, 1, 2]
+    assert seen == [(0, True), (0, False), (1, True), (1, False), (2, True), (2, False)]
 
 
 # ------------------------------------------------ errors, as MLX's
@@ -286,6 +342,26 @@ def test_bad_input_raises_mlx_exception_types(mode):
 
 
 # ------------------------------------------------ gradients
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_vjp_not_transposed_and_kernel_grad(mode):
+    """transpose=False: d/dx of x @ W is c @ W^T; both orientations' x
+    gradients run mixbits' kernel of the other orientation, not MLX's op."""
+    rng = np.random.default_rng(17)
+    wq, s = quantized(rng, 96, 128, mode)  # W (96, 128): x has 96 columns
+    x = mx.array(rng.standard_normal((4, 96)).astype(np.float32))
+    c = mx.array(rng.standard_normal((4, 128)).astype(np.float32))
+    _, (dx,) = mx.vjp(lambda x: mixbits.quantized_matmul(x, wq, s, mode=mode, transpose=False), (x,), (c,))
+    want = f64(c) @ dequantized(wq, s, mode).T
+    assert np.abs(f64(dx) - want).max() <= 1e-5 * np.abs(want).max()
+    # Bit for bit the other orientation's mixbits kernel (and not MLX's op,
+    # which sums in another order: so the check can tell them apart).
+    for t, xx, cc in ((False, x, c), (True, c, x)):
+        _, (g,) = mx.vjp(lambda v: mixbits.quantized_matmul(v, wq, s, mode=mode, transpose=t), (xx,), (cc,))
+        ours = mixbits.quantized_matmul(cc, wq, s, mode=mode, transpose=not t)
+        theirs = mx.quantized_matmul(cc, wq, s, mode=mode, transpose=not t)
+        assert mx.array_equal(g, ours).item() and not mx.array_equal(g, theirs).item()
+
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_vjp_jvp_as_mlx(mode):

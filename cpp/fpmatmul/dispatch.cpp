@@ -17,4 +17,16 @@ FpmRun select_fpm(Backend requested) {
   }
 }
 
+FpmTRun select_fpm_t(Backend requested) {
+  switch (resolve_backend("fp quantized_matmul", requested, kFpmBackends)) {
+#if defined(MIXBITS_HAVE_AVX2)
+    case Backend::Avx2: return fpm_t_avx2_run;
+#endif
+#if defined(MIXBITS_HAVE_NEON)
+    case Backend::Neon: return fpm_t_neon_run;
+#endif
+    default: return fpm_t_ref_run;
+  }
+}
+
 }  // namespace mixbits

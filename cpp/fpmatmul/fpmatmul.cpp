@@ -1,6 +1,7 @@
 // FpQMatmul: argument checks, graph node, CPU evaluation and gradients.
 #include "fpmatmul/fpmatmul.h"
 
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -21,7 +22,7 @@ namespace {
 }  // namespace
 
 mx::array fp_qmatmul(const mx::array& x, const mx::array& wq, const mx::array& scales,
-                     FpMode mode, Backend backend, mx::StreamOrDevice s) {
+                     FpMode mode, bool transpose, Backend backend, mx::StreamOrDevice s) {
   const int bits = fp_mode_bits(mode), group = fp_mode_group(mode);
   if (!is_float_dtype(x.dtype())) fail("x must be float32, float16 or bfloat16");
   if (x.ndim() < 1) fail("x must have at least one dimension");
@@ -30,42 +31,46 @@ mx::array fp_qmatmul(const mx::array& x, const mx::array& wq, const mx::array& s
   if (scales.dtype() != mx::uint8) fail("Scale type must be uint8 for mode " + std::string(fp_mode_name(mode)));
   if (wq.ndim() != 2 || scales.ndim() != 2)
     fail("w and scales must be 2-D here, got " + shape_str(wq) + " and " + shape_str(scales));
-  const int N = wq.shape(0);
-  const int64_t K = int64_t(wq.shape(1)) * 32 / bits;
-  if (scales.shape(0) != N || int64_t(scales.shape(1)) * group != K)
+  // W as stored: rows of codes, groups along each row.
+  const int rows = wq.shape(0);
+  const int64_t cols = int64_t(wq.shape(1)) * 32 / bits;
+  if (scales.shape(0) != rows || int64_t(scales.shape(1)) * group != cols)
     fail("The shapes of the weight and scales are incompatible for " + std::string(fp_mode_name(mode)) +
          " (group size " + std::to_string(group) + ", " + std::to_string(bits) +
          " bits): w.shape() == " + shape_str(wq) + " and scales.shape() == " + shape_str(scales));
-  if (x.shape(-1) != K)
+  if (cols > std::numeric_limits<int32_t>::max()) fail("w has more than 2^31 - 1 columns");
+  const int64_t in = transpose ? cols : rows, out_dim = transpose ? rows : cols;
+  if (x.shape(-1) != in)
     fail("Last dimension of x (" + std::to_string(x.shape(-1)) +
-         ") does not match the quantized matrix's K = " + std::to_string(K));
+         ") does not match the quantized matrix's " + std::to_string(in) +
+         (transpose ? " columns" : " rows"));
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) fail("the fp-mode kernels are CPU kernels");
   select_fpm(backend);  // throws now, not inside the graph, if unavailable
   mx::Shape out_shape = x.shape();
-  out_shape.back() = N;
-  return mx::array(out_shape, x.dtype(), std::make_shared<FpQMatmul>(stream, mode, backend),
+  out_shape.back() = int(out_dim);
+  return mx::array(out_shape, x.dtype(), std::make_shared<FpQMatmul>(stream, mode, transpose, backend),
                    {x, wq, scales});
 }
 
 std::vector<mx::Shape> FpQMatmul::output_shapes(const std::vector<mx::array>& inputs) {
   mx::Shape s = inputs[0].shape();
-  s.back() = inputs[1].shape(0);
+  s.back() = transpose_ ? inputs[1].shape(0) : inputs[1].shape(1) * 32 / fp_mode_bits(mode_);
   return {s};
 }
 
 bool FpQMatmul::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const FpQMatmul&>(other);
-  return mode_ == o.mode_ && backend_ == o.backend_;
+  return mode_ == o.mode_ && transpose_ == o.transpose_ && backend_ == o.backend_;
 }
 
 void FpQMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& enc = mx::cpu::get_command_encoder(stream());
   mx::array task_out = begin_cpu_task(enc, inputs, out);
-  enc.dispatch([inputs, out = std::move(task_out), mode = mode_,
-                fn = select_fpm(backend_)]() mutable {
+  enc.dispatch([inputs, out = std::move(task_out), mode = mode_, transpose = transpose_,
+                fn = transpose_ ? select_fpm(backend_) : select_fpm_t(backend_)]() mutable {
     std::vector<char> wbuf, sbuf;
-    FpView w;
+    FpView w;  // W as stored: N rows of K codes
     w.mode = mode;
     w.N = inputs[1].shape(0);
     w.K = int(int64_t(inputs[1].shape(1)) * 32 / fp_mode_bits(mode));
@@ -74,7 +79,7 @@ void FpQMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     // x gathered into dense float32 and y narrowed to x's dtype as for the
     // affine kernels; no bias is folded here, so an inf in x needs no
     // separate IEEE path (every path gives MLX's inf / NaN).
-    qmatmul_cpu_eval(inputs[0], nullptr, w.K, w.N, 0, out,
+    qmatmul_cpu_eval(inputs[0], nullptr, transpose ? w.K : w.N, transpose ? w.N : w.K, 0, out,
                      [&](QmmPath, const float* xf, int M, float* y) { fn(xf, M, w, y); });
   });
 }
@@ -91,10 +96,10 @@ std::vector<mx::array> FpQMatmul::vjp(const std::vector<mx::array>& primals,
   std::vector<mx::array> out;
   for (int arg : argnums) {
     if (arg == 0) {
-      // dx = dy · W: MLX's own transposed product in this mode.
+      // d(x·Wᵀ)/dx = dy·W and d(x·W)/dx = dy·Wᵀ: the other orientation's
+      // kernel on the same stored W.
       out.push_back(mx::astype(
-          mx::quantized_matmul(cotangents[0], primals[1], primals[2], std::nullopt, false,
-                               fp_mode_group(mode_), fp_mode_bits(mode_), fp_mode_name(mode_), s),
+          fp_qmatmul(cotangents[0], primals[1], primals[2], mode_, !transpose_, backend_, s),
           primals[0].dtype(), s));
     } else if (arg == 2) {
       throw std::invalid_argument(std::string("[QuantizedMatmul::vjp] no gradient wrt scales in ") +
@@ -112,7 +117,7 @@ std::vector<mx::array> FpQMatmul::jvp(const std::vector<mx::array>& primals,
   for (int arg : argnums)
     if (arg != 0)
       throw std::runtime_error("[FpQMatmul::jvp] only x has a tangent (the weights are fixed codes).");
-  return {fp_qmatmul(tangents[0], primals[1], primals[2], mode_, backend_, stream())};
+  return {fp_qmatmul(tangents[0], primals[1], primals[2], mode_, transpose_, backend_, stream())};
 }
 
 }  // namespace mixbits

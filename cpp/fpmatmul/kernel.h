@@ -101,6 +101,19 @@ void fpm_avx2_run(const float* x, int M, const FpView& w, float* y);
 void fpm_neon_run(const float* x, int M, const FpView& w, float* y);
 #endif
 
+// The product with W not transposed: y[M, C] = x[M, R] · W[R, C] with the
+// view's N = R rows and K = C columns (groups along C: MLX's layout for
+// transpose=False), also the gradient wrt x of y = x · Wᵀ. Backends split
+// the C outputs over threads; each output is summed in one fixed order.
+using FpmTRun = void (*)(const float* x, int M, const FpView& w, float* y);
+void fpm_t_ref_run(const float* x, int M, const FpView& w, float* y);
+#if defined(MIXBITS_HAVE_AVX2)
+void fpm_t_avx2_run(const float* x, int M, const FpView& w, float* y);
+#endif
+#if defined(MIXBITS_HAVE_NEON)
+void fpm_t_neon_run(const float* x, int M, const FpView& w, float* y);
+#endif
+
 constexpr BackendSet kFpmBackends =
     backend_set({Backend::Ref, Backend::Avx2, Backend::Neon});
 // (No 16-lane variant yet: an AVX-512 CPU runs the AVX2 kernel, and
@@ -109,5 +122,7 @@ constexpr BackendSet kFpmBackends =
 // The kernel for `requested` (throws std::invalid_argument if a forced
 // backend is unavailable here; Auto: the fastest).
 FpmRun select_fpm(Backend requested);
+// The same backend's kernel of the product with W not transposed.
+FpmTRun select_fpm_t(Backend requested);
 
 }  // namespace mixbits

@@ -12,50 +12,11 @@
 
 #include "common/parallel.h"
 #include "fpmatmul/kernel.h"
+#include "fpmatmul/neon_decode.h"
 
 namespace mixbits {
 
 namespace {
-
-struct Tables {
-  float e2m1[16];
-  float e4m3[256];
-  float e8m0[256];
-};
-
-const Tables& tables() {
-  static const Tables t = [] {
-    Tables s;
-    for (int i = 0; i < 16; ++i) s.e2m1[i] = e2m1_value(uint32_t(i));
-    for (int i = 0; i < 256; ++i) {
-      s.e4m3[i] = e4m3_value(uint32_t(i));
-      s.e8m0[i] = e8m0_value(uint32_t(i));
-    }
-    return s;
-  }();
-  return t;
-}
-
-// Row n of W, decoded into dst[0 .. K).
-void decode_row(const FpView& w, int n, float* dst) {
-  const Tables& t = tables();
-  const int G = fp_mode_group(w.mode);
-  const uint32_t* row = w.wq + int64_t(n) * w.words_per_row();
-  const uint8_t* srow = w.scales + int64_t(n) * w.groups_per_row();
-  for (int64_t g = 0; g < w.groups_per_row(); ++g) {
-    const float s = w.mode == FpMode::Nvfp4 ? t.e4m3[srow[g]] : t.e8m0[srow[g]];
-    float* d = dst + g * G;
-    if (w.mode == FpMode::Mxfp8) {
-      const uint8_t* p = reinterpret_cast<const uint8_t*>(row) + g * G;
-      for (int i = 0; i < G; ++i) d[i] = t.e4m3[p[i]] * s;
-    } else {
-      float tab[16];
-      for (int i = 0; i < 16; ++i) tab[i] = t.e2m1[i] * s;
-      const uint32_t* p = row + g * (G / 8);
-      for (int i = 0; i < G; ++i) d[i] = tab[(p[i >> 3] >> (4 * (i & 7))) & 15];
-    }
-  }
-}
 
 inline float reduce(float32x4_t a0, float32x4_t a1, float32x4_t a2, float32x4_t a3) {
   return vaddvq_f32(vaddq_f32(vaddq_f32(a0, a1), vaddq_f32(a2, a3)));
@@ -67,7 +28,7 @@ void rows(const float* x, int M, const FpView& w, float* y, int n0, int n1) {
   std::vector<float> buf(size_t(RB) * K);
   for (int nb = n0; nb < n1; nb += RB) {
     const int nr = std::min(RB, n1 - nb);
-    for (int r = 0; r < nr; ++r) decode_row(w, nb + r, buf.data() + int64_t(r) * K);
+    for (int r = 0; r < nr; ++r) decode_span(w, nb + r, 0, w.groups_per_row(), buf.data() + int64_t(r) * K);
     for (int m = 0; m < M; ++m) {
       const float* xr = x + int64_t(m) * K;
       for (int r0 = 0; r0 < nr; r0 += 4) {

@@ -23,4 +23,16 @@ void fpm_ref_run(const float* x, int M, const FpView& w, float* y) {
   parallel_for(w.N, 8, [&](int64_t n0, int64_t n1) { fpm_ref(x, M, w, y, int(n0), int(n1)); });
 }
 
+void fpm_t_ref_run(const float* x, int M, const FpView& w, float* y) {
+  const int64_t R = w.N, C = w.K;
+  parallel_for(C, 16, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c)
+      for (int m = 0; m < M; ++m) {
+        double acc = 0.0;
+        for (int64_t r = 0; r < R; ++r) acc += double(fp_weight(w, int(r), c)) * double(x[m * R + r]);
+        y[m * C + c] = float(acc);
+      }
+  });
+}
+
 }  // namespace mixbits

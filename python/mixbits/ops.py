@@ -191,15 +191,14 @@ def available_fp_backends() -> list[str]:
 
 
 def _fp_kernel_runs(mode, transpose, w) -> bool:
-    """Whether a call in an fp mode runs mixbits' CPU kernel: transpose=True,
-    a 2-D w, and the default device a CPU. Other calls in these modes
-    (transpose=False, a stack of matrices, the GPU) run MLX's op."""
+    """Whether a call in an fp mode runs mixbits' CPU kernels: a 2-D w and
+    the default device a CPU, either ``transpose``. Other calls in these
+    modes (a stack of matrices, the GPU) run MLX's op."""
     return (isinstance(mode, str) and mode in FP_MODES and isinstance(transpose, (bool, np.bool_))
-            and bool(transpose) and isinstance(w, mx.array) and w.ndim == 2
-            and mx.default_device().type == mx.cpu)
+            and isinstance(w, mx.array) and w.ndim == 2 and mx.default_device().type == mx.cpu)
 
 
-def _fp_quantized_matmul(x, w, scales, biases, group_size, bits, mode, backend, activations):
+def _fp_quantized_matmul(x, w, scales, biases, group_size, bits, mode, transpose, backend, activations):
     """The CPU fp-mode kernel, after MLX's checks of what only Python sees
     (the C++ node checks dtypes and shapes, with ValueErrors as MLX)."""
     if activations != "float":
@@ -219,7 +218,7 @@ def _fp_quantized_matmul(x, w, scales, biases, group_size, bits, mode, backend, 
     for name, a in (("x", x), ("w", w), ("scales", scales)):
         if not isinstance(a, mx.array):
             raise TypeError(f"{name} must be an mlx.core.array, got {type(a).__name__}")
-    return _ext.fp_qmatmul(x, w, scales, FP_MODES[mode], _backend_id(backend))
+    return _ext.fp_qmatmul(x, w, scales, FP_MODES[mode], bool(transpose), _backend_id(backend))
 
 
 def _mlx_route(mode, transpose, bits, backend, activations) -> bool:
@@ -268,13 +267,15 @@ def quantized_matmul(
     they do not cover (``mode`` mxfp4 / nvfp4 / mxfp8, ``transpose=False``,
     1-bit affine) run MLX's own op, with its results and its errors.
 
-    On the CPU, ``mode`` mxfp4 / nvfp4 / mxfp8 with ``transpose=True`` and
-    a 2-D ``w`` runs mixbits' fp-mode kernels (cpp/fpmatmul: float32 sums,
-    the same result at any thread count; ``backend`` as for affine, among
-    :func:`available_fp_backends`); their other calls (``transpose=False``,
-    a stack of matrices, the GPU) run MLX's op."""
+    On the CPU, ``mode`` mxfp4 / nvfp4 / mxfp8 with a 2-D ``w`` runs
+    mixbits' fp-mode kernels, either ``transpose`` (cpp/fpmatmul: float32
+    sums, the same result at any thread count; the gradient wrt x is the
+    other orientation's kernel; ``backend`` as for affine, among
+    :func:`available_fp_backends`); their other calls (a stack of
+    matrices, the GPU) run MLX's op."""
     if _fp_kernel_runs(mode, transpose, w):
-        return _fp_quantized_matmul(x, w, scales, biases, group_size, bits, mode, backend, activations)
+        return _fp_quantized_matmul(x, w, scales, biases, group_size, bits, mode, transpose, backend,
+                                    activations)
     if _mlx_route(mode, transpose, bits, backend, activations):
         return mx.quantized_matmul(x, w, scales, biases, transpose=bool(transpose),
                                    group_size=group_size, bits=bits, mode=mode)
