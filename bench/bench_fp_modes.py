@@ -1,7 +1,8 @@
 """Speed of the fp-mode CPU kernels (cpp/fpmatmul: mxfp4, nvfp4, mxfp8) on
 one thread: mixbits.quantized_matmul against mx.quantized_matmul in the
-same mode, against mixbits' affine 4-bit g64 kernel on the same shape, and
-as weight GB/s against a one-thread read-bandwidth probe
+same mode (transpose=True, and transpose=False at M = 1 and 32: the x
+gradient's product), against mixbits' affine 4-bit g64 kernel on the same
+shape, and as weight GB/s against a one-thread read-bandwidth probe
 (cpp/bench/probe.cpp) measured in the same run.
 
     OPENBLAS_NUM_THREADS=1 python bench/bench_fp_modes.py [--quick] [--out bench/results/fp_modes_speed.json]
@@ -69,20 +70,23 @@ def weights(n, k, mode, rng):
     return wq, s, b, nbytes
 
 
-def bench_case(n, k, m, mode, rng, rows):
+def bench_case(n, k, m, mode, rng, rows, transpose=True):
+    """transpose=False: y = x @ W with the same stored W (N rows of K): x
+    has N columns (the gradient wrt x of the transposed product)."""
     wq, s, b, nbytes = weights(n, k, mode, rng)
-    x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+    x = mx.array(rng.standard_normal((m, k if transpose else n)).astype(np.float32))
     mx.eval(x)
-    ours = lambda: mx.eval(mixbits.quantized_matmul(x, wq, s, b, mode=mode))
-    mlx = lambda: mx.eval(mx.quantized_matmul(x, wq, s, b, mode=mode))
-    row = {"mode": mode, "N": n, "K": k, "M": m, "weight_bytes": nbytes,
+    ours = lambda: mx.eval(mixbits.quantized_matmul(x, wq, s, b, mode=mode, transpose=transpose))
+    mlx = lambda: mx.eval(mx.quantized_matmul(x, wq, s, b, mode=mode, transpose=transpose))
+    row = {"mode": mode, "transpose": transpose, "N": n, "K": k, "M": m, "weight_bytes": nbytes,
            "bpw": 8.0 * nbytes / (n * k)}
     t = time_call(ours)
     row["mixbits_ms"] = t * 1e3
     row["mixbits_gbps"] = nbytes / t / 1e9
     # MLX at M = 1 first; larger M estimated linearly and skipped if too slow.
     x1 = x[:1]
-    t1 = time_call(lambda: mx.eval(mx.quantized_matmul(x1, wq, s, b, mode=mode)), min_time=0.1, max_reps=5)
+    t1 = time_call(lambda: mx.eval(mx.quantized_matmul(x1, wq, s, b, mode=mode, transpose=transpose)),
+                   min_time=0.1, max_reps=5)
     if t1 * m > MLX_BUDGET_S:
         row["mlx_ms"] = None
         row["mlx_skipped"] = f"estimated {t1 * m:.1f} s per call from M=1"
@@ -124,6 +128,19 @@ def main():
                     print(f"{r['mode']:>7} {n:>5}x{k:<5} {m:>4} {r['mixbits_ms']:>11.3f} "
                           f"{r['mixbits_gbps']:>6.2f} {r['pct_probe']:>7.0f}% {mlx_ms:>9} {sp:>7} "
                           f"{r['time_over_affine4']:>9.2f}")
+        # transpose=False (x @ W, the x gradient's product): the fp modes only
+        # (affine transpose=False runs MLX's op in mixbits too)
+        print(f"\ntranspose=False\n{'mode':>7} {'N x K':>11} {'M':>4} {'mixbits ms':>11} {'GB/s':>6} "
+              f"{'% probe':>8} {'MLX ms':>9} {'x MLX':>7}")
+        for n, k in shapes:
+            for m in MS[:2]:
+                for mode in MODES:
+                    r = bench_case(n, k, m, mode, rng, rows, transpose=False)
+                    r["pct_probe"] = 100.0 * r["mixbits_gbps"] / probe
+                    mlx_ms = f"{r['mlx_ms']:.2f}" if r["mlx_ms"] is not None else "skip"
+                    sp = f"{r['speedup_vs_mlx']:.1f}" if "speedup_vs_mlx" in r else "-"
+                    print(f"{mode:>7} {n:>5}x{k:<5} {m:>4} {r['mixbits_ms']:>11.3f} {r['mixbits_gbps']:>6.2f} "
+                          f"{r['pct_probe']:>7.0f}% {mlx_ms:>9} {sp:>7}")
         if args.out:
             data = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cpu": model,
                     "flags": flags, "platform": platform.platform(), "threads": 1,
