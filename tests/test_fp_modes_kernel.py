@@ -273,6 +273,24 @@ def test_reference_and_simd_agree(mode):
         assert (np.abs(got - ref) <= ACC_TOL * mag).all(), backend
 
 
+@pytest.mark.parametrize("transpose", [True, False])
+def test_empty_shapes(transpose):
+    """No rows of x, no outputs, or an empty sum (zeros; MLX 0.32.4's own
+    op dies of SIGFPE on that one, so it is not compared)."""
+    rng = np.random.default_rng(18)
+    wq, s = quantized(rng, 32, 64, "mxfp4")
+    k = 64 if transpose else 32
+    assert mixbits.quantized_matmul(mx.zeros((0, k)), wq, s, mode="mxfp4", transpose=transpose).shape == (0, 96 - k)
+    empty_q, empty_s = mx.zeros((4, 0), mx.uint32), mx.zeros((4, 0), mx.uint8)
+    x = mx.ones((2, 0) if transpose else (2, 4))
+    y = mixbits.quantized_matmul(x, empty_q, empty_s, mode="mxfp4", transpose=transpose)
+    assert y.shape == ((2, 4) if transpose else (2, 0)) and not mx.any(y).item()
+    if not transpose:  # W with no rows: x has no columns
+        y = mixbits.quantized_matmul(mx.ones((2, 0)), mx.zeros((0, 4), mx.uint32), mx.zeros((0, 1), mx.uint8),
+                                     mode="mxfp4", transpose=False)
+        assert y.shape == (2, 32) and not mx.any(y).item()
+
+
 def test_inf_and_nan_in_x_as_mlx():
     rng = np.random.default_rng(13)
     wq, s = quantized(rng, 8, 64, "mxfp4")

@@ -49,6 +49,9 @@ mx::array fp_qmatmul(const mx::array& x, const mx::array& wq, const mx::array& s
   select_fpm(backend);  // throws now, not inside the graph, if unavailable
   mx::Shape out_shape = x.shape();
   out_shape.back() = int(out_dim);
+  // An empty sum (x has no columns): zeros. (MLX's own op dies of an
+  // integer division by zero on it in 0.32.4.)
+  if (in == 0) return mx::zeros(out_shape, x.dtype(), stream);
   return mx::array(out_shape, x.dtype(), std::make_shared<FpQMatmul>(stream, mode, transpose, backend),
                    {x, wq, scales});
 }
