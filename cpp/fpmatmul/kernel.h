@@ -96,6 +96,9 @@ void fpm_ref(const float* x, int M, const FpView& w, float* y, int n0, int n1);
 void fpm_ref_run(const float* x, int M, const FpView& w, float* y);
 #if defined(MIXBITS_HAVE_AVX2)
 void fpm_avx2_run(const float* x, int M, const FpView& w, float* y);
+// For CPUs with AVX-512F (avx2_512.cpp): 16-lane tiles above 4 x rows,
+// fpm_avx2_run up to 4.
+void fpm_avx512_run(const float* x, int M, const FpView& w, float* y);
 #endif
 #if defined(MIXBITS_HAVE_NEON)
 void fpm_neon_run(const float* x, int M, const FpView& w, float* y);
@@ -115,9 +118,7 @@ void fpm_t_neon_run(const float* x, int M, const FpView& w, float* y);
 #endif
 
 constexpr BackendSet kFpmBackends =
-    backend_set({Backend::Ref, Backend::Avx2, Backend::Neon});
-// (No 16-lane variant yet: an AVX-512 CPU runs the AVX2 kernel, and
-// backend='avx512' is refused as unavailable for these modes.)
+    backend_set({Backend::Ref, Backend::Avx2, Backend::Avx512, Backend::Neon});
 
 // The kernel for `requested` (throws std::invalid_argument if a forced
 // backend is unavailable here; Auto: the fastest).
