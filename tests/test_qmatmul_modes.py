@@ -1,8 +1,9 @@
 """mixbits.quantized_matmul / gather_quantized_matmul with MLX's ``mode=``
 and ``transpose=`` arguments: every mode and both orientations agree with
 the float64 product of ``mx.dequantize``'s weight and with MLX's own op.
-Calls mixbits has no kernel for (mxfp4, nvfp4, mxfp8, transpose=False)
-run MLX's op; affine with transpose=True runs mixbits' kernel."""
+Affine with transpose=True runs mixbits' kernel, and so do the fp modes on
+the CPU (either transpose: tests/test_fp_modes_kernel.py); affine
+transpose=False runs MLX's op."""
 
 import mlx.core as mx
 import numpy as np
@@ -88,8 +89,9 @@ def test_gather_quantized_matmul_modes(mode, dtype, transpose):
 
 
 def test_affine_transposed_runs_mixbits_kernel(monkeypatch):
-    """The route: affine with transpose=True is mixbits' kernel, everything
-    else MLX's op (a routed call never reaches mixbits._ext)."""
+    """The route: affine with transpose=True is mixbits' affine kernel; the
+    fp modes are not (their CPU kernel: test_fp_modes_kernel's routing
+    test), and affine transpose=False is MLX's op."""
     from mixbits import ops
 
     calls = []
