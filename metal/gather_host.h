@@ -62,7 +62,7 @@ inline std::vector<GatherLaunch> plan_gather(int pairs, int M, int N, int x_batc
   const bool tiled = gather_tiled(pairs, M, sorted);
   int K = 0;
   for (const auto& s : segs) K += s.k;
-  const bool acc = qmm_needs_acc(segs.size());
+  const bool acc = per_segment_needs_acc(segs.size());
   const size_t outs = size_t(pairs) * size_t(M) * size_t(N);
   const Elem se = elem_of(scale_act_type(scale_type));
   std::vector<GatherLaunch> plan;

@@ -1,16 +1,17 @@
-// Pieces shared by the two quantized-matmul kernels (qmatmul_gemv.metal,
-// qmatmul_tiled.metal): how a dispatch finishes an output, how it reads an
-// activation through the permutation, and the [[host_name]] instantiation
-// ladder. Included by .metal sources only (after mixbits_metal.h).
+// Pieces shared by the quantized-matmul kernels (qmatmul_gemv.metal,
+// qmatmul_tiled.metal, gather_qmv.metal, gather_qmm.metal): how a dispatch
+// finishes an output, how it reads an activation through the permutation,
+// and the [[host_name]] instantiation ladders. Included by .metal sources only (after mixbits_metal.h).
 #pragma once
 #include "qmatmul_params.h"
 #include "quant_utils.h"
 
 // Finishes one output: adds the partial sum of earlier segments and stores
 // either the final value or the new partial sum.
-template <typename IO>
+// P: MbQmmParams (gathered kernels) or MbQmmFusedParams (dense ones).
+template <typename IO, typename P>
 inline void mb_qmm_store(device float* acc, device typename IO::storage* out,
-                         constant MbQmmParams& p, size_t idx, float v) {
+                         constant P& p, size_t idx, float v) {
   if (p.accumulate) v += acc[idx];
   if (p.write_out) {
     out[idx] = IO::store(v);
@@ -32,7 +33,43 @@ inline float mb_load_x(const device typename IO::storage* xrow,
   return pc < uint32_t(p.K) ? IO::load(xrow[pc]) : NAN;
 }
 
-// Every kernel is instantiated per activation dtype x scale dtype x bits x
+// Column pc of x for permuted column c: perm[c] with a perm, else c. An
+// entry outside [0, K) gives K, which the callers read as NaN (as
+// mb_load_x does).
+inline uint32_t mb_perm_col(const device int32_t* perm, int has_perm, int K, int c) {
+  const uint32_t pc = has_perm ? uint32_t(perm[c]) : uint32_t(c);
+  return pc < uint32_t(K) ? pc : uint32_t(K);
+}
+
+// The dense kernels' per-segment work is a template over the bit width;
+// the segment table gives the width at run time, so they switch once per
+// segment (uniform over the threadgroup) with this ladder. F(b) is a
+// function-like macro that runs the segment for width b.
+#define MB_QMM_SWITCH_BITS(bits, F) \
+  switch (bits) {                   \
+    case 2: F(2); break;            \
+    case 3: F(3); break;            \
+    case 4: F(4); break;            \
+    case 5: F(5); break;            \
+    case 6: F(6); break;            \
+    default: F(8); break;           \
+  }
+
+// The dense kernels' ladder: one instantiation per activation dtype x scale
+// dtype, named mixbits_<kind>_<activation dtype>_<scale dtype>
+// (qmm_kernel_name in qmatmul_host.h). `inst` is (name, io, sc).
+#define MB_QMM_FUSED_SCALES(inst, kind, tn, io)          \
+  inst("mixbits_" kind "_" tn "_float32", io, MbF32)     \
+  inst("mixbits_" kind "_" tn "_float16", io, MbF16)     \
+  inst("mixbits_" kind "_" tn "_bfloat16", io, MbBF16)
+
+#define MB_QMM_FUSED_LADDER(inst, kind)                  \
+  MB_QMM_FUSED_SCALES(inst, kind, "float32", MbF32)      \
+  MB_QMM_FUSED_SCALES(inst, kind, "float16", MbF16)      \
+  MB_QMM_FUSED_SCALES(inst, kind, "bfloat16", MbBF16)
+
+// The per-segment kernels (gathered, transposed) are instantiated per
+// activation dtype x scale dtype x bits x
 // group size, under the name
 //   mixbits_<kind>_<activation dtype>_<scale dtype>_b<bits>_g<group size>
 // (ladder_kernel_name in qmatmul_host.h builds the same string). `inst` is a

@@ -2,49 +2,167 @@
 // rows of x (M <= MB_QMV_MAX_M), in the style of MLX's qmv_fast.
 //
 // W is a list of K-segments, each stored exactly as MLX stores a quantized
-// matrix (see quant_utils.h); the host launches one dispatch per segment
-// (qmatmul_params.h, qmatmul_host.h), so the kernel is specialized at
-// compile time for one activation dtype, scale dtype, bit width and group
-// size. The tiled kernel for more rows is in qmatmul_tiled.metal.
+// matrix (see quant_utils.h). ONE dispatch computes the whole product: the
+// kernel walks the segment table (MbQmmFusedParams, qmatmul_params.h), each
+// segment with its own bit width and group size, and accumulates in
+// registers. It is instantiated per activation dtype x scale dtype only; the
+// decode is a template per width, picked once per segment
+// (MB_QMM_SWITCH_BITS). The tiled kernel for more rows is in
+// qmatmul_tiled.metal.
 #include "mixbits_metal.h"
-#include "qmv_rows.h"
+#include "qmatmul_common.h"
 
-// Threadgroup = 2 simdgroups x 32 lanes; grid = (M, ceil(N / 8)).
-// Each simdgroup owns 4 consecutive output rows of x row tid.x and computes
-// them with mb_qmv_rows (qmv_rows.h, where the decode and dot are).
-template <typename IO, typename SC, int bits, int group_size>
+// One segment of width `bits` for one simdgroup: MB_QMV_ROWS_PER_SIMDGROUP
+// rows (row0 .. row0 + last; results for r > last repeat row0 + last, so
+// the inner loop needs no bounds check) against every row of x.
+//
+// The segment is walked in blocks of MB_QMV_BLOCK columns. Per block, the
+// whole threadgroup first stages the block's columns of every x row,
+// gathered through perm, as float in threadgroup memory (xt [M][BLOCK]):
+// perm and x are read once per threadgroup, not once per simdgroup and row
+// of W. Then lane l takes the 16 columns 16 l .. of the block: it reads,
+// per row of W, the chunk's 2*bits bytes of codes as whole words
+// (MbChunkWord) and its scale and bias once, and dots them with each x
+// row's 16 staged activations by masking (mb_prescale16 / mb_qdot16). The
+// bias is folded: sum_j (s q_j + b) x_j = s sum q_j x_j + b sum x_j.
+// All 64 threads must call this (barriers).
+template <typename IO, typename SC, int bits>
+inline void mb_qmv_segment(const device typename IO::storage* x,
+                           const device int32_t* perm, const device uint8_t* w,
+                           const device typename SC::storage* scales,
+                           const device typename SC::storage* biases,
+                           constant MbQmmFusedParams& p, constant MbQmmSeg& sg,
+                           threadgroup float* xt, int m0, int rows_x, int row0,
+                           int last, uint lid, uint simd_lid, thread float* acc) {
+  typedef typename MbChunkWord<bits>::type Word;
+  constexpr int n_words = mb_chunk_words<bits>();
+  constexpr int R = MB_QMV_ROWS_PER_SIMDGROUP;
+  const size_t row_bytes = size_t(sg.kseg) * bits / 8;
+  const size_t groups = size_t(sg.kseg) >> sg.group_shift;
+
+  for (int kb = 0; kb < sg.kseg; kb += MB_QMV_BLOCK) {
+    const int cols = min(int(MB_QMV_BLOCK), sg.kseg - kb);
+    for (int c = int(lid); c < cols; c += MB_QMV_THREADS) {
+      const uint32_t pc = mb_perm_col(perm, p.has_perm, p.K, sg.k0 + kb + c);
+      for (int m = 0; m < rows_x; ++m) {
+        xt[m * MB_QMV_BLOCK + c] =
+            pc < uint32_t(p.K) ? IO::load(x[size_t(m0 + m) * size_t(p.K) + pc]) : NAN;
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    const int c = int(simd_lid) * MB_CHUNK;
+    if (c < cols) {  // cols is a multiple of 32: chunks are whole
+      const int k = kb + c;
+      const size_t g = size_t(k) >> sg.group_shift;
+      Word wd[R][n_words];
+      float s[R], b[R];
+      MB_UNROLL for (int r = 0; r < R; ++r) {
+        const size_t n = size_t(row0 + min(r, last));
+        // Aligned for Word (see MbChunkWord) when w is 4-byte aligned; the
+        // emulator checks it.
+        const device Word* wp =
+            (const device Word*)(w + n * row_bytes + size_t(k) * bits / 8);
+        MB_CHECK_ALIGNED(wp);
+        MB_UNROLL for (int j = 0; j < n_words; ++j) wd[r][j] = wp[j];
+        s[r] = SC::load(scales[n * groups + g]);
+        b[r] = SC::load(biases[n * groups + g]);
+      }
+      MB_UNROLL for (int m = 0; m < MB_QMV_MAX_M; ++m) {
+        if (m < rows_x) {
+          float xs[MB_CHUNK];
+          MB_UNROLL for (int i = 0; i < MB_CHUNK; ++i) xs[i] = xt[m * MB_QMV_BLOCK + c + i];
+          const float xsum = mb_prescale16<bits>(xs);
+          MB_UNROLL for (int r = 0; r < R; ++r) {
+            acc[m * R + r] += s[r] * mb_qdot16<bits>(wd[r], xs) + b[r] * xsum;
+          }
+        }
+      }
+    }
+    // The next block overwrites xt: wait until both simdgroups have read it.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+
+// Threadgroup = 2 simdgroups x 32 lanes; grid = (ceil(N / 8), ceil(M / 8)).
+// Each simdgroup owns 4 consecutive output rows and computes them for the
+// threadgroup's MB_QMV_MAX_M rows of x (acc: 8 x 4 floats per lane), so at
+// M <= 8 (the only M the host sends here by default) the 8 rows of W of a
+// threadgroup are read once per call whatever M. Buffers: qmatmul_params.h (MbQmmBuffer);
+// slots of segments past p.nseg are bound to a stand-in and never read.
+template <typename IO, typename SC>
 [[kernel]] void mb_qmv(
     const device typename IO::storage* x [[buffer(0)]],
     const device int32_t* perm [[buffer(1)]],
-    const device uint32_t* wq [[buffer(2)]],
-    const device typename SC::storage* scales [[buffer(3)]],
-    const device typename SC::storage* biases [[buffer(4)]],
-    device float* acc [[buffer(5)]],
-    device typename IO::storage* out [[buffer(6)]],
-    constant MbQmmParams& p [[buffer(7)]],
+    device float* acc_buf [[buffer(2)]],
+    device typename IO::storage* out [[buffer(3)]],
+    const device uint32_t* wq0 [[buffer(4)]],
+    const device typename SC::storage* scales0 [[buffer(5)]],
+    const device typename SC::storage* biases0 [[buffer(6)]],
+    const device uint32_t* wq1 [[buffer(7)]],
+    const device typename SC::storage* scales1 [[buffer(8)]],
+    const device typename SC::storage* biases1 [[buffer(9)]],
+    const device uint32_t* wq2 [[buffer(10)]],
+    const device typename SC::storage* scales2 [[buffer(11)]],
+    const device typename SC::storage* biases2 [[buffer(12)]],
+    const device uint32_t* wq3 [[buffer(13)]],
+    const device typename SC::storage* scales3 [[buffer(14)]],
+    const device typename SC::storage* biases3 [[buffer(15)]],
+    const device uint32_t* wq4 [[buffer(16)]],
+    const device typename SC::storage* scales4 [[buffer(17)]],
+    const device typename SC::storage* biases4 [[buffer(18)]],
+    const device uint32_t* wq5 [[buffer(19)]],
+    const device typename SC::storage* scales5 [[buffer(20)]],
+    const device typename SC::storage* biases5 [[buffer(21)]],
+    const device uint32_t* wq6 [[buffer(22)]],
+    const device typename SC::storage* scales6 [[buffer(23)]],
+    const device typename SC::storage* biases6 [[buffer(24)]],
+    const device uint32_t* wq7 [[buffer(25)]],
+    const device typename SC::storage* scales7 [[buffer(26)]],
+    const device typename SC::storage* biases7 [[buffer(27)]],
+    constant MbQmmFusedParams& p [[buffer(28)]],
+    threadgroup float* xt [[threadgroup(0)]],
     uint3 tid [[threadgroup_position_in_grid]],
+    uint lid [[thread_index_in_threadgroup]],
     uint simd_gid [[simdgroup_index_in_threadgroup]],
     uint simd_lid [[thread_index_in_simdgroup]]) {
-  const int m = int(tid.x);
-  const int row0 = int(tid.y) * MB_QMV_ROWS_PER_GROUP +
-                   int(simd_gid) * MB_QMV_ROWS_PER_SIMDGROUP;
-  // The whole simdgroup leaves together (no barrier in this kernel), so the
-  // simd_sum in mb_qmv_rows always has all 32 lanes.
-  if (row0 >= p.N) return;
-  // Rows past N are computed from the last valid row and not stored.
-  const int last = min(int(MB_QMV_ROWS_PER_SIMDGROUP) - 1, p.N - 1 - row0);
+  const device uint32_t* wqs[MB_QMM_MAX_SEGS] = {wq0, wq1, wq2, wq3, wq4, wq5, wq6, wq7};
+  const device typename SC::storage* scs[MB_QMM_MAX_SEGS] = {
+      scales0, scales1, scales2, scales3, scales4, scales5, scales6, scales7};
+  const device typename SC::storage* bis[MB_QMM_MAX_SEGS] = {
+      biases0, biases1, biases2, biases3, biases4, biases5, biases6, biases7};
+  constexpr int R = MB_QMV_ROWS_PER_SIMDGROUP;
+  const int row0 = int(tid.x) * MB_QMV_ROWS_PER_GROUP + int(simd_gid) * R;
+  // A simdgroup past N still stages x and meets the barriers: it computes
+  // row N - 1 and stores nothing. Rows past N otherwise repeat the last.
+  const bool active = row0 < p.N;
+  const int r0 = active ? row0 : p.N - 1;
+  const int last = min(R - 1, p.N - 1 - r0);
+  const int m0 = int(tid.y) * MB_QMV_MAX_M;
+  const int rows_x = min(int(MB_QMV_MAX_M), p.M - m0);
 
-  float v[MB_QMV_ROWS_PER_SIMDGROUP];
-  mb_qmv_rows<IO, SC, bits, group_size>(x + size_t(m) * size_t(p.K), perm,
-                                        (const device uint8_t*)wq, scales, biases,
-                                        p, row0, last, simd_lid, v);
-  MB_UNROLL for (int r = 0; r < MB_QMV_ROWS_PER_SIMDGROUP; ++r) {
-    if (simd_lid == 0 && r <= last) {
-      mb_qmm_store<IO>(acc, out, p, size_t(m) * size_t(p.N) + size_t(row0 + r), v[r]);
+  float acc[MB_QMV_MAX_M * R];
+  MB_UNROLL for (int i = 0; i < MB_QMV_MAX_M * R; ++i) acc[i] = 0.0f;
+
+  for (int s = 0; s < p.nseg; ++s) {
+#define MB_QMV_SEG(B)                                                                  \
+  mb_qmv_segment<IO, SC, B>(x, perm, (const device uint8_t*)wqs[s], scs[s], bis[s], p, \
+                            p.seg[s], xt, m0, rows_x, r0, last, lid, simd_lid, acc)
+    MB_QMM_SWITCH_BITS(p.seg[s].bits, MB_QMV_SEG)
+#undef MB_QMV_SEG
+  }
+
+  MB_UNROLL for (int m = 0; m < MB_QMV_MAX_M; ++m) {
+    if (m < rows_x) {
+      MB_UNROLL for (int r = 0; r < R; ++r) {
+        const float v = simd_sum(acc[m * R + r]);
+        if (active && simd_lid == 0 && r <= last) {
+          mb_qmm_store<IO>(acc_buf, out, p, size_t(m0 + m) * size_t(p.N) + size_t(row0 + r), v);
+        }
+      }
     }
   }
 }
 
-#define MB_QMV_INST(name, io, sc, bits, gs) \
-  MB_INSTANTIATE_KERNEL(name, mb_qmv, io, sc, bits, gs)
-MB_QMM_LADDER(MB_QMV_INST, "qmv")
+#define MB_QMV_INST(name, io, sc) MB_INSTANTIATE_KERNEL(name, mb_qmv, io, sc)
+MB_QMM_FUSED_LADDER(MB_QMV_INST, "qmv")

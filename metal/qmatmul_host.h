@@ -1,10 +1,12 @@
-// Host side of the Metal quantized matmul, in plain C++: which kernel runs
-// for which segment, with which parameters, grid and buffers. Used by
+// Host side of the Metal quantized matmul, in plain C++: which kernel runs,
+// with which segment table, grid and buffers. One dispatch per product for
+// up to MB_QMM_MAX_SEGS segments (the kernels loop over the segments). Used by
 // cpp/qmatmul/metal.cpp on macOS and by the emulator tests on Linux, so the
 // launch logic the Mac runs is the one the tests exercise.
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -23,17 +25,38 @@ struct QmmSegment {
 enum class QmmPath { Auto = 0, Gemv = 1, Tiled = 2 };
 
 struct QmmLaunch : Launch {
-  MbQmmParams params;
-  int segment;
+  MbQmmFusedParams params;
+  int first_segment;  // segments first_segment .. + params.nseg - 1 of the product
   bool tiled;
 };
+
+// Buffer slots of segment j of a launch (0 <= j < MB_QMM_MAX_SEGS).
+inline int qmm_wq_slot(int j) { return MB_QMM_WQ0 + 3 * j; }
+inline int qmm_scales_slot(int j) { return MB_QMM_SCALES0 + 3 * j; }
+inline int qmm_biases_slot(int j) { return MB_QMM_BIASES0 + 3 * j; }
+static_assert(MB_QMM_SCALES0 == MB_QMM_WQ0 + 1 && MB_QMM_BIASES0 == MB_QMM_WQ0 + 2 &&
+                  MB_QMM_WQ7 == MB_QMM_WQ0 + 3 * 7 && MB_QMM_BIASES7 + 1 == MB_QMM_PARAMS &&
+                  MB_QMM_PARAMS + 1 == MB_QMM_N_BUFFERS &&
+                  MB_QMM_N_BUFFERS <= 31 && MB_QMM_MAX_SEGS == 8 &&
+                  sizeof(MbQmmFusedParams) == (8 + 4 * MB_QMM_MAX_SEGS) * sizeof(int),
+              "three slots per segment after the fixed ones, within Metal's 31; the "
+              "segment table holds MB_QMM_MAX_SEGS entries");
 
 // Threadgroup memory a kernel may use: Metal guarantees 32 KiB on every
 // Apple GPU MLX supports (maxThreadgroupMemoryLength).
 constexpr size_t kMaxThreadgroupBytes = 32 * 1024;
 constexpr size_t kQmmThreadgroupBytes = size_t(MB_QMM_TG_FLOATS) * sizeof(float);
-static_assert(kQmmThreadgroupBytes <= kMaxThreadgroupBytes,
-              "the tiled kernel's tiles exceed 32 KiB of threadgroup memory");
+constexpr size_t kQmvThreadgroupBytes = size_t(MB_QMV_TG_FLOATS) * sizeof(float);
+static_assert(kQmmThreadgroupBytes <= kMaxThreadgroupBytes &&
+                  kQmvThreadgroupBytes <= kMaxThreadgroupBytes,
+              "the kernels' tiles exceed 32 KiB of threadgroup memory");
+static_assert(MB_QMV_TG_FLOATS == MB_QMV_MAX_M * MB_QMV_BLOCK &&
+                  MB_QMV_BLOCK == 32 * 16 && MB_QMV_THREADS == 32 * MB_QMV_SIMDGROUPS &&
+                  MB_QMV_ROWS_PER_GROUP == MB_QMV_SIMDGROUPS * MB_QMV_ROWS_PER_SIMDGROUP,
+              "qmatmul_gemv.metal: a block is one simdgroup step (32 lanes x 16 columns), staged for 8 rows of x");
+static_assert(MB_QMM_PERM_TILE == (MB_QMM_BM + MB_QMM_BN) * MB_QMM_TILE_STRIDE &&
+                  MB_QMM_TG_FLOATS == MB_QMM_PERM_TILE + MB_QMM_BK,
+              "the tiled kernel's perm entries follow its tiles");
 static_assert(MB_QMM_TG_FLOATS >= (MB_QMM_BM + MB_QMM_BN) * MB_QMM_TILE_STRIDE &&
                   MB_QMM_TILE_STRIDE >= MB_QMM_BK && MB_QMM_TILE_STRIDE >= MB_QMM_BN &&
                   MB_QMM_TILE_STRIDE % 4 == 0,
@@ -57,16 +80,33 @@ inline std::string ladder_kernel_name(const char* kind, ActType t, int scale_typ
          std::to_string(gs);
 }
 
-inline std::string qmm_kernel_name(bool tiled, ActType t, int scale_type, int bits, int gs) {
-  return ladder_kernel_name(tiled ? "qmm" : "qmv", t, scale_type, bits, gs);
+// mixbits_<qmv|qmm>_<x dtype>_<scale dtype>, as instantiated by
+// MB_QMM_FUSED_LADDER (qmatmul_common.h): one kernel for every segment table.
+inline std::string qmm_kernel_name(bool tiled, ActType t, int scale_type) {
+  return std::string("mixbits_") + (tiled ? "qmm" : "qmv") + "_" + act_type_name(t) + "_" +
+         act_type_name(scale_act_type(scale_type));
+}
+
+inline int log2_group(int gs) {
+  return gs == 32 ? 5 : gs == 64 ? 6 : gs == 128 ? 7 : -1;
 }
 
 inline bool qmm_uses_tiled(int M, QmmPath path) {
   return path == QmmPath::Tiled || (path == QmmPath::Auto && M > MB_QMV_MAX_M);
 }
 
-// More than one segment: the dispatches pass a float32 [M, N] partial sum.
-inline bool qmm_needs_acc(size_t n_segments) { return n_segments > 1; }
+// Dispatches of one product: one per MB_QMM_MAX_SEGS segments.
+inline size_t qmm_dispatches(size_t n_segments) {
+  return (n_segments + MB_QMM_MAX_SEGS - 1) / MB_QMM_MAX_SEGS;
+}
+
+// Only a product of more than MB_QMM_MAX_SEGS segments passes a float32
+// [M, N] partial sum from dispatch to dispatch.
+inline bool qmm_needs_acc(size_t n_segments) { return qmm_dispatches(n_segments) > 1; }
+
+// The per-segment kernels (gathered): one dispatch per segment, so more
+// than one segment passes a partial sum.
+inline bool per_segment_needs_acc(size_t n_segments) { return n_segments > 1; }
 
 // Why the Metal kernels cannot run a problem ("" if they can): their
 // parameters are int32. Checked when the graph node is built
@@ -78,8 +118,9 @@ inline std::string qmm_gpu_refusal(int64_t M, int64_t N, int64_t K) {
   return "";
 }
 
-// One launch per segment, in order. M rows of x (contiguous, K columns),
-// N outputs. Arguments are assumed validated (cpp/qmatmul/qmatmul.cpp).
+// One launch per MB_QMM_MAX_SEGS segments (one for every product the
+// quantizer makes), in order. M rows of x (contiguous, K columns), N
+// outputs. Arguments are assumed validated (cpp/qmatmul/qmatmul.cpp).
 inline std::vector<QmmLaunch> plan_qmm(int M, int N,
                                        const std::vector<QmmSegment>& segs,
                                        ActType xt, int scale_type,
@@ -90,55 +131,72 @@ inline std::vector<QmmLaunch> plan_qmm(int M, int N,
   if (scale_type != MB_SCALE_F32 && scale_type != MB_SCALE_F16 && scale_type != MB_SCALE_BF16)
     throw std::invalid_argument("plan_qmm: unknown scale dtype");
   int K = 0;
-  for (const auto& s : segs) K += s.k;
+  for (const auto& s : segs) {
+    if (log2_group(s.group_size) < 0 || s.k % s.group_size != 0)
+      throw std::invalid_argument("plan_qmm: bad segment");
+    K += s.k;
+  }
   const bool tiled = qmm_uses_tiled(M, path);
+  const bool acc = qmm_needs_acc(segs.size());
+  const size_t mk = size_t(M) * size_t(K), mn = size_t(M) * size_t(N);
+  const Elem se = elem_of(scale_act_type(scale_type));
   std::vector<QmmLaunch> out;
   int k0 = 0;
-  for (size_t i = 0; i < segs.size(); ++i) {
-    const QmmSegment& s = segs[i];
+  for (size_t first = 0; first < segs.size(); first += MB_QMM_MAX_SEGS) {
+    const size_t n = std::min(segs.size() - first, size_t(MB_QMM_MAX_SEGS));
     QmmLaunch l;
-    l.kernel = qmm_kernel_name(tiled, xt, scale_type, s.bits, s.group_size);
-    l.params.M = M;
-    l.params.N = N;
-    l.params.K = K;
-    l.params.k0 = k0;
-    l.params.kseg = s.k;
-    l.params.has_perm = has_perm ? 1 : 0;
-    l.params.accumulate = i > 0 ? 1 : 0;
-    l.params.write_out = i + 1 == segs.size() ? 1 : 0;
+    l.kernel = qmm_kernel_name(tiled, xt, scale_type);
+    MbQmmFusedParams& q = l.params;
+    q = MbQmmFusedParams{};
+    q.M = M;
+    q.N = N;
+    q.K = K;
+    q.has_perm = has_perm ? 1 : 0;
+    q.nseg = int(n);
+    q.accumulate = first > 0 ? 1 : 0;
+    q.write_out = first + n == segs.size() ? 1 : 0;
     if (tiled) {
       l.grid[0] = uint32_t((N + MB_QMM_BN - 1) / MB_QMM_BN);
       l.grid[1] = uint32_t((M + MB_QMM_BM - 1) / MB_QMM_BM);
       l.group[0] = MB_QMM_THREADS;
       l.threadgroup_bytes = kQmmThreadgroupBytes;
     } else {
-      l.grid[0] = uint32_t(M);
-      l.grid[1] = uint32_t((N + MB_QMV_ROWS_PER_GROUP - 1) / MB_QMV_ROWS_PER_GROUP);
+      l.grid[0] = uint32_t((N + MB_QMV_ROWS_PER_GROUP - 1) / MB_QMV_ROWS_PER_GROUP);
+      l.grid[1] = uint32_t((M + MB_QMV_MAX_M - 1) / MB_QMV_MAX_M);
       l.group[0] = MB_QMV_THREADS;
-      l.threadgroup_bytes = 0;
+      l.threadgroup_bytes = kQmvThreadgroupBytes;
     }
     l.grid[2] = 1;
     l.group[1] = l.group[2] = 1;
-    l.segment = int(i);
+    l.first_segment = int(first);
     l.tiled = tiled;
-    const size_t mk = size_t(M) * size_t(K), mn = size_t(M) * size_t(N);
-    const size_t groups = size_t(N) * size_t(s.k / s.group_size);
-    const Elem se = elem_of(scale_act_type(scale_type));
-    const bool acc = qmm_needs_acc(segs.size());
     // Unused slots get `out` (freshly allocated: offset 0, aligned).
     l.buffers = {
         {"x", MB_QMM_X, Dir::In, elem_of(xt), mk, -1},
         {"perm", MB_QMM_PERM, Dir::In, Elem::I32, has_perm ? size_t(K) : 0,
          has_perm ? -1 : MB_QMM_OUT},
-        {"wq", MB_QMM_WQ, Dir::In, Elem::U32, size_t(N) * size_t(s.k) * s.bits / 32, -1},
-        {"scales", MB_QMM_SCALES, Dir::In, se, groups, -1},
-        {"biases", MB_QMM_BIASES, Dir::In, se, groups, -1},
         {"acc", MB_QMM_ACC, Dir::Out, Elem::F32, acc ? mn : 0, acc ? -1 : MB_QMM_OUT},
         {"out", MB_QMM_OUT, Dir::Out, elem_of(xt), mn, -1},
     };
     l.params_index = MB_QMM_PARAMS;
+    for (int j = 0; j < MB_QMM_MAX_SEGS; ++j) {
+      const bool used = size_t(j) < n;
+      const QmmSegment s = used ? segs[first + size_t(j)] : QmmSegment{2, 32, 0};
+      if (used) {
+        q.seg[j].bits = s.bits;
+        q.seg[j].group_shift = log2_group(s.group_size);
+        q.seg[j].k0 = k0;
+        q.seg[j].kseg = s.k;
+        k0 += s.k;
+      }
+      const size_t groups = used ? size_t(N) * size_t(s.k / s.group_size) : 0;
+      const int stand = used ? -1 : MB_QMM_OUT;
+      l.buffers.push_back({"wq", qmm_wq_slot(j), Dir::In, Elem::U32,
+                           used ? size_t(N) * size_t(s.k) * s.bits / 32 : 0, stand});
+      l.buffers.push_back({"scales", qmm_scales_slot(j), Dir::In, se, groups, stand});
+      l.buffers.push_back({"biases", qmm_biases_slot(j), Dir::In, se, groups, stand});
+    }
     out.push_back(l);
-    k0 += s.k;
   }
   return out;
 }

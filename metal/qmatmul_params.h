@@ -1,7 +1,7 @@
 // The contract between the quantized-matmul kernels (qmatmul_gemv.metal,
 // qmatmul_tiled.metal) and the host code that launches them (qmatmul_host.h,
 // cpp/qmatmul/metal.cpp): buffer indices, tile shapes and the per-dispatch
-// parameter block. Plain ints only, so the struct has one layout in Metal
+// parameter block (MbQmmParams: also the gathered kernels' per-segment one). Plain ints only, so the struct has one layout in Metal
 // and in C++.
 #pragma once
 
@@ -9,7 +9,7 @@
 // instantiation (qmm_kernel_name), the kernels never switch on it.
 enum MbScaleType { MB_SCALE_F32 = 0, MB_SCALE_F16 = 1, MB_SCALE_BF16 = 2 };
 
-// One dispatch computes the contribution of ONE K-segment:
+// The gathered kernels (gather_params.h) compute ONE K-segment per dispatch:
 //   part[m, n] = sum_{j < kseg} x[m, col(k0 + j)] * W_seg[n, j]
 // with col(k) = perm[k] when has_perm, else k. With several segments the
 // dispatches run in order: the first writes float32 acc, the next ones add
@@ -25,25 +25,84 @@ struct MbQmmParams {
   int write_out;    // 1: store to out (activation dtype); 0: store to acc
 };
 
-// Buffer indices ([[buffer(i)]]), the same for both kernels.
+// The dense kernels (qmatmul_gemv.metal, qmatmul_tiled.metal) loop over the
+// segments themselves: ONE dispatch computes the whole product
+//   y[m, n] = sum_s sum_{j < kseg_s} x[m, col(k0_s + j)] * W_s[n, j]
+// accumulating in registers, for up to MB_QMM_MAX_SEGS segments, each with
+// its own bits and group size from this table (runtime values: the kernels
+// are instantiated per activation and scale dtype only). A product with more
+// segments is split into dispatches of MB_QMM_MAX_SEGS segments that pass a
+// float32 partial sum (accumulate / write_out, as the gathered kernels do).
+struct MbQmmSeg {
+  int bits;         // 2, 3, 4, 5, 6 or 8
+  int group_shift;  // log2(group size): 5, 6 or 7
+  int k0;           // first column, in permuted order
+  int kseg;         // columns (a multiple of the group size)
+};
+
+struct MbQmmFusedParams {
+  int M;            // rows of x (leading dims flattened)
+  int N;            // output features
+  int K;            // columns of x (all segments of the product)
+  int has_perm;     // gather x through perm
+  int nseg;         // segments of this dispatch, 1 .. MB_QMM_MAX_SEGS
+  int accumulate;   // add acc[m, n] (float32) to the result
+  int write_out;    // 1: store to out (activation dtype); 0: store to acc
+  int pad_;         // keeps seg[] 16-byte aligned in both languages
+  MbQmmSeg seg[8];  // MB_QMM_MAX_SEGS; entries past nseg unused
+};
+
+// Buffer indices ([[buffer(i)]]) of the dense kernels: the fixed slots, three
+// per segment (8 segments: slots 4 .. 27), the parameter block last (Metal
+// allows 31 slots).
 enum MbQmmBuffer {
   MB_QMM_X = 0,       // activations [M, K]
-  MB_QMM_PERM = 1,    // int32 [K]; bound to x when there is no perm
-  MB_QMM_WQ = 2,      // uint32 [N, kseg*bits/32]
-  MB_QMM_SCALES = 3,  // [N, kseg/group_size]
-  MB_QMM_BIASES = 4,  // [N, kseg/group_size]
-  MB_QMM_ACC = 5,     // float32 [M, N]; bound to out when unused
-  MB_QMM_OUT = 6,     // [M, N] activation dtype
-  MB_QMM_PARAMS = 7,  // MbQmmParams
+  MB_QMM_PERM = 1,    // int32 [K]; bound to out when there is no perm
+  MB_QMM_ACC = 2,     // float32 [M, N]; bound to out when unused
+  MB_QMM_OUT = 3,     // [M, N] activation dtype
+  MB_QMM_WQ0     = 4,  // segment 0: uint32 [N, kseg*bits/32]
+  MB_QMM_SCALES0 = 5,  // segment 0: [N, kseg/group_size]
+  MB_QMM_BIASES0 = 6,  // segment 0: [N, kseg/group_size]
+  MB_QMM_WQ1     = 7,  // segment 1: uint32 [N, kseg*bits/32]
+  MB_QMM_SCALES1 = 8,  // segment 1: [N, kseg/group_size]
+  MB_QMM_BIASES1 = 9,  // segment 1: [N, kseg/group_size]
+  MB_QMM_WQ2     = 10, // segment 2: uint32 [N, kseg*bits/32]
+  MB_QMM_SCALES2 = 11, // segment 2: [N, kseg/group_size]
+  MB_QMM_BIASES2 = 12, // segment 2: [N, kseg/group_size]
+  MB_QMM_WQ3     = 13, // segment 3: uint32 [N, kseg*bits/32]
+  MB_QMM_SCALES3 = 14, // segment 3: [N, kseg/group_size]
+  MB_QMM_BIASES3 = 15, // segment 3: [N, kseg/group_size]
+  MB_QMM_WQ4     = 16, // segment 4: uint32 [N, kseg*bits/32]
+  MB_QMM_SCALES4 = 17, // segment 4: [N, kseg/group_size]
+  MB_QMM_BIASES4 = 18, // segment 4: [N, kseg/group_size]
+  MB_QMM_WQ5     = 19, // segment 5: uint32 [N, kseg*bits/32]
+  MB_QMM_SCALES5 = 20, // segment 5: [N, kseg/group_size]
+  MB_QMM_BIASES5 = 21, // segment 5: [N, kseg/group_size]
+  MB_QMM_WQ6     = 22, // segment 6: uint32 [N, kseg*bits/32]
+  MB_QMM_SCALES6 = 23, // segment 6: [N, kseg/group_size]
+  MB_QMM_BIASES6 = 24, // segment 6: [N, kseg/group_size]
+  MB_QMM_WQ7     = 25, // segment 7: uint32 [N, kseg*bits/32]
+  MB_QMM_SCALES7 = 26, // segment 7: [N, kseg/group_size]
+  MB_QMM_BIASES7 = 27, // segment 7: [N, kseg/group_size]
+  MB_QMM_PARAMS  = 28, // MbQmmFusedParams
 };
 
 enum MbQmmShape {
+  // Segments one dispatch of the dense kernels takes (buffer slots above).
+  MB_QMM_MAX_SEGS = 8,
+  MB_QMM_N_BUFFERS = 29,
   // GEMV (qmv): 2 simdgroups x 32 lanes, 4 output rows per simdgroup; each
   // lane reads 16 consecutive codes per step, a simdgroup 512 columns.
   MB_QMV_SIMDGROUPS = 2,
   MB_QMV_ROWS_PER_SIMDGROUP = 4,
   MB_QMV_ROWS_PER_GROUP = 8,
   MB_QMV_THREADS = 64,
+  // Every row of x (M <= MB_QMV_MAX_M) is handled by the same threadgroup,
+  // so each weight is read once per call. x is staged, gathered through
+  // perm, as float in threadgroup memory one block of MB_QMV_BLOCK columns
+  // (one simdgroup step) at a time: [MB_QMV_MAX_M][MB_QMV_BLOCK].
+  MB_QMV_BLOCK = 512,
+  MB_QMV_TG_FLOATS = 8 * 512,
   // Up to this many rows of x, GEMV is used; above it, the tiled kernel.
   MB_QMV_MAX_M = 8,
   // Tiled (qmm): a BM x BN block of outputs per threadgroup of 4
@@ -59,5 +118,8 @@ enum MbQmmShape {
   MB_QMM_SIMDGROUPS = 4,
   MB_QMM_THREADS = 128,
   MB_QMM_TILE_STRIDE = 36,
-  MB_QMM_TG_FLOATS = (32 + 32) * 36,
+  // After the tiles: the BK perm entries of the step (int bits), staged
+  // once per step instead of loaded by every thread that reads x.
+  MB_QMM_PERM_TILE = (32 + 32) * 36,
+  MB_QMM_TG_FLOATS = (32 + 32) * 36 + 32,
 };

@@ -2,80 +2,69 @@
 // than MB_QMV_MAX_M rows of x, in the pattern of MLX's steel BlockMMA /
 // qmm_t: the threadgroup stages a tile of x and a tile of W (dequantized)
 // in threadgroup memory and its simdgroups multiply them with 8x8
-// simdgroup matrices. One dispatch per K-segment (qmatmul_host.h), so the
-// kernel is specialized at compile time for one activation dtype, scale
-// dtype, bit width and group size.
+// simdgroup matrices. ONE dispatch computes the whole product: the kernel
+// walks the segment table (MbQmmFusedParams, qmatmul_params.h) with the
+// accumulators in registers, each segment decoded by a template for its
+// width (MB_QMM_SWITCH_BITS, once per segment); instantiated per activation
+// dtype x scale dtype only.
 #include "mixbits_metal.h"
 #include "qmatmul_common.h"
 
-// Threadgroup = 4 simdgroups (128 threads); grid = (ceil(N / 32),
-// ceil(M / 32)); one 32 x 32 block of outputs per threadgroup.
-//
-// Per BK = 32 step, every thread
-//  - loads 8 consecutive activations of one x row (gathered through perm;
-//    rows past M read 0) into the x tile  xt[BM][S], and
+// One segment of width `bits`, BK = 32 columns per step. Per step, every
+// thread
+//  - loads 8 consecutive activations of one x row into the x tile
+//    xt[BM][S] (rows past M read 0); with a perm, through the step's 32
+//    perm entries staged in threadgroup memory (pt) by the previous step,
+//    so each entry is read once per step, not once per row of x;
 //  - dequantizes 8 consecutive codes of one W row (one run of `bits` bytes,
-//    inside one group) into the W tile  wt[BN][S] (rows past N repeat the
+//    inside one group) into the W tile wt[BN][S] (rows past N repeat the
 //    last row: computed, never stored);
-// then, after a barrier, simdgroup (sm, sn) = (simd_gid / 2, simd_gid % 2)
-// accumulates its 16 x 16 block of outputs (rows 16 sm.., columns 16 sn..)
-// over the step's four 8-column slices: x fragments by plain loads at an
-// origin, Wᵀ fragments by transposed loads of W rows (B(k, n) = wt[n][k]).
-// Tiles and accumulators are float: the products and sums are exact float
-// arithmetic whatever the activation dtype (as MLX accumulates in float).
-// At the end the accumulators go through threadgroup memory (the x tile's
-// space) so that each thread stores 8 outputs with bounds checks.
-template <typename IO, typename SC, int bits, int group_size>
-[[kernel]] void mb_qmm(
-    const device typename IO::storage* x [[buffer(0)]],
-    const device int32_t* perm [[buffer(1)]],
-    const device uint32_t* wq [[buffer(2)]],
-    const device typename SC::storage* scales [[buffer(3)]],
-    const device typename SC::storage* biases [[buffer(4)]],
-    device float* acc [[buffer(5)]],
-    device typename IO::storage* out [[buffer(6)]],
-    constant MbQmmParams& p [[buffer(7)]],
-    threadgroup float* smem [[threadgroup(0)]],
-    uint3 tid [[threadgroup_position_in_grid]],
-    uint lid [[thread_index_in_threadgroup]],
-    uint simd_gid [[simdgroup_index_in_threadgroup]]) {
+// then, after a barrier, simdgroup (sm, sn) accumulates its 16 x 16 block
+// of outputs over the step's four 8-column slices: x fragments by plain
+// loads at an origin, Wᵀ fragments by transposed loads of W rows
+// (B(k, n) = wt[n][k]), and threads 0 .. 31 stage the next step's perm
+// entries (steps are contiguous across segments: the next step's columns
+// are always the next 32 of the permuted order). Tiles and accumulators are
+// float: products and sums are exact float arithmetic whatever the
+// activation dtype (as MLX accumulates in float).
+template <typename IO, typename SC, int bits>
+inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
+                           const device int32_t* perm, const device uint8_t* w,
+                           const device typename SC::storage* scales,
+                           const device typename SC::storage* biases,
+                           constant MbQmmFusedParams& p, constant MbQmmSeg& sg,
+                           threadgroup float* smem, int n0, uint lid, uint simd_gid,
+                           thread simdgroup_float8x8* c) {
   constexpr int S = MB_QMM_TILE_STRIDE;
-  static_assert(MB_QMM_BK % 8 == 0 && MB_QMM_BK <= 32, "a BK step lies in one group");
   threadgroup float* xt = smem;                  // [BM][S]
   threadgroup float* wt = smem + MB_QMM_BM * S;  // [BN][S]
-
-  const int n0 = int(tid.x) * MB_QMM_BN;
-  const int m0 = int(tid.y) * MB_QMM_BM;
-
-  // Loader role: row `lrow` of both tiles, columns lcol .. lcol + 7.
+  threadgroup float* pt = smem + MB_QMM_PERM_TILE;  // [BK] int bits
   const int lrow = int(lid) / 4;
   const int lcol = (int(lid) % 4) * 8;
-  const int xm = m0 + lrow;
-  const bool x_in = xm < p.M;
-  const device typename IO::storage* xrow = x + size_t(x_in ? xm : 0) * size_t(p.K);
   const size_t wn = size_t(min(n0 + lrow, p.N - 1));
-  const size_t row_bytes = size_t(p.kseg) * bits / 8;
-  const size_t groups = size_t(p.kseg / group_size);
-  const device uint8_t* wrow = (const device uint8_t*)wq + wn * row_bytes;
-
-  // MMA role: this simdgroup's 16 x 16 block of the tile.
+  const size_t row_bytes = size_t(sg.kseg) * bits / 8;
+  const size_t groups = size_t(sg.kseg) >> sg.group_shift;
+  const device uint8_t* wrow = w + wn * row_bytes;
   const int sm = 16 * int(simd_gid / 2);
   const int sn = 16 * int(simd_gid % 2);
-  simdgroup_float8x8 c[2][2];
-  MB_UNROLL for (int i = 0; i < 2; ++i) {
-    MB_UNROLL for (int j = 0; j < 2; ++j) {
-      c[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-    }
-  }
 
-  for (int kt = 0; kt < p.kseg; kt += MB_QMM_BK) {
-    const int c0 = p.k0 + kt + lcol;
+  for (int kt = 0; kt < sg.kseg; kt += MB_QMM_BK) {
+    const int c0 = sg.k0 + kt + lcol;
     MB_UNROLL for (int i = 0; i < 8; ++i) {
-      xt[lrow * S + lcol + i] = x_in ? mb_load_x<IO>(xrow, perm, p, c0 + i) : 0.0f;
+      float v = 0.0f;
+      if (x_in) {
+        if (p.has_perm) {
+          const uint32_t pc = as_type<uint32_t>(pt[lcol + i]);
+          v = pc < uint32_t(p.K) ? IO::load(xrow[pc]) : NAN;
+        } else {
+          v = IO::load(xrow[c0 + i]);
+        }
+      }
+      xt[lrow * S + lcol + i] = v;
     }
     uint32_t codes[8];
     mb_unpack8<bits>(wrow + size_t(kt + lcol) * bits / 8, codes);
-    const size_t gi = wn * groups + size_t((kt + lcol) / group_size);
+    const size_t gi = wn * groups + (size_t(kt + lcol) >> sg.group_shift);
     const float s = SC::load(scales[gi]);
     const float b = SC::load(biases[gi]);
     MB_UNROLL for (int i = 0; i < 8; ++i) {
@@ -83,6 +72,11 @@ template <typename IO, typename SC, int bits, int group_size>
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
+    // Every thread has read pt for this step (before the barrier).
+    const int next = sg.k0 + kt + MB_QMM_BK + int(lid);
+    if (p.has_perm && lid < uint(MB_QMM_BK) && next < p.K) {
+      pt[lid] = as_type<float>(mb_perm_col(perm, 1, p.K, next));
+    }
     MB_UNROLL for (int kk = 0; kk < MB_QMM_BK; kk += 8) {
       simdgroup_float8x8 a[2], bt[2];
       MB_UNROLL for (int i = 0; i < 2; ++i) {
@@ -93,33 +87,112 @@ template <typename IO, typename SC, int bits, int group_size>
       }
       MB_UNROLL for (int i = 0; i < 2; ++i) {
         MB_UNROLL for (int j = 0; j < 2; ++j) {
-          simdgroup_multiply_accumulate(c[i][j], a[i], bt[j], c[i][j]);
+          simdgroup_multiply_accumulate(c[2 * i + j], a[i], bt[j], c[2 * i + j]);
         }
       }
     }
-    // The next step overwrites the tiles: wait until everyone has read them.
+    // The next step overwrites the tiles: wait until everyone has read them
+    // (and publish pt).
     threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+
+// Threadgroup = 4 simdgroups (128 threads); grid = (ceil(N / 32),
+// ceil(M / 32)); one 32 x 32 block of outputs per threadgroup, simdgroup
+// (simd_gid / 2, simd_gid % 2) owning a 16 x 16 block of it (2 x 2
+// simdgroup_float8x8 accumulators). Loader role of thread lid: row lid / 4
+// of both tiles, columns (lid % 4) * 8 .. + 7. At the end the accumulators
+// go through threadgroup memory (the x tile's space) so that each thread
+// stores 8 outputs with bounds checks. Buffers: qmatmul_params.h
+// (MbQmmBuffer); slots of segments past p.nseg are bound to a stand-in and
+// never read.
+template <typename IO, typename SC>
+[[kernel]] void mb_qmm(
+    const device typename IO::storage* x [[buffer(0)]],
+    const device int32_t* perm [[buffer(1)]],
+    device float* acc_buf [[buffer(2)]],
+    device typename IO::storage* out [[buffer(3)]],
+    const device uint32_t* wq0 [[buffer(4)]],
+    const device typename SC::storage* scales0 [[buffer(5)]],
+    const device typename SC::storage* biases0 [[buffer(6)]],
+    const device uint32_t* wq1 [[buffer(7)]],
+    const device typename SC::storage* scales1 [[buffer(8)]],
+    const device typename SC::storage* biases1 [[buffer(9)]],
+    const device uint32_t* wq2 [[buffer(10)]],
+    const device typename SC::storage* scales2 [[buffer(11)]],
+    const device typename SC::storage* biases2 [[buffer(12)]],
+    const device uint32_t* wq3 [[buffer(13)]],
+    const device typename SC::storage* scales3 [[buffer(14)]],
+    const device typename SC::storage* biases3 [[buffer(15)]],
+    const device uint32_t* wq4 [[buffer(16)]],
+    const device typename SC::storage* scales4 [[buffer(17)]],
+    const device typename SC::storage* biases4 [[buffer(18)]],
+    const device uint32_t* wq5 [[buffer(19)]],
+    const device typename SC::storage* scales5 [[buffer(20)]],
+    const device typename SC::storage* biases5 [[buffer(21)]],
+    const device uint32_t* wq6 [[buffer(22)]],
+    const device typename SC::storage* scales6 [[buffer(23)]],
+    const device typename SC::storage* biases6 [[buffer(24)]],
+    const device uint32_t* wq7 [[buffer(25)]],
+    const device typename SC::storage* scales7 [[buffer(26)]],
+    const device typename SC::storage* biases7 [[buffer(27)]],
+    constant MbQmmFusedParams& p [[buffer(28)]],
+    threadgroup float* smem [[threadgroup(0)]],
+    uint3 tid [[threadgroup_position_in_grid]],
+    uint lid [[thread_index_in_threadgroup]],
+    uint simd_gid [[simdgroup_index_in_threadgroup]]) {
+  static_assert(MB_QMM_BK % 8 == 0 && MB_QMM_BK <= 32, "a BK step lies in one group");
+  const device uint32_t* wqs[MB_QMM_MAX_SEGS] = {wq0, wq1, wq2, wq3, wq4, wq5, wq6, wq7};
+  const device typename SC::storage* scs[MB_QMM_MAX_SEGS] = {
+      scales0, scales1, scales2, scales3, scales4, scales5, scales6, scales7};
+  const device typename SC::storage* bis[MB_QMM_MAX_SEGS] = {
+      biases0, biases1, biases2, biases3, biases4, biases5, biases6, biases7};
+  constexpr int S = MB_QMM_TILE_STRIDE;
+  const int n0 = int(tid.x) * MB_QMM_BN;
+  const int m0 = int(tid.y) * MB_QMM_BM;
+  const int lrow = int(lid) / 4;
+  const int lcol = (int(lid) % 4) * 8;
+  const int xm = m0 + lrow;
+  const bool x_in = xm < p.M;
+  const device typename IO::storage* xrow = x + size_t(x_in ? xm : 0) * size_t(p.K);
+
+  simdgroup_float8x8 c[4];
+  MB_UNROLL for (int i = 0; i < 4; ++i) c[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+
+  // The first step's perm entries (later ones are staged a step ahead).
+  threadgroup float* pt = smem + MB_QMM_PERM_TILE;
+  if (p.has_perm && lid < uint(MB_QMM_BK)) {
+    pt[lid] = as_type<float>(mb_perm_col(perm, 1, p.K, p.seg[0].k0 + int(lid)));
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  for (int s = 0; s < p.nseg; ++s) {
+#define MB_QMM_SEG(B)                                                                          \
+  mb_qmm_segment<IO, SC, B>(xrow, x_in, perm, (const device uint8_t*)wqs[s], scs[s], bis[s], p, \
+                            p.seg[s], smem, n0, lid, simd_gid, c)
+    MB_QMM_SWITCH_BITS(p.seg[s].bits, MB_QMM_SEG)
+#undef MB_QMM_SEG
   }
 
   // Stage the outputs in the x tile's space (free after the last barrier).
-  threadgroup float* ct = xt;  // [BM][S]
+  threadgroup float* ct = smem;  // [BM][S]
+  const int sm = 16 * int(simd_gid / 2);
+  const int sn = 16 * int(simd_gid % 2);
   MB_UNROLL for (int i = 0; i < 2; ++i) {
     MB_UNROLL for (int j = 0; j < 2; ++j) {
-      simdgroup_store(c[i][j], ct, S, ulong2(ulong(sn + 8 * j), ulong(sm + 8 * i)));
+      simdgroup_store(c[2 * i + j], ct, S, ulong2(ulong(sn + 8 * j), ulong(sm + 8 * i)));
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  const int m = m0 + lrow;
   MB_UNROLL for (int i = 0; i < 8; ++i) {
     const int n = n0 + lcol + i;
-    if (m < p.M && n < p.N) {
-      mb_qmm_store<IO>(acc, out, p, size_t(m) * size_t(p.N) + size_t(n),
+    if (x_in && n < p.N) {
+      mb_qmm_store<IO>(acc_buf, out, p, size_t(xm) * size_t(p.N) + size_t(n),
                        ct[lrow * S + lcol + i]);
     }
   }
 }
 
-#define MB_QMM_INST(name, io, sc, bits, gs) \
-  MB_INSTANTIATE_KERNEL(name, mb_qmm, io, sc, bits, gs)
-MB_QMM_LADDER(MB_QMM_INST, "qmm")
+#define MB_QMM_INST(name, io, sc) MB_INSTANTIATE_KERNEL(name, mb_qmm, io, sc)
+MB_QMM_FUSED_LADDER(MB_QMM_INST, "qmm")

@@ -72,7 +72,7 @@ void MixedGatherQMM::eval_gpu(const std::vector<mx::array>& inputs,
   auto& enc = mx::metal::get_command_encoder(s);
   // Several segments pass a float32 partial sum from dispatch to dispatch.
   std::optional<mx::array> acc;
-  if (host::qmm_needs_acc(segs.size()))
+  if (host::per_segment_needs_acc(segs.size()))
     acc = metal_temporary(enc, {int(pairs), M, N}, mx::float32);
 
   auto* lib = mixbits_metal_library(d);

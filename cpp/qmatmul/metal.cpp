@@ -1,7 +1,8 @@
-// MixedQMatmul::eval_gpu: the Metal path. One dispatch per K-segment, each
-// a kernel specialized for that segment's bits, group size and scale dtype
-// (GEMV for few rows, tiled above MB_QMV_MAX_M); the launch plan (kernel
-// names, grids, parameters, and the buffers each launch binds) comes from
+// MixedQMatmul::eval_gpu: the Metal path. One dispatch per product (per
+// MB_QMM_MAX_SEGS K-segments): the kernel walks the segment table itself,
+// each segment with its own bits and group size (GEMV for few rows, tiled
+// above MB_QMV_MAX_M); the launch plan (kernel names, grids, segment
+// tables, and the buffers each launch binds) comes from
 // metal/qmatmul_host.h, the same code the emulator harness runs on Linux.
 // Compiled only when MLX has Metal (CMake adds cpp/*/metal.cpp under
 // MLX_BUILD_METAL); qmatmul.cpp holds the stub for builds without it.
@@ -63,20 +64,23 @@ void MixedQMatmul::eval_gpu(const std::vector<mx::array>& inputs,
                                    has_perm_);
 
   auto& enc = mx::metal::get_command_encoder(s);
-  // Several segments pass a float32 partial sum from dispatch to dispatch.
+  // Only more than MB_QMM_MAX_SEGS segments pass a float32 partial sum from
+  // dispatch to dispatch.
   std::optional<mx::array> acc;
   if (host::qmm_needs_acc(segs.size())) acc = metal_temporary(enc, {M, N}, mx::float32);
 
   auto* lib = mixbits_metal_library(d);
   for (const host::QmmLaunch& l : plan) {
-    const size_t i = size_t(l.segment);
     auto* kernel = launch_pipeline(d, lib, l, "qmatmul");
     std::vector<mx::array*> arrays(MB_QMM_PARAMS, nullptr);
     arrays[MB_QMM_X] = &in[0];
     if (has_perm_) arrays[MB_QMM_PERM] = &in[1];
-    arrays[MB_QMM_WQ] = &in[size_t(first) + 3 * i];
-    arrays[MB_QMM_SCALES] = &in[size_t(first) + 3 * i + 1];
-    arrays[MB_QMM_BIASES] = &in[size_t(first) + 3 * i + 2];
+    for (int j = 0; j < l.params.nseg; ++j) {
+      const size_t i = size_t(first) + 3 * size_t(l.first_segment + j);
+      arrays[size_t(host::qmm_wq_slot(j))] = &in[i];
+      arrays[size_t(host::qmm_scales_slot(j))] = &in[i + 1];
+      arrays[size_t(host::qmm_biases_slot(j))] = &in[i + 2];
+    }
     // As an output the partial sum also orders this dispatch after the one
     // that wrote it (MLX inserts the barrier).
     if (acc) arrays[MB_QMM_ACC] = &*acc;

@@ -27,15 +27,26 @@ using namespace mixbits::metal_host;
 
 // ---- qmatmul ---------------------------------------------------------------
 
-// S: storage of x and out; SC: storage of scales and biases.
+// S: storage of x and out; SC: storage of scales and biases. Both kernels
+// take x, perm, acc, out, then wq/scales/biases of MB_QMM_MAX_SEGS segments,
+// the parameter block and the threadgroup memory.
+#define MB_SEG_PARAMS(SC) const uint32_t*, const SC*, const SC*
 template <typename S, typename SC>
-using QmvFn = void(const S*, const int32_t*, const uint32_t*, const SC*, const SC*,
-                   float*, S*, MbQmmParams&, uint3, uint, uint);
+using QmvFn = void(const S*, const int32_t*, float*, S*,
+                   MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC),
+                   MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC),
+                   MbQmmFusedParams&, float*, uint3, uint, uint, uint);
 template <typename S, typename SC>
-using QmmFn = void(const S*, const int32_t*, const uint32_t*, const SC*, const SC*,
-                   float*, S*, MbQmmParams&, float*, uint3, uint, uint);
+using QmmFn = void(const S*, const int32_t*, float*, S*,
+                   MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC),
+                   MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC),
+                   MbQmmFusedParams&, float*, uint3, uint, uint);
+#undef MB_SEG_PARAMS
+static_assert(MB_QMM_MAX_SEGS == 8, "the kernel types above list 8 segments");
 
 // x, perm: user buffers; per segment wq/scales/biases; out receives [M, N].
+// Binds exactly what eval_gpu (cpp/qmatmul/metal.cpp) binds: the plan's
+// buffers, segment j of launch l at slots qmm_*_slot(j).
 template <typename S, typename SC>
 void run_qmm(int M, int N, const std::vector<QmmSegment>& segs, ActType at,
              const UserBuf& x, const UserBuf& perm, const std::vector<UserBuf>& wq,
@@ -43,37 +54,50 @@ void run_qmm(int M, int N, const std::vector<QmmSegment>& segs, ActType at,
              int scale_type, const UserBuf& out, QmmPath path,
              const simt::Options& opt) {
   const auto plan = plan_qmm(M, N, segs, at, scale_type, perm.in != nullptr, path);
-  // The partial sum is eval_gpu's own temporary; here too.
+  // The partial sum (more than MB_QMM_MAX_SEGS segments) is eval_gpu's own
+  // temporary; here too.
   std::vector<float> acc_sink(qmm_needs_acc(segs.size()) ? size_t(M) * N : 0);
   Buffers bufs({MB_QMM_X, MB_QMM_PERM, MB_QMM_ACC, MB_QMM_OUT});
   for (const QmmLaunch& l : plan) {
     std::vector<UserBuf> user(MB_QMM_PARAMS);
     user[MB_QMM_X] = x;
     user[MB_QMM_PERM] = perm;
-    user[MB_QMM_WQ] = wq[size_t(l.segment)];
-    user[MB_QMM_SCALES] = scales[size_t(l.segment)];
-    user[MB_QMM_BIASES] = biases[size_t(l.segment)];
+    for (int j = 0; j < l.params.nseg; ++j) {
+      const size_t i = size_t(l.first_segment + j);
+      user[size_t(qmm_wq_slot(j))] = wq[i];
+      user[size_t(qmm_scales_slot(j))] = scales[i];
+      user[size_t(qmm_biases_slot(j))] = biases[i];
+    }
     if (!acc_sink.empty()) user[MB_QMM_ACC] = {nullptr, acc_sink.data(), acc_sink.size() * 4};
     user[MB_QMM_OUT] = out;
     const std::vector<void*> p = bufs.bind(l, user);
     Guarded smem(std::max<size_t>(l.threadgroup_bytes, 4));
     smem.threadgroup_space();
-    MbQmmParams params = l.params;
+    MbQmmFusedParams params = l.params;
     simt::Options o = opt;
     o.label = l.kernel;
     o.group_start = [&](const simt::Dim3&) { smem.fill_nan_f32(); };
     auto* xs = static_cast<const S*>(p[MB_QMM_X]);
     auto* pp = static_cast<const int32_t*>(p[MB_QMM_PERM]);
-    auto* w = static_cast<const uint32_t*>(p[MB_QMM_WQ]);
-    auto* sc = static_cast<const SC*>(p[MB_QMM_SCALES]);
-    auto* bi = static_cast<const SC*>(p[MB_QMM_BIASES]);
     auto* acc = static_cast<float*>(p[MB_QMM_ACC]);
     auto* y = static_cast<S*>(p[MB_QMM_OUT]);
+    const uint32_t* w[MB_QMM_MAX_SEGS];
+    const SC* sc[MB_QMM_MAX_SEGS];
+    const SC* bi[MB_QMM_MAX_SEGS];
+    for (int j = 0; j < MB_QMM_MAX_SEGS; ++j) {
+      w[j] = static_cast<const uint32_t*>(p[size_t(qmm_wq_slot(j))]);
+      sc[j] = static_cast<const SC*>(p[size_t(qmm_scales_slot(j))]);
+      bi[j] = static_cast<const SC*>(p[size_t(qmm_biases_slot(j))]);
+    }
+#define MB_SEG_ARGS(j) w[j], sc[j], bi[j]
+#define MB_ALL_SEG_ARGS                                                               \
+  MB_SEG_ARGS(0), MB_SEG_ARGS(1), MB_SEG_ARGS(2), MB_SEG_ARGS(3), MB_SEG_ARGS(4), \
+      MB_SEG_ARGS(5), MB_SEG_ARGS(6), MB_SEG_ARGS(7)
     if (l.tiled) {
       auto* fn = simt::find_kernel<QmmFn<S, SC>>(l.kernel);
       simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
           [&](const simt::ThreadIds& t) {
-            fn(xs, pp, w, sc, bi, acc, y, params, smem.as<float>(),
+            fn(xs, pp, acc, y, MB_ALL_SEG_ARGS, params, smem.as<float>(),
                u3(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup,
                t.simdgroup_index_in_threadgroup);
           }, o);
@@ -81,11 +105,13 @@ void run_qmm(int M, int N, const std::vector<QmmSegment>& segs, ActType at,
       auto* fn = simt::find_kernel<QmvFn<S, SC>>(l.kernel);
       simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
           [&](const simt::ThreadIds& t) {
-            fn(xs, pp, w, sc, bi, acc, y, params,
-               u3(t.threadgroup_position_in_grid),
+            fn(xs, pp, acc, y, MB_ALL_SEG_ARGS, params, smem.as<float>(),
+               u3(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup,
                t.simdgroup_index_in_threadgroup, t.thread_index_in_simdgroup);
           }, o);
     }
+#undef MB_ALL_SEG_ARGS
+#undef MB_SEG_ARGS
   }
   bufs.finish();
 }

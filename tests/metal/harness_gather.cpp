@@ -36,7 +36,7 @@ template <typename S, typename SC>
 void run_gather(const GatherProblem& g, const simt::Options& opt) {
   const auto plan = plan_gather(g.pairs, g.M, g.N, g.x_batches, g.w_batches, g.segs, g.at,
                                 g.scale_type, g.perm.in != nullptr, g.sorted);
-  std::vector<float> acc_sink(qmm_needs_acc(g.segs.size())
+  std::vector<float> acc_sink(per_segment_needs_acc(g.segs.size())
                                   ? size_t(g.pairs) * size_t(g.M) * size_t(g.N) : 0);
   Buffers bufs({MB_GATHER_X, MB_GATHER_PERM, MB_GATHER_LHS, MB_GATHER_RHS, MB_GATHER_ACC,
                 MB_GATHER_OUT});

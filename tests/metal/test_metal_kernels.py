@@ -165,6 +165,25 @@ def test_qmatmul_bad_perm_entry_poisons_output_without_reading_out_of_bounds(pat
         assert np.isnan(y).all()
 
 
+@pytest.mark.parametrize("M", [2, 9])
+def test_qmatmul_eight_segments_of_every_width_in_one_dispatch(M):
+    # The most segments one dispatch takes (MB_QMM_MAX_SEGS): every width and
+    # group size in one segment table, shuffled so that neighbours differ.
+    rng = np.random.default_rng(20 + M)
+    specs = [(5, 32, 64), (8, 128, 128), (2, 64, 128), (6, 32, 96), (3, 128, 128),
+             (4, 64, 64), (2, 32, 32), (8, 32, 544)]
+    run_case(rng, M, 13, specs, "bfloat16")
+
+
+@pytest.mark.parametrize("M", [3, 17])
+def test_qmatmul_more_segments_than_one_dispatch_takes(M):
+    # 11 segments: two dispatches (8 + 3) passing the float32 partial sum.
+    rng = np.random.default_rng(30 + M)
+    specs = [(b, gs, gs) for b, gs in itertools.islice(
+        itertools.cycle(itertools.product(BITS, GROUP_SIZES)), 11)]
+    run_case(rng, M, 10, specs, "float16")
+
+
 def test_qmatmul_long_k_many_gemv_blocks():
     rng = np.random.default_rng(3)
     run_case(rng, 1, 9, [(4, 64, 2048 + 64), (2, 32, 544)], "float32")
