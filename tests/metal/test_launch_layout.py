@@ -1,0 +1,140 @@
+"""The dense quantized matmul's launch plan (metal/qmatmul_host.h, which
+cpp/qmatmul/metal.cpp binds on a Mac and the emulator harness binds here)
+against the kernels' own parameter lists (qmatmul_gemv.metal,
+qmatmul_tiled.metal): every [[buffer(i)]] has a plan entry at index i of the
+same name, direction and element type, the parameter block sits where the
+kernel declares it, and the segment table carries each segment's width,
+group and column range. Plain C++ (plan_dump.cpp) and text: no Metal, no
+emulator build; what only a Mac can check is that Apple's compiler accepts
+the kernels (tests/metal/check_on_mac.sh)."""
+
+import json
+import re
+import subprocess
+
+import pytest
+
+import metal_emu as E
+
+KERNELS = ("qmatmul_gemv.metal", "qmatmul_tiled.metal")
+ELEM = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory):
+    cxx = E.compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    exe = tmp_path_factory.mktemp("plan") / "plan_dump"
+    r = subprocess.run([cxx, "-std=c++17", "-Wall", "-Werror", f"-I{E.METAL_DIR}",
+                        str(E.EMU_DIR / "plan_dump.cpp"), "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+    def plan(M, N, perm, xt, st, path, segs):
+        args = [str(v) for v in (M, N, int(perm), ELEM[xt], ELEM[st], path)]
+        args += [str(v) for s in segs for v in s]
+        out = subprocess.run([str(exe), *args], capture_output=True, text=True, check=True)
+        return [json.loads(line) for line in out.stdout.splitlines()]
+    return plan
+
+
+def kernel_params(metal: str) -> list[tuple[int, str, bool, str]]:
+    """(index, name, is_output, element) of each buffer parameter of the one
+    kernel in `metal`; element is the declared pointee: uint32_t, int32_t,
+    float, IO (x / out storage), SC (scale storage) or the params struct."""
+    text = (E.METAL_DIR / metal).read_text()
+    kernels = re.findall(r"\[\[kernel\]\]\s+void\s+\w+\s*\((.*?)\)\s*\{", text, flags=re.S)
+    assert len(kernels) == 1
+    out = []
+    for decl, idx in re.findall(r"([^,]*?)\s*\[\[buffer\((\d+)\)\]\]", kernels[0]):
+        decl = " ".join(decl.split())
+        name = re.search(r"(\w+)$", decl).group(1)
+        is_out = not decl.startswith(("const ", "constant "))
+        if "IO::storage" in decl:
+            elem = "IO"
+        elif "SC::storage" in decl:
+            elem = "SC"
+        else:
+            elem = re.search(r"(?:device|constant)\s+(\w+)", decl).group(1)
+        out.append((int(idx), name, is_out, elem))
+    return out
+
+
+# path: 0 auto, 1 GEMV, 2 tiled (M 5 and 3 pick GEMV, 17 the tiled kernel).
+CASES = [
+    (3, 10, True, "float16", "bfloat16", 1, [(4, 64, 128), (2, 32, 64)]),
+    (3, 10, True, "float16", "bfloat16", 2, [(4, 64, 128), (2, 32, 64)]),
+    (17, 40, False, "bfloat16", "float32", 0, [(8, 128, 256)]),
+    (5, 9, True, "float32", "float16", 0, [(b, 32, 32) for b in (8, 6, 5, 4, 3, 2, 2, 2, 3, 4)]),
+    (17, 9, False, "float32", "float16", 0, [(b, 32, 32) for b in (8, 6, 5, 4, 3, 2, 2, 2, 3)]),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"M{c[0]}-path{c[5]}-segs{len(c[6])}")
+def test_plan_binds_what_the_kernel_declares(dump, case):
+    M, N, perm, xt, st, path, segs = case
+    launches = dump(M, N, perm, xt, st, path, segs)
+    tiled = path == 2 or (path == 0 and M > 8)
+    assert all(bool(l["tiled"]) == tiled for l in launches)
+    params = kernel_params(KERNELS[int(tiled)])
+    want_elem = {"IO": xt, "SC": st, "uint32_t": "uint32", "int32_t": "int32",
+                 "float": "float32"}
+    for l in launches:
+        assert l["kernel"] == f"mixbits_{'qmm' if tiled else 'qmv'}_{xt}_{st}"
+        by_index = {b["index"]: b for b in l["buffers"]}
+        assert sorted(by_index) == list(range(len(l["buffers"])))
+        assert len(params) == len(l["buffers"]) + 1  # + the parameter block
+        for idx, name, is_out, elem in params:
+            if elem == "MbQmmFusedParams":
+                assert idx == l["params_index"] and not is_out
+                continue
+            b = by_index[idx]
+            assert re.sub(r"\d+$", "", name.replace("acc_buf", "acc")) == b["name"], (idx, name)
+            assert bool(b["out"]) == is_out, (idx, name)
+            assert b["elem"] == want_elem[elem], (idx, name, b["elem"])
+            if b["count"] == 0:  # unused: bound to a freshly allocated output
+                assert by_index[b["stand_in"]]["out"] and by_index[b["stand_in"]]["count"]
+        # Segment j of this launch: slots in the order of the kernel's wqj,
+        # scalesj, biasesj, sized from its own segment.
+        first = l["first_segment"]
+        k0 = sum(s[2] for s in segs[:first])
+        for j in range(8):
+            named = {n: b for (i, n, _, _), b in ((p, by_index.get(p[0])) for p in params)
+                     if b is not None and n.endswith(str(j)) and not n.startswith("acc")}
+            assert set(named) == {f"wq{j}", f"scales{j}", f"biases{j}"}
+            if j < l["nseg"]:
+                bits, gs, k = segs[first + j]
+                assert l["seg"][j] == [bits, gs.bit_length() - 1, k0, k]
+                assert named[f"wq{j}"]["count"] == N * k * bits // 32
+                assert named[f"scales{j}"]["count"] == named[f"biases{j}"]["count"] == N * k // gs
+                k0 += k
+            else:
+                assert all(b["count"] == 0 for b in named.values())
+    assert k0 == sum(s[2] for s in segs)
+    assert launches[-1]["write_out"] == 1 and launches[0]["accumulate"] == 0
+
+
+def test_more_segments_than_slots_split_with_a_partial_sum(dump):
+    segs = [(4, 32, 32)] * 11
+    ls = dump(3, 8, False, "float32", "float32", 0, segs)
+    assert [(l["first_segment"], l["nseg"], l["accumulate"], l["write_out"]) for l in ls] == \
+        [(0, 8, 0, 0), (8, 3, 1, 1)]
+    for l in ls:
+        acc = next(b for b in l["buffers"] if b["name"] == "acc")
+        assert acc["count"] == 3 * 8 and acc["elem"] == "float32"
+    one = dump(3, 8, False, "float32", "float32", 0, segs[:8])
+    assert len(one) == 1 and next(b for b in one[0]["buffers"] if b["name"] == "acc")["count"] == 0
+
+
+def test_eval_gpu_binds_segments_by_the_plans_slots():
+    # cpp/qmatmul/metal.cpp cannot run here; its binding loop must use the
+    # plan's slot functions and segment offset (what the harness does), not
+    # slot numbers of its own.
+    text = (E.ROOT / "cpp" / "qmatmul" / "metal.cpp").read_text()
+    body = text[text.index("void MixedQMatmul::eval_gpu"):text.index("void MixedQMatmulT::")]
+    for needle in ("host::qmm_wq_slot(j)", "host::qmm_scales_slot(j)", "host::qmm_biases_slot(j)",
+                   "l.first_segment + j", "j < l.params.nseg", "arrays[MB_QMM_X]",
+                   "arrays[MB_QMM_PERM]", "arrays[MB_QMM_ACC]", "arrays[MB_QMM_OUT]"):
+        assert needle in body, needle
+    assert not re.search(r"arrays\[\s*\d", body)
