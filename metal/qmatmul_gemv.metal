@@ -22,10 +22,11 @@
 // perm and x are read once per threadgroup, not once per simdgroup and row
 // of W. Then lane l takes the 16 columns 16 l .. of the block: it reads,
 // per row of W, the chunk's 2*bits bytes of codes as whole words
-// (MbChunkWord) and its scale and bias once, and dots them with each x
+// (MbChunkWord), gets the group's scale and bias (read by one lane of the
+// group), and dots them with each x
 // row's 16 staged activations by masking (mb_prescale16 / mb_qdot16). The
 // bias is folded: sum_j (s q_j + b) x_j = s sum q_j x_j + b sum x_j.
-// All 64 threads must call this (barriers).
+// All MB_QMV_THREADS threads must call this (barriers, shuffles).
 template <typename IO, typename SC, int bits>
 inline void mb_qmv_segment(const device typename IO::storage* x,
                            const device int32_t* perm, const device uint8_t* w,
@@ -52,11 +53,24 @@ inline void mb_qmv_segment(const device typename IO::storage* x,
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     const int c = int(simd_lid) * MB_CHUNK;
+    const int k = kb + c;
+    const size_t g = size_t(k) >> sg.group_shift;
+    // A group spans group_size / 16 consecutive lanes (blocks start on a
+    // group boundary and end on one: cols is a multiple of the group size):
+    // its first lane reads the scale and bias, the others take them by
+    // shuffle, so each is read once per row, not once per 16 columns.
+    const uint owner = simd_lid & ~((uint(1) << (sg.group_shift - 4)) - 1u);
+    const bool reads = simd_lid == owner && c < cols;
+    float s[R], b[R];
+    MB_UNROLL for (int r = 0; r < R; ++r) {
+      const size_t n = size_t(row0 + min(r, last));
+      const float sv = reads ? SC::load(scales[n * groups + g]) : 0.0f;
+      const float bv = reads ? SC::load(biases[n * groups + g]) : 0.0f;
+      s[r] = simd_shuffle(sv, ushort(owner));
+      b[r] = simd_shuffle(bv, ushort(owner));
+    }
     if (c < cols) {  // cols is a multiple of 32: chunks are whole
-      const int k = kb + c;
-      const size_t g = size_t(k) >> sg.group_shift;
       Word wd[R][n_words];
-      float s[R], b[R];
       MB_UNROLL for (int r = 0; r < R; ++r) {
         const size_t n = size_t(row0 + min(r, last));
         // Aligned for Word (see MbChunkWord) when w is 4-byte aligned; the
@@ -65,8 +79,6 @@ inline void mb_qmv_segment(const device typename IO::storage* x,
             (const device Word*)(w + n * row_bytes + size_t(k) * bits / 8);
         MB_CHECK_ALIGNED(wp);
         MB_UNROLL for (int j = 0; j < n_words; ++j) wd[r][j] = wp[j];
-        s[r] = SC::load(scales[n * groups + g]);
-        b[r] = SC::load(biases[n * groups + g]);
       }
       MB_UNROLL for (int m = 0; m < MB_QMV_MAX_M; ++m) {
         if (m < rows_x) {
@@ -84,11 +96,11 @@ inline void mb_qmv_segment(const device typename IO::storage* x,
   }
 }
 
-// Threadgroup = 2 simdgroups x 32 lanes; grid = (ceil(N / 8), ceil(M / 8)).
+// Threadgroup = 8 simdgroups x 32 lanes; grid = (ceil(N / 32), ceil(M / 8)).
 // Each simdgroup owns 4 consecutive output rows and computes them for the
-// threadgroup's MB_QMV_MAX_M rows of x (acc: 8 x 4 floats per lane), so at
-// M <= 8 (the only M the host sends here by default) the 8 rows of W of a
-// threadgroup are read once per call whatever M. Buffers: qmatmul_params.h (MbQmmBuffer);
+// threadgroup's up to MB_QMV_MAX_M rows of x (acc: 8 x 4 floats per lane),
+// so at M <= 8 (the only M the host sends here by default) each row of W is
+// read once per call whatever M, and the staged x serves 32 rows of W. Buffers: qmatmul_params.h (MbQmmBuffer);
 // slots of segments past p.nseg are bound to a stand-in and never read.
 template <typename IO, typename SC>
 [[kernel]] void mb_qmv(

@@ -164,7 +164,9 @@ inline std::vector<QmmLaunch> plan_qmm(int M, int N,
       l.grid[0] = uint32_t((N + MB_QMV_ROWS_PER_GROUP - 1) / MB_QMV_ROWS_PER_GROUP);
       l.grid[1] = uint32_t((M + MB_QMV_MAX_M - 1) / MB_QMV_MAX_M);
       l.group[0] = MB_QMV_THREADS;
-      l.threadgroup_bytes = kQmvThreadgroupBytes;
+      // x staged for the rows of x a threadgroup has (the kernel indexes
+      // rows 0 .. min(M, 8) - 1 of it).
+      l.threadgroup_bytes = size_t(std::min(M, int(MB_QMV_MAX_M))) * MB_QMV_BLOCK * sizeof(float);
     }
     l.grid[2] = 1;
     l.group[1] = l.group[2] = 1;

@@ -91,16 +91,19 @@ enum MbQmmShape {
   // Segments one dispatch of the dense kernels takes (buffer slots above).
   MB_QMM_MAX_SEGS = 8,
   MB_QMM_N_BUFFERS = 29,
-  // GEMV (qmv): 2 simdgroups x 32 lanes, 4 output rows per simdgroup; each
-  // lane reads 16 consecutive codes per step, a simdgroup 512 columns.
-  MB_QMV_SIMDGROUPS = 2,
+  // GEMV (qmv): 8 simdgroups x 32 lanes, 4 output rows per simdgroup; each
+  // lane reads 16 consecutive codes per step, a simdgroup 512 columns. (As
+  // many simdgroups, hence threads, per output row as MLX's qmv; more of
+  // them per threadgroup share one staging of x.)
+  MB_QMV_SIMDGROUPS = 8,
   MB_QMV_ROWS_PER_SIMDGROUP = 4,
-  MB_QMV_ROWS_PER_GROUP = 8,
-  MB_QMV_THREADS = 64,
+  MB_QMV_ROWS_PER_GROUP = 32,
+  MB_QMV_THREADS = 256,
   // Every row of x (M <= MB_QMV_MAX_M) is handled by the same threadgroup,
   // so each weight is read once per call. x is staged, gathered through
   // perm, as float in threadgroup memory one block of MB_QMV_BLOCK columns
-  // (one simdgroup step) at a time: [MB_QMV_MAX_M][MB_QMV_BLOCK].
+  // (one simdgroup step) at a time: [rows of x][MB_QMV_BLOCK] (the host
+  // sizes it for min(M, 8) rows).
   MB_QMV_BLOCK = 512,
   MB_QMV_TG_FLOATS = 8 * 512,
   // Up to this many rows of x, GEMV is used; above it, the tiled kernel.

@@ -16,9 +16,10 @@
 //    xt[BM][S] (rows past M read 0); with a perm, through the step's 32
 //    perm entries staged in threadgroup memory (pt) by the previous step,
 //    so each entry is read once per step, not once per row of x;
-//  - dequantizes 8 consecutive codes of one W row (one run of `bits` bytes,
-//    inside one group) into the W tile wt[BN][S] (rows past N repeat the
-//    last row: computed, never stored);
+//  - dequantizes 8 consecutive codes of one W row (inside one group) into
+//    the W tile wt[BN][S] (rows past N repeat the last row: computed, never
+//    stored), the row's step read as `bits` uint32 words shared by its 4
+//    loader threads through simd_shuffle;
 // then, after a barrier, simdgroup (sm, sn) accumulates its 16 x 16 block
 // of outputs over the step's four 8-column slices: x fragments by plain
 // loads at an origin, Wᵀ fragments by transposed loads of W rows
@@ -47,6 +48,14 @@ inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
   const device uint8_t* wrow = w + wn * row_bytes;
   const int sm = 16 * int(simd_gid / 2);
   const int sn = 16 * int(simd_gid % 2);
+  // Word loads: this thread is loader j of its row (lanes lane0 .. + 3);
+  // its codes start in word q of the step, at bit `shift`. A row's step is
+  // 4 bits bytes from a 4-byte aligned row start (kseg is a multiple of 32,
+  // so rows are 4 bits-byte multiples): the words are aligned.
+  const int j = int(lid) % 4;
+  const uint lane0 = (lid % 32u) & ~3u;
+  const int q = (8 * j * bits) / 32;
+  const int shift = (8 * j * bits) % 32;
 
   for (int kt = 0; kt < sg.kseg; kt += MB_QMM_BK) {
     const int c0 = sg.k0 + kt + lcol;
@@ -62,8 +71,20 @@ inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
       }
       xt[lrow * S + lcol + i] = v;
     }
+    // The step's `bits` words of this W row: loader thread j (of the row's
+    // 4, consecutive lanes) loads words j and j + 4, each word once, and
+    // gets the two words its 8 codes lie in from their owners by shuffles
+    // (4-byte loads only, every weight byte requested once per tile).
+    const device uint32_t* ws = (const device uint32_t*)(wrow + size_t(kt) * bits / 8);
+    MB_CHECK_ALIGNED(ws);
+    const uint32_t wa = j < bits ? ws[j] : 0u;
+    const uint32_t wb = j + 4 < bits ? ws[j + 4] : 0u;
+    const uint32_t sa = simd_shuffle(wa, ushort(lane0 + q % 4));
+    const uint32_t sb = simd_shuffle(wb, ushort(lane0 + q % 4));
+    const uint32_t ta = simd_shuffle(wa, ushort(lane0 + (q + 1) % 4));
+    const uint32_t tb = simd_shuffle(wb, ushort(lane0 + (q + 1) % 4));
     uint32_t codes[8];
-    mb_unpack8<bits>(wrow + size_t(kt + lcol) * bits / 8, codes);
+    mb_unpack8_words<bits>(q < 4 ? sa : sb, q + 1 < 4 ? ta : tb, shift, codes);
     const size_t gi = wn * groups + (size_t(kt + lcol) >> sg.group_shift);
     const float s = SC::load(scales[gi]);
     const float b = SC::load(biases[gi]);

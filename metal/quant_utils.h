@@ -153,3 +153,17 @@ inline void mb_unpack8(const MB_DEVICE uint8_t* w, MB_THREAD uint32_t* codes) {
     codes[i] = uint32_t(v >> (i * bits)) & mb_code_mask<bits>();
   }
 }
+
+// The tiled kernel's 4-byte decode: a BK = 32 step of one row is exactly
+// `bits` aligned uint32 words (32 codes), shared by the row's 4 loader
+// threads; thread j's 8 codes start at bit 8 j bits of the step, i.e. in
+// word (8 j bits) / 32 at bit s = (8 j bits) % 32, and end in the next word
+// at the latest (s + 8 bits <= 64 for every width). lo and hi are those two
+// words (hi unused, may be anything, when the run ends in lo).
+template <int bits>
+inline void mb_unpack8_words(uint32_t lo, uint32_t hi, int s, MB_THREAD uint32_t* codes) {
+  const uint64_t v = ((uint64_t(hi) << 32) | uint64_t(lo)) >> s;
+  MB_UNROLL for (int i = 0; i < 8; ++i) {
+    codes[i] = uint32_t(v >> (i * bits)) & mb_code_mask<bits>();
+  }
+}

@@ -81,6 +81,23 @@ def test_mixed_segments_with_perm_gpu_matches_cpu(M):
                                rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("M", [2, 17])
+@pytest.mark.parametrize("n_segs", [8, 11])
+def test_many_segments_gpu_matches_cpu(M, n_segs):
+    # One dispatch takes 8 segments (one segment table, every width); 11
+    # need two dispatches passing a float32 partial sum.
+    rng = np.random.default_rng(M + n_segs)
+    specs = [((8, 6, 5, 4, 3, 2)[i % 6], (32, 64, 128)[i % 3], (32, 64, 128)[i % 3] * (1 + i % 2))
+             for i in range(n_segs)]
+    K, N = sum(k for _, _, k in specs), 45
+    w = mx.array(rng.standard_normal((N, K)).astype(np.float32))
+    qt = mixbits.quantize(w, specs, perm=mx.array(rng.permutation(K).astype(np.int32)))
+    x = mx.array(rng.standard_normal((M, K)).astype(np.float32)).astype(mx.float16)
+    cpu = np.array(on(mx.cpu, mixbits.qmatmul, x, qt).astype(mx.float32))
+    gpu = np.array(on(mx.gpu, mixbits.qmatmul, x, qt).astype(mx.float32))
+    np.testing.assert_allclose(gpu, cpu, rtol=2e-2, atol=2e-2 * np.abs(cpu).max())
+
+
 def graph_ops(y, tmp_path):
     """The primitive names in y's graph (mx.export_to_dot labels)."""
     import re

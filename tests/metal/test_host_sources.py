@@ -67,6 +67,7 @@ def plain(tmp_path_factory):
     L = ctypes.CDLL(str(out))
     P = ctypes.c_void_p
     L.qu_unpack_row.argtypes = [P, ctypes.c_int, ctypes.c_int, P]
+    L.qu_unpack_row_words.argtypes = [P, ctypes.c_int, ctypes.c_int, P]
     L.qu_qdot16.argtypes = [P, ctypes.c_int, P]
     L.qu_qdot16.restype = ctypes.c_float
     L.qu_f32_to_bf16.argtypes = [ctypes.c_float]
@@ -100,6 +101,11 @@ def test_plain_cpp_decode_matches_mlx_layout(plain, bits):
         assert plain.qu_unpack_row(row.ctypes.data_as(ctypes.c_void_p), bits, k,
                                    codes.ctypes.data_as(ctypes.c_void_p)) == 0
         np.testing.assert_array_equal(codes, bitstream_codes(row, bits))
+        # The tiled kernel's word decode (mb_unpack8_words) gives the same.
+        codes_w = np.zeros(k, np.uint32)
+        assert plain.qu_unpack_row_words(row.ctypes.data_as(ctypes.c_void_p), bits, k,
+                                         codes_w.ctypes.data_as(ctypes.c_void_p)) == 0
+        np.testing.assert_array_equal(codes_w, codes)
         # ... and those codes are what mx.dequantize decodes.
         np.testing.assert_allclose(codes * np.repeat(s[n], 32) + np.repeat(b[n], 32), deq[n],
                                    rtol=1e-6, atol=1e-6)

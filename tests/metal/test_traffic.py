@@ -143,9 +143,10 @@ def test_gemv_reads_each_weight_word_once_per_call(M):
     c = qmm_case(M, [(4, 64, K)], False, N=N)
     r = T.run_case(c, np.random.default_rng(2))[0]
     assert r["device_read_by_width"]["4"] == N * K * 4 // 8
-    # x: every threadgroup (N / 8 of them) stages each x element once; a
-    # scale and a bias per row and 16-column chunk (each lane its own).
-    assert r["device_read_by_width"]["2"] == (N // 8) * M * K * 2 + 2 * N * (K // 16) * 2
+    # x: every threadgroup (N / 32 of them) stages each x element once; a
+    # scale and a bias per row and group (one lane reads, the group's others
+    # take them by shuffle).
+    assert r["device_read_by_width"]["2"] == (N // 32) * M * K * 2 + 2 * N * (K // 64) * 2
 
 
 @pytest.mark.parametrize("M", [1, 17])
