@@ -54,9 +54,13 @@ static_assert(MB_QMV_TG_FLOATS == MB_QMV_MAX_M * MB_QMV_BLOCK &&
                   MB_QMV_BLOCK == 32 * 16 && MB_QMV_THREADS == 32 * MB_QMV_SIMDGROUPS &&
                   MB_QMV_ROWS_PER_GROUP == MB_QMV_SIMDGROUPS * MB_QMV_ROWS_PER_SIMDGROUP,
               "qmatmul_gemv.metal: a block is one simdgroup step (32 lanes x 16 columns), staged for 8 rows of x");
-static_assert(MB_QMM_PERM_TILE == (MB_QMM_BM + MB_QMM_BN) * MB_QMM_TILE_STRIDE &&
-                  MB_QMM_TG_FLOATS == MB_QMM_PERM_TILE + MB_QMM_BK,
-              "the tiled kernel's perm entries follow its tiles");
+constexpr size_t kQmm16ThreadgroupBytes = size_t(MB_QMM16_TG_FLOATS) * sizeof(float);
+static_assert(MB_QMM_TG_FLOATS == (MB_QMM_BM + MB_QMM_BN) * MB_QMM_TILE_STRIDE + MB_QMM_BK &&
+                  MB_QMM16_TG_FLOATS ==
+                      (MB_QMM16_BM + MB_QMM16_BN) * MB_QMM_TILE_STRIDE + MB_QMM_BK &&
+                  mb_qmm_bn(MB_QMM_BM) == MB_QMM_BN && mb_qmm_bn(MB_QMM16_BM) == MB_QMM16_BN &&
+                  kQmm16ThreadgroupBytes <= kMaxThreadgroupBytes,
+              "the tiled kernels' x and W tiles, then the step's perm entries");
 static_assert(MB_QMM_TG_FLOATS >= (MB_QMM_BM + MB_QMM_BN) * MB_QMM_TILE_STRIDE &&
                   MB_QMM_TILE_STRIDE >= MB_QMM_BK && MB_QMM_TILE_STRIDE >= MB_QMM_BN &&
                   MB_QMM_TILE_STRIDE % 4 == 0,
@@ -80,10 +84,15 @@ inline std::string ladder_kernel_name(const char* kind, ActType t, int scale_typ
          std::to_string(gs);
 }
 
-// mixbits_<qmv|qmm>_<x dtype>_<scale dtype>, as instantiated by
-// MB_QMM_FUSED_LADDER (qmatmul_common.h): one kernel for every segment table.
-inline std::string qmm_kernel_name(bool tiled, ActType t, int scale_type) {
-  return std::string("mixbits_") + (tiled ? "qmm" : "qmv") + "_" + act_type_name(t) + "_" +
+// The tiled kernel's block rows: 16 up to MB_QMM16_MAX_M rows of x, else 32.
+inline int qmm_block_rows(int M) { return M <= MB_QMM16_MAX_M ? MB_QMM16_BM : MB_QMM_BM; }
+
+// mixbits_<qmv|qmm|qmm16>_<x dtype>_<scale dtype>, as instantiated by
+// MB_QMM_FUSED_LADDER (qmatmul_common.h): one kernel for every segment
+// table; qmm16 is the tiled kernel with 16-row blocks.
+inline std::string qmm_kernel_name(bool tiled, ActType t, int scale_type, int bm = MB_QMM_BM) {
+  const char* kind = !tiled ? "qmv" : bm == MB_QMM16_BM ? "qmm16" : "qmm";
+  return std::string("mixbits_") + kind + "_" + act_type_name(t) + "_" +
          act_type_name(scale_act_type(scale_type));
 }
 
@@ -145,7 +154,8 @@ inline std::vector<QmmLaunch> plan_qmm(int M, int N,
   for (size_t first = 0; first < segs.size(); first += MB_QMM_MAX_SEGS) {
     const size_t n = std::min(segs.size() - first, size_t(MB_QMM_MAX_SEGS));
     QmmLaunch l;
-    l.kernel = qmm_kernel_name(tiled, xt, scale_type);
+    const int bm = qmm_block_rows(M);
+    l.kernel = qmm_kernel_name(tiled, xt, scale_type, bm);
     MbQmmFusedParams& q = l.params;
     q = MbQmmFusedParams{};
     q.M = M;
@@ -156,10 +166,11 @@ inline std::vector<QmmLaunch> plan_qmm(int M, int N,
     q.accumulate = first > 0 ? 1 : 0;
     q.write_out = first + n == segs.size() ? 1 : 0;
     if (tiled) {
-      l.grid[0] = uint32_t((N + MB_QMM_BN - 1) / MB_QMM_BN);
-      l.grid[1] = uint32_t((M + MB_QMM_BM - 1) / MB_QMM_BM);
+      const int bn = mb_qmm_bn(bm);
+      l.grid[0] = uint32_t((N + bn - 1) / bn);
+      l.grid[1] = uint32_t((M + bm - 1) / bm);
       l.group[0] = MB_QMM_THREADS;
-      l.threadgroup_bytes = kQmmThreadgroupBytes;
+      l.threadgroup_bytes = bm == MB_QMM_BM ? kQmmThreadgroupBytes : kQmm16ThreadgroupBytes;
     } else {
       l.grid[0] = uint32_t((N + MB_QMV_ROWS_PER_GROUP - 1) / MB_QMV_ROWS_PER_GROUP);
       l.grid[1] = uint32_t((M + MB_QMV_MAX_M - 1) / MB_QMV_MAX_M);

@@ -123,6 +123,15 @@ enum MbQmmShape {
   MB_QMM_TILE_STRIDE = 36,
   // After the tiles: the BK perm entries of the step (int bits), staged
   // once per step instead of loaded by every thread that reads x.
-  MB_QMM_PERM_TILE = (32 + 32) * 36,
   MB_QMM_TG_FLOATS = (32 + 32) * 36 + 32,
+  // 9 .. 16 rows of x: a 16 x 64 block per threadgroup (same 4 simdgroups,
+  // side by side), so at least half of the MMA rows are real rows from
+  // M = 9 (a 32-row tile uses 9 / 32 of them there).
+  MB_QMM16_MAX_M = 16,
+  MB_QMM16_BM = 16,
+  MB_QMM16_BN = 64,
+  MB_QMM16_TG_FLOATS = (16 + 64) * 36 + 32,
 };
+
+// Columns of a tiled block with BM rows: 4 simdgroups of 16 x 16.
+constexpr int mb_qmm_bn(int bm) { return 32 * 32 / bm; }

@@ -10,14 +10,16 @@
 #include "mixbits_metal.h"
 #include "qmatmul_common.h"
 
-// One segment of width `bits`, BK = 32 columns per step. Per step, every
-// thread
-//  - loads 8 consecutive activations of one x row into the x tile
+// One segment of width `bits`, BK = 32 columns per step, for a BM x BN
+// block of outputs (32 x 32, or 16 x 64 for 9 .. 16 rows of x). Per step,
+// thread lid (row lid / 4 of the tiles, columns (lid % 4) * 8 ..)
+//  - if its row is one of the BM, loads 8 consecutive activations of one x
+//    row into the x tile
 //    xt[BM][S] (rows past M read 0); with a perm, through the step's 32
 //    perm entries staged in threadgroup memory (pt) by the previous step,
 //    so each entry is read once per step, not once per row of x;
-//  - dequantizes 8 consecutive codes of one W row (inside one group) into
-//    the W tile wt[BN][S] (rows past N repeat the last row: computed, never
+//  - dequantizes 8 consecutive codes of each of its BN / 32 W rows (rows
+//    lid / 4 + 32 t; inside one group) into the W tile wt[BN][S] (rows past N repeat the last row: computed, never
 //    stored), the row's step read as `bits` uint32 words shared by its 4
 //    loader threads through simd_shuffle;
 // then, after a barrier, simdgroup (sm, sn) accumulates its 16 x 16 block
@@ -28,7 +30,7 @@
 // are always the next 32 of the permuted order). Tiles and accumulators are
 // float: products and sums are exact float arithmetic whatever the
 // activation dtype (as MLX accumulates in float).
-template <typename IO, typename SC, int bits>
+template <typename IO, typename SC, int bits, int BM>
 inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
                            const device int32_t* perm, const device uint8_t* w,
                            const device typename SC::storage* scales,
@@ -37,17 +39,19 @@ inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
                            threadgroup float* smem, int n0, uint lid, uint simd_gid,
                            thread simdgroup_float8x8* c) {
   constexpr int S = MB_QMM_TILE_STRIDE;
-  threadgroup float* xt = smem;                  // [BM][S]
-  threadgroup float* wt = smem + MB_QMM_BM * S;  // [BN][S]
-  threadgroup float* pt = smem + MB_QMM_PERM_TILE;  // [BK] int bits
+  constexpr int BN = mb_qmm_bn(BM);
+  constexpr int WR = BN / 32;  // W rows per loader thread
+  threadgroup float* xt = smem;                // [BM][S]
+  threadgroup float* wt = smem + BM * S;       // [BN][S]
+  threadgroup float* pt = smem + (BM + BN) * S;  // [BK] int bits
   const int lrow = int(lid) / 4;
   const int lcol = (int(lid) % 4) * 8;
-  const size_t wn = size_t(min(n0 + lrow, p.N - 1));
   const size_t row_bytes = size_t(sg.kseg) * bits / 8;
   const size_t groups = size_t(sg.kseg) >> sg.group_shift;
-  const device uint8_t* wrow = w + wn * row_bytes;
-  const int sm = 16 * int(simd_gid / 2);
-  const int sn = 16 * int(simd_gid % 2);
+  size_t wn[WR];
+  MB_UNROLL for (int t = 0; t < WR; ++t) wn[t] = size_t(min(n0 + lrow + 32 * t, p.N - 1));
+  const int sm = 16 * (int(simd_gid) / (BN / 16));
+  const int sn = 16 * (int(simd_gid) % (BN / 16));
   // Word loads: this thread is loader j of its row (lanes lane0 .. + 3);
   // its codes start in word q of the step, at bit `shift`. A row's step is
   // 4 bits bytes from a 4-byte aligned row start (kseg is a multiple of 32,
@@ -59,37 +63,43 @@ inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
 
   for (int kt = 0; kt < sg.kseg; kt += MB_QMM_BK) {
     const int c0 = sg.k0 + kt + lcol;
-    MB_UNROLL for (int i = 0; i < 8; ++i) {
-      float v = 0.0f;
-      if (x_in) {
-        if (p.has_perm) {
-          const uint32_t pc = as_type<uint32_t>(pt[lcol + i]);
-          v = pc < uint32_t(p.K) ? IO::load(xrow[pc]) : NAN;
-        } else {
-          v = IO::load(xrow[c0 + i]);
+    if (lrow < BM) {  // x loader rows (all 32 when BM = 32)
+      MB_UNROLL for (int i = 0; i < 8; ++i) {
+        float v = 0.0f;
+        if (x_in) {
+          if (p.has_perm) {
+            const uint32_t pc = as_type<uint32_t>(pt[lcol + i]);
+            v = pc < uint32_t(p.K) ? IO::load(xrow[pc]) : NAN;
+          } else {
+            v = IO::load(xrow[c0 + i]);
+          }
         }
+        xt[lrow * S + lcol + i] = v;
       }
-      xt[lrow * S + lcol + i] = v;
     }
-    // The step's `bits` words of this W row: loader thread j (of the row's
-    // 4, consecutive lanes) loads words j and j + 4, each word once, and
-    // gets the two words its 8 codes lie in from their owners by shuffles
-    // (4-byte loads only, every weight byte requested once per tile).
-    const device uint32_t* ws = (const device uint32_t*)(wrow + size_t(kt) * bits / 8);
-    MB_CHECK_ALIGNED(ws);
-    const uint32_t wa = j < bits ? ws[j] : 0u;
-    const uint32_t wb = j + 4 < bits ? ws[j + 4] : 0u;
-    const uint32_t sa = simd_shuffle(wa, ushort(lane0 + q % 4));
-    const uint32_t sb = simd_shuffle(wb, ushort(lane0 + q % 4));
-    const uint32_t ta = simd_shuffle(wa, ushort(lane0 + (q + 1) % 4));
-    const uint32_t tb = simd_shuffle(wb, ushort(lane0 + (q + 1) % 4));
-    uint32_t codes[8];
-    mb_unpack8_words<bits>(q < 4 ? sa : sb, q + 1 < 4 ? ta : tb, shift, codes);
-    const size_t gi = wn * groups + (size_t(kt + lcol) >> sg.group_shift);
-    const float s = SC::load(scales[gi]);
-    const float b = SC::load(biases[gi]);
-    MB_UNROLL for (int i = 0; i < 8; ++i) {
-      wt[lrow * S + lcol + i] = s * float(codes[i]) + b;
+    // The step's `bits` words of each of this thread's W rows: loader j (of
+    // the row's 4, consecutive lanes) loads words j and j + 4, each word
+    // once, and gets the two words its 8 codes lie in from their owners by
+    // shuffles (4-byte loads only, every weight byte requested once per
+    // tile).
+    MB_UNROLL for (int t = 0; t < WR; ++t) {
+      const device uint32_t* ws =
+          (const device uint32_t*)(w + wn[t] * row_bytes + size_t(kt) * bits / 8);
+      MB_CHECK_ALIGNED(ws);
+      const uint32_t wa = j < bits ? ws[j] : 0u;
+      const uint32_t wb = j + 4 < bits ? ws[j + 4] : 0u;
+      const uint32_t sa = simd_shuffle(wa, ushort(lane0 + q % 4));
+      const uint32_t sb = simd_shuffle(wb, ushort(lane0 + q % 4));
+      const uint32_t ta = simd_shuffle(wa, ushort(lane0 + (q + 1) % 4));
+      const uint32_t tb = simd_shuffle(wb, ushort(lane0 + (q + 1) % 4));
+      uint32_t codes[8];
+      mb_unpack8_words<bits>(q < 4 ? sa : sb, q + 1 < 4 ? ta : tb, shift, codes);
+      const size_t gi = wn[t] * groups + (size_t(kt + lcol) >> sg.group_shift);
+      const float s = SC::load(scales[gi]);
+      const float b = SC::load(biases[gi]);
+      MB_UNROLL for (int i = 0; i < 8; ++i) {
+        wt[(lrow + 32 * t) * S + lcol + i] = s * float(codes[i]) + b;
+      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -127,7 +137,7 @@ inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
 // stores 8 outputs with bounds checks. Buffers: qmatmul_params.h
 // (MbQmmBuffer); slots of segments past p.nseg are bound to a stand-in and
 // never read.
-template <typename IO, typename SC>
+template <typename IO, typename SC, int BM>
 [[kernel]] void mb_qmm(
     const device typename IO::storage* x [[buffer(0)]],
     const device int32_t* perm [[buffer(1)]],
@@ -169,19 +179,20 @@ template <typename IO, typename SC>
   const device typename SC::storage* bis[MB_QMM_MAX_SEGS] = {
       biases0, biases1, biases2, biases3, biases4, biases5, biases6, biases7};
   constexpr int S = MB_QMM_TILE_STRIDE;
-  const int n0 = int(tid.x) * MB_QMM_BN;
-  const int m0 = int(tid.y) * MB_QMM_BM;
+  constexpr int BN = mb_qmm_bn(BM);
+  static_assert(BM * BN == 32 * 32 && (BM == 16 || BM == 32), "4 simdgroups of 16 x 16");
+  const int n0 = int(tid.x) * BN;
+  const int m0 = int(tid.y) * BM;
   const int lrow = int(lid) / 4;
-  const int lcol = (int(lid) % 4) * 8;
   const int xm = m0 + lrow;
-  const bool x_in = xm < p.M;
+  const bool x_in = lrow < BM && xm < p.M;
   const device typename IO::storage* xrow = x + size_t(x_in ? xm : 0) * size_t(p.K);
 
   simdgroup_float8x8 c[4];
   MB_UNROLL for (int i = 0; i < 4; ++i) c[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
   // The first step's perm entries (later ones are staged a step ahead).
-  threadgroup float* pt = smem + MB_QMM_PERM_TILE;
+  threadgroup float* pt = smem + (BM + BN) * S;
   if (p.has_perm && lid < uint(MB_QMM_BK)) {
     pt[lid] = as_type<float>(mb_perm_col(perm, 1, p.K, p.seg[0].k0 + int(lid)));
   }
@@ -189,31 +200,39 @@ template <typename IO, typename SC>
 
   for (int s = 0; s < p.nseg; ++s) {
 #define MB_QMM_SEG(B)                                                                          \
-  mb_qmm_segment<IO, SC, B>(xrow, x_in, perm, (const device uint8_t*)wqs[s], scs[s], bis[s], p, \
+  mb_qmm_segment<IO, SC, B, BM>(xrow, x_in, perm, (const device uint8_t*)wqs[s], scs[s], bis[s], p, \
                             p.seg[s], smem, n0, lid, simd_gid, c)
     MB_QMM_SWITCH_BITS(p.seg[s].bits, MB_QMM_SEG)
 #undef MB_QMM_SEG
   }
 
-  // Stage the outputs in the x tile's space (free after the last barrier).
-  threadgroup float* ct = smem;  // [BM][S]
-  const int sm = 16 * int(simd_gid / 2);
-  const int sn = 16 * int(simd_gid % 2);
+  // Stage the outputs in the tiles' space (free after the last barrier),
+  // [BM][BN + 4]; each thread then stores 8 consecutive outputs of one row.
+  constexpr int CS = BN + 4;
+  static_assert(BM * CS <= (BM + BN) * S, "the output tile fits the tiles' space");
+  threadgroup float* ct = smem;
+  const int sm = 16 * (int(simd_gid) / (BN / 16));
+  const int sn = 16 * (int(simd_gid) % (BN / 16));
   MB_UNROLL for (int i = 0; i < 2; ++i) {
     MB_UNROLL for (int j = 0; j < 2; ++j) {
-      simdgroup_store(c[2 * i + j], ct, S, ulong2(ulong(sn + 8 * j), ulong(sm + 8 * i)));
+      simdgroup_store(c[2 * i + j], ct, CS, ulong2(ulong(sn + 8 * j), ulong(sm + 8 * i)));
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
+  const int orow = int(lid) / (BN / 8);
+  const int ocol = (int(lid) % (BN / 8)) * 8;
+  const int om = m0 + orow;
   MB_UNROLL for (int i = 0; i < 8; ++i) {
-    const int n = n0 + lcol + i;
-    if (x_in && n < p.N) {
-      mb_qmm_store<IO>(acc_buf, out, p, size_t(xm) * size_t(p.N) + size_t(n),
-                       ct[lrow * S + lcol + i]);
+    const int n = n0 + ocol + i;
+    if (om < p.M && n < p.N) {
+      mb_qmm_store<IO>(acc_buf, out, p, size_t(om) * size_t(p.N) + size_t(n),
+                       ct[orow * CS + ocol + i]);
     }
   }
 }
 
-#define MB_QMM_INST(name, io, sc) MB_INSTANTIATE_KERNEL(name, mb_qmm, io, sc)
+#define MB_QMM_INST(name, io, sc) MB_INSTANTIATE_KERNEL(name, mb_qmm, io, sc, 32)
 MB_QMM_FUSED_LADDER(MB_QMM_INST, "qmm")
+#define MB_QMM16_INST(name, io, sc) MB_INSTANTIATE_KERNEL(name, mb_qmm, io, sc, 16)
+MB_QMM_FUSED_LADDER(MB_QMM16_INST, "qmm16")

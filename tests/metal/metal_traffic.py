@@ -42,8 +42,9 @@ BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # every 8x8x8 MMA lane by lane), so the tiled rows run smaller matrices; the
 # counts per call scale with N K at fixed M and layout (see the notes).
 SIZES = {
-    False: {1: (1024, 1024), 8: (1024, 1024), 17: (512, 512), 512: (128, 256)},
-    True: {1: (4096, 4096), 8: (4096, 4096), 17: (2048, 2048), 512: (512, 512)},
+    False: {1: (1024, 1024), 8: (1024, 1024), 9: (512, 512), 17: (512, 512), 512: (128, 256)},
+    True: {1: (4096, 4096), 8: (4096, 4096), 9: (1024, 1024), 17: (2048, 2048),
+           512: (512, 512)},
 }
 
 

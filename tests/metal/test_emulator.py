@@ -111,14 +111,14 @@ def test_unknown_kernel_name_fails():
 
 
 def test_every_instantiation_registered():
-    # qmatmul: the dense kernels (qmv, qmm) per 3 activation types x 3 scale
+    # qmatmul: the dense kernels (qmv, qmm, qmm16) per 3 activation types x 3 scale
     # types (widths and group sizes come from the segment table); the
     # per-segment ones (gather_qmv, gather_qmm, qmv_t, gather_qmv_t) per
     # 3 x 3 types x 6 widths x 3 group sizes; the transposed products' perm check (1), unpermute (3
     # dtypes) and the gathered one's grouping (1); kl: 3 x 3 (reference,
     # logits) types; selftest: 19 kernels. Duplicate host names would
     # collapse into one entry.
-    assert E.kernel_count() == 3 * 3 * 2 + 3 * 3 * 6 * 3 * 4 + 1 + 3 + 1 + 3 * 3 + 19
+    assert E.kernel_count() == 3 * 3 * 3 + 3 * 3 * 6 * 3 * 4 + 1 + 3 + 1 + 3 * 3 + 19
 
 
 METAL_SOURCES = sorted(E.METAL_DIR.glob("*.metal")) + sorted(E.EMU_DIR.glob("*.metal"))

@@ -81,7 +81,8 @@ def test_plan_binds_what_the_kernel_declares(dump, case):
     want_elem = {"IO": xt, "SC": st, "uint32_t": "uint32", "int32_t": "int32",
                  "float": "float32"}
     for l in launches:
-        assert l["kernel"] == f"mixbits_{'qmm' if tiled else 'qmv'}_{xt}_{st}"
+        kind = "qmv" if not tiled else "qmm16" if M <= 16 else "qmm"
+        assert l["kernel"] == f"mixbits_{kind}_{xt}_{st}"
         by_index = {b["index"]: b for b in l["buffers"]}
         assert sorted(by_index) == list(range(len(l["buffers"])))
         assert len(params) == len(l["buffers"]) + 1  # + the parameter block

@@ -184,6 +184,14 @@ def test_qmatmul_more_segments_than_one_dispatch_takes(M):
     run_case(rng, M, 10, specs, "float16")
 
 
+@pytest.mark.parametrize("M", [16, 17, 31])
+def test_qmatmul_tiled_block_rows_boundary(M):
+    # Up to 16 rows the tiled kernel takes 16 x 64 blocks, from 17 32 x 32
+    # ones; N = 70 leaves a partial block of either width.
+    rng = np.random.default_rng(40 + M)
+    run_case(rng, M, 70, [(3, 32, 96), (6, 64, 64)], "float16", paths=("tiled",))
+
+
 def test_qmatmul_long_k_many_gemv_blocks():
     rng = np.random.default_rng(3)
     run_case(rng, 1, 9, [(4, 64, 2048 + 64), (2, 32, 544)], "float32")

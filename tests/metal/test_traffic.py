@@ -160,3 +160,13 @@ def test_perm_entries_read_once_per_threadgroup_and_step(M):
     groups = r["grid"][0] * r["grid"][1]
     perm_bytes = r["device_read_by_width"]["4"] - base["device_read_by_width"]["4"]
     assert perm_bytes == groups * K * 4
+
+
+@pytest.mark.parametrize("M", [9, 12, 16, 17, 24, 31])
+def test_tiled_mma_utilisation_at_least_half_from_nine_rows(M):
+    # 9 .. 16 rows run 16-row blocks, 17 .. 31 32-row ones: at least half of
+    # the MMA rows are rows of x (32-row blocks alone gave 9 / 32 at M = 9).
+    c = qmm_case(M, [(4, 64, 128)], False, N=128)
+    s = T.summarize(c, T.run_case(c, np.random.default_rng(4)))
+    assert s["mma_utilisation"] >= 0.5
+    assert s["unique_ratio"] == 1.0
