@@ -93,9 +93,9 @@ inline std::vector<GatherLaunch> plan_gather(int pairs, int M, int N, int x_batc
       l.threadgroup_bytes = size_t(MB_QMM_TG_FLOATS) * sizeof(float);
     } else {
       l.grid[0] = uint32_t(M);
-      l.grid[1] = uint32_t((N + MB_QMV_ROWS_PER_GROUP - 1) / MB_QMV_ROWS_PER_GROUP);
+      l.grid[1] = uint32_t((N + MB_GATHER_QMV_ROWS_PER_GROUP - 1) / MB_GATHER_QMV_ROWS_PER_GROUP);
       l.grid[2] = uint32_t(pairs);
-      l.group[0] = MB_QMV_THREADS;
+      l.group[0] = MB_GATHER_QMV_THREADS;
       l.threadgroup_bytes = 0;
     }
     l.group[1] = l.group[2] = 1;

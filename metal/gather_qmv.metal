@@ -34,9 +34,9 @@ template <typename IO, typename SC, int bits, int group_size>
   constant MbQmmParams& p = gp.q;
   const int m = int(tid.x);
   const size_t pair = size_t(tid.z);
-  const int row0 = int(tid.y) * MB_QMV_ROWS_PER_GROUP +
+  const int row0 = int(tid.y) * MB_GATHER_QMV_ROWS_PER_GROUP +
                    int(simd_gid) * MB_QMV_ROWS_PER_SIMDGROUP;
-  if (row0 >= p.N) return;  // the whole simdgroup: see mb_qmv
+  if (row0 >= p.N) return;  // the whole simdgroup (no barrier in this kernel)
   const int last = min(int(MB_QMV_ROWS_PER_SIMDGROUP) - 1, p.N - 1 - row0);
   const size_t out0 = (pair * size_t(p.M) + size_t(m)) * size_t(p.N) + size_t(row0);
 

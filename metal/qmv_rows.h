@@ -1,10 +1,9 @@
-// The GEMV's work for one simdgroup, shared by the dense GEMV
-// (qmatmul_gemv.metal) and the gathered one (gather_qmv.metal): the dot
+// The gathered GEMV's (gather_qmv.metal) work for one simdgroup: the dot
 // products of one activation row with MB_QMV_ROWS_PER_SIMDGROUP rows of one
-// K-segment of one quantized matrix. The kernels differ only in where the
-// row and the matrix start and where the results go, so the decode and the
-// dot live here once. Included by .metal sources only (after
-// mixbits_metal.h).
+// K-segment of one quantized matrix (one dispatch per segment). The dense
+// GEMV (qmatmul_gemv.metal) does the same decode and dot over a segment
+// table with x staged in threadgroup memory. Included by .metal sources
+// only (after mixbits_metal.h).
 #pragma once
 #include "qmatmul_common.h"
 

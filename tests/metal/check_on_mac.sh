@@ -141,6 +141,12 @@ assert np.isnan(z).all()
 print('gathered dx on the GPU: MixedGatherQMMT in the graph, matches the CPU gradient, bad index -> NaN')"
 # From the checkout: its python/ tree is not on sys.path, so the tests
 # import the installed wheel (checked by import-on-gpu above).
+# The dense qmatmul's one-dispatch kernels (29 buffer slots, a segment table
+# of up to 8 segments, qmv / qmm / qmm16) compiled by Apple's compiler and
+# run on the GPU against the CPU: 4 and 8 segments in one dispatch, 11 in
+# two, with a permutation, GEMV and both tiled block shapes (M = 2, 12, 17).
+step fused-qmatmul-gpu "$PY" -m pytest tests/metal/test_gpu_device.py -q -p no:cacheprovider \
+  -k "many_segments or mixed_segments"
 step gpu-tests "$PY" -m pytest tests/metal/test_gpu_device.py -q -rs -p no:cacheprovider
 step no-gpu-test-skipped bash -c "! grep -q 'SKIPPED' '$LOG/gpu-tests.txt'"
 step full-suite "$PY" -m pytest tests -q -rs -p no:cacheprovider

@@ -81,7 +81,7 @@ def test_mixed_segments_with_perm_gpu_matches_cpu(M):
                                rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("M", [2, 17])
+@pytest.mark.parametrize("M", [2, 12, 17])  # GEMV, 16-row and 32-row tiled blocks
 @pytest.mark.parametrize("n_segs", [8, 11])
 def test_many_segments_gpu_matches_cpu(M, n_segs):
     # One dispatch takes 8 segments (one segment table, every width); 11
