@@ -7,10 +7,13 @@ namespace metal {
 // ---- simdgroup matrices (8x8) ------------------------------------------------
 //
 // simdgroup_matrix<T, 8, 8> is distributed over the 32 lanes of a
-// simdgroup: each lane's object holds two elements, lane l the elements
-// (row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1). Kernels cannot see this
-// layout: like Metal, the emulator offers no element access, only the
-// collective operations below (and the diagonal / filled constructors).
+// simdgroup: each lane's object holds two adjacent elements of one row, in
+// Apple's layout (the one MLX's steel BaseMMAFrag::get_coord relies on):
+// lane l holds row 4 (l / 16) + (l / 2) % 4, columns 4 ((l / 8) % 2) +
+// 2 (l % 2) and the next. thread_elements() exposes a lane's two elements
+// (as Metal does; MLX's steel MMA loads fragments through it, mixbits'
+// kernels do not use it); everything else goes through the collective
+// operations below (and the diagonal / filled constructors).
 // Every collective must be reached by all 32 lanes with the same arguments
 // (pointer, elements per row, origin, transpose), or the run fails.
 //
@@ -42,8 +45,18 @@ struct simdgroup_matrix {
     for (int i = 0; i < kPerLane; ++i) e[i] = row(lane) == col(lane, i) ? diag : T(0);
   }
 
-  static int row(uint32_t lane) { return int(lane / 4); }
-  static int col(uint32_t lane, int i) { return int(2 * (lane % 4)) + i; }
+  // Metal's thread_elements(): this lane's two elements, (row, col(lane, 0))
+  // and (row, col(lane, 1)).
+  metal_compat_detail::vec<T, 2>& thread_elements() {
+    static_assert(sizeof(metal_compat_detail::vec<T, 2>) == sizeof(e));
+    return *reinterpret_cast<metal_compat_detail::vec<T, 2>*>(e);
+  }
+  const metal_compat_detail::vec<T, 2>& thread_elements() const {
+    return *reinterpret_cast<const metal_compat_detail::vec<T, 2>*>(e);
+  }
+
+  static int row(uint32_t lane) { return int(4 * (lane / 16) + (lane / 2) % 4); }
+  static int col(uint32_t lane, int i) { return int(4 * ((lane / 8) % 2) + 2 * (lane % 2)) + i; }
 };
 
 typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;

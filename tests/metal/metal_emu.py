@@ -418,8 +418,8 @@ def kernel_count() -> int:
 WIDTHS = ("1", "2", "4", "8", "16", "other")
 
 
-def _traffic_records() -> list[dict]:
-    L = lib()
+def _traffic_records(L: ctypes.CDLL | None = None) -> list[dict]:
+    L = L or lib()
     out = []
     for i in range(L.mbemu_traffic_records()):
         v = np.zeros(26, np.uint64)
@@ -440,16 +440,16 @@ def _traffic_records() -> list[dict]:
 
 
 @contextlib.contextmanager
-def counting():
+def counting(L: ctypes.CDLL | None = None):
     """Records every dispatch run inside the block; yields a list that holds
     one dict per dispatch (kernel, threads, device bytes read and written by
     access width, distinct device bytes read and written, threadgroup
     bytes, barriers, simdgroup barriers, 8x8x8 MMAs) once the block ends."""
-    L = lib()
+    L = L or lib()  # another library built on simt.cpp + harness.cpp (mlx_emu)
     records: list[dict] = []
     L.mbemu_traffic_begin()
     try:
         yield records
     finally:
         L.mbemu_traffic_end()
-        records.extend(_traffic_records())
+        records.extend(_traffic_records(L))
