@@ -1,7 +1,8 @@
 """Device-memory traffic of the Metal kernels, counted in the SIMT emulator.
 
 Every public op call of the case list (qmatmul at 1, 2 and 3 K-segments and
-with a permutation, M = 1, 8, 17, 512; the gathered qmatmul at top-8 of 128
+with a permutation, M = 1, 8, 17, 512; MLX's own kernel for the one-segment
+case (op mlx_qmatmul, mlx_emu.py); the gathered qmatmul at top-8 of 128
 experts, decode and sorted prefill; KL) runs on the emulator with its
 counters on (metal_emu.counting: bytes read and written per access width,
 threadgroup bytes, barriers, MMAs, threads), one record per call with the
@@ -64,6 +65,29 @@ def qmatmul_cases(full: bool) -> list[dict]:
     return cases
 
 
+def mlx_cases(full: bool) -> list[dict]:
+    """MLX's own kernels (mlx_emu: compiled from the installed mlx package)
+    for the one-segment qmatmul cases: the kernel MLX's host code picks for
+    each M, per GPU family where the choice differs (M = 8: qmv_fast on
+    M1/M2, qmv_wide on M3/M4)."""
+    import mlx_emu as X
+
+    cases = []
+    for M, (N, K) in SIZES[full].items():
+        seen = {}
+        for gpu in X.GPUS:
+            p = X.plan(M, N, K, gpu)
+            if p["kernel"] in seen:
+                seen[p["kernel"]]["gpu"] += "," + gpu
+                continue
+            seen[p["kernel"]] = c = {
+                "op": "mlx_qmatmul", "M": M, "N": N, "K": K, "segments": [[4, 64, K]],
+                "perm": False, "x_dtype": "float16", "scale_dtype": "float16", "gpu": gpu,
+                "mlx_kernel": p["kernel"], "mlx_note": p["note"]}
+            cases.append(c)
+    return cases
+
+
 def gather_cases(full: bool) -> list[dict]:
     """Top-8 routing over 128 experts: a decode token (8 pairs of one row,
     unsorted: the GEMV) and a sorted prefill of 8 tokens (64 pairs, sorted
@@ -102,6 +126,13 @@ def _packed(rng, lead, N, bits, gs, k, sdt):
 def run_case(c: dict, rng) -> list[dict]:
     """Runs one op call with counting on; returns its per-dispatch records."""
     M, N, K = c["M"], c["N"], c["K"]
+    if c["op"] == "mlx_qmatmul":
+        import mlx_emu as X
+
+        with X.counting() as rec:
+            x = _storage(rng, (M, K), c["x_dtype"])
+            X.run(x, *_packed(rng, (), N, 4, 64, K, c["scale_dtype"]), gpu=c["gpu"].split(",")[0])
+        return rec
     with E.counting() as rec:
         if c["op"] == "qmatmul":
             x = _storage(rng, (M, K), c["x_dtype"])
@@ -148,7 +179,7 @@ def analytic_min(c: dict) -> int:
                             for b, g, k in c["segments"])
 
     perm = 4 * K if c["perm"] else 0
-    if c["op"] == "qmatmul":
+    if c["op"] in ("qmatmul", "mlx_qmatmul"):
         return weights(1) + M * K * xb + M * N * xb + perm
     T, top = c["tokens"], c["top_k"]
     pairs = T * top
@@ -181,7 +212,7 @@ def summarize(c: dict, rec: list[dict]) -> dict:
     # repeat within a dispatch (what stays is cross-dispatch round trips).
     out["unique_ratio"] = round((out["unique_read"] + out["unique_written"])
                                 / out["analytic_min"], 3)
-    if c["op"] in ("qmatmul", "gather") and out["mma"]:
+    if c["op"] in ("qmatmul", "mlx_qmatmul", "gather") and out["mma"]:
         # MMA work needed: every row of x times N columns, K deep, in 8x8x8.
         rows = c["M"] * (c["tokens"] * c["top_k"] if c["op"] == "gather" else 1)
         out["mma_utilisation"] = round(rows * c["N"] * c["K"] / 512 / out["mma"], 3)
@@ -196,16 +227,16 @@ def main(argv=None) -> int:
     size.add_argument("--quick", action="store_true", default=True,
                       help="small shapes (default; seconds to a minute or two)")
     size.add_argument("--full", action="store_true", help="4096 x 4096 and larger shapes")
-    ap.add_argument("--op", choices=("qmatmul", "gather", "kl"), action="append",
+    ap.add_argument("--op", choices=("qmatmul", "mlx_qmatmul", "gather", "kl"), action="append",
                     help="only these ops (repeatable)")
     ap.add_argument("--per-dispatch", action="store_true",
                     help="keep every dispatch's own record in the JSON")
     ap.add_argument("--out", type=Path, help="also write {host, records} JSON here")
     a = ap.parse_args(argv)
     full = bool(a.full)
-    cases = qmatmul_cases(full) + gather_cases(full) + kl_cases(full)
-    if a.op:
-        cases = [c for c in cases if c["op"] in a.op]
+    cases = [c for f, op in ((qmatmul_cases, "qmatmul"), (mlx_cases, "mlx_qmatmul"),
+                             (gather_cases, "gather"), (kl_cases, "kl"))
+             if not a.op or op in a.op for c in f(full)]
     rng = np.random.default_rng(0)
     records = []
     for c in cases:
@@ -222,7 +253,8 @@ def main(argv=None) -> int:
                   f"disp={r['dispatches']} read={r['bytes_read']:>11d} "
                   f"write={r['bytes_written']:>10d} min={r['analytic_min']:>11d} "
                   f"ratio={r['ratio']:<6} uniq={r['unique_ratio']:<6} bytes1={r['read_by_width']['1']:>10d} "
-                  f"mma={r['mma']} bar={r['barriers']} ({r['emulator_s']} s)", flush=True)
+                  f"mma={r['mma']} bar={r['barriers']} ({r['emulator_s']} s)"
+                  + (f" {r['mlx_kernel']} [{r['gpu']}]" if "mlx_kernel" in r else ""), flush=True)
     if a.json:
         print(json.dumps(records, indent=1))
     if a.out:
