@@ -33,3 +33,12 @@ MB_INSTANTIATE_KERNEL("affine_qmm_t_float16_t_gs_64_b_4_alN_true_batch_0", qmm_t
                       4, true, half, 32, 32, 32)
 MB_INSTANTIATE_KERNEL("affine_qmm_t_float16_t_gs_64_b_4_alN_false_batch_0", qmm_t_impl, half, 64,
                       4, false, half, 32, 32, 32)
+
+// Split-K (what MLX's host dispatches for most unbatched prefill shapes,
+// qmm_splitk): affine_qmm_t_splitk's body is qmm_t_impl with float
+// partials, K_eff = the partition, its pointers advanced by partition tid.z
+// (done by the harness, as that wrapper does, for the same reason as above).
+MB_INSTANTIATE_KERNEL("affine_qmm_t_splitk_float16_t_gs_64_b_4_alN_true", qmm_t_impl, half, 64,
+                      4, true, float, 32, 32, 32)
+MB_INSTANTIATE_KERNEL("affine_qmm_t_splitk_float16_t_gs_64_b_4_alN_false", qmm_t_impl, half, 64,
+                      4, false, float, 32, 32, 32)

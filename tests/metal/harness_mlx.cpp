@@ -20,6 +20,9 @@ using QmvWideFn = void(const uint32_t*, const half*, const half*, const half*, h
 using QmmTImplFn = void(const uint32_t*, const half*, const half*, const half*, half*, half*,
                         half*, const int&, const int&, const int&, const int&, uint3, uint,
                         uint, uint);
+using QmmTSplitFn = void(const uint32_t*, const half*, const half*, const half*, float*, half*,
+                         half*, const int&, const int&, const int&, const int&, uint3, uint,
+                         uint, uint);
 
 // The five buffers of one product, guarded; y poisoned.
 struct Product {
@@ -103,6 +106,48 @@ int mbmlx_qmm_t(const char* name, int M, int N, int K, const uint32_t grid[3],
          t.thread_index_in_simdgroup);
     }, o);
     p.finish(out);
+  }, err, errlen);
+}
+
+// MLX's split-K qmm_t (affine_qmm_t_splitk): grid.z = split_k partitions of
+// K, each writing float partials [M, N] at partition * M * N of `partial`
+// ([split_k, M, N], returned; MLX then sums them with its strided-reduce
+// kernel, which is not emulated). The wrapper's pointer offsets per tid.z
+// are applied here: x += k0, w += k0 / 2 bytes, scales/biases += k0 / 64,
+// y += tid.z * M * N, with k0 = tid.z * (K / split_k).
+int mbmlx_qmm_t_splitk(const char* name, int M, int N, int K, int split_k,
+                       const uint32_t grid[3], const uint32_t group[3], const void* wq,
+                       const void* scales, const void* biases, const void* x, void* partial,
+                       int order, uint64_t seed, char* err, int errlen) {
+  return guarded_call([&] {
+    if (split_k < 1 || K % (split_k * 64) != 0 || grid[2] != uint32_t(split_k))
+      throw std::runtime_error("harness: split_k must divide K in whole groups, = grid.z");
+    Product p(M, N, K, wq, scales, biases, x);
+    Guarded part(size_t(split_k) * M * N * 4, 16);
+    part.fill_poison(Elem::F32);
+    constexpr size_t kTile = 32 * (32 + 8);
+    Guarded xs(kTile * 2), ws(kTile * 2);
+    xs.threadgroup_space();
+    ws.threadgroup_space();
+    simt::Options o = named(options(order, seed), name);
+    o.group_start = [&](const simt::Dim3&) {
+      xs.fill_bytes(0xff);
+      ws.fill_bytes(0xff);
+    };
+    const int kpart = K / split_k;
+    auto* fn = simt::find_kernel<QmmTSplitFn>(name);
+    simt::dispatch_threadgroups(dim(grid), dim(group), [&](const simt::ThreadIds& t) {
+      const int z = int(t.threadgroup_position_in_grid.z), k0 = z * kpart;
+      fn(reinterpret_cast<const uint32_t*>(p.w.as<uint8_t>() + k0 / 2), p.s.as<half>() + k0 / 64,
+         p.b.as<half>() + k0 / 64, p.x.as<half>() + k0, part.as<float>() + size_t(z) * M * N,
+         xs.as<half>(), ws.as<half>(), K, N, M, kpart, u3(t.threadgroup_position_in_grid),
+         t.thread_index_in_threadgroup, t.simdgroup_index_in_threadgroup,
+         t.thread_index_in_simdgroup);
+    }, o);
+    if (!part.canary_intact()) throw std::runtime_error("harness: MLX kernel wrote past y");
+    if (const size_t n = part.count_poison(Elem::F32))
+      throw std::runtime_error("harness: " + std::to_string(n) + " partials never written");
+    std::memcpy(partial, part.data(), part.bytes());
   }, err, errlen);
 }
 

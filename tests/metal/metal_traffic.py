@@ -129,9 +129,13 @@ def run_case(c: dict, rng) -> list[dict]:
     if c["op"] == "mlx_qmatmul":
         import mlx_emu as X
 
+        gpu = c["gpu"].split(",")[0]
         with X.counting() as rec:
             x = _storage(rng, (M, K), c["x_dtype"])
-            X.run(x, *_packed(rng, (), N, 4, 64, K, c["scale_dtype"]), gpu=c["gpu"].split(",")[0])
+            X.run(x, *_packed(rng, (), N, 4, 64, K, c["scale_dtype"]), gpu=gpu)
+        p = X.plan(M, N, K, gpu)
+        if p["kind"] == "qmm_t_splitk":  # + MLX's reduce of the partials (not emulated)
+            rec.append(X.reduce_record(M, N, p["split_k"]))
         return rec
     with E.counting() as rec:
         if c["op"] == "qmatmul":
@@ -229,6 +233,8 @@ def main(argv=None) -> int:
     size.add_argument("--full", action="store_true", help="4096 x 4096 and larger shapes")
     ap.add_argument("--op", choices=("qmatmul", "mlx_qmatmul", "gather", "kl"), action="append",
                     help="only these ops (repeatable)")
+    ap.add_argument("--one-segment", action="store_true",
+                    help="qmatmul: only the one-segment layout (the product MLX's kernels compute)")
     ap.add_argument("--per-dispatch", action="store_true",
                     help="keep every dispatch's own record in the JSON")
     ap.add_argument("--out", type=Path, help="also write {host, records} JSON here")
@@ -236,7 +242,8 @@ def main(argv=None) -> int:
     full = bool(a.full)
     cases = [c for f, op in ((qmatmul_cases, "qmatmul"), (mlx_cases, "mlx_qmatmul"),
                              (gather_cases, "gather"), (kl_cases, "kl"))
-             if not a.op or op in a.op for c in f(full)]
+             if not a.op or op in a.op for c in f(full)
+             if not (a.one_segment and op == "qmatmul" and (len(c["segments"]) > 1 or c["perm"]))]
     rng = np.random.default_rng(0)
     records = []
     for c in cases:

@@ -116,11 +116,13 @@ def lib() -> ctypes.CDLL:
         U3 = ctypes.POINTER(ctypes.c_uint32)
         L.mbmlx_qmv.argtypes = [S, I, I, I, I, U3, U3, P, P, P, P, P, I, U64, S, I]
         L.mbmlx_qmm_t.argtypes = [S, I, I, I, U3, U3, P, P, P, P, P, I, U64, S, I]
+        L.mbmlx_qmm_t_splitk.argtypes = [S, I, I, I, I, U3, U3, P, P, P, P, P, I, U64, S, I]
         L.mbemu_traffic_begin.argtypes = L.mbemu_traffic_end.argtypes = []
         L.mbemu_traffic_records.argtypes = []
         L.mbemu_traffic_record.argtypes = [I, P, I, S, I]
         L.mbemu_traffic_begin.restype = L.mbemu_traffic_end.restype = None
-        for f in (L.mbmlx_qmv, L.mbmlx_qmm_t, L.mbemu_traffic_records, L.mbemu_traffic_record):
+        for f in (L.mbmlx_qmv, L.mbmlx_qmm_t, L.mbmlx_qmm_t_splitk, L.mbemu_traffic_records,
+                  L.mbemu_traffic_record):
             f.restype = I
         _LIB = L
     return _LIB
@@ -145,8 +147,7 @@ def _vector_limit(K: int, N: int, gpu: str) -> int:
 def plan(M: int, N: int, K: int, gpu: str = "m1m2") -> dict:
     """MLX's kernel, grid and threadgroup for y = x W^T, x [M, K] float16, W
     4-bit group 64 [N, K] (2-D, so unbatched). Keys: kernel, kind (qmv,
-    qmv_wide, qmm_t), grid, group, and note (what MLX would do differently,
-    where it does)."""
+    qmv_wide, qmm_t, qmm_t_splitk), grid, group, split_k (tiled only), note."""
     if gpu not in GPUS:
         raise ValueError(f"gpu must be one of {GPUS}, got {gpu!r}")
     if K % 64 or N % 8:
@@ -159,12 +160,15 @@ def plan(M: int, N: int, K: int, gpu: str = "m1m2") -> dict:
         while split_k > 1 and K % (split_k * 64):
             split_k -= 1
         aligned = "true" if N % 32 == 0 else "false"
-        note = "" if split_k <= 1 else (
-            f"MLX dispatches affine_qmm_t_splitk here (split_k={split_k}, float partials "
-            f"[{split_k}, M, N] + a strided sum); counted: its qmm_t body unsplit")
-        return {"kernel": f"affine_qmm_t_float16_t_gs_64_b_4_alN_{aligned}_batch_0",
-                "kind": "qmm_t", "grid": (n_tiles, m_tiles, 1), "group": (32, 2, 2),
-                "note": note, "split_k": split_k}
+        if split_k <= 1:
+            return {"kernel": f"affine_qmm_t_float16_t_gs_64_b_4_alN_{aligned}_batch_0",
+                    "kind": "qmm_t", "grid": (n_tiles, m_tiles, 1), "group": (32, 2, 2),
+                    "note": "", "split_k": 1}
+        return {"kernel": f"affine_qmm_t_splitk_float16_t_gs_64_b_4_alN_{aligned}",
+                "kind": "qmm_t_splitk", "grid": (n_tiles, m_tiles, split_k),
+                "group": (32, 2, 2), "split_k": split_k,
+                "note": f"then MLX's strided sum of the float32 [{split_k}, M, N] partials "
+                        "(not emulated; its bytes counted analytically, reduce_record)"}
     if M >= 2 and gpu == "m3m4":
         n_tiles = (M + 4) // 5
         vecs = -(-M // n_tiles)
@@ -196,6 +200,16 @@ def run(x: np.ndarray, wq: np.ndarray, scales: np.ndarray, biases: np.ndarray,
     y = np.zeros((M, N), np.float16)
     err = ctypes.create_string_buffer(2048)
     ptr = E._ptr
+    if p["kind"] == "qmm_t_splitk":
+        part = np.zeros((p["split_k"], M, N), np.float32)
+        rc = lib().mbmlx_qmm_t_splitk(p["kernel"].encode(), M, N, K, p["split_k"], grid, group,
+                                      ptr(wq), ptr(scales), ptr(biases), ptr(x), ptr(part),
+                                      E.ORDERS[order], seed, err, len(err))
+        E._check(rc, err)
+        acc = part[0].copy()  # the strided sum over partitions, in float32
+        for i in range(1, p["split_k"]):
+            acc += part[i]
+        return acc.astype(np.float16)
     if p["kind"] == "qmm_t":
         rc = lib().mbmlx_qmm_t(p["kernel"].encode(), M, N, K, grid, group, ptr(wq),
                                ptr(scales), ptr(biases), ptr(x), ptr(y), E.ORDERS[order], seed,
@@ -206,6 +220,20 @@ def run(x: np.ndarray, wq: np.ndarray, scales: np.ndarray, biases: np.ndarray,
                              E.ORDERS[order], seed, err, len(err))
     E._check(rc, err)
     return y
+
+
+def reduce_record(M: int, N: int, split_k: int) -> dict:
+    """The traffic of MLX's strided sum after split-K, which is not emulated:
+    its analytic minimum (every float32 partial read once, y written once),
+    as a record shaped like metal_emu.counting's."""
+    w = dict.fromkeys(E.WIDTHS, 0)
+    rd, wr = 4 * split_k * M * N, 2 * M * N
+    return {"kernel": "mlx strided_reduce sum (analytic, not emulated)", "threads": 0,
+            "grid": [0, 0, 0], "group": [0, 0, 0], "device_read_bytes": rd,
+            "device_write_bytes": wr, "device_read_by_width": {**w, "4": rd},
+            "device_write_by_width": {**w, "2": wr}, "threadgroup_read_bytes": 0,
+            "threadgroup_write_bytes": 0, "barriers": 0, "simdgroup_barriers": 0, "mma": 0,
+            "device_unique_read_bytes": rd, "device_unique_write_bytes": wr}
 
 
 def counting():

@@ -60,8 +60,10 @@ CASES = [
     (1, 64, 576, "m1m2", "affine_qmv_float16_t_gs_64_b_4_batch_0"),
     (8, 256, 512, "m3m4", "affine_qmv_wide_float16_t_gs_64_b_4_nv_4_kl_8_batch_0"),
     (3, 64, 512, "m3m4", "affine_qmv_wide_float16_t_gs_64_b_4_nv_3_kl_8_batch_0"),
-    (17, 64, 512, "m1m2", "affine_qmm_t_float16_t_gs_64_b_4_alN_true_batch_0"),
-    (32, 40, 256, "m3m4", "affine_qmm_t_float16_t_gs_64_b_4_alN_false_batch_0"),
+    (17, 64, 64, "m1m2", "affine_qmm_t_float16_t_gs_64_b_4_alN_true_batch_0"),
+    (40, 40, 64, "m3m4", "affine_qmm_t_float16_t_gs_64_b_4_alN_false_batch_0"),
+    (17, 64, 512, "m1m2", "affine_qmm_t_splitk_float16_t_gs_64_b_4_alN_true"),
+    (32, 40, 256, "m3m4", "affine_qmm_t_splitk_float16_t_gs_64_b_4_alN_false"),
 ]
 
 
@@ -81,11 +83,19 @@ def test_mlx_kernel_result_and_distinct_bytes(M, N, K, gpu, kernel):
     assert np.abs(y - cpu.astype(np.float64)).max() <= 2.0**-5 * np.abs(ref64).max()
 
     assert [r["kernel"] for r in rec] == [kernel]
+    p = X.plan(M, N, K, gpu)
+    if p["kind"] == "qmm_t_splitk":
+        # Float32 partials [split_k, M, N] written once each: counted, and
+        # added to the analytic minimum (read back by MLX's reduce, whose
+        # record is analytic).
+        assert rec[0]["device_unique_write_bytes"] == 4 * p["split_k"] * M * N
+        rec.append(X.reduce_record(M, N, p["split_k"]))
     case = {"op": "mlx_qmatmul", "M": M, "N": N, "K": K, "segments": [[4, 64, K]],
             "perm": False, "x_dtype": "float16", "scale_dtype": "float16"}
     r = T.summarize(case, rec)
     # Every weight, scale, bias and x byte read, every y byte written: no
     # more, no less (the analytic minimum), whatever the re-reads.
-    assert r["unique_read"] + r["unique_written"] == r["analytic_min"]
-    assert r["unique_written"] == 2 * M * N
+    extra = 8 * p["split_k"] * M * N if p["kind"] == "qmm_t_splitk" else 0
+    assert r["unique_read"] + r["unique_written"] == r["analytic_min"] + extra
+    assert r["unique_written"] == 2 * M * N + extra // 2
     assert r["bytes_read"] >= r["unique_read"]
