@@ -69,7 +69,9 @@ def mlx_cases(full: bool) -> list[dict]:
     """MLX's own kernels (mlx_emu: compiled from the installed mlx package)
     for the one-segment qmatmul cases: the kernel MLX's host code picks for
     each M, per GPU family where the choice differs (M = 8: qmv_fast on
-    M1/M2, qmv_wide on M3/M4)."""
+    M1/M2, qmv_wide on M3/M4). The tiled rows run smaller matrices than
+    4096 x 4096, where MLX may split K differently (it aims at ~512
+    threadgroups): then MLX's split at 4096 x 4096 is run too (mlx_split_k)."""
     import mlx_emu as X
 
     cases = []
@@ -77,14 +79,23 @@ def mlx_cases(full: bool) -> list[dict]:
         seen = {}
         for gpu in X.GPUS:
             p = X.plan(M, N, K, gpu)
-            if p["kernel"] in seen:
-                seen[p["kernel"]]["gpu"] += "," + gpu
+            if p["kernel"] in seen:  # the same kernel as the other family
+                for k in (p["kernel"], ("at4096", X.plan(M, 4096, 4096, gpu).get("split_k"))):
+                    if k in seen:
+                        seen[k]["gpu"] += "," + gpu
                 continue
             seen[p["kernel"]] = c = {
                 "op": "mlx_qmatmul", "M": M, "N": N, "K": K, "segments": [[4, 64, K]],
                 "perm": False, "x_dtype": "float16", "scale_dtype": "float16", "gpu": gpu,
                 "mlx_kernel": p["kernel"], "mlx_note": p["note"]}
             cases.append(c)
+            p4096 = X.plan(M, 4096, 4096, gpu)
+            sk = p4096.get("split_k")
+            if p["kind"].startswith("qmm") and sk and sk != p["split_k"]:
+                seen[("at4096", sk)] = c2 = dict(
+                    c, mlx_split_k=sk, mlx_kernel=X.plan(M, N, K, gpu, sk)["kernel"],
+                    mlx_note=f"split_k {sk}: MLX's choice at 4096 x 4096 (here {p['split_k']})")
+                cases.append(c2)
     return cases
 
 
@@ -132,8 +143,9 @@ def run_case(c: dict, rng) -> list[dict]:
         gpu = c["gpu"].split(",")[0]
         with X.counting() as rec:
             x = _storage(rng, (M, K), c["x_dtype"])
-            X.run(x, *_packed(rng, (), N, 4, 64, K, c["scale_dtype"]), gpu=gpu)
-        p = X.plan(M, N, K, gpu)
+            X.run(x, *_packed(rng, (), N, 4, 64, K, c["scale_dtype"]), gpu=gpu,
+                  split_k=c.get("mlx_split_k"))
+        p = X.plan(M, N, K, gpu, c.get("mlx_split_k"))
         if p["kind"] == "qmm_t_splitk":  # + MLX's reduce of the partials (not emulated)
             rec.append(X.reduce_record(M, N, p["split_k"]))
         return rec
@@ -261,7 +273,8 @@ def main(argv=None) -> int:
                   f"write={r['bytes_written']:>10d} min={r['analytic_min']:>11d} "
                   f"ratio={r['ratio']:<6} uniq={r['unique_ratio']:<6} bytes1={r['read_by_width']['1']:>10d} "
                   f"mma={r['mma']} bar={r['barriers']} ({r['emulator_s']} s)"
-                  + (f" {r['mlx_kernel']} [{r['gpu']}]" if "mlx_kernel" in r else ""), flush=True)
+                  + (f" {r['mlx_kernel']} [{r['gpu']}]" if "mlx_kernel" in r else "")
+                  + (f" split_k={r['mlx_split_k']}" if "mlx_split_k" in r else ""), flush=True)
     if a.json:
         print(json.dumps(records, indent=1))
     if a.out:

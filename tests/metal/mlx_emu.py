@@ -4,7 +4,7 @@ The kernels are compiled from the headers the installed mlx package ships
 (mlx/include/mlx/backend/metal/kernels/quantized.h and the steel loader /
 MMA headers), so the comparison always runs the pinned MLX version's source;
 nothing of MLX's is copied into this repository. What they need beyond
-metal_compat.h is in mlx_compat.h and mlx_stub/. A missing header is an
+metal_compat.h is in mlx/mlx_compat.h and mlx/stub/. A missing header is an
 error, never a skip.
 
 `plan` transcribes MLX's host choice (mlx/backend/metal/quantized.cpp,
@@ -30,8 +30,12 @@ import numpy as np
 import metal_emu as E
 
 BUILD_ROOT = E.ROOT / "build" / "mlx-emu"
-STUB_DIR = E.EMU_DIR / "mlx_stub"
-UNITS = ["simt.cpp", "harness.cpp", "harness_mlx.cpp", "emu_mlx.cpp"]
+# Its own folder, so that metal_emu's build (which hashes tests/metal/*) does
+# not depend on these files.
+MLX_DIR = E.EMU_DIR / "mlx"
+STUB_DIR = MLX_DIR / "stub"
+UNITS = [E.EMU_DIR / "simt.cpp", E.EMU_DIR / "harness.cpp", MLX_DIR / "harness_mlx.cpp",
+         MLX_DIR / "emu_mlx.cpp"]
 # MLX's steel MMA reads a simdgroup matrix's elements through a reference to
 # another type (thread_elements()); keep GCC from reordering around it.
 MLX_FLAGS = ["-fno-strict-aliasing"]
@@ -57,7 +61,7 @@ def mlx_include() -> Path:
 
 def _sources(inc: Path) -> list[Path]:
     mlx_hdrs = sorted((inc / "mlx" / "backend" / "metal" / "kernels").rglob("*.h"))
-    return E._sources() + sorted(p for p in STUB_DIR.rglob("*") if p.is_file()) + mlx_hdrs
+    return E._sources() + sorted(p for p in MLX_DIR.rglob("*") if p.is_file()) + mlx_hdrs
 
 
 def build() -> Path:
@@ -65,7 +69,7 @@ def build() -> Path:
     if cxx is None:
         raise FileNotFoundError("no C++ compiler (g++ or $CXX) on PATH")
     inc = mlx_include()
-    flags = E.FLAGS + [f"-I{STUB_DIR}", f"-I{inc}"] + MLX_FLAGS
+    flags = E.FLAGS + [f"-I{MLX_DIR}", f"-I{STUB_DIR}", f"-I{inc}"] + MLX_FLAGS
     h = hashlib.sha256()
     h.update(subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.encode())
     h.update(" ".join(flags + E.KERNEL_FLAGS).encode())
@@ -82,13 +86,13 @@ def build() -> Path:
             return lib
         tmp = Path(tempfile.mkdtemp(dir=BUILD_ROOT, prefix=".tmp-"))
         try:
-            def compile_unit(unit: str) -> Path:
-                obj = tmp / (Path(unit).stem + ".o")
-                extra = E.KERNEL_FLAGS if unit.startswith("emu_") else []
-                r = subprocess.run([cxx, *flags, *extra, "-c", str(E.EMU_DIR / unit), "-o",
-                                    str(obj)], capture_output=True, text=True)
+            def compile_unit(unit: Path) -> Path:
+                obj = tmp / (unit.stem + ".o")
+                extra = E.KERNEL_FLAGS if unit.name.startswith("emu_") else []
+                r = subprocess.run([cxx, *flags, *extra, "-c", str(unit), "-o", str(obj)],
+                                   capture_output=True, text=True)
                 if r.returncode != 0:
-                    raise RuntimeError(f"compiling {unit} failed:\n{r.stderr[-8000:]}")
+                    raise RuntimeError(f"compiling {unit.name} failed:\n{r.stderr[-8000:]}")
                 return obj
 
             with ThreadPoolExecutor(max(1, min(len(UNITS), os.cpu_count() or 1))) as pool:
@@ -144,10 +148,13 @@ def _vector_limit(K: int, N: int, gpu: str) -> int:
     return 14 if small else 10 if mid else 6
 
 
-def plan(M: int, N: int, K: int, gpu: str = "m1m2") -> dict:
+def plan(M: int, N: int, K: int, gpu: str = "m1m2", split_k: int | None = None) -> dict:
     """MLX's kernel, grid and threadgroup for y = x W^T, x [M, K] float16, W
     4-bit group 64 [N, K] (2-D, so unbatched). Keys: kernel, kind (qmv,
-    qmv_wide, qmm_t, qmm_t_splitk), grid, group, split_k (tiled only), note."""
+    qmv_wide, qmm_t, qmm_t_splitk), grid, group, split_k (tiled only), note.
+    split_k: use this split instead of MLX's choice for this shape (for a
+    scaled-down run of a shape where MLX would split differently)."""
+    split_k_arg = split_k
     if gpu not in GPUS:
         raise ValueError(f"gpu must be one of {GPUS}, got {gpu!r}")
     if K % 64 or N % 8:
@@ -159,6 +166,8 @@ def plan(M: int, N: int, K: int, gpu: str = "m1m2") -> dict:
         split_k = min(max(1, 512 // (n_tiles * m_tiles)), K // 64)
         while split_k > 1 and K % (split_k * 64):
             split_k -= 1
+        if split_k_override := split_k_arg:
+            split_k = split_k_override
         aligned = "true" if N % 32 == 0 else "false"
         if split_k <= 1:
             return {"kernel": f"affine_qmm_t_float16_t_gs_64_b_4_alN_{aligned}_batch_0",
@@ -181,7 +190,8 @@ def plan(M: int, N: int, K: int, gpu: str = "m1m2") -> dict:
 
 
 def run(x: np.ndarray, wq: np.ndarray, scales: np.ndarray, biases: np.ndarray,
-        gpu: str = "m1m2", order: str = "shuffle", seed: int = 1) -> np.ndarray:
+        gpu: str = "m1m2", order: str = "shuffle", seed: int = 1,
+        split_k: int | None = None) -> np.ndarray:
     """y = x W^T by the MLX kernel `plan` picks. x [M, K] float16, wq uint32
     [N, K / 8], scales and biases float16 [N, K / 64] (mx.quantize's
     layout). Returns y [M, N] float16."""
@@ -194,7 +204,7 @@ def run(x: np.ndarray, wq: np.ndarray, scales: np.ndarray, biases: np.ndarray,
     for name, a in (("scales", scales), ("biases", biases)):
         if a.dtype != np.float16 or a.shape != (N, K // 64):
             raise ValueError(f"{name} must be float16 [{N}, {K // 64}], got {a.dtype} {a.shape}")
-    p = plan(M, N, K, gpu)
+    p = plan(M, N, K, gpu, split_k)
     grid = (ctypes.c_uint32 * 3)(*p["grid"])
     group = (ctypes.c_uint32 * 3)(*p["group"])
     y = np.zeros((M, N), np.float16)

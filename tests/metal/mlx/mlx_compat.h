@@ -1,17 +1,18 @@
 // What MLX's own Metal kernel headers (quantized.h and the steel GEMM
 // headers it uses, from the installed mlx package) need beyond
 // metal_compat.h to compile as C++ for the SIMT emulator. Include this
-// first, then MLX's headers (mlx_emu.py puts tests/metal/mlx_stub ahead of
+// first, then MLX's headers (mlx_emu.py puts tests/metal/mlx/stub ahead of
 // the package's include directory: empty <metal_*> headers and a
 // type_traits.h, see there).
 //
 // Deliberately not included: MLX's kernels/utils.h (with bf16_math.h,
 // complex.h): it is written against Metal's builtins (__metal_fabs, ...)
-// and would need most of the Metal standard library. quantized.h uses
-// nothing from it but METAL_FUNC and the complex type named in steel's
-// mma.h, defined below; elem_to_loc (batched launches only) is declared
-// below with utils.h's meaning, and never runs here (the harness launches
-// unbatched, as MLX does for a 2-D weight).
+// and would need most of the Metal standard library. What quantized.h and
+// steel's headers take from it is restated below with utils.h's meaning:
+// METAL_FUNC, ConditionalType, Limits (affine_quantize only), the complex
+// type steel's mma.h names (never instantiated) and elem_to_loc (batched
+// launches only: never runs here, the harness launches unbatched, as MLX
+// does for a 2-D weight).
 #pragma once
 #include "metal_compat.h"
 
