@@ -23,13 +23,14 @@ inline const char* act_type_name(ActType t) {
   }
 }
 
-enum class Elem { F32, F16, BF16, I32, U32 };
+enum class Elem { F32, F16, BF16, I32, U32, U8 };  // U8: fp-mode scale bytes
 
 inline Elem elem_of(ActType t) {
   return t == ActType::F32 ? Elem::F32 : t == ActType::F16 ? Elem::F16 : Elem::BF16;
 }
 
 inline size_t elem_bytes(Elem e) {
+  if (e == Elem::U8) return 1;
   return (e == Elem::F16 || e == Elem::BF16) ? 2 : 4;
 }
 
@@ -39,6 +40,7 @@ inline const char* elem_name(Elem e) {
     case Elem::F16: return "float16";
     case Elem::BF16: return "bfloat16";
     case Elem::I32: return "int32";
+    case Elem::U8: return "uint8";
     default: return "uint32";
   }
 }

@@ -28,6 +28,7 @@ inline bool same_storage(mx::Dtype t, host::Elem e) {
     case host::Elem::F32: return t == mx::float32;
     case host::Elem::F16: return t == mx::float16;
     case host::Elem::BF16: return t == mx::bfloat16;
+    case host::Elem::U8: return t == mx::uint8;
     // The kernels read index buffers as int32 bits; a uint32 perm gives the
     // same bits (an entry >= 2^31 reads as out of range, as on the CPU).
     default: return t == mx::int32 || t == mx::uint32;

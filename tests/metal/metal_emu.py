@@ -30,7 +30,7 @@ BUILD_ROOT = ROOT / "build" / "metal-emu"
 UNITS = ["simt.cpp", "harness.cpp", "harness_gather.cpp", "harness_t.cpp",
          "harness_gather_t.cpp", "emu_qmv.cpp", "emu_qmv_t.cpp", "emu_qmm.cpp",
          "emu_gather.cpp", "emu_gather_qmm.cpp", "emu_gather_t.cpp", "emu_kl.cpp",
-         "emu_selftest.cpp"]
+         "emu_selftest.cpp", "harness_fp.cpp", "emu_fp.cpp"]
 FLAGS = [
     "-std=c++20", "-O2", "-fPIC", "-pthread", "-Wall", "-Wextra",
     "-Wno-unknown-pragmas", "-Wno-register", "-Wno-unused-parameter",
@@ -149,6 +149,10 @@ def lib() -> ctypes.CDLL:
         L.mbemu_kl.argtypes = [I, I, I, I, I, I, P, P, I, U64, ctypes.c_char_p, I]
         L.mbemu_selftest.argtypes = [ctypes.c_char_p, I, I, P, P, I, I, U64,
                                      ctypes.c_char_p, I]
+        L.mbemu_fp_qmv.argtypes = [I, I, I, I, I, P, Z, P, Z, P, Z, P, Z, I, U64,
+                                   ctypes.c_char_p, I]
+        L.mbemu_fp_qmv_kernel.argtypes = [I, I, I, I, I, ctypes.c_char_p, I, ctypes.c_char_p, I]
+        L.mbemu_fp_qmv.restype = L.mbemu_fp_qmv_kernel.restype = I
         L.mbemu_kernel_count.argtypes = []
         L.mbemu_traffic_begin.argtypes = []
         L.mbemu_traffic_end.argtypes = []
@@ -407,6 +411,40 @@ def selftest(name: str, inp: np.ndarray, groups: int, threads: int, out_len: int
                               ORDERS[order], seed, err, len(err))
     _check(rc, err)
     return out
+
+
+FP_MODES = {"mxfp4": 0, "nvfp4": 1, "mxfp8": 2}
+FP_MODE_BITS = {"mxfp4": 4, "nvfp4": 4, "mxfp8": 8}
+
+
+def fp_qmv(x: np.ndarray, act: str, wq: np.ndarray, scales: np.ndarray, mode: str,
+           order: str = "shuffle", seed: int = 1) -> np.ndarray:
+    """Run the fp-mode GEMV (metal/fp_qmv.metal) on the emulator with
+    FpQMatmul's inputs: x [M, K] storage of `act` (bfloat16 as uint16 bits),
+    wq uint32 [N, K*bits/32] and scales uint8 [N, K/group] as mx.quantize
+    stores them. Shapes are read off the arrays as eval_gpu reads them; the
+    harness refuses a buffer of another size than the launch binds.
+    Returns [M, N] storage."""
+    x, wq, scales = (np.ascontiguousarray(a) for a in (x, wq, scales))
+    M, K = x.shape
+    N = wq.shape[0]
+    out = np.zeros((M, N), dtype=storage_dtype(act))
+    err = ctypes.create_string_buffer(2048)
+    rc = lib().mbemu_fp_qmv(M, N, K, FP_MODES[mode], ACT_TYPES[act], _ptr(x), x.nbytes, _ptr(wq),
+                            wq.nbytes, _ptr(scales), scales.nbytes, _ptr(out), out.nbytes,
+                            ORDERS[order], seed, err, len(err))
+    _check(rc, err)
+    return out
+
+
+def fp_qmv_kernel(M: int, N: int, K: int, mode: str, act: str) -> str:
+    """The kernel FpQMatmul::eval_gpu launches (fp_qmv_host.h); EmulatorError
+    when the GEMV does not take the problem."""
+    name = ctypes.create_string_buffer(256)
+    err = ctypes.create_string_buffer(2048)
+    _check(lib().mbemu_fp_qmv_kernel(M, N, K, FP_MODES[mode], ACT_TYPES[act], name, len(name),
+                                     err, len(err)), err)
+    return name.value.decode()
 
 
 def kernel_count() -> int:
