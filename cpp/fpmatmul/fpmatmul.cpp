@@ -8,6 +8,7 @@
 #include "common/cpu_task.h"
 #include "common/inputs.h"
 #include "common/mlx_args.h"
+#include "fp_qmv_host.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "qmatmul/qmatmul.h"
 
@@ -45,15 +46,31 @@ mx::array fp_qmatmul(const mx::array& x, const mx::array& wq, const mx::array& s
          ") does not match the quantized matrix's " + std::to_string(in) +
          (transpose ? " columns" : " rows"));
   auto stream = mx::to_stream(s);
-  if (stream.device != mx::Device::cpu) fail("the fp-mode kernels are CPU kernels");
-  select_fpm(backend);  // throws now, not inside the graph, if unavailable
+  const bool gpu = stream.device == mx::Device::gpu;
   mx::Shape out_shape = x.shape();
   out_shape.back() = int(out_dim);
   // An empty sum (x has no columns): zeros. (MLX's own op dies of an
   // integer division by zero on it in 0.32.4.)
   if (in == 0) return mx::zeros(out_shape, x.dtype(), stream);
+  if (gpu) {
+    // One Metal GEMV (metal/fp_qmv.metal): x · Wᵀ for few rows of x. Python
+    // sends the rest to MLX's op (mixbits/ops.py), so this refusal is for
+    // direct callers. A CPU backend name would be ignored there: refused.
+    if (backend != Backend::Auto) fail("backend= chooses a CPU kernel; on the GPU leave it unset");
+    if (!transpose) fail("the GPU kernel computes x @ w.T only (mx.quantized_matmul runs the other)");
+    const int64_t M = int64_t(x.size()) / in;
+    if (!metal_host::fp_qmv_applies(M, rows, cols))
+      fail("the GPU kernel takes 1 to " + std::to_string(MB_FPQ_MAX_M) + " rows of x, got " +
+           std::to_string(M) + " (mx.quantized_matmul runs the others)");
+  } else {
+    select_fpm(backend);  // throws now, not inside the graph, if unavailable
+  }
+  // The Metal kernel indexes every input as a dense matrix (a copy node
+  // here for one that is not known to be dense); the CPU path reads
+  // strided inputs itself.
+  auto input = [&](const mx::array& a) { return gpu ? dense_input(a, stream) : a; };
   return mx::array(out_shape, x.dtype(), std::make_shared<FpQMatmul>(stream, mode, transpose, backend),
-                   {x, wq, scales});
+                   {input(x), input(wq), input(scales)});
 }
 
 std::vector<mx::Shape> FpQMatmul::output_shapes(const std::vector<mx::array>& inputs) {
@@ -87,9 +104,12 @@ void FpQMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   });
 }
 
+#ifndef _METAL_
+// (Metal builds: cpp/fpmatmul/metal.cpp.)
 void FpQMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("FpQMatmul: a CPU primitive (GPU calls run MLX's quantized_matmul)");
+  throw std::runtime_error("FpQMatmul: this build of mixbits has no GPU kernels");
 }
+#endif
 
 std::vector<mx::array> FpQMatmul::vjp(const std::vector<mx::array>& primals,
                                       const std::vector<mx::array>& cotangents,
@@ -101,8 +121,13 @@ std::vector<mx::array> FpQMatmul::vjp(const std::vector<mx::array>& primals,
     if (arg == 0) {
       // d(x·Wᵀ)/dx = dy·W and d(x·W)/dx = dy·Wᵀ: the other orientation's
       // kernel on the same stored W.
+      // On the GPU (transpose only, see fp_qmatmul) dy·W is MLX's own op.
       out.push_back(mx::astype(
-          fp_qmatmul(cotangents[0], primals[1], primals[2], mode_, !transpose_, backend_, s),
+          s.device == mx::Device::gpu
+              ? mx::quantized_matmul(cotangents[0], primals[1], primals[2], std::nullopt, false,
+                                     fp_mode_group(mode_), fp_mode_bits(mode_),
+                                     fp_mode_name(mode_), s)
+              : fp_qmatmul(cotangents[0], primals[1], primals[2], mode_, !transpose_, backend_, s),
           primals[0].dtype(), s));
     } else if (arg == 2) {
       throw std::invalid_argument(std::string("[QuantizedMatmul::vjp] no gradient wrt scales in ") +

@@ -2,7 +2,9 @@
 // quantization modes (mxfp4, nvfp4, mxfp8), as mx.quantize stores it: the
 // CPU evaluation runs fpmatmul/kernel.h's kernels: y = x · Wᵀ
 // (transpose=true, W [N, K]) or y = x · W (transpose=false, W [K, N]), as
-// mx.quantized_matmul. Python routes CPU calls with a 2-D W here
+// mx.quantized_matmul. The GPU evaluation is metal/fp_qmv.metal
+// (cpp/fpmatmul/metal.cpp: x · Wᵀ, 1..8 rows of x). Python routes CPU calls
+// with a 2-D W here, on the GPU only transpose=True with those few rows
 // (mixbits/ops.py); the rest runs MLX's own op.
 #pragma once
 #include "common/primitive.h"
@@ -35,7 +37,9 @@ class FpQMatmul : public mx::UnaryPrimitive {
 };
 
 // Checks the arguments (std::invalid_argument naming the bad one, which
-// Python sees as a ValueError, as MLX's own checks) and builds the node.
+// Python sees as a ValueError, as MLX's own checks) and builds the node; on
+// a GPU stream it refuses what the Metal GEMV cannot run (transpose=false,
+// more than 8 rows, a backend name).
 mx::array fp_qmatmul(const mx::array& x, const mx::array& wq, const mx::array& scales,
                      FpMode mode, bool transpose = true, Backend backend = Backend::Auto,
                      mx::StreamOrDevice s = {});
