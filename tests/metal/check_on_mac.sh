@@ -8,7 +8,8 @@
 # kernel really in the graph, the gradient wrt x through the transposed
 # kernel (MixedQMatmulT) against the CPU's, the gathered gradient wrt x
 # through the gathered transposed kernel (MixedGatherQMMT) against the
-# CPU's, KL in every mode, bad input refused before dispatch) and the Metal
+# CPU's, KL in every mode, bad input refused before dispatch), the fp-mode
+# GEMV (mxfp4 / nvfp4 / mxfp8) against mx.quantized_matmul, and the Metal
 # benchmarks against mx.quantized_matmul and mx.gather_qmm (forward and
 # dx), and every case the emulator's traffic counters count
 # (tests/metal/metal_traffic.py) timed the same way, then prints one summary. Nothing is installed
@@ -139,6 +140,49 @@ with mx.stream(mx.gpu):
     z = np.array(dx(x, mx.array(np.full((5, 2), 8, np.uint32))))
 assert np.isnan(z).all()
 print('gathered dx on the GPU: MixedGatherQMMT in the graph, matches the CPU gradient, bad index -> NaN')"
+# MLX's fp modes on the GPU: up to 8 rows of x run mixbits' Metal GEMV
+# (metal/fp_qmv.metal, FpQMatmul in the graph; Apple's compiler builds it
+# here, the emulator checks its logic on Linux), more rows MLX's op; every
+# mode x dtype against mx.quantized_matmul on the GPU and float64 of
+# mx.dequantize; then M=1 timings next to mx.quantized_matmul's.
+step fp-modes-on-gpu "$PY" -c "
+import mlx.core as mx, mixbits, numpy as np, re, tempfile, os, time
+rng = np.random.default_rng(3)
+RTOL = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 8e-2}
+def ops_of(y):
+    dot = os.path.join(tempfile.mkdtemp(), 'f.dot'); mx.export_to_dot(dot, y)
+    return set(re.findall(r'label =\"(\w+)\"', open(dot).read()))
+for mode in ('mxfp4', 'nvfp4', 'mxfp8'):
+    w = mx.array(rng.standard_normal((203, 1056)).astype(np.float32))
+    wq, s = mx.quantize(w, mode=mode)
+    W = np.array(mx.dequantize(wq, s, mode=mode, dtype=mx.float32), np.float64)
+    for dt in (mx.float32, mx.float16, mx.bfloat16):
+        for M in (1, 5, 8, 9):
+            x = mx.array(rng.standard_normal((M, 1056)).astype(np.float32)).astype(dt)
+            with mx.stream(mx.gpu):
+                y = mixbits.quantized_matmul(x, wq, s, mode=mode)
+                ref = mx.quantized_matmul(x, wq, s, mode=mode)
+            want = ('FpQMatmul' if M <= 8 else 'QuantizedMatmul')
+            assert want in ops_of(y), (mode, dt, M, ops_of(y))
+            y, ref = np.array(y.astype(mx.float32), np.float64), np.array(ref.astype(mx.float32), np.float64)
+            exact = np.array(x.astype(mx.float32), np.float64) @ W.T
+            for other in (ref, exact):
+                err = np.abs(y - other).max() / np.abs(other).max()
+                assert err <= RTOL[dt], (mode, dt, M, err)
+    print(mode, 'GPU GEMV (M<=8) and MLX route (M=9) match mx.quantized_matmul and float64 of mx.dequantize')
+def best(f, n=50):
+    mx.eval(f()); t = []
+    for _ in range(n):
+        t0 = time.perf_counter(); mx.eval(f()); t.append(time.perf_counter() - t0)
+    return min(t)
+for mode in ('mxfp4', 'nvfp4', 'mxfp8'):
+    wq, s = mx.quantize(mx.random.normal((4096, 4096)), mode=mode)
+    x = mx.random.normal((1, 4096)).astype(mx.float16)
+    with mx.stream(mx.gpu):
+        a = best(lambda: mixbits.quantized_matmul(x, wq, s, mode=mode))
+        b = best(lambda: mx.quantized_matmul(x, wq, s, mode=mode))
+    print(f'{mode} 4096x4096 M=1 float16: mixbits {a*1e3:.3f} ms, mlx {b*1e3:.3f} ms, mlx/mixbits {b/a:.2f}')
+"
 # From the checkout: its python/ tree is not on sys.path, so the tests
 # import the installed wheel (checked by import-on-gpu above).
 # The dense qmatmul's one-dispatch kernels (29 buffer slots, a segment table
