@@ -116,9 +116,9 @@ def test_every_instantiation_registered():
     # per-segment ones (gather_qmv, gather_qmm, qmv_t, gather_qmv_t) per
     # 3 x 3 types x 6 widths x 3 group sizes; the transposed products' perm check (1), unpermute (3
     # dtypes) and the gathered one's grouping (1); kl: 3 x 3 (reference,
-    # logits) types; selftest: 19 kernels. Duplicate host names would
-    # collapse into one entry.
-    assert E.kernel_count() == 3 * 3 * 3 + 3 * 3 * 6 * 3 * 4 + 1 + 3 + 1 + 3 * 3 + 19
+    # logits) types; selftest: 19 kernels; fp_qmv: 3 modes x 3 activation
+    # types. Duplicate host names would collapse into one entry.
+    assert E.kernel_count() == 3 * 3 * 3 + 3 * 3 * 6 * 3 * 4 + 1 + 3 + 1 + 3 * 3 + 19 + 3 * 3
 
 
 METAL_SOURCES = sorted(E.METAL_DIR.glob("*.metal")) + sorted(E.EMU_DIR.glob("*.metal"))
