@@ -190,12 +190,25 @@ def available_fp_backends() -> list[str]:
     return names(_ext.fpm_backends())
 
 
-def _fp_kernel_runs(mode, transpose, w) -> bool:
-    """Whether a call in an fp mode runs mixbits' CPU kernels: a 2-D w and
-    the default device a CPU, either ``transpose``. Other calls in these
-    modes (a stack of matrices, the GPU) run MLX's op."""
-    return (isinstance(mode, str) and mode in FP_MODES and isinstance(transpose, (bool, np.bool_))
-            and isinstance(w, mx.array) and w.ndim == 2 and mx.default_device().type == mx.cpu)
+# Rows of x up to which a GPU call in an fp mode runs mixbits' Metal GEMV
+# (metal/fp_qmv.metal; MB_FPQ_MAX_M in fp_qmv_params.h).
+FP_GPU_MAX_M = 8
+
+
+def _fp_kernel_runs(mode, transpose, w, x=None) -> bool:
+    """Whether a call in an fp mode runs a mixbits kernel: a 2-D w and either
+    the default device a CPU, either ``transpose`` (cpp/fpmatmul), or a GPU
+    with transpose=True and 1..FP_GPU_MAX_M rows of x (the Metal GEMV).
+    Other calls in these modes (a stack of matrices; on the GPU
+    transpose=False or more rows) run MLX's op."""
+    if not (isinstance(mode, str) and mode in FP_MODES and isinstance(transpose, (bool, np.bool_))
+            and isinstance(w, mx.array) and w.ndim == 2):
+        return False
+    if mx.default_device().type == mx.cpu:
+        return True
+    if not (bool(transpose) and isinstance(x, mx.array) and x.ndim >= 1 and x.shape[-1] > 0):
+        return False  # (MLX's op also says what is wrong with x)
+    return 1 <= x.size // x.shape[-1] <= FP_GPU_MAX_M
 
 
 def _fp_quantized_matmul(x, w, scales, biases, group_size, bits, mode, transpose, backend, activations):
@@ -271,9 +284,11 @@ def quantized_matmul(
     mixbits' fp-mode kernels, either ``transpose`` (cpp/fpmatmul: float32
     sums, the same result at any thread count; the gradient wrt x is the
     other orientation's kernel; ``backend`` as for affine, among
-    :func:`available_fp_backends`); their other calls (a stack of
-    matrices, the GPU) run MLX's op."""
-    if _fp_kernel_runs(mode, transpose, w):
+    :func:`available_fp_backends`); on the GPU, ``transpose=True`` with at
+    most 8 rows of x runs mixbits' Metal GEMV (metal/fp_qmv.metal); their
+    other calls (a stack of matrices; on the GPU transpose=False or more
+    rows) run MLX's op."""
+    if _fp_kernel_runs(mode, transpose, w, x):
         return _fp_quantized_matmul(x, w, scales, biases, group_size, bits, mode, transpose, backend,
                                     activations)
     if _mlx_route(mode, transpose, bits, backend, activations):
