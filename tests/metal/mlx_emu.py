@@ -4,7 +4,7 @@ The kernels are compiled from the headers the installed mlx package ships
 (mlx/include/mlx/backend/metal/kernels/quantized.h and the steel loader /
 MMA headers), so the comparison always runs the pinned MLX version's source;
 nothing of MLX's is copied into this repository. What they need beyond
-metal_compat.h is in mlx/mlx_compat.h and mlx/stub/. A missing header is an
+metal_compat.h is in mlx_shim/mlx_compat.h and mlx_shim/stub/. A missing header is an
 error, never a skip.
 
 `plan` transcribes MLX's host choice (mlx/backend/metal/quantized.cpp,
@@ -32,7 +32,8 @@ import metal_emu as E
 BUILD_ROOT = E.ROOT / "build" / "mlx-emu"
 # Its own folder, so that metal_emu's build (which hashes tests/metal/*) does
 # not depend on these files.
-MLX_DIR = E.EMU_DIR / "mlx"
+# Not "mlx": a folder of that name beside the tests would shadow the mlx package.
+MLX_DIR = E.EMU_DIR / "mlx_shim"
 STUB_DIR = MLX_DIR / "stub"
 UNITS = [E.EMU_DIR / "simt.cpp", E.EMU_DIR / "harness.cpp", MLX_DIR / "harness_mlx.cpp",
          MLX_DIR / "emu_mlx.cpp"]

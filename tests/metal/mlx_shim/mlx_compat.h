@@ -1,7 +1,7 @@
 // What MLX's own Metal kernel headers (quantized.h and the steel GEMM
 // headers it uses, from the installed mlx package) need beyond
 // metal_compat.h to compile as C++ for the SIMT emulator. Include this
-// first, then MLX's headers (mlx_emu.py puts tests/metal/mlx/stub ahead of
+// first, then MLX's headers (mlx_emu.py puts tests/metal/mlx_shim/stub ahead of
 // the package's include directory: empty <metal_*> headers and a
 // type_traits.h, see there).
 //
