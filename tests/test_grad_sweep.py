@@ -335,3 +335,28 @@ def test_a_soft_capped_model_s_table_says_its_proxy_runs_low(tmp_path):
     plain, _ = arch_configs.build("llama")
     t2 = proxy_sweep(plain, toks, tmp_path / "u.json", ["4b_g32"], method="grad", progress=False)
     assert "proxy_bias" not in t2["meta"]
+
+
+def test_fisher_pass_warns_before_it_starts_when_memory_cannot_hold_it(monkeypatch):
+    """The backward holds every weight and the pass a float32 total per
+    measured weight: when that is over what the machine has, a warning
+    says so with the figures (none when it fits)."""
+    import warnings
+
+    from mixbits.errors import MemoryWarning
+    from mixbits.measure import grad
+    from mlx.utils import tree_flatten
+
+    model, _ = tiny_models.build("llama")
+    sites = [s for s in ModelAdapter(model).sites if s.block is not None][:3]
+    tokens = np.random.default_rng(0).integers(0, 64, size=(1, 8))
+    weights = sum(np.array(v).nbytes for _, v in tree_flatten(model.parameters()))
+    fisher = 4 * sum(int(np.prod(s.shape)) for s in sites)
+    monkeypatch.setattr(grad, "available_memory", lambda: weights + fisher - 1)
+    with pytest.warns(MemoryWarning, match=r"needs about .* GiB.*--method exact") as got:
+        fisher_diagonal(model, tokens, sites, progress=False)
+    assert f"{(weights + fisher) / 2**30:.1f} GiB" in str(got[0].message)
+    monkeypatch.setattr(grad, "available_memory", lambda: weights + fisher)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemoryWarning)
+        fisher_diagonal(model, tokens, sites, progress=False)

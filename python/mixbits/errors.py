@@ -43,6 +43,11 @@ class CalibrationWarning(UserWarning):
     an allocation that lost to uniform quantization and was replaced)."""
 
 
+class MemoryWarning(UserWarning):
+    """The work is projected to need more memory than the machine has
+    available: it may be killed part way (said before it starts)."""
+
+
 class TimeBudgetWarning(UserWarning):
     """No way of doing the work is projected to fit the time the user gave;
     the cheapest runs anyway."""

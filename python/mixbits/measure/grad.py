@@ -26,6 +26,7 @@ and between layers), so it ranks better than it predicts: ``two-stage``
 from __future__ import annotations
 
 import math
+import os
 import time
 import warnings
 
@@ -90,6 +91,45 @@ def _stack_modules(ad, sites) -> tuple[dict, dict]:
     return diff, originals
 
 
+def available_memory() -> int | None:
+    """Bytes of memory this process can still get: MemAvailable on Linux,
+    the physical memory elsewhere (an upper bound); None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fisher_memory(model, sites) -> None:
+    """Warn, before the first backward, when the Fisher pass cannot fit:
+    its backward holds every weight of the model at once (in the dtype it
+    runs in; a model streamed from disk included), and it keeps a float32
+    total per weight of every measured tensor. A pass killed by the
+    system after an hour is the worst way to learn this."""
+    from mlx.utils import tree_flatten
+
+    from ..errors import MemoryWarning
+
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()) if isinstance(v, mx.array))
+    fisher = 4 * sum(s.nparams for s in sites)
+    have = available_memory()
+    if have is not None and weights + fisher > have:
+        gib = 2 ** 30
+        warnings.warn(
+            f"the gradient (Fisher) pass needs about {(weights + fisher) / gib:.1f} GiB: the weights "
+            f"({weights / gib:.1f} GiB) at once for its backward and a float32 total per measured weight "
+            f"({fisher / gib:.1f} GiB), but {have / gib:.1f} GiB is available, so it may be killed part "
+            "way. --method exact streams one block at a time; a smaller --dtype (bfloat16) halves the "
+            "weights' share", MemoryWarning, stacklevel=2)
+
+
 def fisher_diagonal(model, tokens, sites, *, samples: int = 1, seed: int = 0, batch: int = 2,
                     progress: bool = True, out_energy: dict | None = None):
     """{path: diag Fisher summed over tokens (numpy float32, weight shape)}
@@ -111,6 +151,7 @@ def fisher_diagonal(model, tokens, sites, *, samples: int = 1, seed: int = 0, ba
 
     from ..adapter import ModelAdapter
 
+    check_fisher_memory(model, sites)
     ad = ModelAdapter(model)
     tapped = {s.path: ad.get(s.path) for s in sites if s.form != "stack"}
     forms = {s.path: s.form for s in sites}
