@@ -55,27 +55,13 @@ def build_folder(folder: Path, hidden: int, layers: int, vocab: int, dtype: str,
     np.save(folder.parent / "tokens.npy", rng.integers(0, vocab, size=(8, 128)))
 
 
-def own_peak() -> int:
-    """This process's peak resident set in bytes: VmHWM on Linux (the
-    current program's; ru_maxrss would also count the forking parent's
-    pages before exec), ru_maxrss elsewhere (bytes on macOS)."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
 def child(argv: list[str]) -> int:
     """Run one mixbits command in this process, then print its peak."""
     from mixbits.cli import main as mixbits_main
+    from mixbits.streaming import peak_rss
 
     rc = mixbits_main(argv)
-    print(f"BENCH_PEAK {own_peak()}", flush=True)
+    print(f"BENCH_PEAK {peak_rss()}", flush=True)
     return rc
 
 

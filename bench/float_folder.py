@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+from mixbits.streaming import peak_rss
 
 SHAPES = {
     # Llama-3-8B: 8.03B parameters, 16.1 GB in bfloat16.
@@ -100,7 +101,7 @@ def main(argv=None):
     info = write_folder(out, cfg, a.dtype)
     rng = np.random.default_rng(1)
     np.save(out / "tokens.npy", rng.integers(0, cfg["vocab_size"], size=(a.n_seq, a.seq_len)))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    peak = peak_rss() / 2**30
     print(f"{a.shape} {a.dtype}: {info['params'] / 1e9:.2f}B parameters, {info['bytes'] / 1e9:.1f} GB in "
           f"{info['shards']} shards, {info['seconds']:.0f} s, peak RSS {peak:.1f} GiB -> {out}")
     return 0

@@ -344,7 +344,7 @@ def test_fisher_pass_warns_before_it_starts_when_memory_cannot_hold_it(monkeypat
     import warnings
 
     from mixbits.errors import MemoryWarning
-    from mixbits.measure import grad
+    from mixbits import streaming
     from mlx.utils import tree_flatten
 
     model, _ = tiny_models.build("llama")
@@ -352,11 +352,11 @@ def test_fisher_pass_warns_before_it_starts_when_memory_cannot_hold_it(monkeypat
     tokens = np.random.default_rng(0).integers(0, 64, size=(1, 8))
     weights = sum(np.array(v).nbytes for _, v in tree_flatten(model.parameters()))
     fisher = 4 * sum(int(np.prod(s.shape)) for s in sites)
-    monkeypatch.setattr(grad, "available_memory", lambda: weights + fisher - 1)
+    monkeypatch.setattr(streaming, "available_memory", lambda: weights + fisher - 1)
     with pytest.warns(MemoryWarning, match=r"needs about .* GiB.*--method exact") as got:
         fisher_diagonal(model, tokens, sites, progress=False)
     assert f"{(weights + fisher) / 2**30:.1f} GiB" in str(got[0].message)
-    monkeypatch.setattr(grad, "available_memory", lambda: weights + fisher)
+    monkeypatch.setattr(streaming, "available_memory", lambda: weights + fisher)
     with warnings.catch_warnings():
         warnings.simplefilter("error", MemoryWarning)
         fisher_diagonal(model, tokens, sites, progress=False)

@@ -134,6 +134,24 @@ def peak_rss() -> int:
     return r if sys.platform == "darwin" else r * 1024
 
 
+def available_memory() -> int | None:
+    """Bytes of memory this process can still get: MemAvailable on Linux,
+    the physical memory elsewhere (an upper bound); None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def peak_line() -> str:
     """``peak memory 3.12 GiB`` (resident set), the line long commands end with."""
     return f"peak memory {peak_rss() / 2 ** 30:.2f} GiB"

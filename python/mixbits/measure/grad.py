@@ -26,7 +26,6 @@ and between layers), so it ranks better than it predicts: ``two-stage``
 from __future__ import annotations
 
 import math
-import os
 import time
 import warnings
 
@@ -91,22 +90,6 @@ def _stack_modules(ad, sites) -> tuple[dict, dict]:
     return diff, originals
 
 
-def available_memory() -> int | None:
-    """Bytes of memory this process can still get: MemAvailable on Linux,
-    the physical memory elsewhere (an upper bound); None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def check_fisher_memory(model, sites) -> None:
     """Warn, before the first backward, when the Fisher pass cannot fit:
     its backward holds every weight of the model at once (in the dtype it
@@ -116,6 +99,7 @@ def check_fisher_memory(model, sites) -> None:
     from mlx.utils import tree_flatten
 
     from ..errors import MemoryWarning
+    from ..streaming import available_memory
 
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()) if isinstance(v, mx.array))
     fisher = 4 * sum(s.nparams for s in sites)
