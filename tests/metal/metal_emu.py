@@ -67,15 +67,58 @@ def _sources() -> list[Path]:
     return files
 
 
-def _build_key(cxx: str) -> str:
+def build_key(cxx: str, flags: list[str], sources: list[Path]) -> str:
+    """A build's cache key: compiler version, flags and every source's name and bytes."""
     h = hashlib.sha256()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     h.update(version.encode())
-    h.update(" ".join(FLAGS + KERNEL_FLAGS).encode())
-    for f in _sources():
+    h.update(" ".join(flags).encode())
+    for f in sources:
         h.update(f.name.encode())
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
+
+
+def build_library(root: Path, name: str, cxx: str, flags: list[str], units: list[Path],
+                  sources: list[Path], keep: int | None = None) -> Path:
+    """``root/<key>/name``, a shared library of ``units`` (the emu_* ones
+    with KERNEL_FLAGS as well), built unless a cached build of the same
+    compiler, flags and ``sources`` exists. Concurrent test runs build
+    once (a lock); a half-built directory is never seen (built aside,
+    then renamed). ``keep``: after a build, drop all but that many
+    newest builds under ``root``."""
+    lib = root / build_key(cxx, flags + KERNEL_FLAGS, sources) / name
+    if lib.exists():
+        return lib
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.exists():
+            return lib
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+        try:
+            def compile_unit(unit: Path) -> Path:
+                obj = tmp / (unit.stem + ".o")
+                extra = KERNEL_FLAGS if unit.name.startswith("emu_") else []
+                r = subprocess.run([cxx, *flags, *extra, "-c", str(unit), "-o", str(obj)],
+                                   capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise RuntimeError(f"compiling {unit.name} failed:\n{r.stderr[-8000:]}")
+                return obj
+
+            with ThreadPoolExecutor(max(1, min(len(units), os.cpu_count() or 1))) as pool:
+                objs = list(pool.map(compile_unit, units))
+            r = subprocess.run([cxx, "-shared", "-pthread", *map(str, objs), "-o", str(tmp / name)],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"linking {name} failed:\n{r.stderr[-8000:]}")
+            os.replace(tmp, lib.parent)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        if keep is not None:
+            _prune(root, keep)
+    return lib
 
 
 def build() -> Path:
@@ -83,46 +126,13 @@ def build() -> Path:
     cxx = compiler()
     if cxx is None:
         raise FileNotFoundError("no C++ compiler (g++ or $CXX) on PATH")
-    key = _build_key(cxx)
-    lib = BUILD_ROOT / key / "libmbemu.so"
-    if lib.exists():
-        return lib
-    BUILD_ROOT.mkdir(parents=True, exist_ok=True)
-    with open(BUILD_ROOT / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent test runs build once
-        if lib.exists():
-            return lib
-        tmp = Path(tempfile.mkdtemp(dir=BUILD_ROOT, prefix=".tmp-"))
-        try:
-            def compile_unit(unit: str) -> Path:
-                obj = tmp / (Path(unit).stem + ".o")
-                extra = KERNEL_FLAGS if unit.startswith("emu_") else []
-                r = subprocess.run([cxx, *FLAGS, *extra, "-c", str(EMU_DIR / unit), "-o", str(obj)],
-                                   capture_output=True, text=True)
-                if r.returncode != 0:
-                    raise RuntimeError(f"compiling {unit} failed:\n{r.stderr[-8000:]}")
-                return obj
-
-            jobs = max(1, min(len(UNITS), os.cpu_count() or 1))
-            with ThreadPoolExecutor(jobs) as pool:
-                objs = list(pool.map(compile_unit, UNITS))
-            out = tmp / "libmbemu.so"
-            r = subprocess.run([cxx, "-shared", "-pthread", *map(str, objs), "-o", str(out)],
-                               capture_output=True, text=True)
-            if r.returncode != 0:
-                raise RuntimeError(f"linking the emulator failed:\n{r.stderr[-8000:]}")
-            final = BUILD_ROOT / key
-            os.replace(tmp, final)  # atomic: a half-built directory is never seen
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-        _prune(keep=3)
-    return lib
+    return build_library(BUILD_ROOT, "libmbemu.so", cxx, FLAGS, [EMU_DIR / u for u in UNITS], _sources(),
+                         keep=3)
 
 
-def _prune(keep: int) -> None:
+def _prune(root: Path, keep: int) -> None:
     """Drop all but the `keep` newest cached builds (older source states)."""
-    builds = sorted((d for d in BUILD_ROOT.iterdir() if d.is_dir() and not d.name.startswith(".")),
+    builds = sorted((d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")),
                     key=lambda d: d.stat().st_mtime, reverse=True)
     for d in builds[keep:]:
         shutil.rmtree(d, ignore_errors=True)

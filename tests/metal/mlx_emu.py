@@ -15,14 +15,7 @@ threadgroup for the shapes compared here; `run` launches it and returns y.
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
 import importlib.util
-import os
-import shutil
-import subprocess
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -71,43 +64,7 @@ def build() -> Path:
         raise FileNotFoundError("no C++ compiler (g++ or $CXX) on PATH")
     inc = mlx_include()
     flags = E.FLAGS + [f"-I{MLX_DIR}", f"-I{STUB_DIR}", f"-I{inc}"] + MLX_FLAGS
-    h = hashlib.sha256()
-    h.update(subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.encode())
-    h.update(" ".join(flags + E.KERNEL_FLAGS).encode())
-    for f in _sources(inc):
-        h.update(str(f).encode())
-        h.update(f.read_bytes())
-    lib = BUILD_ROOT / h.hexdigest()[:16] / "libmlxemu.so"
-    if lib.exists():
-        return lib
-    BUILD_ROOT.mkdir(parents=True, exist_ok=True)
-    with open(BUILD_ROOT / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if lib.exists():
-            return lib
-        tmp = Path(tempfile.mkdtemp(dir=BUILD_ROOT, prefix=".tmp-"))
-        try:
-            def compile_unit(unit: Path) -> Path:
-                obj = tmp / (unit.stem + ".o")
-                extra = E.KERNEL_FLAGS if unit.name.startswith("emu_") else []
-                r = subprocess.run([cxx, *flags, *extra, "-c", str(unit), "-o", str(obj)],
-                                   capture_output=True, text=True)
-                if r.returncode != 0:
-                    raise RuntimeError(f"compiling {unit.name} failed:\n{r.stderr[-8000:]}")
-                return obj
-
-            with ThreadPoolExecutor(max(1, min(len(UNITS), os.cpu_count() or 1))) as pool:
-                objs = list(pool.map(compile_unit, UNITS))
-            out = tmp / "libmlxemu.so"
-            r = subprocess.run([cxx, "-shared", "-pthread", *map(str, objs), "-o", str(out)],
-                               capture_output=True, text=True)
-            if r.returncode != 0:
-                raise RuntimeError(f"linking the MLX emulator failed:\n{r.stderr[-8000:]}")
-            os.replace(tmp, lib.parent)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return lib
+    return E.build_library(BUILD_ROOT, "libmlxemu.so", cxx, flags, UNITS, _sources(inc))
 
 
 _LIB = None
