@@ -10,11 +10,9 @@ import numpy as np
 import pytest
 
 import metal_emu as E
+from test_metal_kernels import ACTS, MX_DTYPE, assert_close
 
 MODES = {"mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
-ACTS = ("float32", "float16", "bfloat16")
-MX_DTYPE = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-OUT_EPS = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,17 +43,6 @@ def pack(codes: np.ndarray, bits: int) -> np.ndarray:
     per = 32 // bits
     c = codes.astype(np.uint32).reshape(codes.shape[0], -1, per)
     return np.bitwise_or.reduce(c << (bits * np.arange(per, dtype=np.uint32)), axis=2)
-
-
-def assert_close(got_storage, act, ref, mag, acc_rtol=2e-5):
-    got = E.storage_to_f64(got_storage, act)
-    assert got.shape == ref.shape and np.isfinite(got).all()
-    tol = acc_rtol * mag + 2 * OUT_EPS[act] * np.abs(ref) + 1e-30
-    bad = np.abs(got - ref) > tol
-    if bad.any():
-        i = tuple(np.argwhere(bad)[0])
-        raise AssertionError(f"{bad.sum()}/{bad.size} off; first {i}: got {got[i]}, "
-                             f"want {ref[i]}, tol {tol[i]}")
 
 
 def shapes(mode):
