@@ -43,6 +43,14 @@ Run:  nice -n 10 python bench/quality_protocol.py [--seeds 0 1] [--mixbits-seeds
       [--budgets 3 3.5 4 4.5 5] [--work DIR]
 Every stage is kept in --work (default /tmp/quality_protocol): a rerun
 after a kill continues. Writes bench/results/quality_protocol_<model>.json.
+
+A/B of mixbits' own settings on the same protocol: ``--method`` and
+``--candidates`` are passed to ``convert`` (default: convert's own);
+``--records-from`` takes the contenders' scores from another run's records
+file (they do not depend on mixbits' settings; its mixbits rows are
+dropped); ``--result`` names the results file; ``--n-cal`` gives every
+seed fewer calibration sequences (the small-set case: seed 0 is still
+convert's own cut, its first windows).
 """
 from __future__ import annotations
 
@@ -85,8 +93,8 @@ def _windows(tok, text: str) -> np.ndarray:
     n = len(ids) // SEQ_LEN
     return ids[: n * SEQ_LEN].reshape(n, SEQ_LEN)
 
-def token_sets(tok, seeds) -> tuple[dict[int, np.ndarray], dict[str, np.ndarray]]:
-    """({seed: calibration [N_CAL, SEQ_LEN]}, {held-out name: [HELD_N, SEQ_LEN]})."""
+def token_sets(tok, seeds, n_cal: int = N_CAL) -> tuple[dict[int, np.ndarray], dict[str, np.ndarray]]:
+    """({seed: calibration [n_cal, SEQ_LEN]}, {held-out name: [HELD_N, SEQ_LEN]})."""
     from mixbits.models.calibration import calibration_text
 
     text = calibration_text("botchan")
@@ -101,7 +109,7 @@ def token_sets(tok, seeds) -> tuple[dict[int, np.ndarray], dict[str, np.ndarray]
     calib = {}
     for s in seeds:
         # seed 0: convert's own cut (the first windows of the whole file)
-        idx = np.arange(N_CAL) if s == 0 else np.sort(np.random.default_rng(s).choice(tail, N_CAL, replace=False))
+        idx = np.arange(n_cal) if s == 0 else np.sort(np.random.default_rng(s).choice(tail, n_cal, replace=False))
         calib[s] = _windows(tok, text)[idx] if s == 0 else story[idx]
     return calib, held
 
@@ -244,14 +252,15 @@ def dq_plans(scorer: Scorer, calib: np.ndarray, budgets, cache: Path) -> dict[st
                                                                       f"{hi}b_g64")
     return out
 
-def run_convert(model_name: str, tokens: np.ndarray, budgets, out: Path) -> float:
-    """``mixbits convert`` with its defaults on ``tokens``; returns wall seconds
-    of this call (the stage times over all runs are in out.work/timings.json)."""
+def run_convert(model_name: str, tokens: np.ndarray, budgets, out: Path, extra=()) -> float:
+    """``mixbits convert`` with its defaults (or ``extra`` options) on
+    ``tokens``; returns wall seconds of this call (the stage times over all
+    runs are in out.work/timings.json)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tok_file = out.parent / "tokens.npy"
     np.save(tok_file, tokens)
     cmd = [sys.executable, "-m", "mixbits.cli", "convert", "--model", model_name,
-           "--bpw", *[f"{b:g}" for b in budgets], "--tokens", str(tok_file), "--out", str(out)]
+           "--bpw", *[f"{b:g}" for b in budgets], "--tokens", str(tok_file), "--out", str(out), *extra]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
     return time.perf_counter() - t0
@@ -326,7 +335,17 @@ def main() -> None:
     ap.add_argument("--skip-dq", action="store_true")
     ap.add_argument("--no-convert", action="store_true",
                     help="score the mixbits allocations already written (a convert running elsewhere)")
+    ap.add_argument("--method", choices=("two-stage", "exact", "grad"),
+                    help="convert's --method (default: convert's default)")
+    ap.add_argument("--candidates", nargs="+", help="convert's --candidates (default: its 'default' preset)")
+    ap.add_argument("--records-from", type=Path,
+                    help="a records_<model>.json whose contender rows (not mixbits') are reused")
+    ap.add_argument("--n-cal", type=int, default=N_CAL,
+                    help=f"calibration sequences per seed (default {N_CAL}; fewer: the small-set case)")
+    ap.add_argument("--result", type=Path, help="results file (default: results/quality_protocol_<model>.json)")
     args = ap.parse_args()
+    conv_opts = ([*(["--method", args.method] if args.method else []),
+                  *(["--candidates", *args.candidates] if args.candidates else [])])
     mseeds = args.mixbits_seeds if args.mixbits_seeds is not None else args.seeds
     if not set(mseeds) <= set(args.seeds):
         raise SystemExit("--mixbits-seeds must be among --seeds")
@@ -334,6 +353,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     rec_file = work / f"records_{args.model}.json"
     records = json.loads(rec_file.read_text()) if rec_file.exists() else {}
+    if args.records_from:
+        other = json.loads(args.records_from.read_text())
+        records = {**{k: v for k, v in other.items() if not k.startswith("mixbits")}, **records}
     for r in records.values():  # an earlier "botchan_tail" was the Gutenberg license, not the story
         r["kl"].pop("botchan_tail", None)
     t_start = time.perf_counter()
@@ -344,7 +366,7 @@ def main() -> None:
         os.replace(tmp, rec_file)
 
     sc = Scorer(args.model)
-    calib, _ = token_sets(sc.tok, args.seeds)
+    calib, _ = token_sets(sc.tok, args.seeds, args.n_cal)
 
     def add(name, plan, sets=None, **extra):
         want = [k for k in sc.held if sets is None or k in sets]
@@ -373,7 +395,7 @@ def main() -> None:
         out = work / f"seed{s}" / args.model
         ready = [b for b in args.budgets if (Path(str(out) + ".work") / f"allocation_{b:g}bpw.json").exists()]
         if len(ready) < len(args.budgets) and not args.no_convert:
-            run_convert(args.model, calib[s], args.budgets, out)
+            run_convert(args.model, calib[s], args.budgets, out, conv_opts)
             ready = args.budgets
         tf = Path(str(out) + ".work") / "timings.json"
         timings[s] = json.loads(tf.read_text()) if tf.exists() else None
@@ -384,7 +406,8 @@ def main() -> None:
             plan, written = mixbits_plan(out, b)
             add(f"mixbits @{b:g} seed{s}", plan, written=written)
     result = {"host": host(), "model": args.model, "command": " ".join(sys.argv),
-              "protocol": {"calibration": f"{N_CAL} x {SEQ_LEN} Botchan tokens per seed (seed 0 = convert's "
+              "convert_options": conv_opts,
+              "protocol": {"calibration": f"{args.n_cal} x {SEQ_LEN} Botchan tokens per seed (seed 0 = convert's "
                                           "default cut)", "seeds": args.seeds, "mixbits_seeds": mseeds,
                            "held_out": {k: list(v.shape) for k, v in sc.held.items()},
                            "bpw": "storage (codes + fp16 scale/bias per group) over all block linears and "
@@ -393,7 +416,7 @@ def main() -> None:
               "mixbits_stage_wall_s": timings, "bench_wall_s_this_run": round(time.perf_counter() - t_start, 1),
               "summary": {h: summarize(records, args.budgets, args.seeds, mseeds, h) for h in sc.held},
               "records": records}
-    out = RESULTS / f"quality_protocol_{args.model}.json"
+    out = args.result or RESULTS / f"quality_protocol_{args.model}.json"
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
     os.replace(tmp, out)

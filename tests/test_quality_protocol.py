@@ -47,3 +47,8 @@ def test_token_sets_seed0_is_converts_cut_and_heldout_is_disjoint():
         assert not any(w.tobytes() in seen for w in h), name
     # the in-domain set is the story, not the Gutenberg license after it
     assert "Project Gutenberg" not in tok.decode(list(held["botchan_story_tail"].ravel()))
+    # a small calibration set (--n-cal 2): still convert's own cut, and the held-out sets unchanged
+    small, held2 = qp.token_sets(tok, [0, 1], n_cal=2)
+    assert np.array_equal(small[0], token_sequences(tok, load_texts(None, "auto"), 2, qp.SEQ_LEN))
+    assert small[1].shape == (2, qp.SEQ_LEN)
+    assert all(np.array_equal(held[k], held2[k]) for k in held)
