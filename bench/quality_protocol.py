@@ -37,7 +37,12 @@ recipes via its own ``mixed_quant_predicate_builder`` (group 32/64);
 mlx-lm's ``dynamic_quant`` (its ``estimate_sensitivities`` on the seed's
 calibration tokens) at the width pairs in ``DQ_PAIRS``, its threshold set
 at the budget; mixbits' default ``convert`` (one measurement per seed shared
-by all budgets).
+by all budgets). With ``--kquant`` (bench/kquant.py; the llama.cpp tools from
+bench/ggml/build_llama_quant.sh): llama.cpp's mixes Q2_K ... Q5_K_M from the
+reference written as an F32 GGUF, with each seed's importance matrix
+(llama-imatrix on the seed's tokens) and without; their storage bpw are the
+bytes of the same tensors in the quantized GGUF (K-quant super-block scales
+included, whatever type the mix gave each tensor).
 
 Run:  nice -n 10 python bench/quality_protocol.py [--seeds 0 1] [--mixbits-seeds 0]
       [--budgets 3 3.5 4 4.5 5] [--work DIR]
@@ -312,7 +317,8 @@ def summarize(records: dict, budgets, seeds, mixbits_seeds, held: str = "license
                "mixbits_bpw": [records[f"mixbits @{b:g} seed{s}"]["bpw"] for s in have],
                "mixbits_written": [records[f"mixbits @{b:g} seed{s}"].get("written") for s in have],
                "contenders": []}
-        for m, base, kl, bpw in scored[:4]:
+        # the best four, and every llama.cpp mix that fits (its own table row)
+        for m, base, kl, bpw in scored[:4] + [x for x in scored[4:] if x[1].startswith("llama.cpp")]:
             # pair mixbits' seeds with the contender's own (calibrated ones have a row per seed)
             c = {"name": base, "bpw": bpw, "kl": float(m), "kl_se": float(kl.std(ddof=1) / np.sqrt(kl.size))}
             if have:
@@ -343,6 +349,8 @@ def main() -> None:
     ap.add_argument("--n-cal", type=int, default=N_CAL,
                     help=f"calibration sequences per seed (default {N_CAL}; fewer: the small-set case)")
     ap.add_argument("--result", type=Path, help="results file (default: results/quality_protocol_<model>.json)")
+    ap.add_argument("--kquant", action="store_true",
+                    help="add llama.cpp's K-quant mixes, with and without imatrix (bench/kquant.py)")
     args = ap.parse_args()
     conv_opts = ([*(["--method", args.method] if args.method else []),
                   *(["--candidates", *args.candidates] if args.candidates else [])])
@@ -391,6 +399,16 @@ def main() -> None:
             sdir.mkdir(exist_ok=True)
             for name, plan in dq_plans(sc, calib[s], args.budgets, sdir).items():
                 add(f"{name} seed{s}", plan, sets=["licenses"])  # the claim's set only: CPU is short
+    if args.kquant:  # llama.cpp's mixes, scored from the GGUFs llama-quantize wrote
+        import kquant
+
+        for name, path in kquant.contenders(args.model, sc.tok, calib, work / "kquant"):
+            if name not in records or set(sc.held) - set(records[name]["kl"]):
+                t0 = time.perf_counter()
+                records[name] = kquant.record(sc.evals, path)
+                print(f"{name}: bpw {records[name]['bpw']:.3f} KL licenses "
+                      f"{np.mean(records[name]['kl']['licenses']):.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+                save()
     for s in mseeds:
         out = work / f"seed{s}" / args.model
         ready = [b for b in args.budgets if (Path(str(out) + ".work") / f"allocation_{b:g}bpw.json").exists()]

@@ -1,0 +1,248 @@
+"""llama.cpp's K-quant mixes with an importance matrix as contenders of
+bench/quality_protocol.py (issue 41 item 1).
+
+Every step keeps the protocol's terms:
+
+- the float model llama.cpp quantizes is the protocol's reference: every
+  tensor of the model's GGUF decoded (gguf-py's ``dequantize``: Q4_1 block
+  linears, Q8_0 embedding, F32 norms) and written to an F32 GGUF with the
+  same metadata and tokenizer (:func:`write_float_gguf`). F32, not F16:
+  Q4_1's ``d * q + m`` is exact in float32, not always in float16; and not
+  ``--allow-requantize`` of the Q4_1 file, which llama.cpp would dequantize
+  and quantize again on its own terms;
+- llama-imatrix sees the seed's calibration tokens: the windows decoded to
+  text, which llama.cpp tokenizes back (:func:`check_tokens` compares its
+  ids with the seed's array: they must be equal), in chunks of SEQ_LEN;
+- the quantized GGUF is read back by mixbits' own GGUF loader (K-quants,
+  IQ4_NL... decoded by gguf-py to float32; Q4_0/Q5_0/Q5_1/Q8_0 held as the
+  same values in MLX affine layers; llama q/k rows back in HF order), and its
+  block linears and embedding replace the reference's in the protocol's
+  evaluators (:func:`score_gguf`): the same held-out tokens, the same KL;
+- storage bpw over the same tensors as every contender (block linears and
+  the tied embedding), from the bytes each tensor has in the GGUF
+  (:func:`gguf_bpw`): super-block scales included, and whatever type
+  llama.cpp's mix actually chose (it bumps attn_v / ffn_down, gives the
+  tied embedding the output's type, and falls back from a 256-block K type
+  to a 32-block one where a row's length is not a multiple of 256).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+MIXES = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M")
+BIN_DIR = Path(__file__).resolve().parents[1] / "build" / "ggml"
+ALL_F32 = 0  # llama_ftype LLAMA_FTYPE_ALL_F32
+
+
+def tool(name: str) -> Path:
+    p = Path(os.environ.get("LLAMA_BIN_DIR", BIN_DIR)) / name
+    if not p.is_file():
+        raise SystemExit(f"{p} not found: build it with bench/ggml/build_llama_quant.sh")
+    return p
+
+
+# ------------------------------------------------------------ float reference
+
+def write_float_gguf(src, dst) -> None:
+    """``src`` with every tensor decoded to float32 (same names, shapes,
+    order, metadata and tokenizer; file type ALL_F32). Atomic."""
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    arch = r.fields["general.architecture"].contents()
+    tmp = Path(str(dst) + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    for name, f in r.fields.items():
+        # GGUF.* are the header's own fields; the writer adds the architecture
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+    w.add_file_type(ALL_F32)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, dst)
+
+
+# -------------------------------------------------------------- storage bits
+
+def gguf_bpw(path, covered) -> tuple[float, dict[str, int]]:
+    """(storage bits per weight, {ggml type: weights at that type}) over the
+    GGUF tensors named in ``covered``, from each tensor's bytes in the file."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    have = {t.name: t for t in r.tensors}
+    missing = sorted(set(covered) - set(have))
+    if missing:
+        raise ValueError(f"{path} lacks tensors {missing[:5]}")
+    bits = n = 0
+    types: dict[str, int] = {}
+    for name in covered:
+        t = have[name]
+        bits += 8 * int(t.n_bytes)
+        n += int(t.n_elements)
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + int(t.n_elements)
+    return bits / n, types
+
+
+def covered_names(path, sites) -> list[str]:
+    """GGUF names of the protocol's sites (mlx module paths): each site's weight."""
+    import gguf
+
+    from mixbits.models import gguf_arch
+
+    r = gguf.GGUFReader(str(path))
+    arch = r.fields["general.architecture"].contents()
+    by_path = {gguf_arch.mlx_name(arch, t.name): t.name for t in r.tensors}
+    out = []
+    for p in sites:
+        if f"{p}.weight" not in by_path:
+            raise ValueError(f"no tensor of {path} is the weight of {p}")
+        out.append(by_path[f"{p}.weight"])
+    return out
+
+
+# ----------------------------------------------------------------- read-back
+
+def read_back(path, sites):
+    """{site path: module} of the quantized GGUF, as the protocol's model
+    holds its layers (float weights float32, quantized ones on mixbits'
+    kernels). The embedding module is the (tied) head as well."""
+    from mixbits.measure.calib import cast_model
+    from mixbits.models.gguf import load_gguf
+    from mixbits.nn import patch
+
+    model, _, _ = load_gguf(path)
+    cast_model(model, "float32")
+    patch(model)
+    mods = dict(model.named_modules())
+    return {p: mods[p] for p in sites}
+
+
+def score_gguf(evaluators: dict, path, sets=None) -> dict[str, list[float]]:
+    """{held-out name: per-sequence KL} of the model in ``path`` on the
+    protocol's evaluators (which share one model: its sites are swapped for
+    the GGUF's and put back after)."""
+    ev0 = next(iter(evaluators.values()))
+    if ev0.pinned:
+        raise ValueError("the model pins layers outside the sites: the read-back would not replace them")
+    layers = read_back(path, list(ev0.sites))
+    out = {}
+    try:
+        for p, m in layers.items():
+            ev0.adapter.set(p, m)
+        for k, ev in evaluators.items():
+            if sets is None or k in sets:
+                out[k] = ev.sequence_kls({}).tolist()
+    finally:
+        for p in layers:
+            ev0.adapter.set(p, ev0.originals[p])
+    return out
+
+
+def record(evaluators: dict, path) -> dict:
+    """The protocol's record of the GGUF in ``path``: storage bpw over the
+    evaluators' sites, the weights at each ggml type, per-sequence KLs."""
+    sites = list(next(iter(evaluators.values())).sites)
+    bpw, types = gguf_bpw(path, covered_names(path, sites))
+    return {"bpw": bpw, "kl": score_gguf(evaluators, path), "ggml_types": types}
+
+
+# ---------------------------------------------------------- llama.cpp stages
+
+def calibration_text(tok, tokens: np.ndarray) -> str:
+    """The text of the calibration windows, checked to tokenize back to them
+    with the model's own tokenizer (llama.cpp's is checked by check_tokens)."""
+    text = tok.decode([int(t) for t in np.asarray(tokens).ravel()])
+    if not np.array_equal(np.asarray(tok.encode(text)), np.asarray(tokens).ravel()):
+        raise ValueError("the calibration windows do not tokenize back to themselves from their text")
+    return text
+
+
+def check_tokens(model_gguf, text_file, tokens: np.ndarray) -> dict:
+    """llama.cpp's ids of ``text_file`` against ``tokens``: llama-tokenize
+    called as llama-imatrix tokenizes (special tokens not parsed; no BOS,
+    which SmolLM2's GGUF does not ask for: add_bos_token false)."""
+    out = subprocess.run([str(tool("llama-tokenize")), "-m", str(model_gguf), "-f", str(text_file), "--ids",
+                          "--log-disable", "--no-bos", "--no-parse-special"], check=True, capture_output=True, text=True).stdout
+    ids = json.loads(out.strip().splitlines()[-1])
+    want = np.asarray(tokens).ravel().tolist()
+    first_diff = next((i for i, (a, b) in enumerate(zip(ids, want)) if a != b), None)
+    return {"llama_cpp_tokens": len(ids), "protocol_tokens": len(want),
+            "equal": ids == want, "first_difference": first_diff}
+
+
+def run_imatrix(model_gguf, text_file, out, n_ctx: int, n_chunks: int, threads: int = 2) -> float:
+    """llama-imatrix over the text's first ``n_chunks`` windows of ``n_ctx``
+    tokens (each its own sequence, as the protocol's windows); seconds."""
+    import time
+
+    t0 = time.perf_counter()
+    tmp = Path(str(out) + ".tmp.gguf")
+    subprocess.run(["nice", "-n", "10", str(tool("llama-imatrix")), "-m", str(model_gguf), "-f", str(text_file),
+                    "-o", str(tmp), "-c", str(n_ctx), "-b", str(n_ctx), "--chunks", str(n_chunks),
+                    "--no-ppl", "-t", str(threads)], check=True, capture_output=True)
+    os.replace(tmp, out)
+    return time.perf_counter() - t0
+
+
+def run_quantize(model_gguf, out, mix: str, imatrix=None, threads: int = 2) -> str:
+    """llama-quantize to ``mix`` (with ``imatrix`` when given); its log."""
+    tmp = Path(str(out) + ".tmp.gguf")
+    cmd = ["nice", "-n", "10", str(tool("llama-quantize"))]
+    if imatrix is not None:
+        cmd += ["--imatrix", str(imatrix)]
+    r = subprocess.run([*cmd, str(model_gguf), str(tmp), mix, str(threads)], check=True,
+                       capture_output=True, text=True)
+    os.replace(tmp, out)
+    return r.stdout + r.stderr
+
+
+def contenders(model_name: str, tok, calib: dict[int, np.ndarray], work: Path, mixes=MIXES, plain: bool = True):
+    """Yield (record name, GGUF path) of every mix, with each seed's imatrix
+    ("llama.cpp Q4_K_M+imatrix seed0") and, if ``plain``, without one
+    ("llama.cpp Q4_K_M"); the GGUFs and imatrices are kept in ``work``."""
+    from mixbits.models import smollm2
+
+    work.mkdir(parents=True, exist_ok=True)
+    if model_name != "smollm2":
+        raise SystemExit("--kquant: only smollm2's float reference GGUF is written here so far")
+    ref = work / "reference_f32.gguf"
+    if not ref.exists():
+        write_float_gguf(smollm2.fetch(), ref)
+    if plain:
+        for mix in mixes:
+            q = work / f"{mix}.gguf"
+            if not q.exists():
+                run_quantize(ref, q, mix)
+            yield f"llama.cpp {mix}", q
+    seq_len = next(iter(calib.values())).shape[1]
+    for s, toks in calib.items():
+        kept = work / f"calib_seed{s}.npy"  # the imatrix and GGUFs of seed s belong to these tokens
+        if kept.exists() and not np.array_equal(np.load(kept), toks):
+            raise SystemExit(f"{work} holds K-quant stages of other seed-{s} calibration tokens: use another --work")
+        np.save(kept, toks)
+        text_file = work / f"calib_seed{s}.txt"
+        text_file.write_text(calibration_text(tok, toks), encoding="utf-8")
+        check = check_tokens(ref, text_file, toks)
+        (work / f"calib_seed{s}_tokens.json").write_text(json.dumps(check))
+        if not check["equal"]:
+            raise SystemExit(f"llama.cpp tokenizes seed {s}'s calibration text differently: {check}")
+        im = work / f"imatrix_seed{s}.gguf"
+        if not im.exists():
+            run_imatrix(ref, text_file, im, seq_len, len(toks))
+        for mix in mixes:
+            q = work / f"{mix}_imatrix_seed{s}.gguf"
+            if not q.exists():
+                run_quantize(ref, q, mix, imatrix=im)
+            yield f"llama.cpp {mix}+imatrix seed{s}", q
