@@ -338,9 +338,9 @@ def test_a_soft_capped_model_s_table_says_its_proxy_runs_low(tmp_path):
 
 
 def test_fisher_pass_warns_before_it_starts_when_memory_cannot_hold_it(monkeypatch):
-    """The backward holds every weight and the pass a float32 total per
-    measured weight: when that is over what the machine has, a warning
-    says so with the figures (none when it fits)."""
+    """The whole-model backward holds every weight and the pass a float32
+    total per measured weight: when that is over what the machine has, a
+    warning says so with the figures (none when it fits)."""
     import warnings
 
     from mixbits.errors import MemoryWarning
@@ -354,9 +354,50 @@ def test_fisher_pass_warns_before_it_starts_when_memory_cannot_hold_it(monkeypat
     fisher = 4 * sum(int(np.prod(s.shape)) for s in sites)
     monkeypatch.setattr(streaming, "available_memory", lambda: weights + fisher - 1)
     with pytest.warns(MemoryWarning, match=r"needs about .* GiB.*--method exact") as got:
-        fisher_diagonal(model, tokens, sites, progress=False)
+        fisher_diagonal(model, tokens, sites, progress=False, blockwise=False)
     assert f"{(weights + fisher) / 2**30:.1f} GiB" in str(got[0].message)
     monkeypatch.setattr(streaming, "available_memory", lambda: weights + fisher)
     with warnings.catch_warnings():
         warnings.simplefilter("error", MemoryWarning)
-        fisher_diagonal(model, tokens, sites, progress=False)
+        fisher_diagonal(model, tokens, sites, progress=False, blockwise=False)
+
+
+def test_blockwise_fisher_pass_warns_by_its_largest_stage(monkeypatch):
+    """The block-wise pass needs its largest stage (one block's weights, or
+    those outside the blocks, with that stage's float32 totals and one
+    sequence's gradient of its largest tensor), every sequence's
+    cotangents, one chunk's logits and the recorded calls (in memory
+    here): computed by hand, it warns just over and is silent at it -- far
+    below the whole-model figure."""
+    import warnings
+
+    from mixbits.errors import MemoryWarning
+    from mixbits import streaming
+    from mlx.utils import tree_flatten
+
+    model, _ = tiny_models.build("llama")  # 4 blocks, hidden 64, vocab 160, float32
+    ad = ModelAdapter(model)
+    sites = [s for s in ad.sites if s.block is not None][:3] + [ad.sites[-1]]
+    assert sites[-1].block is None
+    tokens = np.random.default_rng(0).integers(0, 64, size=(3, 8))
+    nbytes = lambda m: sum(np.array(v).nbytes for _, v in tree_flatten(m.parameters()))
+    blocks = [nbytes(b) for b in ad.blocks]
+    stage = {i: w for i, w in enumerate(blocks)}
+    stage[None] = nbytes(model) - sum(blocks)
+    for key in stage:
+        mine = [int(np.prod(s.shape)) for s in sites if s.block == key]
+        stage[key] += 4 * sum(mine) + 4 * max(mine, default=0)
+    samples = 2
+    cot = 24 * samples * 64 * 4
+    logits = 2 * 8 * 160 * 4  # a chunk of 2 sequences
+    records = 4 * 24 * 64 * 4
+    need = max(stage.values()) + cot + logits + records
+    assert need < 0.5 * nbytes(model)
+    monkeypatch.setattr(streaming, "available_memory", lambda: need - 1)
+    with pytest.warns(MemoryWarning, match=r"needs about .* GiB") as got:
+        fisher_diagonal(model, tokens, sites, samples=samples, progress=False)
+    assert f"{need / 2**30:.1f} GiB" in str(got[0].message)
+    monkeypatch.setattr(streaming, "available_memory", lambda: need)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemoryWarning)
+        fisher_diagonal(model, tokens, sites, samples=samples, progress=False)

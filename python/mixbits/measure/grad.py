@@ -90,37 +90,102 @@ def _stack_modules(ad, sites) -> tuple[dict, dict]:
     return diff, originals
 
 
-def check_fisher_memory(model, sites) -> None:
-    """Warn, before the first backward, when the Fisher pass cannot fit:
-    its backward holds every weight of the model at once (in the dtype it
-    runs in; a model streamed from disk included), and it keeps a float32
-    total per weight of every measured tensor. A pass killed by the
+def check_fisher_memory(model, sites, rp=None, samples: int = 1) -> None:
+    """Warn, before the first backward, when the Fisher pass cannot fit.
+    The whole-model pass (``rp`` None) holds every weight of the model at
+    once (in the dtype it runs in; a model streamed from disk included) and
+    a float32 total per weight of every measured tensor. The block-wise
+    pass (``rp``: its Replayer, see :mod:`.fisher_blocks`) holds one
+    block's weights (or those outside the blocks) with that stage's float32
+    totals, the cotangents of every sequence, one chunk's logits and the
+    recorded calls unless they are spilled to disk. A pass killed by the
     system after an hour is the worst way to learn this."""
     from mlx.utils import tree_flatten
 
     from ..errors import MemoryWarning
     from ..streaming import available_memory
 
+    gib = 2 ** 30
+    if rp is not None:
+        from .fisher_blocks import blockwise_bytes
+
+        h = rp.records[0][0][0][0]
+        n_tok = sum(int(np.prod(c.shape)) for c in rp.chunks)
+        records = 0 if rp.stream else len(rp.adapter.blocks) * n_tok * h.shape[-1] * h.itemsize
+        need = blockwise_bytes(model, sites, rp.adapter, n_tok, samples, h.shape[-1], h.itemsize,
+                               rp.logits[0].nbytes, records)
+        have = available_memory()
+        if have is not None and need > have:
+            warnings.warn(
+                f"the gradient (Fisher) pass needs about {need / gib:.1f} GiB (its largest block or the "
+                f"embedding and head, with their float32 totals, and {n_tok} tokens' cotangents), but "
+                f"{have / gib:.1f} GiB is available, so it may be killed part way. Fewer calibration "
+                "tokens shrink the cotangents; a smaller --dtype (bfloat16) halves the weights' share",
+                MemoryWarning, stacklevel=3)
+        return
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()) if isinstance(v, mx.array))
     fisher = 4 * sum(s.nparams for s in sites)
     have = available_memory()
     if have is not None and weights + fisher > have:
-        gib = 2 ** 30
         warnings.warn(
             f"the gradient (Fisher) pass needs about {(weights + fisher) / gib:.1f} GiB: the weights "
             f"({weights / gib:.1f} GiB) at once for its backward and a float32 total per measured weight "
             f"({fisher / gib:.1f} GiB), but {have / gib:.1f} GiB is available, so it may be killed part "
             "way. --method exact streams one block at a time; a smaller --dtype (bfloat16) halves the "
-            "weights' share", MemoryWarning, stacklevel=2)
+            "weights' share", MemoryWarning, stacklevel=3)
+
+
+def fisher_stream(model, tokens, sites, *, samples: int = 1, seed: int = 0, batch: int = 2,
+                  progress: bool = True, out_energy: dict | None = None, blockwise: bool = True):
+    """Yields {path: diag Fisher} groups covering ``sites``: one per block,
+    freed by the caller before the next is formed (:mod:`.fisher_blocks`),
+    or, for a model whose blocks cannot be chained (or ``blockwise``
+    False), all of them at once from the whole-model pass, with a warning
+    when the block-wise pass was asked for."""
+    from ..adapter import ModelAdapter
+    from . import fisher_blocks
+
+    rp = None
+    if blockwise:
+        rp, why = fisher_blocks.block_chain(model, tokens, batch, ModelAdapter(model), sites)
+        if rp is None:
+            warnings.warn(f"the gradient (Fisher) pass runs on the whole model at once ({why}): it "
+                          "holds every weight for its backward", RuntimeWarning, stacklevel=3)
+    if rp is None:
+        yield _whole_model_fisher(model, tokens, sites, samples=samples, seed=seed, batch=batch,
+                                  progress=progress, out_energy=out_energy)
+        return
+    check_fisher_memory(model, sites, rp, samples)
+    try:
+        yield from fisher_blocks.fisher_groups(model, tokens, sites, rp, samples=samples, seed=seed,
+                                               progress=progress, out_energy=out_energy)
+    except fisher_blocks.Unchained as e:  # found part way: the groups yielded so far are redone
+        warnings.warn(f"the gradient (Fisher) pass runs on the whole model at once ({e}): it holds "
+                      "every weight for its backward", RuntimeWarning, stacklevel=3)
+        if out_energy is not None:
+            out_energy.clear()
+        yield _whole_model_fisher(model, tokens, sites, samples=samples, seed=seed, batch=batch,
+                                  progress=progress, out_energy=out_energy)
 
 
 def fisher_diagonal(model, tokens, sites, *, samples: int = 1, seed: int = 0, batch: int = 2,
-                    progress: bool = True, out_energy: dict | None = None):
+                    progress: bool = True, out_energy: dict | None = None, blockwise: bool = True):
     """{path: diag Fisher summed over tokens (numpy float32, weight shape)}
     and the token count. ``sites``: adapter Sites of ``model``.
     ``out_energy``: if given, filled with {path: sum over tokens and samples
     of dy^2 per output (float64 [N])} for the linears (see
-    :func:`estimate`).
+    :func:`estimate`). ``blockwise``: one block at a time where the model
+    allows (:func:`fisher_stream`); the same numbers to float rounding.
+    """
+    fisher = {}
+    for group in fisher_stream(model, tokens, sites, samples=samples, seed=seed, batch=batch,
+                               progress=progress, out_energy=out_energy, blockwise=blockwise):
+        fisher.update(group)
+    return fisher, np.asarray(tokens).size * samples
+
+
+def _whole_model_fisher(model, tokens, sites, *, samples, seed, batch, progress, out_energy) -> dict:
+    """{path: diag Fisher} by one backward of the whole model per sample.
 
     The model runs as it is (its own quantized / mixbits layers and routed
     attention/SwiGLU kernels, all with derivatives). Per batch of
@@ -195,7 +260,7 @@ def fisher_diagonal(model, tokens, sites, *, samples: int = 1, seed: int = 0, ba
         # The backward needs every weight at once; a model on disk lets them go after it.
         streaming.release(model)
     bar.close()
-    return fisher, toks.size * samples
+    return fisher
 
 
 def _accumulate(fisher, inputs, grads, forms, n_seq, out_energy) -> None:
@@ -274,16 +339,12 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
     named once in a :class:`ProxyFallbackWarning`. No NaN reaches the table."""
     from tqdm import tqdm
 
-    from ..adapter import ModelAdapter, dense_weight
-    from .candidates import build_layer
+    from ..adapter import ModelAdapter
     from .replay import Replayer, token_chunks
-    from .sweep import storage_bits
 
     t0 = time.perf_counter()
     energy: dict = {}
-    fisher, n_tok = fisher_diagonal(model, tokens, sites, samples=samples, seed=seed,
-                                    progress=progress, out_energy=energy)
-    per_site = (time.perf_counter() - t0) / max(1, len(sites))
+    n_tok = np.asarray(tokens).size * samples
     ad = ModelAdapter(model)
     replayer = []  # built once, when first needed
 
@@ -292,35 +353,35 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
             replayer.append(Replayer(model, token_chunks(tokens, 4), ad))
         return replayer[0]
 
-    fallback = {p: f"{n} of the Fisher diagonal's {fisher[p].size} entries are not finite"
-                for p, n in _nonfinite(fisher).items()}
-    out = {}
-    for s in tqdm(sites, desc="proxy", unit="tensor", disable=not progress):
-        if s.path in fallback:
-            continue
-        t1 = time.perf_counter()
-        original = ad.get(s.path)
-        dense, fish = dense_weight(original), mx.array(fisher[s.path])
-        mx.eval(dense, fish)
-        inputs = rp().input_hessian(s) if any(c.calibrated for c in site_cands[s.path]) else None
-        cands = []
-        for c in site_cands[s.path]:
-            layer = build_layer(original, c, scale_dtype, inputs, dense)
-            sb = storage_bits(layer, s)
-            cands.append({"kind": c.name, "bits": c.nominal_bits,
-                          "kl": estimate(fish, n_tok, dense, layer,
-                                         inputs[0] if inputs else None, energy.get(s.path)),
-                          "storage_bits": sb, "bpw": sb / s.nparams, "group_size": c.group_size,
-                          "source": "grad"})
-        from .. import streaming
-
-        streaming.release(original)  # its weight, read for the candidates (a model on disk)
-        if not all(math.isfinite(c["kl"]) for c in cands):
-            fallback[s.path] = "the estimate overflows"
-            continue
-        out[s.path] = {"path": s.path, **({"layer": s.block} if s.block is not None else {}),
-                       "nparams": s.nparams, "shape": list(s.shape), "candidates": cands,
-                       "seconds": round(per_site + time.perf_counter() - t1, 3)}
+    fallback, out, spent = {}, {}, {}
+    # Each group (one block's tensors, block by block) is rated as soon as
+    # its Fisher diagonal is complete and freed before the next is formed.
+    groups = fisher_stream(model, tokens, sites, samples=samples, seed=seed, progress=progress,
+                           out_energy=energy)
+    bar = tqdm(total=len(sites), desc="proxy", unit="tensor", disable=not progress)
+    for fisher in groups:
+        fallback.update({p: f"{n} of the Fisher diagonal's {fisher[p].size} entries are not finite"
+                         for p, n in _nonfinite(fisher).items()})
+        for s in sites:
+            if s.path not in fisher:
+                continue
+            bar.update(1)
+            if s.path in fallback:
+                continue
+            t1 = time.perf_counter()
+            entry = _rate(ad, s, fisher[s.path], n_tok, site_cands[s.path], scale_dtype, energy, rp)
+            spent[s.path] = time.perf_counter() - t1
+            if entry is None:
+                fallback[s.path] = "the estimate overflows"
+            else:
+                out[s.path] = entry
+        del fisher
+    bar.close()
+    # The Fisher pass's time shared evenly; each tensor's own rating added.
+    per_site = (time.perf_counter() - t0 - sum(spent.values())) / max(1, len(sites))
+    for p, e in out.items():
+        e["seconds"] = round(per_site + spent[p], 3)
+    fallback = {s.path: fallback[s.path] for s in sites if s.path in fallback}  # the model's order
     if fallback:
         from .sweep import SweepConfig, measure_site
 
@@ -338,3 +399,32 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
             entry["candidates"] = [{**c, "source": "exact"} for c in entry["candidates"]]
             out[p] = {**entry, "proxy_fallback": why}
     return [out[s.path] for s in sites]
+
+
+def _rate(ad, s, fisher, n_tok, cands_of_site, scale_dtype, energy, rp) -> dict | None:
+    """The table entry of site ``s`` from its Fisher diagonal (None when an
+    estimate is not finite)."""
+    from ..adapter import dense_weight
+    from .candidates import build_layer
+    from .sweep import storage_bits
+
+    original = ad.get(s.path)
+    dense, fish = dense_weight(original), mx.array(fisher)
+    mx.eval(dense, fish)
+    inputs = rp().input_hessian(s) if any(c.calibrated for c in cands_of_site) else None
+    cands = []
+    for c in cands_of_site:
+        layer = build_layer(original, c, scale_dtype, inputs, dense)
+        sb = storage_bits(layer, s)
+        cands.append({"kind": c.name, "bits": c.nominal_bits,
+                      "kl": estimate(fish, n_tok, dense, layer,
+                                     inputs[0] if inputs else None, energy.get(s.path)),
+                      "storage_bits": sb, "bpw": sb / s.nparams, "group_size": c.group_size,
+                      "source": "grad"})
+    from .. import streaming
+
+    streaming.release(original)  # its weight, read for the candidates (a model on disk)
+    if not all(math.isfinite(c["kl"]) for c in cands):
+        return None
+    return {"path": s.path, **({"layer": s.block} if s.block is not None else {}),
+            "nparams": s.nparams, "shape": list(s.shape), "candidates": cands}
