@@ -50,7 +50,7 @@ def _run(argv):
                        timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     peak = int(r.stdout.strip().splitlines()[-1].split()[1])
-    return peak, r.stdout
+    return peak, r.stdout + r.stderr  # warnings included
 
 
 def _llama():
@@ -106,6 +106,25 @@ def test_measure_exact_peak_below_the_weights(big, tmp_path):
     print(f"measure exact: peak {peak / 2**20:.0f} MiB, weights {size / 2**20:.0f} MiB")
     assert peak < 0.75 * size, f"measure peaked at {peak / 2**20:.0f} MiB, weights {size / 2**20:.0f} MiB"
     assert "peak memory" in text  # the command reports its own peak
+
+
+def test_measure_grad_peak_below_the_weights(big, tmp_path):
+    """The gradient method on every tensor: its Fisher pass runs one block
+    at a time (mixbits.measure.fisher_blocks), so its peak is bounded by a
+    block (and the embedding and head), not by the model. The whole-model
+    backward held every weight at once, in float32 here, plus a float32
+    total per weight."""
+    folder, tokens, size = big
+    out = tmp_path / "g.json"
+    peak, text = _run(["measure", "--model", folder, "--tokens", tokens, "--method", "grad",
+                       "--candidates", "4b_g64", "--out", out])
+    table = json.loads(out.read_text())
+    assert len(table["entries"]) == 7 * LAYERS + 2
+    assert all(e["candidates"][0]["source"] == "grad" and e["candidates"][0]["kl"] > 0
+               for e in table["entries"])
+    print(f"measure grad: peak {peak / 2**20:.0f} MiB, weights {size / 2**20:.0f} MiB")
+    assert peak < 0.75 * size, f"measure grad peaked at {peak / 2**20:.0f} MiB, weights {size / 2**20:.0f} MiB"
+    assert "whole model at once" not in text
 
 
 def test_quantize_peak_below_the_weights(big, tmp_path):
