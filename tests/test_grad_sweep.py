@@ -364,9 +364,9 @@ def test_fisher_pass_warns_before_it_starts_when_memory_cannot_hold_it(monkeypat
 
 def test_blockwise_fisher_pass_warns_by_its_largest_stage(monkeypatch):
     """The block-wise pass needs its largest stage (one block's weights, or
-    those outside the blocks, with that stage's float32 totals and three
-    arrays the size of its largest tensor: a sequence's gradient, the
-    product summed into it, its square), every sequence's
+    those outside the blocks, with that stage's float32 totals and two
+    arrays the size of its largest tensor: a sequence's gradient and the
+    product summed into it), every sequence's
     cotangents, one chunk's logits and the recorded calls (in memory
     here): computed by hand, it warns just over and is silent at it -- far
     below the whole-model figure."""
@@ -387,7 +387,7 @@ def test_blockwise_fisher_pass_warns_by_its_largest_stage(monkeypatch):
     stage[None] = nbytes(model) - sum(blocks)
     for key in stage:
         mine = [int(np.prod(s.shape)) for s in sites if s.block == key]
-        stage[key] += 4 * sum(mine) + 3 * 4 * max(mine, default=0)
+        stage[key] += 4 * sum(mine) + 2 * 4 * max(mine, default=0)
     samples = 2
     cot = 24 * samples * 64 * 4
     logits = 2 * 8 * 160 * 4  # a chunk of 2 sequences

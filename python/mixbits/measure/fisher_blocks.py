@@ -166,9 +166,9 @@ def blockwise_bytes(model, sites, adapter, n_tokens: int, samples: int, hidden: 
                     itemsize: int, chunk_logits: int, records: int) -> int:
     """Memory the block-wise pass needs: the largest of its stages (one
     block's weights, or the weights outside the blocks, plus the float32
-    Fisher totals of that stage's measured tensors and three arrays the
-    size of its largest: one sequence's gradient, the product it is summed
-    from and its square), the cotangents of every sequence and sample,
+    Fisher totals of that stage's measured tensors and two arrays the size
+    of its largest: one sequence's gradient and the product it is summed
+    from), the cotangents of every sequence and sample,
     one chunk's float32 logits and the recorded calls held in memory
     (``records``: 0 when spilled to disk)."""
     from mlx.utils import tree_flatten
@@ -183,7 +183,7 @@ def blockwise_bytes(model, sites, adapter, n_tokens: int, samples: int, hidden: 
     stage = {}
     for key, w in weights.items():
         mine = [s.nparams for s in sites if s.block == key]
-        stage[key] = w + 4 * sum(mine) + 3 * 4 * max(mine, default=0)
+        stage[key] = w + 4 * sum(mine) + 2 * 4 * max(mine, default=0)
     cot = n_tokens * samples * hidden * itemsize
     return max(stage.values()) + cot + chunk_logits + records
 

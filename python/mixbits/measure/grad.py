@@ -287,7 +287,7 @@ def _accumulate(fisher, inputs, grads, forms, n_seq, out_energy) -> None:
                     if out_energy is not None and forms[path] == "linear":
                         e = np.square(db, dtype=np.float64).sum(axis=0)
                         out_energy[path] = out_energy.get(path, 0) + e
-            fisher[path] += g * g
+            fisher[path] += np.square(g, out=g)  # in place: no third weight-sized array
 
 
 def estimate(fisher: mx.array, n_tokens: int, dense: mx.array, layer,
