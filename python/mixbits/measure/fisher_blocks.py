@@ -78,7 +78,9 @@ class _Given(_Proxy):
             self._seen.append(h)
         if self._others is not None:
             self._others.extend(_floats((args, kwargs)))
-        return self._out
+        # A new array object: the model's code may write into what a block
+        # returns (gemma3n's AltUp streams), which must not reach the record.
+        return self._out * 1
 
 
 def _outside_forward(model, blocks, recs, x, last=None, seen=None, others=None):
