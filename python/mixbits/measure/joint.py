@@ -1,5 +1,13 @@
 """Joint KL: quantize every tensor as an assignment says, run the whole
-model on calibration sequences, KL of the final logits vs the reference."""
+model on calibration sequences, KL of the final logits vs the reference.
+
+Where the time goes (bench/joint_profile.py, a 1B Llama-shaped float16
+folder): the quantized linears are ~85% of an evaluation, running at about
+the quantized GEMM's own rate; quantizing the layers of a candidate never
+used before costs ~3 one-sequence evaluations, and is done once per
+(tensor, candidate). So an evaluation does less rather than faster: an
+assignment scored before is not run again, and the blocks before the first
+one an assignment changes are not either (:mod:`.prefix`)."""
 
 from __future__ import annotations
 
@@ -18,10 +26,16 @@ class JointEvaluator:
     """Holds the reference logits and a cache of quantized candidate layers,
     so trying many assignments re-quantizes each (tensor, candidate) once."""
 
-    def __init__(self, model, tokens, chunk: int = 4, scale_dtype=mx.float16, calibration=None):
+    def __init__(self, model, tokens, chunk: int = 4, scale_dtype=mx.float16, calibration=None,
+                 reuse_blocks: bool = True, prefix_bytes: int | None = None):
         """``calibration``: another evaluator whose tokens calibrated
         candidates (``+gptq``...) are fitted on, and whose layer cache this
-        one shares -- so scoring on held-out tokens never fits on them."""
+        one shares -- so scoring on held-out tokens never fits on them.
+        ``reuse_blocks``: keep recent evaluations' block outputs (up to
+        ``prefix_bytes``; default a quarter of the available memory, at most
+        4 GiB) and start a later evaluation at the first block it changes,
+        when the model's forward allows it (:func:`.prefix.replays`;
+        ``reuse_reason`` says why not otherwise)."""
         self.model = model
         self.adapter = ModelAdapter(model)
         self.sites = {s.path: s for s in self.adapter.sites}
@@ -37,7 +51,31 @@ class JointEvaluator:
         self._calibration = calibration
         self._layers: dict[tuple[str, str], object] = {} if calibration is None else calibration._layers
         self.ref_logits = [self._logits(i) for i in range(0, len(self.tokens), self.chunk)]
-        self.evaluations = 0
+        self.evaluations = 0  # forwards run (an assignment scored before is not rerun)
+        self.reused = 0  # scores returned from _scores
+        self._scores: dict[tuple, np.ndarray] = {}
+        self.blocks_run = self.blocks_skipped = 0  # block calls of evaluations run / stubbed
+        self._prefixes, self.reuse_reason = None, "reuse_blocks=False"
+        if reuse_blocks:
+            self._start_reuse(prefix_bytes)
+
+    def _start_reuse(self, limit: int | None) -> None:
+        from .. import streaming
+        from .prefix import BlockOutputs, replays
+
+        blocks = self.adapter.blocks
+        if not blocks:
+            self.reuse_reason = "the model has no decoder blocks the adapter knows"
+            return
+        # A short piece of the tokens: the check is about the model's code.
+        piece = mx.array(self.tokens[:1, : min(self.tokens.shape[1], 32)])
+        root = self.model if streaming.streams(self.model) else None
+        self.reuse_reason = replays(self.model, blocks, piece, root)
+        if self.reuse_reason is None:
+            if limit is None:
+                avail = streaming.available_memory()
+                limit = min(4 << 30, avail // 4) if avail else 1 << 30
+            self._prefixes = BlockOutputs(limit)
 
     def _logits(self, i):
         out = self._forward(mx.array(self.tokens[i : i + self.chunk])).astype(mx.float32)
@@ -61,6 +99,33 @@ class JointEvaluator:
         finally:
             blocks[:] = originals
         streaming.release(self.model)
+        return out
+
+    def _forward_reusing(self, x, ci: int, sigs: list):
+        """``model(x)`` for chunk ``ci``, its first blocks stubbed by the
+        outputs stored under the same signatures (:mod:`.prefix`), the
+        others run and their outputs stored."""
+        from .. import streaming
+        from .prefix import forward, well_formed
+
+        blocks, store = self.adapter.blocks, self._prefixes
+        n = len(blocks)
+        start, last = 0, None
+        for b in range(n - 1, -1, -1):  # the latest block whose output is stored
+            last = store.get((ci, b, sigs[b]))
+            if last is not None:
+                start = b + 1
+                break
+        root = self.model if streaming.streams(self.model) else None
+        out, calls = forward(self.model, blocks, x, start, last, root)
+        if not well_formed(calls, start, n):
+            # Not the forward the check saw: stop reusing, run it plainly.
+            self._prefixes, self.reuse_reason = None, "a forward did not call the blocks as checked"
+            return self._forward(x)
+        self.blocks_run += len(calls)
+        self.blocks_skipped += start
+        for b, _, _, block_out in reversed(calls):
+            store.put((ci, b, sigs[b]), block_out)
         return out
 
     def hessian(self, path: str):
@@ -113,22 +178,49 @@ class JointEvaluator:
         return self.token_kls(assignment, chunks).mean(axis=1)
 
     def token_kls(self, assignment: dict[str, str], chunks: int | None = None) -> np.ndarray:
-        """Per-token KL [n_seq, seq_len] with ``assignment`` (as :meth:`joint_kl`)."""
+        """Per-token KL [n_seq, seq_len] with ``assignment`` (as :meth:`joint_kl`).
+
+        An assignment scored before on the same chunks (pins included) is
+        not run again: refine's baseline guard scores the same uniform
+        plans for every budget of one convert, and a search may come back
+        to a plan it tried. The model's weights and tokens do not change
+        under an evaluator, so the stored scores are the ones a rerun gives."""
         unknown = sorted(set(assignment) - set(self.sites))
         if unknown:
             raise ValueError(f"assignment names unknown tensors: {unknown[:5]}")
         assignment = {**self.pinned, **assignment}
+        n = len(self.ref_logits) if not chunks else min(chunks, len(self.ref_logits))
+        key = (frozenset(assignment.items()), n)
+        if key in self._scores:
+            self.reused += 1
+            return self._scores[key].copy()
+        out = self._kls_with({path: self.layer(path, cand) for path, cand in assignment.items()}, n,
+                             assignment)
+        self.evaluations += 1
+        self._scores[key] = out
+        return out.copy()
+
+    def _kls_with(self, modules: dict, n_chunks: int, assignment: dict | None = None) -> np.ndarray:
+        """Per-token KL [n_seq, seq_len] of the first ``n_chunks`` chunks
+        with ``modules`` (tensor path -> module) in place of the loaded ones;
+        ``assignment``: the candidate names they are (every tensor not
+        named stays as loaded), for reusing block outputs."""
+        sigs = None
+        if assignment is not None and self._prefixes is not None:
+            from .prefix import signatures
+
+            sigs = signatures(assignment, self.sites, len(self.adapter.blocks))
         try:
-            for path, cand in assignment.items():
-                self.adapter.set(path, self.layer(path, cand))
+            for path, module in modules.items():
+                self.adapter.set(path, module)
             parts = []
-            starts = list(range(0, len(self.tokens), self.chunk))[: chunks or None]
+            starts = list(range(0, len(self.tokens), self.chunk))[:n_chunks]
             for ci, i in enumerate(starts):
-                logits = self._forward(mx.array(self.tokens[i : i + self.chunk]))
+                x = mx.array(self.tokens[i : i + self.chunk])
+                logits = self._forward(x) if sigs is None else self._forward_reusing(x, ci, sigs)
                 kl = kl_per_token(self.ref_logits[ci], logits)
                 parts.append(np.array(kl, dtype=np.float64).reshape(logits.shape[0], -1))
         finally:
-            for path in assignment:
+            for path in modules:
                 self.adapter.set(path, self.originals[path])
-        self.evaluations += 1
         return np.concatenate(parts)
