@@ -275,15 +275,33 @@ def _accumulate(fisher, inputs, grads, forms, n_seq, out_energy) -> None:
     for path, parts in calls.items():
         split = all(x.ndim >= 2 and x.shape[0] == n_seq and d.shape[0] == n_seq
                     for _, x, d in parts)
+        lookups = forms[path] == "embedding" and all(tag == "call" for tag, _, _ in parts)
         for b in range(n_seq if split else 1):
-            g = np.zeros(fisher[path].shape, np.float32)
+            if lookups:
+                # Only the looked-up rows have a gradient: those are summed and
+                # squared (the same numbers; an 8B embedding's whole gradient
+                # was 2 GiB per sequence, nearly all zeros).
+                ids = np.concatenate([(x[b] if split else x).reshape(-1) for _, x, _ in parts])
+                rows = np.concatenate([(d[b] if split else d).reshape(-1, d.shape[-1])
+                                       for _, _, d in parts])
+                uniq, inv = np.unique(ids.astype(np.int64), return_inverse=True)
+                g = np.zeros((len(uniq), rows.shape[-1]), np.float32)
+                np.add.at(g, inv.reshape(-1), rows)
+                fisher[path][uniq] += np.square(g, out=g)
+                continue
+            g = None
             for tag, x, d in parts:
                 xb, db = (x[b], d[b]) if split else (x, d)
                 db = db.reshape(-1, d.shape[-1])
                 if forms[path] == "embedding" and tag == "call":
+                    g = np.zeros(fisher[path].shape, np.float32) if g is None else g
                     np.add.at(g, xb.reshape(-1).astype(np.int64), db)  # rows of the looked-up ids
                 else:
-                    g += db.T @ xb.reshape(-1, x.shape[-1])
+                    prod = db.T @ xb.reshape(-1, x.shape[-1])
+                    if g is None:
+                        g = prod  # no zeros to add it to: one weight-sized array fewer
+                    else:
+                        g += prod
                     if out_energy is not None and forms[path] == "linear":
                         e = np.square(db, dtype=np.float64).sum(axis=0)
                         out_energy[path] = out_energy.get(path, 0) + e
