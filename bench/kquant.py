@@ -35,6 +35,12 @@ from pathlib import Path
 import numpy as np
 
 MIXES = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M")
+# llama.cpp gives a tied embedding the output's type: Q6_K, or Q8_0 where a
+# row is not a multiple of 256 (SmolLM2's 576, Gemma-3-270M's 640) -- 21% of
+# SmolLM2's weights at 8.5 bpw puts every mix above 5 bpw. The override a
+# llama.cpp user has for it (--output-tensor-type, which this llama.cpp
+# applies to a tied embedding) at the lowest 32-block type: a second set.
+EMBED_OVERRIDES = ("q4_0",)
 BIN_DIR = Path(__file__).resolve().parents[1] / "build" / "ggml"
 ALL_F32 = 0  # llama_ftype LLAMA_FTYPE_ALL_F32
 
@@ -131,31 +137,25 @@ def read_back(path, sites):
 
 def score_gguf(evaluators: dict, path, sets=None) -> dict[str, list[float]]:
     """{held-out name: per-sequence KL} of the model in ``path`` on the
-    protocol's evaluators (which share one model: its sites are swapped for
-    the GGUF's and put back after)."""
+    protocol's evaluators (one model: each run swaps its sites for the
+    GGUF's and puts them back). Through ``_kls_with``, not an assignment:
+    the evaluator keys stored scores and block outputs by candidate names,
+    which these layers have none of."""
     ev0 = next(iter(evaluators.values()))
     if ev0.pinned:
         raise ValueError("the model pins layers outside the sites: the read-back would not replace them")
     layers = read_back(path, list(ev0.sites))
-    out = {}
-    try:
-        for p, m in layers.items():
-            ev0.adapter.set(p, m)
-        for k, ev in evaluators.items():
-            if sets is None or k in sets:
-                out[k] = ev.sequence_kls({}).tolist()
-    finally:
-        for p in layers:
-            ev0.adapter.set(p, ev0.originals[p])
-    return out
+    return {k: ev._kls_with(layers, ev.n_chunks).mean(axis=1).tolist()
+            for k, ev in evaluators.items() if sets is None or k in sets}
 
 
-def record(evaluators: dict, path) -> dict:
+def record(evaluators: dict, path, sets=None) -> dict:
     """The protocol's record of the GGUF in ``path``: storage bpw over the
-    evaluators' sites, the weights at each ggml type, per-sequence KLs."""
+    evaluators' sites, the weights at each ggml type, per-sequence KLs on
+    ``sets`` (default: every held-out set)."""
     sites = list(next(iter(evaluators.values())).sites)
     bpw, types = gguf_bpw(path, covered_names(path, sites))
-    return {"bpw": bpw, "kl": score_gguf(evaluators, path), "ggml_types": types}
+    return {"bpw": bpw, "kl": score_gguf(evaluators, path, sets), "ggml_types": types}
 
 
 # ---------------------------------------------------------- llama.cpp stages
@@ -196,22 +196,28 @@ def run_imatrix(model_gguf, text_file, out, n_ctx: int, n_chunks: int, threads: 
     return time.perf_counter() - t0
 
 
-def run_quantize(model_gguf, out, mix: str, imatrix=None, threads: int = 2) -> str:
-    """llama-quantize to ``mix`` (with ``imatrix`` when given); its log."""
+def run_quantize(model_gguf, out, mix: str, imatrix=None, embed_type=None, threads: int = 2) -> str:
+    """llama-quantize to ``mix`` (with ``imatrix``, the tied embedding at
+    ``embed_type`` when given); its log."""
     tmp = Path(str(out) + ".tmp.gguf")
     cmd = ["nice", "-n", "10", str(tool("llama-quantize"))]
     if imatrix is not None:
         cmd += ["--imatrix", str(imatrix)]
+    if embed_type is not None:
+        cmd += ["--output-tensor-type", embed_type]
     r = subprocess.run([*cmd, str(model_gguf), str(tmp), mix, str(threads)], check=True,
                        capture_output=True, text=True)
     os.replace(tmp, out)
     return r.stdout + r.stderr
 
 
-def contenders(model_name: str, tok, calib: dict[int, np.ndarray], work: Path, mixes=MIXES, plain: bool = True):
-    """Yield (record name, GGUF path) of every mix, with each seed's imatrix
-    ("llama.cpp Q4_K_M+imatrix seed0") and, if ``plain``, without one
-    ("llama.cpp Q4_K_M"); the GGUFs and imatrices are kept in ``work``."""
+def contenders(model_name: str, tok, calib: dict[int, np.ndarray], work: Path, mixes=MIXES, plain: bool = True,
+               embed_types=EMBED_OVERRIDES):
+    """Yield (record name, GGUF path) of every mix with each seed's imatrix,
+    the tied embedding at each of ``embed_types`` or as the mix sets it
+    ("llama.cpp Q4_K_M+imatrix embed q4_0 seed0", "llama.cpp Q4_K_M+imatrix
+    seed0"), then, if ``plain``, the same without imatrix ("llama.cpp
+    Q4_K_M"); the GGUFs and imatrices are kept in ``work``."""
     from mixbits.models import smollm2
 
     work.mkdir(parents=True, exist_ok=True)
@@ -220,12 +226,6 @@ def contenders(model_name: str, tok, calib: dict[int, np.ndarray], work: Path, m
     ref = work / "reference_f32.gguf"
     if not ref.exists():
         write_float_gguf(smollm2.fetch(), ref)
-    if plain:
-        for mix in mixes:
-            q = work / f"{mix}.gguf"
-            if not q.exists():
-                run_quantize(ref, q, mix)
-            yield f"llama.cpp {mix}", q
     seq_len = next(iter(calib.values())).shape[1]
     for s, toks in calib.items():
         kept = work / f"calib_seed{s}.npy"  # the imatrix and GGUFs of seed s belong to these tokens
@@ -241,8 +241,18 @@ def contenders(model_name: str, tok, calib: dict[int, np.ndarray], work: Path, m
         im = work / f"imatrix_seed{s}.gguf"
         if not im.exists():
             run_imatrix(ref, text_file, im, seq_len, len(toks))
-        for mix in mixes:
-            q = work / f"{mix}_imatrix_seed{s}.gguf"
-            if not q.exists():
-                run_quantize(ref, q, mix, imatrix=im)
-            yield f"llama.cpp {mix}+imatrix seed{s}", q
+        # the overridden embedding first: on SmolLM2 only those fit 5 bpw
+        for et in [*embed_types, None]:
+            for mix in mixes:
+                tag = f"_embed_{et}" if et else ""
+                q = work / f"{mix}_imatrix{tag}_seed{s}.gguf"
+                if not q.exists():
+                    run_quantize(ref, q, mix, imatrix=im, embed_type=et)
+                yield f"llama.cpp {mix}+imatrix{f' embed {et}' if et else ''} seed{s}", q
+    if plain:  # last: the comparison point for what the imatrix is worth
+        for et in [*embed_types, None]:
+            for mix in mixes:
+                q = work / (f"{mix}_embed_{et}.gguf" if et else f"{mix}.gguf")
+                if not q.exists():
+                    run_quantize(ref, q, mix, embed_type=et)
+                yield f"llama.cpp {mix}{f' embed {et}' if et else ''}", q

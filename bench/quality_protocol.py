@@ -403,9 +403,9 @@ def main() -> None:
         import kquant
 
         for name, path in kquant.contenders(args.model, sc.tok, calib, work / "kquant"):
-            if name not in records or set(sc.held) - set(records[name]["kl"]):
+            if "licenses" not in records.get(name, {}).get("kl", {}):
                 t0 = time.perf_counter()
-                records[name] = kquant.record(sc.evals, path)
+                records[name] = kquant.record(sc.evals, path, ["licenses"])  # the claim's set only, as dq
                 print(f"{name}: bpw {records[name]['bpw']:.3f} KL licenses "
                       f"{np.mean(records[name]['kl']['licenses']):.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
                 save()
