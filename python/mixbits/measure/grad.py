@@ -387,7 +387,8 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
             if s.path in fallback:
                 continue
             t1 = time.perf_counter()
-            entry = _rate(ad, s, fisher[s.path], n_tok, site_cands[s.path], scale_dtype, energy, rp)
+            # Let go of each diagonal once rated (an 8B embedding's is 2 GiB).
+            entry = _rate(ad, s, fisher.pop(s.path), n_tok, site_cands[s.path], scale_dtype, energy, rp)
             spent[s.path] = time.perf_counter() - t1
             if entry is None:
                 fallback[s.path] = "the estimate overflows"
@@ -429,6 +430,7 @@ def _rate(ad, s, fisher, n_tok, cands_of_site, scale_dtype, energy, rp) -> dict 
     original = ad.get(s.path)
     dense, fish = dense_weight(original), mx.array(fisher)
     mx.eval(dense, fish)
+    del fisher  # the numpy copy: MLX holds its own now
     inputs = rp().input_hessian(s) if any(c.calibrated for c in cands_of_site) else None
     cands = []
     for c in cands_of_site:
