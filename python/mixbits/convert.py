@@ -154,7 +154,10 @@ class Probe:
     fisher_seq: float  # one Fisher pass over one sequence, one sample
     pair: tuple[float, float]  # an exact pair's seconds: fixed + per block forward, one sequence
     pair_units: list[int]  # every (tensor, candidate) pair's block forwards
-    joint_seq: float  # one joint-KL evaluation over one sequence
+    joint_seq: float  # one joint-KL evaluation over one sequence, every tensor quantized
+    reference_seq: float = 0.0  # refine's evaluator setup per sequence: the float forward (reference logits)
+    build_set: float = 0.0  # quantizing every tensor at one candidate (refine's layers, each built once)
+    candidates: int = 1  # candidate kinds: at most that many such sets get built
 
     @property
     def pairs(self) -> int:
@@ -169,8 +172,13 @@ class Probe:
         return {"measure": measure, "refine": self.refine_seconds(bpws, max_evals)}
 
     def refine_seconds(self, bpws, max_evals: int) -> float:
-        # Each budget: its joint-KL evaluations plus ~4 of the baseline guard's.
-        return len(bpws) * (max_evals + 4) * self.n_seq * self.joint_seq
+        # One reference pass; the layers, each (tensor, candidate) quantized
+        # once for all budgets: about two full sets per budget (its optimum's
+        # widths, its guard's uniform one), never more sets than candidates;
+        # then each budget's joint-KL evaluations plus ~4 of the baseline guard's.
+        sets = min(self.candidates, 2 * len(bpws))
+        fixed = self.n_seq * self.reference_seq + sets * self.build_set
+        return fixed + len(bpws) * (max_evals + 4) * self.n_seq * self.joint_seq
 
     def totals(self, bpws, max_evals: int, exact_budget: float, samples: int) -> dict[str, float]:
         """Projected measure + refine seconds of every method."""
@@ -184,10 +192,56 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def timing_probe(model, tokens, sites, candidates) -> Probe:
+def _quantized_probe(ev, sites, cands, bpw=None) -> tuple[float, float]:
+    """(seconds of one joint evaluation with every tensor quantized, seconds
+    to quantize every tensor once) on ``ev``'s one sequence.
+
+    What refine runs is the quantized model, whose linears are mixbits'
+    quantized kernels -- not the float forward (BLAS on widened weights,
+    weights read from disk per block), which can be several times slower
+    (Llama-3-8B shapes in bf16: 182 s per sequence). To keep the probe cheap
+    on a large model, one layer is built per distinct (form, shape) -- at the
+    candidate nearest ``bpw`` -- and put in place of every tensor of that
+    shape: the same kernels on the same shapes, so the same time, for the
+    cost of quantizing about one block and the embeddings/head. The
+    quantizing rate of those builds, per weight, scales to the whole model."""
+    import mlx.core as mx
+
+    from . import streaming
+    from .measure.candidates import build_layer, supports
+
+    plain = [c for c in cands if not c.calibrated]
+    if bpw is not None:
+        plain.sort(key=lambda c: abs(c.storage_bpw - bpw))
+    built, modules, build_s, build_w = {}, {}, 0.0, 0
+    for s in sites:
+        cand = next((c for c in plain if supports(c, s)), None)
+        if cand is None:
+            continue  # stays float in refine too
+        key = (s.form, tuple(s.shape), s.experts, cand.name)
+        if key not in built:
+            original = ev.originals[s.path]
+            t0 = time.perf_counter()
+            layer = build_layer(original, cand, ev.scale_dtype)
+            mx.eval(layer.parameters())
+            build_s += time.perf_counter() - t0
+            build_w += s.nparams
+            streaming.release(original)
+            built[key] = layer
+        modules[s.path] = built[key]
+    if not modules:
+        return 0.0, 0.0
+    joint = _timed(lambda: ev._kls_with(modules, 1))
+    total_w = sum(s.nparams for s in sites if s.path in modules)
+    return joint, build_s / build_w * total_w
+
+
+def timing_probe(model, tokens, sites, candidates, bpw=None) -> Probe:
     """Time, on the first calibration sequence: a Fisher pass, two exact
     pairs (a tensor of the first block and one of the last, so the fixed
-    and per-block parts separate) and a joint-KL evaluation."""
+    and per-block parts separate), the float reference forward and a
+    joint-KL evaluation of the quantized model (:func:`_quantized_probe`;
+    ``bpw``: the target its candidate is chosen nearest to)."""
     from .adapter import ModelAdapter
     from .measure.candidates import parse_candidate, supports
     from .measure.grad import fisher_diagonal
@@ -204,22 +258,22 @@ def timing_probe(model, tokens, sites, candidates) -> Probe:
                and any(supports(c, s) and not c.calibrated for c in cands)]
     fisher_sites = linears[:1] or sites[:1]
     fisher = _timed(lambda: fisher_diagonal(model, one, fisher_sites, progress=False))
-    pair, plan = (0.0, 0.0), {}
+    pair = (0.0, 0.0)
     if linears:
         rp = Replayer(model, token_chunks(one, 1), ModelAdapter(model))
         cfg = SweepConfig([c.name for c in cands])
         first, last = linears[0], linears[-1]
         cand = next(c for c in cands if supports(c, first) and not c.calibrated)
-        plan = {first.path: cand.name}  # the joint evaluation below quantizes the same tensor
         t_first = _timed(lambda: measure_site(rp, first, [cand], cfg))
         t_last = _timed(lambda: measure_site(rp, last, [cand], cfg))
         du = cost[first.path] - cost[last.path]
         per = max((t_first - t_last) / du, 0.0) if du else 0.0
         pair = (max(t_last - per * cost[last.path], 0.0), per)
+    t0 = time.perf_counter()
     ev = JointEvaluator(model, one, chunk=1)
-    ev.joint_kl(plan)  # builds the layer once, as refine's first evaluation does
-    joint = _timed(lambda: ev.joint_kl(plan))
-    return Probe(len(tokens), fisher, pair, units, joint)
+    reference = time.perf_counter() - t0
+    joint, build = _quantized_probe(ev, sites, cands, bpw)
+    return Probe(len(tokens), fisher, pair, units, joint, reference, build, len(cands))
 
 
 def format_duration(s: float) -> str:

@@ -142,7 +142,7 @@ def dry_run(args) -> int:
     model, tokenizer = _load_measured_model(args)
     tokens = calibration_tokens(args, model, tokenizer)
     sites = ModelAdapter(model).sites
-    probe = timing_probe(model, tokens, sites, args.candidates)
+    probe = timing_probe(model, tokens, sites, args.candidates, min(args.bpw))
     if args.method is None:
         _choose_method(args, probe)
     est = probe.stage_seconds(args.method, args.bpw, args.max_evals, args.exact_budget,
@@ -152,7 +152,9 @@ def dry_run(args) -> int:
     print(f"candidates: {' '.join(args.candidates)} ({probe.pairs} (tensor, candidate) pairs)")
     print(f"calibration: {tokens.shape[0]} x {tokens.shape[1]} tokens; timed on one sequence: "
           f"Fisher pass {probe.fisher_seq:.2f} s, exact pair {probe.pair[0]:.2f} s + "
-          f"{probe.pair[1]:.3f} s per block, joint evaluation {probe.joint_seq:.2f} s")
+          f"{probe.pair[1]:.3f} s per block, joint evaluation {probe.joint_seq:.2f} s (quantized "
+          f"model), reference forward {probe.reference_seq:.2f} s; quantizing every tensor once "
+          f"{probe.build_set:.1f} s")
     print(f"method: {args.method}; budgets: {', '.join(f'{b:g}' for b in sorted(args.bpw))} bpw (storage)")
     print(f"estimated: measure ~{format_duration(est['measure'])}, refine ~{format_duration(est['refine'])} "
           "(from the probe, at this machine's current load), then quantize and save")
@@ -205,7 +207,8 @@ def convert(args, current: dict, work) -> int:
         from ..adapter import ModelAdapter
         from ..convert import settings, timing_probe
 
-        _choose_method(args, timing_probe(model, tokens, ModelAdapter(model).sites, args.candidates))
+        _choose_method(args, timing_probe(model, tokens, ModelAdapter(model).sites, args.candidates,
+                                          min(args.bpw)))
         current = settings(args)
     if not (work / SETTINGS).exists():
         write_json_atomic(current, work / SETTINGS)
