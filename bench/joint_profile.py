@@ -158,6 +158,36 @@ def profiled(model, fn):
             "other_s": round(other, 4), "ops": prof.table(wall)}, out
 
 
+def kinds_table(shapes=((5632, 2048), (2048, 5632)), m=256, dtype="float16") -> list[dict]:
+    """Each candidate kind's layer at M rows of x (a one-sequence
+    evaluation's), process CPU seconds per call: whether a kind (mixed
+    segments with a permutation, ternary) takes a slower path."""
+    import mlx.nn as nn
+
+    from mixbits.measure.candidates import DEFAULT_CANDIDATES, build_layer, parse_candidate
+
+    rows = []
+    for n, k in shapes:
+        lin = nn.Linear(k, n, bias=False)
+        lin.weight = (mx.random.normal((n, k)) * 0.02).astype(getattr(mx, dtype))
+        x = mx.random.normal((m, k)).astype(getattr(mx, dtype))
+        mx.eval(lin.weight, x)
+        for c in DEFAULT_CANDIDATES:
+            layer = build_layer(lin, parse_candidate(c), mx.float16)
+            mx.eval(layer.parameters())
+            mx.eval(layer(x))
+            cpu = []
+            for _ in range(4):
+                c0 = time.process_time()
+                mx.eval(layer(x))
+                cpu.append(time.process_time() - c0)
+            med = float(np.median(cpu))
+            rows.append({"shape": [n, k], "m": m, "kind": c, "cpu_ms": round(med * 1e3, 2),
+                         "gflops_per_cpu_s": round(2.0 * m * n * k / med / 1e9, 1)})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--folder", default="/tmp/llama1b")
@@ -168,7 +198,14 @@ def main(argv=None):
     p.add_argument("--guard", nargs="*", default=["3b_g64", "3b_g64/4b_g64"],
                    help="extra plans: a uniform candidate, or low/high for mlx-lm's mixed recipe")
     p.add_argument("--out", default=None)
+    p.add_argument("--kinds", action="store_true",
+                   help="only the per-kind table of the quantized layer at M = 256 (kinds_table)")
     args = p.parse_args(argv)
+    if args.kinds:
+        out = {"host": {**cpu_info(), "load_avg_after": os.getloadavg()}, "rows": kinds_table()}
+        if args.out:
+            Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        return
 
     from mixbits.measure.baselines import mixed_rule
     from mixbits.measure.calib import load_model

@@ -32,8 +32,8 @@ class JointEvaluator:
         candidates (``+gptq``...) are fitted on, and whose layer cache this
         one shares -- so scoring on held-out tokens never fits on them.
         ``reuse_blocks``: keep recent evaluations' block outputs (up to
-        ``prefix_bytes``; default a quarter of the available memory, at most
-        4 GiB) and start a later evaluation at the first block it changes,
+        ``prefix_bytes``; default an eighth of the available memory, at most
+        2 GiB) and start a later evaluation at the first block it changes,
         when the model's forward allows it (:func:`.prefix.replays`;
         ``reuse_reason`` says why not otherwise)."""
         self.model = model
@@ -74,7 +74,10 @@ class JointEvaluator:
         if self.reuse_reason is None:
             if limit is None:
                 avail = streaming.available_memory()
-                limit = min(4 << 30, avail // 4) if avail else 1 << 30
+                # Refine's layer cache grows after this (a set of layers per
+                # candidate used): leave it the room. An 8B bf16 model's
+                # outputs are 1 GiB per evaluation of 8 x 256 tokens (float32).
+                limit = min(2 << 30, avail // 8) if avail else 1 << 30
             self._prefixes = BlockOutputs(limit)
 
     def _logits(self, i):
