@@ -165,3 +165,28 @@ def test_a_model_writing_into_a_block_output_gets_the_plain_numbers():
     for plan in plans(list(plain.sites.values()), n=8, seed=3):
         np.testing.assert_array_equal(reuse.token_kls(plan), plain.token_kls(plan))
     assert reuse.blocks_skipped >= 8
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied"])
+def test_a_head_change_reuses_every_block_an_embedding_change_none(name):
+    """The output head runs after every block: changing only it stubs all
+    of them. A tied embedding (also the head) runs first: changing it runs all."""
+    model, _ = build(name, seed=5)
+    tokens = np.random.default_rng(4).integers(0, 160, size=(2, 16))
+    plain = JointEvaluator(model, tokens, chunk=1, reuse_blocks=False)
+    reuse = JointEvaluator(model, tokens, chunk=1)
+    n = len(reuse.adapter.blocks)
+    sites = reuse.sites
+    head = [p for p, s in sites.items() if s.block is None and s.form != "embedding"]
+    emb = [p for p, s in sites.items() if s.form == "embedding"]
+    assert reuse._after == frozenset(head)
+    base = {p: "4b_g64" for p in sites}
+    for outside in (head, emb):
+        if not outside:
+            continue
+        for c in ("4b_g64", "8b_g64"):
+            plan = {**base, **{p: c for p in outside}}
+            before = reuse.blocks_skipped
+            np.testing.assert_array_equal(reuse.token_kls(plan), plain.token_kls(plan))
+            if c == "8b_g64":
+                assert reuse.blocks_skipped - before == (2 * n if outside is head else 0)

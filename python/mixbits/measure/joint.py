@@ -55,7 +55,7 @@ class JointEvaluator:
         self.reused = 0  # scores returned from _scores
         self._scores: dict[tuple, np.ndarray] = {}
         self.blocks_run = self.blocks_skipped = 0  # block calls of evaluations run / stubbed
-        self._prefixes, self.reuse_reason = None, "reuse_blocks=False"
+        self._prefixes, self.reuse_reason, self._after = None, "reuse_blocks=False", frozenset()
         if reuse_blocks:
             self._start_reuse(prefix_bytes)
 
@@ -70,7 +70,8 @@ class JointEvaluator:
         # A short piece of the tokens: the check is about the model's code.
         piece = mx.array(self.tokens[:1, : min(self.tokens.shape[1], 32)])
         root = self.model if streaming.streams(self.model) else None
-        self.reuse_reason = replays(self.model, blocks, piece, root)
+        outside = {p: self.originals[p] for p, s in self.sites.items() if s.block is None}
+        self.reuse_reason, self._after = replays(self.model, blocks, piece, root, outside)
         if self.reuse_reason is None:
             if limit is None:
                 avail = streaming.available_memory()
@@ -212,7 +213,7 @@ class JointEvaluator:
         if assignment is not None and self._prefixes is not None:
             from .prefix import signatures
 
-            sigs = signatures(assignment, self.sites, len(self.adapter.blocks))
+            sigs = signatures(assignment, self.sites, len(self.adapter.blocks), self._after)
         try:
             for path, module in modules.items():
                 self.adapter.set(path, module)

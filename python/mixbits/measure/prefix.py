@@ -27,13 +27,17 @@ from .. import streaming
 from .replay import _arrays, _Proxy, _settle, _stateful
 
 
-def signatures(assignment: dict[str, str], sites: dict, n_blocks: int) -> list[tuple]:
+def signatures(assignment: dict[str, str], sites: dict, n_blocks: int,
+               after=frozenset()) -> list[tuple]:
     """For each block i, what its output depends on: the assignment of the
-    tensors outside the blocks (conservatively all of them: the embeddings
-    run first) and of blocks 0..i, as a sorted tuple."""
+    tensors outside the blocks (all but those in ``after``, seen to run only
+    once every block has: the output head) and of blocks 0..i, as a sorted
+    tuple."""
     per = [[] for _ in range(n_blocks)]
     outside = []
     for path, cand in sorted(assignment.items()):
+        if path in after:
+            continue
         site = sites.get(path)
         b = None if site is None else site.block
         (per[b] if b is not None and 0 <= b < n_blocks else outside).append((path, cand))
@@ -121,15 +125,29 @@ class _Given(_Proxy):
         return _alias(self._out)
 
 
-def forward(model, blocks: list, x, start: int = 0, last=None, root=None):
+class _Marker(_Proxy):
+    """Notes, at each call of its module, how many blocks had run."""
+
+    def __init__(self, inner, calls: list, seen: list):
+        super().__init__(inner)
+        object.__setattr__(self, "_calls", calls)
+        object.__setattr__(self, "_seen", seen)
+
+    def __call__(self, *args, **kwargs):
+        self._seen.append(len(self._calls))
+        return self._inner(*args, **kwargs)
+
+
+def forward(model, blocks: list, x, start: int = 0, last=None, root=None, calls=None):
     """``model(x)`` with blocks ``0..start-1`` stubbed, each returning ``last``
     (block start-1's output: the only one the next block reads -- what
     :func:`replays` checks), the rest run and recorded. ``root``: the
     model, when its weights stay on disk (each run block evaluated and
     released, as :class:`~mixbits.measure.replay._Streamed` does). Returns
-    (output, [(block index, args, kwargs, output)] of the blocks that ran)."""
+    (output, [(block index, args, kwargs, output)] of the blocks that ran,
+    appended to ``calls`` when given)."""
     originals = list(blocks)
-    calls: list = []
+    calls = [] if calls is None else calls
     try:
         for i in range(start):
             blocks[i] = _Given(originals[i], last)
@@ -153,32 +171,47 @@ def well_formed(calls: list, start: int, n_blocks: int) -> bool:
                     for c in calls))
 
 
-def replays(model, blocks: list, x, root=None) -> str | None:
-    """None when stubbing the first half of the blocks, each returning the
-    recorded output of the last of them, gives ``model(x)``'s output back
-    (to float32 rounding of the logits' scale); else why not. A model that
+def replays(model, blocks: list, x, root=None, outside: dict | None = None):
+    """(None, the paths of ``outside`` -- path -> module, the tensors outside
+    the blocks -- whose modules were called only after every block) when
+    stubbing the first half of the blocks, each returning the recorded
+    output of the last of them, gives ``model(x)``'s output back (to float32
+    rounding of the logits' scale); else (why not, empty). A model that
     read an earlier block's output other than through the next block, or
-    kept state between blocks, would not pass."""
+    kept state between blocks, would not pass. A module used otherwise than
+    by its call (a tied embedding's ``as_linear``) counts where it is called."""
+    from ..adapter import set_module
+
     n = len(blocks)
     if n < 2:
-        return "fewer than two blocks"
+        return "fewer than two blocks", frozenset()
+    outside = outside or {}
+    calls: list = []
+    seen = {p: [] for p in outside}
     try:
-        ref, calls = forward(model, blocks, x, 0, None, root)
+        for p, m in outside.items():
+            set_module(model, p, _Marker(m, calls, seen[p]))
+        try:
+            ref, calls = forward(model, blocks, x, 0, None, root, calls)
+        finally:
+            for p, m in outside.items():
+                set_module(model, p, m)
+            if root is not None:
+                streaming.release(model)  # the release inside did not enter the markers
         if not well_formed(calls, 0, n):
             return ("the model does not call its blocks once each, in order, with the hidden state "
-                    "first and nothing stateful")
+                    "first and nothing stateful"), frozenset()
         mid = n // 2
         out, calls2 = forward(model, blocks, x, mid, calls[mid - 1][3], root)
         if not well_formed(calls2, mid, n):
-            return "a replay from the middle does not call the remaining blocks in order"
+            return "a replay from the middle does not call the remaining blocks in order", frozenset()
         a = (ref[0] if isinstance(ref, tuple) else ref).astype(mx.float32)
         b = (out[0] if isinstance(out, tuple) else out).astype(mx.float32)
         if a.shape != b.shape:
-            return "a replay from the middle changes the output's shape"
+            return "a replay from the middle changes the output's shape", frozenset()
         gap = float(mx.abs(a - b).max())
         if not gap <= 1e-6 * (1.0 + float(mx.abs(a).max())):
-            return f"a replay from the middle moves the logits by {gap:.3g}"
+            return f"a replay from the middle moves the logits by {gap:.3g}", frozenset()
     except Exception as e:  # the check must never be the crash
-        return f"replaying the recorded blocks failed ({type(e).__name__}: {e})"
-    return None
-
+        return f"replaying the recorded blocks failed ({type(e).__name__}: {e})", frozenset()
+    return None, frozenset(p for p, s in seen.items() if s and min(s) == n)
