@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mixbits.measure.joint import JointEvaluator
-from tiny_models import build
+from tiny_models import CONFIGS, build
 
 CANDS = ["2b_g64", "3b_g64", "4b_g64", "8b_g64", "4b_g32"]
 
@@ -190,3 +190,25 @@ def test_a_head_change_reuses_every_block_an_embedding_change_none(name):
             np.testing.assert_array_equal(reuse.token_kls(plan), plain.token_kls(plan))
             if c == "8b_g64":
                 assert reuse.blocks_skipped - before == (2 * n if outside is head else 0)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_every_architecture_reuses_blocks_with_the_plain_numbers(name):
+    """Hybrid, recurrent, MoE, AltUp and VLM-wrapped models: the check lets
+    reuse on, and swap-like plans score bit for bit as plain evaluations."""
+    from mixbits.measure.candidates import parse_candidate, supports
+
+    model, _ = build(name, seed=2)
+    tokens = np.random.default_rng(1).integers(0, 160, size=(2, 12))
+    plain = JointEvaluator(model, tokens, chunk=1, reuse_blocks=False)
+    reuse = JointEvaluator(model, tokens, chunk=1)
+    assert reuse._prefixes is not None, reuse.reuse_reason
+    c4 = parse_candidate("4b_g32")
+    base = {s.path: "4b_g32" for s in plain.sites.values() if supports(c4, s)}
+    rng = np.random.default_rng(0)
+    for i in range(5):
+        plan = dict(base)
+        for p in (rng.choice(list(base), size=2, replace=False) if i else []):
+            plan[str(p)] = "8b_g32"
+        np.testing.assert_array_equal(reuse.token_kls(plan), plain.token_kls(plan))
+    assert reuse.blocks_skipped > 0
