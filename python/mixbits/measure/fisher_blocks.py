@@ -249,27 +249,34 @@ class _Stage:
     def vjp(self, fn, primals: list, cotangents: list, n_seq: int, inputs, out_energy):
         """``fn(*primals)`` run with the taps perturbed and the stacks' weights
         as variables; the Fisher totals get this sample's squared weight
-        gradients; returns the vjps of ``primals``."""
+        gradients. ``inputs``: the tapped modules' inputs (:func:`_tap_inputs`)
+        or None: recorded in this same forward (the taps' shapes must be
+        known: a capture forward, left unevaluated, gives them). Returns
+        (the vjps of ``primals``, ``fn``'s outputs, the inputs)."""
         from .grad import _accumulate
 
         deltas = {k: mx.zeros(shape, dtype) for k, (shape, dtype) in self.taps.shapes.items()}
         dk, wk = list(deltas), list(self.weights0)
         n = len(primals)
+        record = inputs is None
 
         def run(*p):
-            self.taps.perturb(dict(zip(dk, p[n:n + len(dk)])))
+            self.taps.perturb(dict(zip(dk, p[n:n + len(dk)])), record=record)
             for k, w in zip(wk, p[n + len(dk):]):
                 self.stacks[k].weight = w
             return fn(*p[:n])
 
-        _, g = mx.vjp(run, [*primals, *deltas.values(), *self.weights0.values()], cotangents)
-        mx.eval(g)
+        outs, g = mx.vjp(run, [*primals, *deltas.values(), *self.weights0.values()], cotangents)
+        # One evaluation: the recorded inputs are nodes of the forward the vjp runs.
+        mx.eval(outs, g, list(self.taps.inputs.values()) if record else [])
+        if record:
+            inputs = _tap_inputs(self.taps)
         gd = dict(zip(dk, g[n:n + len(dk)]))
         _accumulate(self.fisher, inputs, gd, self.forms, n_seq, out_energy)
         for k, w in zip(wk, g[n + len(dk):]):
             w = np.array(w.astype(mx.float32))
             self.fisher[k] += w * w
-        return g[:n]
+        return g[:n], outs, inputs
 
 
 def fisher_groups(model, tokens, sites, rp, *, samples: int = 1, seed: int = 0,
@@ -318,20 +325,20 @@ def fisher_groups(model, tokens, sites, rp, *, samples: int = 1, seed: int = 0,
         block = blocks[i]
         with _Stage(ad, [s for s in sites if s.block == i]) as st:
             for c in range(n_chunks):
-                args, kwargs, _ = rp.records[c][i]
+                args, kwargs, recorded = rp.records[c][i]
                 rest = args[1:]
                 n_seq = int(rp.chunks[c].shape[0])
                 st.taps.capture()
-                y = block(*args, **kwargs)
-                mx.eval(y, list(st.taps.inputs.values()))
-                if i < len(blocks) - 1:
-                    _same_output(i, y, rp.records[c][i][2])
-                inputs = _tap_inputs(st.taps)
+                block(*args, **kwargs)  # not evaluated: only the tapped outputs' shapes
+                inputs = None  # recorded by the first sample's differentiated forward
                 for s in range(samples):
                     def fn(h, rest=rest, kwargs=kwargs):
                         return [block(h, *rest, **kwargs)]
-                    (cots[c][s],) = st.vjp(fn, [args[0]], [cots[c][s]], n_seq, inputs, out_energy)
-                del inputs, args, kwargs, rest
+                    (cots[c][s],), (y,), inputs = st.vjp(fn, [args[0]], [cots[c][s]], n_seq, inputs,
+                                                         out_energy)
+                    if s == 0 and i < len(blocks) - 1:
+                        _same_output(i, y, recorded)
+                del inputs, args, kwargs, rest, recorded, y
         streaming.release(block)
         bar.update(1)
         if st.fisher:
@@ -354,6 +361,7 @@ def fisher_groups(model, tokens, sites, rp, *, samples: int = 1, seed: int = 0,
                     h0 = recs[0][0][0]
                     st.vjp(fn, [], [cots[c][s].astype(h0.dtype), mx.array(1.0, mx.float32)],
                            n_seq, inputs, out_energy)
+                del inputs
         streaming.release(model)
         bar.update(1)
         yield st.fisher

@@ -58,6 +58,7 @@ class Taps:
         self.modules = dict(modules)
         self._path = {id(m): p for p, m in self.modules.items()}
         self._mode = None
+        self._record = False
         self.inputs: dict[str, mx.array] = {}
         self.shapes: dict[str, tuple] = {}  # key -> (output shape, dtype)
         self._deltas: dict = {}
@@ -87,9 +88,15 @@ class Taps:
         self.inputs, self.shapes, self._seen = {}, {}, {}
         self.sources, self._made = {}, {}
 
-    def perturb(self, deltas: dict):
-        """Start a forward whose tapped outputs get ``deltas`` added."""
+    def perturb(self, deltas: dict, record: bool = False):
+        """Start a forward whose tapped outputs get ``deltas`` added;
+        ``record``: the inputs are recorded too, as by :meth:`capture` (a
+        differentiated forward that also yields them saves a capture
+        forward: they are nodes of the same graph)."""
         self._mode, self._count, self._deltas = "perturb", {}, deltas
+        self._record = record
+        if record:
+            self.inputs, self._seen = {}, {}
 
     def hit(self, module, tag: str, x, y):
         path = self._path.get(id(module))
@@ -111,6 +118,10 @@ class Taps:
             self.sources[key] = src[1] if src is not None else None
             self._made[id(y)] = (y, key)
             return y
+        if self._record:
+            if id(x) not in self._seen:
+                self._seen[id(x)] = (x, mx.stop_gradient(x))
+            self.inputs[key] = self._seen[id(x)][1]
         d = self._deltas.get(key)
         if d is None:
             raise RuntimeError(f"{key}: called in this forward but not in the recorded one "
