@@ -256,3 +256,57 @@ def contenders(model_name: str, tok, calib: dict[int, np.ndarray], work: Path, m
                 if not q.exists():
                     run_quantize(ref, q, mix, embed_type=et)
                 yield f"llama.cpp {mix}{f' embed {et}' if et else ''}", q
+
+
+# ------------------------------------------------- cross-check with llama.cpp
+
+def llama_kld(model_gguf, base_file, threads: int = 2) -> float:
+    """llama-perplexity --kl-divergence of ``model_gguf`` against the base
+    log-probabilities in ``base_file``: llama.cpp's own forward, KL on each
+    window's positions n_ctx/2 .. n_ctx-2. --no-repack: this host's AMX
+    tiles fault in ggml's AMX buffers (SIGILL at ldtilecfg) for Q4_0/Q8_0."""
+    r = subprocess.run(["nice", "-n", "10", str(tool("llama-perplexity")), "-m", str(model_gguf), "-t", str(threads),
+                        "--no-repack", "--kl-divergence-base", str(base_file), "--kl-divergence"],
+                       check=True, capture_output=True, text=True)
+    line = next(ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("Mean    KLD:"))
+    return float(line.split(":")[1].split("±")[0])
+
+
+def crosscheck(names, work: Path, out: Path) -> dict:
+    """KL of the GGUFs ``work/<name>.gguf`` on the protocol's licenses set by
+    our evaluator and by llama-perplexity, on the positions llama.cpp scores
+    (the held-out windows as text: checked to tokenize to the same ids)."""
+    import quality_protocol as qp
+
+    sc = qp.Scorer("smollm2")
+    ev = sc.evals["licenses"]
+    ref, held = work / "reference_f32.gguf", sc.held["licenses"]
+    text_file, base = work / "held_licenses.txt", work / "base_licenses.kld"
+    text_file.write_text(calibration_text(sc.tok, held), encoding="utf-8")
+    check = check_tokens(ref, text_file, held)
+    if not check["equal"]:
+        raise SystemExit(f"llama.cpp tokenizes the held-out text differently: {check}")
+    if not base.exists():
+        n, k = held.shape
+        subprocess.run(["nice", "-n", "10", str(tool("llama-perplexity")), "-m", str(ref), "-f", str(text_file),
+                        "-c", str(k), "-b", str(k), "--chunks", str(n), "-t", "2", "--no-repack",
+                        "--kl-divergence-base", str(base)], check=True, capture_output=True)
+    res = {"tokens": check, "positions": "n_ctx/2 .. n_ctx-2 of each 256-token window (llama-perplexity's)"}
+    for name in names:
+        tk = ev._kls_with(read_back(work / f"{name}.gguf", list(ev.sites)), ev.n_chunks)
+        k = tk.shape[1]
+        res[name] = {"ours_all_positions": float(tk.mean()), "ours": float(tk[:, k // 2 : k - 1].mean()),
+                     "llama_perplexity": llama_kld(work / f"{name}.gguf", base)}
+        print(name, res[name], flush=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(res, indent=1) + "\n")
+    os.replace(tmp, out)
+    return res
+
+
+if __name__ == "__main__":
+    # python bench/kquant.py WORK/kquant NAME...  (after quality_protocol.py --kquant --work WORK)
+    import sys
+
+    crosscheck(sys.argv[2:], Path(sys.argv[1]),
+               Path(__file__).parent / "results" / "kquant_crosscheck_smollm2.json")

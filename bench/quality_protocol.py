@@ -434,6 +434,12 @@ def main() -> None:
               "mixbits_stage_wall_s": timings, "bench_wall_s_this_run": round(time.perf_counter() - t_start, 1),
               "summary": {h: summarize(records, args.budgets, args.seeds, mseeds, h) for h in sc.held},
               "records": records}
+    if args.kquant:
+        result["protocol"]["llama_cpp"] = {
+            "bpw": "bytes of the same 211 tensors in the quantized GGUF (super-block scales included)",
+            "reference": "every tensor of the model's GGUF decoded, written as F32 GGUF (bench/kquant.py)",
+            "imatrix_tokens": {s: json.loads((work / "kquant" / f"calib_seed{s}_tokens.json").read_text())
+                               for s in args.seeds}}
     out = args.result or RESULTS / f"quality_protocol_{args.model}.json"
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
