@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-quantize, llama-imatrix, llama-tokenize and
-# llama-perplexity (the
-# llama.cpp copy vendored in the llama-cpp-python sdist, as
-# build_llama_bench.sh) into build/ggml/ (ignored by git). Optional: only
+# llama-perplexity (the llama.cpp copy vendored in the llama-cpp-python
+# sdist, as build_llama_bench.sh) into build/ggml/ (ignored by git). Optional: only
 # bench/kquant.py (quality_protocol.py --kquant) uses them, to add
 # llama.cpp's K-quant mixes (with an importance matrix) to the protocol's
 # contenders; not part of .ci/run.
