@@ -39,7 +39,8 @@ MIXES = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5
 # row is not a multiple of 256 (SmolLM2's 576, Gemma-3-270M's 640) -- 21% of
 # SmolLM2's weights at 8.5 bpw puts every mix above 5 bpw. The override a
 # llama.cpp user has for it (--output-tensor-type, which this llama.cpp
-# applies to a tied embedding) at the lowest 32-block type: a second set.
+# applies to a tied embedding) at Q4_0, the type the mixes' 576-wide
+# tensors fall back to: a second set.
 EMBED_OVERRIDES = ("q4_0",)
 BIN_DIR = Path(__file__).resolve().parents[1] / "build" / "ggml"
 ALL_F32 = 0  # llama_ftype LLAMA_FTYPE_ALL_F32
