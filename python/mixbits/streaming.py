@@ -152,6 +152,18 @@ def available_memory() -> int | None:
         return None
 
 
+def memory_share(fraction: float, at_most: int | None = None, unknown: int = 1 << 30) -> int:
+    """Bytes a cache may hold: ``fraction`` of :func:`available_memory` (read
+    now, so after the model's weights are in), at most ``at_most``;
+    ``unknown`` where the available memory cannot be read. The one rule the
+    joint evaluator's caches (block outputs, built layers) size themselves by."""
+    avail = available_memory()
+    if not avail:
+        return int(unknown)
+    share = int(avail * fraction)
+    return share if at_most is None else min(int(at_most), share)
+
+
 def peak_line() -> str:
     """``peak memory 3.12 GiB`` (resident set), the line long commands end with."""
     return f"peak memory {peak_rss() / 2 ** 30:.2f} GiB"

@@ -27,7 +27,7 @@ class JointEvaluator:
     so trying many assignments re-quantizes each (tensor, candidate) once."""
 
     def __init__(self, model, tokens, chunk: int = 4, scale_dtype=mx.float16, calibration=None,
-                 reuse_blocks: bool = True, prefix_bytes: int | None = None):
+                 reuse_blocks: bool = True, prefix_bytes: int | None = None, layer_limit="auto"):
         """``calibration``: another evaluator whose tokens calibrated
         candidates (``+gptq``...) are fitted on, and whose layer cache this
         one shares -- so scoring on held-out tokens never fits on them.
@@ -35,7 +35,10 @@ class JointEvaluator:
         ``prefix_bytes``; default an eighth of the available memory, at most
         2 GiB) and start a later evaluation at the first block it changes,
         when the model's forward allows it (:func:`.prefix.replays`;
-        ``reuse_reason`` says why not otherwise)."""
+        ``reuse_reason`` says why not otherwise). ``layer_limit``: bytes of
+        built candidate layers kept (:class:`.layer_cache.LayerCache`);
+        "auto": half the memory available once the reference logits are
+        in; None: no limit. Ignored with ``calibration`` (its cache is used)."""
         self.model = model
         self.adapter = ModelAdapter(model)
         self.sites = {s.path: s for s in self.adapter.sites}
@@ -49,8 +52,19 @@ class JointEvaluator:
         self.pinned = {p: f"{spec['bits']}b_g{spec['group_size']}" for p, spec in self.adapter.fixed.items()}
         self.originals = {p: self.adapter.get(p) for p in [*self.sites, *self.pinned]}
         self._calibration = calibration
-        self._layers: dict[tuple[str, str], object] = {} if calibration is None else calibration._layers
         self.ref_logits = [self._logits(i) for i in range(0, len(self.tokens), self.chunk)]
+        if calibration is not None:
+            self._layers = calibration._layers
+        else:
+            from .. import streaming
+            from .layer_cache import LayerCache
+
+            # Half of what is left: the block-output store takes an eighth
+            # (_start_reuse), the rest is for the forward's activations and
+            # the layers of the assignment in use, held while it runs even
+            # when the cache has dropped them.
+            limit = streaming.memory_share(0.5) if layer_limit == "auto" else layer_limit
+            self._layers = LayerCache(limit)
         self.evaluations = 0  # forwards run (an assignment scored before is not rerun)
         self.reused = 0  # scores returned from _scores
         self._scores: dict[tuple, np.ndarray] = {}
@@ -74,11 +88,10 @@ class JointEvaluator:
         self.reuse_reason, self._after = replays(self.model, blocks, piece, root, outside)
         if self.reuse_reason is None:
             if limit is None:
-                avail = streaming.available_memory()
-                # Refine's layer cache grows after this (a set of layers per
-                # candidate used): leave it the room. An 8B bf16 model's
-                # outputs are 1 GiB per evaluation of 8 x 256 tokens (float32).
-                limit = min(2 << 30, avail // 8) if avail else 1 << 30
+                # The layer cache takes half the available memory (__init__):
+                # this store an eighth. An 8B bf16 model's outputs are
+                # 1 GiB per evaluation of 8 x 256 tokens (float32).
+                limit = streaming.memory_share(1 / 8, at_most=2 << 30)
             self._prefixes = BlockOutputs(limit)
 
     def _logits(self, i):
@@ -154,7 +167,8 @@ class JointEvaluator:
 
     def layer(self, path: str, cand_name: str):
         key = (path, cand_name)
-        if key not in self._layers:
+        layer = self._layers.get(key)
+        if layer is None:  # never built, or dropped by the cache's limit
             cand = parse_candidate(cand_name)
             h = self.hessian(path) if cand.calibrated else None
             layer = build_layer(self.originals[path], cand, self.scale_dtype, h)
@@ -162,8 +176,8 @@ class JointEvaluator:
             from .. import streaming
 
             streaming.release(self.originals[path])  # its float weight, when it stays on disk
-            self._layers[key] = layer
-        return self._layers[key]
+            self._layers.put(key, layer)
+        return layer
 
     @property
     def n_chunks(self) -> int:
