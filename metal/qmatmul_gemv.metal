@@ -26,7 +26,8 @@
 // group), and dots them with each x
 // row's 16 staged activations by masking (mb_prescale16 / mb_qdot16). The
 // bias is folded: sum_j (s q_j + b) x_j = s sum q_j x_j + b sum x_j.
-// All MB_QMV_THREADS threads must call this (barriers, shuffles).
+// All `threads` threads of the threadgroup must call this (barriers,
+// shuffles).
 template <typename IO, typename SC, int bits>
 inline void mb_qmv_segment(const device typename IO::storage* x,
                            const device int32_t* perm, const device uint8_t* w,
@@ -34,7 +35,8 @@ inline void mb_qmv_segment(const device typename IO::storage* x,
                            const device typename SC::storage* biases,
                            constant MbQmmFusedParams& p, constant MbQmmSeg& sg,
                            threadgroup float* xt, int m0, int rows_x, int row0,
-                           int last, uint lid, uint simd_lid, thread float* acc) {
+                           int last, uint lid, uint simd_lid, int threads,
+                           thread float* acc) {
   typedef typename MbChunkWord<bits>::type Word;
   constexpr int n_words = mb_chunk_words<bits>();
   constexpr int R = MB_QMV_ROWS_PER_SIMDGROUP;
@@ -43,7 +45,7 @@ inline void mb_qmv_segment(const device typename IO::storage* x,
 
   for (int kb = 0; kb < sg.kseg; kb += MB_QMV_BLOCK) {
     const int cols = min(int(MB_QMV_BLOCK), sg.kseg - kb);
-    for (int c = int(lid); c < cols; c += MB_QMV_THREADS) {
+    for (int c = int(lid); c < cols; c += threads) {
       const uint32_t pc = mb_perm_col(perm, p.has_perm, p.K, sg.k0 + kb + c);
       for (int m = 0; m < rows_x; ++m) {
         xt[m * MB_QMV_BLOCK + c] =
@@ -91,16 +93,18 @@ inline void mb_qmv_segment(const device typename IO::storage* x,
         }
       }
     }
-    // The next block overwrites xt: wait until both simdgroups have read it.
+    // The next block overwrites xt: wait until every simdgroup has read it.
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 }
 
-// Threadgroup = 8 simdgroups x 32 lanes; grid = (ceil(N / 32), ceil(M / 8)).
-// Each simdgroup owns 4 consecutive output rows and computes them for the
-// threadgroup's up to MB_QMV_MAX_M rows of x (acc: 8 x 4 floats per lane),
-// so at M <= 8 (the only M the host sends here by default) each row of W is
-// read once per call whatever M, and the staged x serves 32 rows of W. Buffers: qmatmul_params.h (MbQmmBuffer);
+// Threadgroup = S simdgroups x 32 lanes, S = 8, 16 or 32 as the host picks
+// (qmv_simdgroups: the more, the fewer threadgroups re-read x);
+// grid = (ceil(N / 4S), ceil(M / 8)). Each simdgroup owns 4 consecutive
+// output rows and computes them for the threadgroup's up to MB_QMV_MAX_M
+// rows of x (acc: 8 x 4 floats per lane), so at M <= 8 (the only M the host
+// sends here by default) each row of W is read once per call whatever M,
+// and the staged x serves 4S rows of W. Buffers: qmatmul_params.h (MbQmmBuffer);
 // slots of segments past p.nseg are bound to a stand-in and never read.
 template <typename IO, typename SC>
 [[kernel]] void mb_qmv(
@@ -137,14 +141,15 @@ template <typename IO, typename SC>
     uint3 tid [[threadgroup_position_in_grid]],
     uint lid [[thread_index_in_threadgroup]],
     uint simd_gid [[simdgroup_index_in_threadgroup]],
-    uint simd_lid [[thread_index_in_simdgroup]]) {
+    uint simd_lid [[thread_index_in_simdgroup]],
+    uint nsimd [[simdgroups_per_threadgroup]]) {
   const device uint32_t* wqs[MB_QMM_MAX_SEGS] = {wq0, wq1, wq2, wq3, wq4, wq5, wq6, wq7};
   const device typename SC::storage* scs[MB_QMM_MAX_SEGS] = {
       scales0, scales1, scales2, scales3, scales4, scales5, scales6, scales7};
   const device typename SC::storage* bis[MB_QMM_MAX_SEGS] = {
       biases0, biases1, biases2, biases3, biases4, biases5, biases6, biases7};
   constexpr int R = MB_QMV_ROWS_PER_SIMDGROUP;
-  const int row0 = int(tid.x) * MB_QMV_ROWS_PER_GROUP + int(simd_gid) * R;
+  const int row0 = int(tid.x) * int(nsimd) * R + int(simd_gid) * R;
   // A simdgroup past N still stages x and meets the barriers: it computes
   // row N - 1 and stores nothing. Rows past N otherwise repeat the last.
   const bool active = row0 < p.N;
@@ -159,7 +164,8 @@ template <typename IO, typename SC>
   for (int s = 0; s < p.nseg; ++s) {
 #define MB_QMV_SEG(B)                                                                  \
   mb_qmv_segment<IO, SC, B>(x, perm, (const device uint8_t*)wqs[s], scs[s], bis[s], p, \
-                            p.seg[s], xt, m0, rows_x, r0, last, lid, simd_lid, acc)
+                            p.seg[s], xt, m0, rows_x, r0, last, lid, simd_lid, \
+                            int(nsimd) * 32, acc)
     MB_QMM_SWITCH_BITS(p.seg[s].bits, MB_QMV_SEG)
 #undef MB_QMV_SEG
   }

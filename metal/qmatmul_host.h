@@ -51,9 +51,29 @@ static_assert(kQmmThreadgroupBytes <= kMaxThreadgroupBytes &&
                   kQmvThreadgroupBytes <= kMaxThreadgroupBytes,
               "the kernels' tiles exceed 32 KiB of threadgroup memory");
 static_assert(MB_QMV_TG_FLOATS == MB_QMV_MAX_M * MB_QMV_BLOCK &&
-                  MB_QMV_BLOCK == 32 * 16 && MB_QMV_THREADS == 32 * MB_QMV_SIMDGROUPS &&
-                  MB_QMV_ROWS_PER_GROUP == MB_QMV_SIMDGROUPS * MB_QMV_ROWS_PER_SIMDGROUP,
+                  MB_QMV_BLOCK == 32 * 16 && MB_QMV_MAX_SIMDGROUPS * 32 <= 1024,
               "qmatmul_gemv.metal: a block is one simdgroup step (32 lanes x 16 columns), staged for 8 rows of x");
+
+// The GEMV's threadgroups each read all of x (staged once per threadgroup),
+// so requested x bytes are (threadgroups along N) x M x K x 2: at 4-bit,
+// 8 simdgroups (32 rows of W) add 16 M / (4 x 32) of the weights' bytes --
+// 11% at M = 1, 89% at M = 8 (4096 x 4096; the caches catch most of it,
+// but it is traffic). More simdgroups per threadgroup divide it, but fewer,
+// bigger threadgroups leave cores idle on a large GPU, so the host takes
+// the most simdgroups (up to 32, 128 rows of W) that still leave at least
+// kQmvMinThreadgroups threadgroups along N (about one per core of the
+// largest Apple GPUs), within what the pipeline allows (max_threads:
+// maxTotalThreadsPerThreadgroup on the Mac).
+constexpr int kQmvMinThreadgroups = 32;
+inline int qmv_simdgroups(int N, int max_threads = 1024) {
+  int sg = MB_QMV_MAX_SIMDGROUPS;
+  while (sg > MB_QMV_MIN_SIMDGROUPS &&
+         (sg * 32 > max_threads ||
+          (N + sg * MB_QMV_ROWS_PER_SIMDGROUP - 1) / (sg * MB_QMV_ROWS_PER_SIMDGROUP) <
+              kQmvMinThreadgroups))
+    sg /= 2;
+  return sg;
+}
 constexpr size_t kQmm16ThreadgroupBytes = size_t(MB_QMM16_TG_FLOATS) * sizeof(float);
 static_assert(MB_QMM_TG_FLOATS == (MB_QMM_BM + MB_QMM_BN) * MB_QMM_TILE_STRIDE + MB_QMM_BK &&
                   MB_QMM16_TG_FLOATS ==
@@ -130,11 +150,14 @@ inline std::string qmm_gpu_refusal(int64_t M, int64_t N, int64_t K) {
 // One launch per MB_QMM_MAX_SEGS segments (one for every product the
 // quantizer makes), in order. M rows of x (contiguous, K columns), N
 // outputs. Arguments are assumed validated (cpp/qmatmul/qmatmul.cpp).
+// max_gemv_threads: the GEMV pipeline's maxTotalThreadsPerThreadgroup
+// (it bounds qmv_simdgroups).
 inline std::vector<QmmLaunch> plan_qmm(int M, int N,
                                        const std::vector<QmmSegment>& segs,
                                        ActType xt, int scale_type,
                                        bool has_perm,
-                                       QmmPath path = QmmPath::Auto) {
+                                       QmmPath path = QmmPath::Auto,
+                                       int max_gemv_threads = 1024) {
   if (M <= 0 || N <= 0 || segs.empty())
     throw std::invalid_argument("plan_qmm: empty problem");
   if (scale_type != MB_SCALE_F32 && scale_type != MB_SCALE_F16 && scale_type != MB_SCALE_BF16)
@@ -172,9 +195,10 @@ inline std::vector<QmmLaunch> plan_qmm(int M, int N,
       l.group[0] = MB_QMM_THREADS;
       l.threadgroup_bytes = bm == MB_QMM_BM ? kQmmThreadgroupBytes : kQmm16ThreadgroupBytes;
     } else {
-      l.grid[0] = uint32_t((N + MB_QMV_ROWS_PER_GROUP - 1) / MB_QMV_ROWS_PER_GROUP);
+      const int rows = qmv_simdgroups(N, max_gemv_threads) * MB_QMV_ROWS_PER_SIMDGROUP;
+      l.grid[0] = uint32_t((N + rows - 1) / rows);
       l.grid[1] = uint32_t((M + MB_QMV_MAX_M - 1) / MB_QMV_MAX_M);
-      l.group[0] = MB_QMV_THREADS;
+      l.group[0] = uint32_t(rows / MB_QMV_ROWS_PER_SIMDGROUP * 32);
       // x staged for the rows of x a threadgroup has (the kernel indexes
       // rows 0 .. min(M, 8) - 1 of it).
       l.threadgroup_bytes = size_t(std::min(M, int(MB_QMV_MAX_M))) * MB_QMV_BLOCK * sizeof(float);

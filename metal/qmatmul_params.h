@@ -91,14 +91,15 @@ enum MbQmmShape {
   // Segments one dispatch of the dense kernels takes (buffer slots above).
   MB_QMM_MAX_SEGS = 8,
   MB_QMM_N_BUFFERS = 29,
-  // GEMV (qmv): 8 simdgroups x 32 lanes, 4 output rows per simdgroup; each
-  // lane reads 16 consecutive codes per step, a simdgroup 512 columns. (As
-  // many simdgroups, hence threads, per output row as MLX's qmv; more of
-  // them per threadgroup share one staging of x.)
-  MB_QMV_SIMDGROUPS = 8,
+  // GEMV (qmv): 8 to 32 simdgroups x 32 lanes (the host picks:
+  // qmv_simdgroups), 4 output rows per simdgroup; each lane reads 16
+  // consecutive codes per step, a simdgroup 512 columns. (As many
+  // simdgroups, hence threads, per output row as MLX's qmv; every simdgroup
+  // of a threadgroup shares one staging of x, so the more per threadgroup,
+  // the fewer times x is read.)
+  MB_QMV_MIN_SIMDGROUPS = 8,
+  MB_QMV_MAX_SIMDGROUPS = 32,
   MB_QMV_ROWS_PER_SIMDGROUP = 4,
-  MB_QMV_ROWS_PER_GROUP = 32,
-  MB_QMV_THREADS = 256,
   // Every row of x (M <= MB_QMV_MAX_M) is handled by the same threadgroup,
   // so each weight is read once per call. x is staged, gathered through
   // perm, as float in threadgroup memory one block of MB_QMV_BLOCK columns

@@ -59,9 +59,17 @@ void MixedQMatmul::eval_gpu(const std::vector<mx::array>& inputs,
   const int M = int(in[0].size() / size_t(K));
   if (M == 0 || N == 0) return;
 
-  const auto plan = host::plan_qmm(M, N, segs, metal_act_type(out.dtype()),
-                                   metal_scale_type(in[size_t(first) + 1].dtype()),
-                                   has_perm_);
+  auto* lib = mixbits_metal_library(d);
+  const host::ActType at = metal_act_type(out.dtype());
+  const int st = metal_scale_type(in[size_t(first) + 1].dtype());
+  // The GEMV's threadgroup size is the host's choice (qmv_simdgroups),
+  // bounded by what its pipeline allows on this GPU.
+  int gemv_threads = 1024;
+  if (!host::qmm_uses_tiled(M, host::QmmPath::Auto))
+    gemv_threads = int(d.get_kernel(host::qmm_kernel_name(false, at, st), lib)
+                           ->maxTotalThreadsPerThreadgroup());
+  const auto plan =
+      host::plan_qmm(M, N, segs, at, st, has_perm_, host::QmmPath::Auto, gemv_threads);
 
   auto& enc = mx::metal::get_command_encoder(s);
   // Only more than MB_QMM_MAX_SEGS segments pass a float32 partial sum from
@@ -69,7 +77,6 @@ void MixedQMatmul::eval_gpu(const std::vector<mx::array>& inputs,
   std::optional<mx::array> acc;
   if (host::qmm_needs_acc(segs.size())) acc = metal_temporary(enc, {M, N}, mx::float32);
 
-  auto* lib = mixbits_metal_library(d);
   for (const host::QmmLaunch& l : plan) {
     auto* kernel = launch_pipeline(d, lib, l, "qmatmul");
     std::vector<mx::array*> arrays(MB_QMM_PARAMS, nullptr);

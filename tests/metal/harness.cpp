@@ -35,7 +35,7 @@ template <typename S, typename SC>
 using QmvFn = void(const S*, const int32_t*, float*, S*,
                    MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC),
                    MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC),
-                   MbQmmFusedParams&, float*, uint3, uint, uint, uint);
+                   MbQmmFusedParams&, float*, uint3, uint, uint, uint, uint);
 template <typename S, typename SC>
 using QmmFn = void(const S*, const int32_t*, float*, S*,
                    MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC),
@@ -107,7 +107,8 @@ void run_qmm(int M, int N, const std::vector<QmmSegment>& segs, ActType at,
           [&](const simt::ThreadIds& t) {
             fn(xs, pp, acc, y, MB_ALL_SEG_ARGS, params, smem.as<float>(),
                u3(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup,
-               t.simdgroup_index_in_threadgroup, t.thread_index_in_simdgroup);
+               t.simdgroup_index_in_threadgroup, t.thread_index_in_simdgroup,
+               t.simdgroups_per_threadgroup);
           }, o);
     }
 #undef MB_ALL_SEG_ARGS

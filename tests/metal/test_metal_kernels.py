@@ -192,6 +192,18 @@ def test_qmatmul_tiled_block_rows_boundary(M):
     run_case(rng, M, 70, [(3, 32, 96), (6, 64, 64)], "float16", paths=("tiled",))
 
 
+@pytest.mark.parametrize("N", [2000, 4100])
+@pytest.mark.parametrize("M", [3, 8])
+def test_qmatmul_gemv_wide_threadgroups(M, N):
+    # From N = 1985 the host gives the GEMV 16 simdgroups
+    # (64 rows of W per threadgroup), from N = 3969 32 (128 rows,
+    # qmv_simdgroups); both Ns leave a last threadgroup whose later
+    # simdgroups have no rows (they stage x, meet the barriers, store
+    # nothing).
+    rng = np.random.default_rng(50 + M + N)
+    run_case(rng, M, N, [(4, 64, 64), (3, 32, 96)], "float16", paths=("gemv",))
+
+
 def test_qmatmul_long_k_many_gemv_blocks():
     rng = np.random.default_rng(3)
     run_case(rng, 1, 9, [(4, 64, 2048 + 64), (2, 32, 544)], "float32")

@@ -143,10 +143,25 @@ def test_gemv_reads_each_weight_word_once_per_call(M):
     c = qmm_case(M, [(4, 64, K)], False, N=N)
     r = T.run_case(c, np.random.default_rng(2))[0]
     assert r["device_read_by_width"]["4"] == N * K * 4 // 8
-    # x: every threadgroup (N / 32 of them) stages each x element once; a
-    # scale and a bias per row and group (one lane reads, the group's others
-    # take them by shuffle).
+    # x: every threadgroup (N / 32 of them at this N) stages each x element
+    # once; a scale and a bias per row and group (one lane reads, the
+    # group's others take them by shuffle).
+    assert r["grid"][0] == N // 32
     assert r["device_read_by_width"]["2"] == (N // 32) * M * K * 2 + 2 * N * (K // 64) * 2
+
+
+@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("N,rows", [(1024, 32), (2048, 64), (4096, 128)])
+def test_gemv_threadgroup_rows_grow_with_n(M, N, rows):
+    # x is read once per threadgroup, so the host gives a threadgroup up to
+    # 32 simdgroups (128 rows of W) while at least 32 threadgroups remain:
+    # at 4096 outputs x is read 32 times, not 128 (the 8-simdgroup count).
+    K = 128
+    c = qmm_case(M, [(4, 64, K)], False, N=N)
+    r = T.run_case(c, np.random.default_rng(5))[0]
+    assert r["grid"][0] == N // rows and r["group"][0] == rows // 4 * 32
+    assert r["device_read_by_width"]["4"] == N * K * 4 // 8
+    assert r["device_read_by_width"]["2"] == (N // rows) * M * K * 2 + 2 * N * (K // 64) * 2
 
 
 @pytest.mark.parametrize("M", [1, 17])
