@@ -3,6 +3,7 @@
 // Used by cpp/gather/metal.cpp on macOS and by the emulator harness on
 // Linux, so the launch logic the Mac runs is the one the tests exercise.
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
@@ -15,12 +16,13 @@
 
 namespace mixbits::metal_host {
 
-static_assert(sizeof(MbGatherParams) == sizeof(MbQmmParams) + 3 * sizeof(int),
+static_assert(sizeof(MbGatherParams) == sizeof(MbQmmParams) + 4 * sizeof(int),
               "MbGatherParams is plain ints, laid out alike in Metal and C++");
 
 struct GatherLaunch : Launch {
   MbGatherParams params;
   int segment;
+  bool tiled;  // gather_qmm.metal, else gather_qmv.metal
 };
 
 // Why the gathered kernel cannot run a problem ("" if it can): its
@@ -36,14 +38,26 @@ inline std::string gather_gpu_refusal(int64_t pairs, int64_t M, int64_t x_batche
 }
 
 // Whether the tiled kernel (gather_qmm.metal) runs rather than the GEMV:
-// when a 32-row block of output rows is likely to share one expert, so
-// each weight tile is read once per block instead of once per row: the
+// every output matrix alone has more rows than the GEMV takes, or the
 // caller says the pairs are sorted by expert (mlx-lm sorts them when a
-// layer sees many tokens) and there are rows for at least two blocks, or
-// every output matrix alone has more rows than the GEMV takes.
-inline bool gather_tiled(int pairs, int M, bool sorted) {
-  return (sorted && int64_t(pairs) * M >= 2 * MB_QMM_BM) || M > MB_QMV_MAX_M;
+// layer sees many tokens), there are rows for at least two 32-row blocks
+// and the experts average at least MB_QMV_MAX_M rows each (rows spread
+// over min(w_batches, pairs) experts), so a block's runs fill its MMAs.
+// With fewer rows per expert the GEMV reads each expert's weights once per
+// run of its (sorted) rows in an 8-row block, without the tiled kernel's
+// 32-row MMA passes over one or two real rows (64 pairs over 128 experts:
+// 4% of the MMA rows were real).
+inline bool gather_tiled(int pairs, int M, bool sorted, int w_batches) {
+  const int64_t rows = int64_t(pairs) * M;
+  const int64_t experts = std::min<int64_t>(w_batches, pairs);
+  return M > MB_QMV_MAX_M ||
+         (sorted && rows >= 2 * MB_QMM_BM && rows >= int64_t(MB_QMV_MAX_M) * experts);
 }
+
+// Flat output rows per threadgroup of the gathered GEMV: sorted pairs put
+// an expert's rows next to each other, so 8-row blocks catch runs of them;
+// otherwise one output matrix (its M rows share one expert).
+inline int gather_block_rows(int M, bool sorted) { return sorted ? int(MB_QMV_MAX_M) : M; }
 
 // One launch per segment, in order. x: x_batches dense [M, K] matrices;
 // each segment's arrays: w_batches matrices of N rows; `pairs` entries of
@@ -52,14 +66,14 @@ inline bool gather_tiled(int pairs, int M, bool sorted) {
 inline std::vector<GatherLaunch> plan_gather(int pairs, int M, int N, int x_batches,
                                              int w_batches, const std::vector<QmmSegment>& segs,
                                              ActType xt, int scale_type, bool has_perm,
-                                             bool sorted) {
+                                             bool sorted, int max_gemv_threads = 1024) {
   if (pairs <= 0 || M <= 0 || N <= 0 || x_batches <= 0 || w_batches <= 0 || segs.empty())
     throw std::invalid_argument("plan_gather: empty problem");
   if (scale_type != MB_SCALE_F32 && scale_type != MB_SCALE_F16 && scale_type != MB_SCALE_BF16)
     throw std::invalid_argument("plan_gather: unknown scale dtype");
   if (int64_t(pairs) * M > 0x7fffffff)
     throw std::invalid_argument("plan_gather: more than 2^31-1 output rows");
-  const bool tiled = gather_tiled(pairs, M, sorted);
+  const bool tiled = gather_tiled(pairs, M, sorted, w_batches);
   int K = 0;
   for (const auto& s : segs) K += s.k;
   const bool acc = per_segment_needs_acc(segs.size());
@@ -84,6 +98,7 @@ inline std::vector<GatherLaunch> plan_gather(int pairs, int M, int N, int x_batc
     l.params.x_batches = x_batches;
     l.params.w_batches = w_batches;
     l.params.pairs = pairs;
+    l.params.block_rows = tiled ? 0 : gather_block_rows(M, sorted);
     if (tiled) {
       const int64_t rows = int64_t(pairs) * M;
       l.grid[0] = uint32_t((N + MB_QMM_BN - 1) / MB_QMM_BN);
@@ -92,14 +107,23 @@ inline std::vector<GatherLaunch> plan_gather(int pairs, int M, int N, int x_batc
       l.group[0] = MB_QMM_THREADS;
       l.threadgroup_bytes = size_t(MB_QMM_TG_FLOATS) * sizeof(float);
     } else {
-      l.grid[0] = uint32_t(M);
-      l.grid[1] = uint32_t((N + MB_GATHER_QMV_ROWS_PER_GROUP - 1) / MB_GATHER_QMV_ROWS_PER_GROUP);
-      l.grid[2] = uint32_t(pairs);
-      l.group[0] = MB_GATHER_QMV_THREADS;
-      l.threadgroup_bytes = 0;
+      const int64_t rows = int64_t(pairs) * M;
+      const int br = l.params.block_rows;
+      const int blocks = int((rows + br - 1) / br);
+      const int wrows =
+          qmv_simdgroups(N, max_gemv_threads, blocks) * MB_QMV_ROWS_PER_SIMDGROUP;
+      l.grid[0] = uint32_t((N + wrows - 1) / wrows);
+      l.grid[1] = uint32_t(blocks);
+      l.grid[2] = 1;
+      l.group[0] = uint32_t(wrows / MB_QMV_ROWS_PER_SIMDGROUP * 32);
+      // The block's lhs and rhs entries, then x for its rows.
+      l.threadgroup_bytes =
+          (2 * size_t(MB_QMV_MAX_M) + size_t(std::min<int64_t>(br, rows)) * MB_QMV_BLOCK) *
+          sizeof(float);
     }
     l.group[1] = l.group[2] = 1;
     l.segment = int(i);
+    l.tiled = tiled;
     const size_t mats = size_t(w_batches) * size_t(N);
     const size_t groups = mats * size_t(s.k / s.group_size);
     // Unused slots get `out` (freshly allocated: offset 0, aligned).

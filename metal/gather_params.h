@@ -17,6 +17,7 @@ struct MbGatherParams {
   int x_batches;  // lhs[i] >= x_batches: output matrix i is NaN
   int w_batches;  // rhs[i] >= w_batches: output matrix i is NaN
   int pairs;      // entries of lhs and rhs (output matrices)
+  int block_rows; // GEMV: flat output rows per threadgroup (<= MB_QMV_MAX_M)
 };
 
 // Buffer indices ([[buffer(i)]]).

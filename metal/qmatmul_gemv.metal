@@ -10,93 +10,7 @@
 // (MB_QMM_SWITCH_BITS). The tiled kernel for more rows is in
 // qmatmul_tiled.metal.
 #include "mixbits_metal.h"
-#include "qmatmul_common.h"
-
-// One segment of width `bits` for one simdgroup: MB_QMV_ROWS_PER_SIMDGROUP
-// rows (row0 .. row0 + last; results for r > last repeat row0 + last, so
-// the inner loop needs no bounds check) against every row of x.
-//
-// The segment is walked in blocks of MB_QMV_BLOCK columns. Per block, the
-// whole threadgroup first stages the block's columns of every x row,
-// gathered through perm, as float in threadgroup memory (xt [M][BLOCK]):
-// perm and x are read once per threadgroup, not once per simdgroup and row
-// of W. Then lane l takes the 16 columns 16 l .. of the block: it reads,
-// per row of W, the chunk's 2*bits bytes of codes as whole words
-// (MbChunkWord), gets the group's scale and bias (read by one lane of the
-// group), and dots them with each x
-// row's 16 staged activations by masking (mb_prescale16 / mb_qdot16). The
-// bias is folded: sum_j (s q_j + b) x_j = s sum q_j x_j + b sum x_j.
-// All `threads` threads of the threadgroup must call this (barriers,
-// shuffles).
-template <typename IO, typename SC, int bits>
-inline void mb_qmv_segment(const device typename IO::storage* x,
-                           const device int32_t* perm, const device uint8_t* w,
-                           const device typename SC::storage* scales,
-                           const device typename SC::storage* biases,
-                           constant MbQmmFusedParams& p, constant MbQmmSeg& sg,
-                           threadgroup float* xt, int m0, int rows_x, int row0,
-                           int last, uint lid, uint simd_lid, int threads,
-                           thread float* acc) {
-  typedef typename MbChunkWord<bits>::type Word;
-  constexpr int n_words = mb_chunk_words<bits>();
-  constexpr int R = MB_QMV_ROWS_PER_SIMDGROUP;
-  const size_t row_bytes = size_t(sg.kseg) * bits / 8;
-  const size_t groups = size_t(sg.kseg) >> sg.group_shift;
-
-  for (int kb = 0; kb < sg.kseg; kb += MB_QMV_BLOCK) {
-    const int cols = min(int(MB_QMV_BLOCK), sg.kseg - kb);
-    for (int c = int(lid); c < cols; c += threads) {
-      const uint32_t pc = mb_perm_col(perm, p.has_perm, p.K, sg.k0 + kb + c);
-      for (int m = 0; m < rows_x; ++m) {
-        xt[m * MB_QMV_BLOCK + c] =
-            pc < uint32_t(p.K) ? IO::load(x[size_t(m0 + m) * size_t(p.K) + pc]) : NAN;
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-
-    const int c = int(simd_lid) * MB_CHUNK;
-    const int k = kb + c;
-    const size_t g = size_t(k) >> sg.group_shift;
-    // A group spans group_size / 16 consecutive lanes (blocks start on a
-    // group boundary and end on one: cols is a multiple of the group size):
-    // its first lane reads the scale and bias, the others take them by
-    // shuffle, so each is read once per row, not once per 16 columns.
-    const uint owner = simd_lid & ~((uint(1) << (sg.group_shift - 4)) - 1u);
-    const bool reads = simd_lid == owner && c < cols;
-    float s[R], b[R];
-    MB_UNROLL for (int r = 0; r < R; ++r) {
-      const size_t n = size_t(row0 + min(r, last));
-      const float sv = reads ? SC::load(scales[n * groups + g]) : 0.0f;
-      const float bv = reads ? SC::load(biases[n * groups + g]) : 0.0f;
-      s[r] = simd_shuffle(sv, ushort(owner));
-      b[r] = simd_shuffle(bv, ushort(owner));
-    }
-    if (c < cols) {  // cols is a multiple of 32: chunks are whole
-      Word wd[R][n_words];
-      MB_UNROLL for (int r = 0; r < R; ++r) {
-        const size_t n = size_t(row0 + min(r, last));
-        // Aligned for Word (see MbChunkWord) when w is 4-byte aligned; the
-        // emulator checks it.
-        const device Word* wp =
-            (const device Word*)(w + n * row_bytes + size_t(k) * bits / 8);
-        MB_CHECK_ALIGNED(wp);
-        MB_UNROLL for (int j = 0; j < n_words; ++j) wd[r][j] = wp[j];
-      }
-      MB_UNROLL for (int m = 0; m < MB_QMV_MAX_M; ++m) {
-        if (m < rows_x) {
-          float xs[MB_CHUNK];
-          MB_UNROLL for (int i = 0; i < MB_CHUNK; ++i) xs[i] = xt[m * MB_QMV_BLOCK + c + i];
-          const float xsum = mb_prescale16<bits>(xs);
-          MB_UNROLL for (int r = 0; r < R; ++r) {
-            acc[m * R + r] += s[r] * mb_qdot16<bits>(wd[r], xs) + b[r] * xsum;
-          }
-        }
-      }
-    }
-    // The next block overwrites xt: wait until every simdgroup has read it.
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-  }
-}
+#include "qmv_rows.h"
 
 // Threadgroup = S simdgroups x 32 lanes, S = 8, 16 or 32 as the host picks
 // (qmv_simdgroups: the more, the fewer threadgroups re-read x);
@@ -160,12 +74,15 @@ template <typename IO, typename SC>
 
   float acc[MB_QMV_MAX_M * R];
   MB_UNROLL for (int i = 0; i < MB_QMV_MAX_M * R; ++i) acc[i] = 0.0f;
+  long xrow[MB_QMV_MAX_M];
+  MB_UNROLL for (int m = 0; m < MB_QMV_MAX_M; ++m) xrow[m] = long(m0 + m) * long(p.K);
 
   for (int s = 0; s < p.nseg; ++s) {
 #define MB_QMV_SEG(B)                                                                  \
-  mb_qmv_segment<IO, SC, B>(x, perm, (const device uint8_t*)wqs[s], scs[s], bis[s], p, \
-                            p.seg[s], xt, m0, rows_x, r0, last, lid, simd_lid, \
-                            int(nsimd) * 32, acc)
+  mb_qmv_segment<IO, SC, B>(x, xrow, perm, p.has_perm, p.K, p.seg[s].k0, p.seg[s].kseg, \
+                            p.seg[s].group_shift, (const device uint8_t*)wqs[s], scs[s],   \
+                            bis[s], xt, rows_x, r0, last, lid, simd_lid, int(nsimd) * 32,  \
+                            acc)
     MB_QMM_SWITCH_BITS(p.seg[s].bits, MB_QMV_SEG)
 #undef MB_QMV_SEG
   }

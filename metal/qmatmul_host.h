@@ -64,12 +64,14 @@ static_assert(MB_QMV_TG_FLOATS == MB_QMV_MAX_M * MB_QMV_BLOCK &&
 // kQmvMinThreadgroups threadgroups along N (about one per core of the
 // largest Apple GPUs), within what the pipeline allows (max_threads:
 // maxTotalThreadsPerThreadgroup on the Mac).
+// blocks: threadgroups along the other grid axis (blocks of rows of x).
 constexpr int kQmvMinThreadgroups = 32;
-inline int qmv_simdgroups(int N, int max_threads = 1024) {
+inline int qmv_simdgroups(int N, int max_threads = 1024, int blocks = 1) {
   int sg = MB_QMV_MAX_SIMDGROUPS;
   while (sg > MB_QMV_MIN_SIMDGROUPS &&
          (sg * 32 > max_threads ||
-          (N + sg * MB_QMV_ROWS_PER_SIMDGROUP - 1) / (sg * MB_QMV_ROWS_PER_SIMDGROUP) <
+          int64_t((N + sg * MB_QMV_ROWS_PER_SIMDGROUP - 1) / (sg * MB_QMV_ROWS_PER_SIMDGROUP)) *
+                  blocks <
               kQmvMinThreadgroups))
     sg /= 2;
   return sg;
@@ -195,7 +197,8 @@ inline std::vector<QmmLaunch> plan_qmm(int M, int N,
       l.group[0] = MB_QMM_THREADS;
       l.threadgroup_bytes = bm == MB_QMM_BM ? kQmmThreadgroupBytes : kQmm16ThreadgroupBytes;
     } else {
-      const int rows = qmv_simdgroups(N, max_gemv_threads) * MB_QMV_ROWS_PER_SIMDGROUP;
+      const int rows = qmv_simdgroups(N, max_gemv_threads, (M + MB_QMV_MAX_M - 1) / MB_QMV_MAX_M) *
+                       MB_QMV_ROWS_PER_SIMDGROUP;
       l.grid[0] = uint32_t((N + rows - 1) / rows);
       l.grid[1] = uint32_t((M + MB_QMV_MAX_M - 1) / MB_QMV_MAX_M);
       l.group[0] = uint32_t(rows / MB_QMV_ROWS_PER_SIMDGROUP * 32);

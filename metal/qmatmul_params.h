@@ -107,10 +107,6 @@ enum MbQmmShape {
   // sizes it for min(M, 8) rows).
   MB_QMV_BLOCK = 512,
   MB_QMV_TG_FLOATS = 8 * 512,
-  // The gathered GEMV (gather_qmv.metal, one row of x per threadgroup, no
-  // staging) keeps 2 simdgroups: 8 rows of W per threadgroup.
-  MB_GATHER_QMV_ROWS_PER_GROUP = 8,
-  MB_GATHER_QMV_THREADS = 64,
   // Up to this many rows of x, GEMV is used; above it, the tiled kernel.
   MB_QMV_MAX_M = 8,
   // Tiled (qmm): a BM x BN block of outputs per threadgroup of 4

@@ -21,6 +21,7 @@
 #error "cpp/gather/metal.cpp needs the mixbits metallib (MIXBITS_HAS_METALLIB)"
 #endif
 
+#include <algorithm>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -65,9 +66,22 @@ void MixedGatherQMM::eval_gpu(const std::vector<mx::array>& inputs,
   for (const SegSpec& sg : segs_) segs.push_back({sg.bits, sg.group_size, sg.k});
 
   // (the builder checked these against gather_gpu_refusal)
-  const auto plan = host::plan_gather(
-      int(pairs), M, N, int(matrices(in[0])), int(matrices(in[first])), segs,
-      metal_act_type(out.dtype()), metal_scale_type(in[first + 1].dtype()), has_perm_, sorted_);
+  const int xb = int(matrices(in[0])), wb = int(matrices(in[first]));
+  const host::ActType at = metal_act_type(out.dtype());
+  const int st = metal_scale_type(in[first + 1].dtype());
+  auto* lib = mixbits_metal_library(d);
+  // The GEMV's threadgroup size is the host's choice (qmv_simdgroups),
+  // bounded by what every segment's pipeline allows on this GPU.
+  int gemv_threads = 1024;
+  if (!host::gather_tiled(int(pairs), M, sorted_, wb))
+    for (const auto& sg : segs)
+      gemv_threads = std::min(
+          gemv_threads,
+          int(d.get_kernel(host::ladder_kernel_name("gather_qmv", at, st, sg.bits, sg.group_size),
+                           lib)
+                  ->maxTotalThreadsPerThreadgroup()));
+  const auto plan = host::plan_gather(int(pairs), M, N, xb, wb, segs, at, st, has_perm_,
+                                      sorted_, gemv_threads);
 
   auto& enc = mx::metal::get_command_encoder(s);
   // Several segments pass a float32 partial sum from dispatch to dispatch.
@@ -75,7 +89,6 @@ void MixedGatherQMM::eval_gpu(const std::vector<mx::array>& inputs,
   if (host::per_segment_needs_acc(segs.size()))
     acc = metal_temporary(enc, {int(pairs), M, N}, mx::float32);
 
-  auto* lib = mixbits_metal_library(d);
   for (const host::GatherLaunch& l : plan) {
     const size_t i = size_t(l.segment);
     auto* kernel = launch_pipeline(d, lib, l, "gather_qmm");

@@ -10,10 +10,12 @@ namespace {
 
 using namespace mixbits::metal_host;
 
+// The GEMV: threadgroup memory, then (group, thread, simdgroup, lane,
+// simdgroups per group).
 template <typename S, typename SC>
 using GatherFn = void(const S*, const int32_t*, const uint32_t*, const SC*, const SC*,
-                      const uint32_t*, const uint32_t*, float*, S*, MbGatherParams&, uint3,
-                      uint, uint);
+                      const uint32_t*, const uint32_t*, float*, S*, MbGatherParams&, float*,
+                      uint3, uint, uint, uint, uint);
 // The tiled kernel: threadgroup memory, then (group, thread, simdgroup) ids.
 template <typename S, typename SC>
 using GatherTiledFn = void(const S*, const int32_t*, const uint32_t*, const SC*, const SC*,
@@ -63,14 +65,14 @@ void run_gather(const GatherProblem& g, const simt::Options& opt) {
     const auto* ri = static_cast<const uint32_t*>(p[MB_GATHER_RHS]);
     auto* acc = static_cast<float*>(p[MB_GATHER_ACC]);
     auto* y = static_cast<S*>(p[MB_GATHER_OUT]);
-    if (l.threadgroup_bytes) {
-      // Threadgroup memory starts as NaN for every group: a read before a
-      // write shows up in the results.
-      Guarded smem(l.threadgroup_bytes);
-      smem.threadgroup_space();
-      simt::Options o = opt;
-      o.label = l.kernel;
-      o.group_start = [&](const simt::Dim3&) { smem.fill_nan_f32(); };
+    // Threadgroup memory starts as NaN for every group: a read before a
+    // write shows up in the results.
+    Guarded smem(std::max<size_t>(l.threadgroup_bytes, 4));
+    smem.threadgroup_space();
+    simt::Options o = opt;
+    o.label = l.kernel;
+    o.group_start = [&](const simt::Dim3&) { smem.fill_nan_f32(); };
+    if (l.tiled) {
       auto* fn = simt::find_kernel<GatherTiledFn<S, SC>>(l.kernel);
       simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
           [&](const simt::ThreadIds& t) {
@@ -80,12 +82,12 @@ void run_gather(const GatherProblem& g, const simt::Options& opt) {
           }, o);
     } else {
       auto* fn = simt::find_kernel<GatherFn<S, SC>>(l.kernel);
-      simt::Options o = opt;
-      o.label = l.kernel;
       simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
           [&](const simt::ThreadIds& t) {
-            fn(xs, pp, w, sc, bi, li, ri, acc, y, params, u3(t.threadgroup_position_in_grid),
-               t.simdgroup_index_in_threadgroup, t.thread_index_in_simdgroup);
+            fn(xs, pp, w, sc, bi, li, ri, acc, y, params, smem.as<float>(),
+               u3(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup,
+               t.simdgroup_index_in_threadgroup, t.thread_index_in_simdgroup,
+               t.simdgroups_per_threadgroup);
           }, o);
     }
   }
@@ -136,12 +138,13 @@ int mbemu_gather(int pairs, int M, int N, int x_batches, int w_batches, int nseg
 }
 
 // The kernel eval_gpu launches for a problem of this shape (the plan's
-// first launch; a 4-bit, group-32, float32 segment stands in).
-int mbemu_gather_kernel(int pairs, int M, int sorted, char* name, int len, char* err,
-                        int errlen) {
+// first launch; a 4-bit, group-32, float32 segment stands in) with
+// w_batches experts.
+int mbemu_gather_kernel(int pairs, int M, int sorted, int w_batches, char* name, int len,
+                        char* err, int errlen) {
   return guarded_call([&] {
-    const auto plan = plan_gather(pairs, M, 8, 1, 1, {{4, 32, 32}}, ActType(0), MB_SCALE_F32,
-                                  false, sorted != 0);
+    const auto plan = plan_gather(pairs, M, 8, 1, w_batches, {{4, 32, 32}}, ActType(0),
+                                  MB_SCALE_F32, false, sorted != 0);
     std::snprintf(name, size_t(len), "%s", plan.at(0).kernel.c_str());
   }, err, errlen);
 }

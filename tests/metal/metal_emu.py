@@ -150,7 +150,7 @@ def lib() -> ctypes.CDLL:
                                 I, I, U64, ctypes.c_char_p, I]
         L.mbemu_gather.argtypes = [I, I, I, I, I, I, P, P, P, I, P, Z, P, Z, P, P, P, P,
                                    P, P, I, P, Z, P, Z, P, Z, I, I, U64, ctypes.c_char_p, I]
-        L.mbemu_gather_kernel.argtypes = [I, I, I, ctypes.c_char_p, I, ctypes.c_char_p, I]
+        L.mbemu_gather_kernel.argtypes = [I, I, I, I, ctypes.c_char_p, I, ctypes.c_char_p, I]
         L.mbemu_qmv_t.argtypes = [I, I, I, P, P, P, I, P, Z, P, Z, P, P, P, P, P, P, I, P, Z,
                                   I, U64, ctypes.c_char_p, I]
         L.mbemu_gather_t.argtypes = [I, I, I, I, I, I, P, P, P, I, P, Z, P, Z, P, P, P, P,
@@ -293,12 +293,12 @@ def gather(inputs, segments, act: str, scale_type: str, has_perm: bool,
     return out.reshape(lhs.shape + (M, N))
 
 
-def gather_kernel(pairs: int, M: int, sorted_indices: bool) -> str:
+def gather_kernel(pairs: int, M: int, sorted_indices: bool, w_batches: int = 1) -> str:
     """The kernel MixedGatherQMM::eval_gpu launches for `pairs` output
     matrices of M rows (gather_host.h's choice)."""
     name = ctypes.create_string_buffer(256)
     err = ctypes.create_string_buffer(2048)
-    _check(lib().mbemu_gather_kernel(pairs, M, int(sorted_indices), name, len(name), err,
+    _check(lib().mbemu_gather_kernel(pairs, M, int(sorted_indices), w_batches, name, len(name), err,
                                      len(err)), err)
     return name.value.decode()
 

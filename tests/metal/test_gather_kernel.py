@@ -259,12 +259,48 @@ def test_tiled_sorted_prefill_every_width_and_group(bits, gs):
 
 
 def test_which_kernel_runs():
-    """Sorted prefill (>= 64 rows) and M > 8 take the tiled kernel; decode
-    (a few rows), unsorted M = 1 and short sorted calls the GEMV."""
+    """Sorted prefill (>= 64 rows, >= 8 rows per expert on average) and
+    M > 8 take the tiled kernel; decode (a few rows), unsorted M = 1, short
+    sorted calls and sorted calls spread over many experts (64 pairs over
+    128: one or two rows each) the GEMV."""
     assert E.gather_kernel(82, 1, True).startswith("mixbits_gather_qmm_")
+    assert E.gather_kernel(82, 1, True, 6).startswith("mixbits_gather_qmm_")
+    assert E.gather_kernel(4096, 1, True, 128).startswith("mixbits_gather_qmm_")
     assert E.gather_kernel(4, 11, False).startswith("mixbits_gather_qmm_")
-    for pairs, M, srt in [(82, 1, False), (63, 1, True), (8, 1, True), (30, 8, False)]:
-        assert E.gather_kernel(pairs, M, srt).startswith("mixbits_gather_qmv_"), (pairs, M, srt)
+    for pairs, M, srt, wb in [(82, 1, False, 1), (63, 1, True, 1), (8, 1, True, 1),
+                              (30, 8, False, 1), (64, 1, True, 128), (82, 1, True, 11)]:
+        assert E.gather_kernel(pairs, M, srt, wb).startswith("mixbits_gather_qmv_"), (pairs, M, srt)
+
+
+@pytest.mark.parametrize("M", [1, 3])
+def test_gemv_sorted_runs_over_many_experts(M):
+    # Sorted pairs spread over many experts (fewer than 8 rows each) take
+    # the GEMV in 8-row blocks: several runs per block, runs across block
+    # boundaries, at M = 3 a pair's rows split between two blocks; mixed
+    # segments with a perm (one dispatch per segment, partial sums).
+    rng = np.random.default_rng(60 + M)
+    qt = mixed_stack(rng, 16, 37, [(4, 64, 128), (3, 32, 96)], mx.float16)
+    idx = np.sort(rng.integers(0, 16, 39))
+    x = rand(rng, (39, M, 224), mx.float16)
+    assert E.gather_kernel(39, M, True, 16).startswith("mixbits_gather_qmv_")
+    check(x, qt, None, u32(idx), sorted_indices=True)
+
+
+def test_gemv_sorted_block_with_bad_indices_gives_nan_rows():
+    # An out-of-range rhs (sorted last, as -1 becomes 2^32 - 1) is a run of
+    # its own; an out-of-range lhs poisons its rows only, not its run's.
+    rng = np.random.default_rng(64)
+    qt = mixed_stack(rng, 5, 21, [(4, 32, 64)], mx.float32, perm=False)
+    x = rand(rng, (6, 2, 64))
+    lhs = mx.array(np.array([0, 1, 7, 2, 3, 4, 5, 0, 1, 2], np.int32))
+    rhs = mx.array(np.array([0, 0, 0, 1, 1, 1, 3, 3, -1, -1], np.int32))
+    y = E.storage_to_f64(emulate(x, qt, lhs, rhs, sorted_indices=True), "float32")
+    bad = np.array([False, False, True, False, False, False, False, False, True, True])
+    assert np.isnan(y[bad]).all()
+    assert np.isfinite(y[~bad]).all()
+    ok = mx.array(~bad)
+    ref, mag = reference(x, qt, mx.where(ok, lhs, 0), mx.where(ok, rhs, 0))
+    assert_close(y[~bad], "float32", ref[~bad], mag[~bad])
 
 
 def test_tiled_and_gemv_agree_on_mixed_segments_with_perm():

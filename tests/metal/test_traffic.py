@@ -185,3 +185,29 @@ def test_tiled_mma_utilisation_at_least_half_from_nine_rows(M):
     s = T.summarize(c, T.run_case(c, np.random.default_rng(4)))
     assert s["mma_utilisation"] >= 0.5
     assert s["unique_ratio"] == 1.0
+
+
+@pytest.mark.parametrize("sort", [True, False])
+def test_gather_gemv_reads_an_experts_weights_once_per_run(sort):
+    # The gathered GEMV walks each block's runs of equal rhs (8-row blocks
+    # when sorted, one output matrix otherwise): W of an expert is read once
+    # per run of its rows in a block, not once per row; each block's lhs and
+    # rhs entries are read once per threadgroup (into threadgroup memory),
+    # not by every thread.
+    N, K, nexp, pairs = 64, 256, 16, 24
+    rng = np.random.default_rng(7)
+    rhs = np.sort(rng.integers(0, nexp, pairs)).astype(np.uint32)
+    lhs = np.arange(pairs, dtype=np.uint32)
+    x = T._storage(rng, (pairs, 1, K), "float16")
+    packed = list(T._packed(rng, (nexp,), N, 4, 64, K, "float16"))
+    with E.counting() as rec:
+        E.gather([x, *packed, lhs, rhs], [[4, 64, K]], "float16", "float16", False,
+                 sorted_indices=sort)
+    r = rec[0]
+    assert r["kernel"].startswith("mixbits_gather_qmv_")
+    B = 8 if sort else 1
+    runs = sum(len(np.unique(rhs[b:b + B])) for b in range(0, pairs, B))
+    assert r["grid"][1] == pairs // B
+    assert r["device_read_by_width"]["4"] == runs * N * K // 2 + r["grid"][0] * pairs * 2 * 4
+    if sort:
+        assert runs < pairs  # the sorted blocks share experts
