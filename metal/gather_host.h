@@ -105,7 +105,7 @@ inline std::vector<GatherLaunch> plan_gather(int pairs, int M, int N, int x_batc
       l.grid[1] = uint32_t((rows + MB_QMM_BM - 1) / MB_QMM_BM);
       l.grid[2] = 1;
       l.group[0] = MB_QMM_THREADS;
-      l.threadgroup_bytes = size_t(MB_QMM_TG_FLOATS) * sizeof(float);
+      l.threadgroup_bytes = size_t(MB_GATHER_QMM_TG_FLOATS) * sizeof(float);
     } else {
       const int64_t rows = int64_t(pairs) * M;
       const int br = l.params.block_rows;

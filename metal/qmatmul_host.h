@@ -77,16 +77,17 @@ inline int qmv_simdgroups(int N, int max_threads = 1024, int blocks = 1) {
   return sg;
 }
 constexpr size_t kQmm16ThreadgroupBytes = size_t(MB_QMM16_TG_FLOATS) * sizeof(float);
-static_assert(MB_QMM_TG_FLOATS == (MB_QMM_BM + MB_QMM_BN) * MB_QMM_TILE_STRIDE + MB_QMM_BK &&
+static_assert(MB_QMM_TG_FLOATS ==
+                      2 * (MB_QMM_BM + MB_QMM_BN) * MB_QMM_TILE_STRIDE + 2 * MB_QMM_BK &&
                   MB_QMM16_TG_FLOATS ==
-                      (MB_QMM16_BM + MB_QMM16_BN) * MB_QMM_TILE_STRIDE + MB_QMM_BK &&
+                      2 * (MB_QMM16_BM + MB_QMM16_BN) * MB_QMM_TILE_STRIDE + 2 * MB_QMM_BK &&
+                  MB_GATHER_QMM_TG_FLOATS == (MB_QMM_BM + MB_QMM_BN) * MB_QMM_TILE_STRIDE &&
                   mb_qmm_bn(MB_QMM_BM) == MB_QMM_BN && mb_qmm_bn(MB_QMM16_BM) == MB_QMM16_BN &&
                   kQmm16ThreadgroupBytes <= kMaxThreadgroupBytes,
-              "the tiled kernels' x and W tiles, then the step's perm entries");
-static_assert(MB_QMM_TG_FLOATS >= (MB_QMM_BM + MB_QMM_BN) * MB_QMM_TILE_STRIDE &&
-                  MB_QMM_TILE_STRIDE >= MB_QMM_BK && MB_QMM_TILE_STRIDE >= MB_QMM_BN &&
+              "the tiled kernels' two buffers of x and W tiles, then two steps' perm entries");
+static_assert(MB_QMM_TILE_STRIDE >= MB_QMM_BK && MB_QMM_TILE_STRIDE >= MB_QMM_BN &&
                   MB_QMM_TILE_STRIDE % 4 == 0,
-              "x and W tiles (and the output tile staged in the x tile) fit, rows 16-byte aligned");
+              "x and W tiles (and the output tile staged in a buffer) fit, rows 16-byte aligned");
 static_assert(MB_QMM_THREADS == 32 * MB_QMM_SIMDGROUPS && MB_QMM_SIMDGROUPS == 4 &&
                   MB_QMM_BM == 32 && MB_QMM_BN == 32 && MB_QMM_THREADS * 8 == MB_QMM_BM * MB_QMM_BK,
               "qmatmul_tiled.metal's roles: 2 x 2 simdgroups of 16 x 16, 8 values per thread");

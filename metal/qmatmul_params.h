@@ -114,24 +114,28 @@ enum MbQmmShape {
   // accumulators), K walked in steps of BK = 32 (the smallest group size,
   // so one BK step of one row lies in one group). Each step stages x and
   // dequantized W in threadgroup memory as float, rows padded by 4 floats
-  // (16 bytes, as MLX pads) to spread banks and keep rows 16-byte aligned;
-  // the output tile is staged in the x tile's space at the end.
+  // (16 bytes, as MLX pads) to spread banks and keep rows 16-byte aligned,
+  // in two buffers (double-buffered: one barrier per step); the output
+  // tile is staged in the buffer the last step did not use.
   MB_QMM_BM = 32,
   MB_QMM_BN = 32,
   MB_QMM_BK = 32,
   MB_QMM_SIMDGROUPS = 4,
   MB_QMM_THREADS = 128,
   MB_QMM_TILE_STRIDE = 36,
-  // After the tiles: the BK perm entries of the step (int bits), staged
-  // once per step instead of loaded by every thread that reads x.
-  MB_QMM_TG_FLOATS = (32 + 32) * 36 + 32,
+  // After the two buffers: the BK perm entries of a step (int bits), staged
+  // once per step instead of loaded by every thread that reads x, also
+  // double-buffered.
+  MB_QMM_TG_FLOATS = 2 * (32 + 32) * 36 + 2 * 32,
+  // The gathered tiled kernel (gather_qmm.metal): one buffer, no perm.
+  MB_GATHER_QMM_TG_FLOATS = (32 + 32) * 36,
   // 9 .. 16 rows of x: a 16 x 64 block per threadgroup (same 4 simdgroups,
   // side by side), so at least half of the MMA rows are real rows from
   // M = 9 (a 32-row tile uses 9 / 32 of them there).
   MB_QMM16_MAX_M = 16,
   MB_QMM16_BM = 16,
   MB_QMM16_BN = 64,
-  MB_QMM16_TG_FLOATS = (16 + 64) * 36 + 32,
+  MB_QMM16_TG_FLOATS = 2 * (16 + 64) * 36 + 2 * 32,
 };
 
 // Columns of a tiled block with BM rows: 4 simdgroups of 16 x 16.

@@ -11,25 +11,30 @@
 #include "qmatmul_common.h"
 
 // One segment of width `bits`, BK = 32 columns per step, for a BM x BN
-// block of outputs (32 x 32, or 16 x 64 for 9 .. 16 rows of x). Per step,
-// thread lid (row lid / 4 of the tiles, columns (lid % 4) * 8 ..)
+// block of outputs (32 x 32, or 16 x 64 for 9 .. 16 rows of x). The tiles
+// are double-buffered: step t (counted over all segments: `step`) fills
+// buffer t % 2 (x tile xt[BM][S], W tile wt[BN][S]), meets ONE barrier,
+// and multiplies from it; step t + 1 fills the other buffer, which every
+// thread finished reading before that barrier, so no second barrier is
+// needed to protect the tiles, and fast threads load the next step while
+// slow ones still multiply. Per step, thread lid (row lid / 4 of the
+// tiles, columns (lid % 4) * 8 ..)
 //  - if its row is one of the BM, loads 8 consecutive activations of one x
-//    row into the x tile
-//    xt[BM][S] (rows past M read 0); with a perm, through the step's 32
-//    perm entries staged in threadgroup memory (pt) by the previous step,
-//    so each entry is read once per step, not once per row of x;
+//    row into the x tile (rows past M read 0); with a perm, through the
+//    step's 32 perm entries, staged (double-buffered too, pt[2][BK]) by
+//    threads 0 .. 31 one step ahead, so each entry is read once per step,
+//    not once per row of x;
 //  - dequantizes 8 consecutive codes of each of its BN / 32 W rows (rows
-//    lid / 4 + 32 t; inside one group) into the W tile wt[BN][S] (rows past N repeat the last row: computed, never
-//    stored), the row's step read as `bits` uint32 words shared by its 4
-//    loader threads through simd_shuffle;
-// then, after a barrier, simdgroup (sm, sn) accumulates its 16 x 16 block
-// of outputs over the step's four 8-column slices: x fragments by plain
-// loads at an origin, Wᵀ fragments by transposed loads of W rows
-// (B(k, n) = wt[n][k]), and threads 0 .. 31 stage the next step's perm
-// entries (steps are contiguous across segments: the next step's columns
-// are always the next 32 of the permuted order). Tiles and accumulators are
-// float: products and sums are exact float arithmetic whatever the
-// activation dtype (as MLX accumulates in float).
+//    lid / 4 + 32 t; inside one group) into the W tile (rows past N repeat
+//    the last row: computed, never stored), the row's step read as `bits`
+//    uint32 words shared by its 4 loader threads through simd_shuffle;
+// then, after the barrier, simdgroup (sm, sn) accumulates its 16 x 16
+// block of outputs over the step's four 8-column slices: x fragments by
+// plain loads at an origin, Wᵀ fragments by transposed loads of W rows
+// (B(k, n) = wt[n][k]). Steps are contiguous across segments (the next
+// step's columns are always the next 32 of the permuted order). Tiles and
+// accumulators are float: products and sums are exact float arithmetic
+// whatever the activation dtype (as MLX accumulates in float).
 template <typename IO, typename SC, int bits, int BM>
 inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
                            const device int32_t* perm, const device uint8_t* w,
@@ -37,13 +42,11 @@ inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
                            const device typename SC::storage* biases,
                            constant MbQmmFusedParams& p, constant MbQmmSeg& sg,
                            threadgroup float* smem, int n0, uint lid, uint simd_gid,
-                           thread simdgroup_float8x8* c) {
+                           thread int& step, thread simdgroup_float8x8* c) {
   constexpr int S = MB_QMM_TILE_STRIDE;
   constexpr int BN = mb_qmm_bn(BM);
   constexpr int WR = BN / 32;  // W rows per loader thread
-  threadgroup float* xt = smem;                // [BM][S]
-  threadgroup float* wt = smem + BM * S;       // [BN][S]
-  threadgroup float* pt = smem + (BM + BN) * S;  // [BK] int bits
+  constexpr int TILE = (BM + BN) * S;  // one buffer: x tile, then W tile
   const int lrow = int(lid) / 4;
   const int lcol = (int(lid) % 4) * 8;
   const size_t row_bytes = size_t(sg.kseg) * bits / 8;
@@ -61,7 +64,11 @@ inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
   const int q = (8 * j * bits) / 32;
   const int shift = (8 * j * bits) % 32;
 
-  for (int kt = 0; kt < sg.kseg; kt += MB_QMM_BK) {
+  for (int kt = 0; kt < sg.kseg; kt += MB_QMM_BK, ++step) {
+    const int buf = step & 1;
+    threadgroup float* xt = smem + buf * TILE;                  // [BM][S]
+    threadgroup float* wt = xt + BM * S;                        // [BN][S]
+    threadgroup float* pt = smem + 2 * TILE + buf * MB_QMM_BK;  // [BK] int bits
     const int c0 = sg.k0 + kt + lcol;
     if (lrow < BM) {  // x loader rows (all 32 when BM = 32)
       MB_UNROLL for (int i = 0; i < 8; ++i) {
@@ -101,13 +108,15 @@ inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
         wt[(lrow + 32 * t) * S + lcol + i] = s * float(codes[i]) + b;
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-
-    // Every thread has read pt for this step (before the barrier).
+    // The next step's perm entries into the other pt buffer (last read by
+    // the previous step's x loads, before the previous barrier).
     const int next = sg.k0 + kt + MB_QMM_BK + int(lid);
     if (p.has_perm && lid < uint(MB_QMM_BK) && next < p.K) {
-      pt[lid] = as_type<float>(mb_perm_col(perm, 1, p.K, next));
+      smem[2 * TILE + (buf ^ 1) * MB_QMM_BK + int(lid)] =
+          as_type<float>(mb_perm_col(perm, 1, p.K, next));
     }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
     MB_UNROLL for (int kk = 0; kk < MB_QMM_BK; kk += 8) {
       simdgroup_float8x8 a[2], bt[2];
       MB_UNROLL for (int i = 0; i < 2; ++i) {
@@ -122,9 +131,6 @@ inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
         }
       }
     }
-    // The next step overwrites the tiles: wait until everyone has read them
-    // (and publish pt).
-    threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 }
 
@@ -191,26 +197,31 @@ template <typename IO, typename SC, int BM>
   simdgroup_float8x8 c[4];
   MB_UNROLL for (int i = 0; i < 4; ++i) c[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
-  // The first step's perm entries (later ones are staged a step ahead).
-  threadgroup float* pt = smem + (BM + BN) * S;
-  if (p.has_perm && lid < uint(MB_QMM_BK)) {
-    pt[lid] = as_type<float>(mb_perm_col(perm, 1, p.K, p.seg[0].k0 + int(lid)));
+  constexpr int TILE = (BM + BN) * S;
+  // The first step's perm entries (later ones are staged a step ahead);
+  // without a perm there is nothing to wait for.
+  if (p.has_perm) {
+    if (lid < uint(MB_QMM_BK)) {
+      smem[2 * TILE + int(lid)] = as_type<float>(mb_perm_col(perm, 1, p.K, p.seg[0].k0 + int(lid)));
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
 
+  int step = 0;  // over all segments: picks the tile buffer
   for (int s = 0; s < p.nseg; ++s) {
 #define MB_QMM_SEG(B)                                                                          \
   mb_qmm_segment<IO, SC, B, BM>(xrow, x_in, perm, (const device uint8_t*)wqs[s], scs[s], bis[s], p, \
-                            p.seg[s], smem, n0, lid, simd_gid, c)
+                            p.seg[s], smem, n0, lid, simd_gid, step, c)
     MB_QMM_SWITCH_BITS(p.seg[s].bits, MB_QMM_SEG)
 #undef MB_QMM_SEG
   }
 
-  // Stage the outputs in the tiles' space (free after the last barrier),
-  // [BM][BN + 4]; each thread then stores 8 consecutive outputs of one row.
+  // Stage the outputs, [BM][BN + 4], in the tile buffer the last step did
+  // not use (every thread finished reading it before the last step's
+  // barrier); each thread then stores 8 consecutive outputs of one row.
   constexpr int CS = BN + 4;
-  static_assert(BM * CS <= (BM + BN) * S, "the output tile fits the tiles' space");
-  threadgroup float* ct = smem;
+  static_assert(BM * CS <= TILE, "the output tile fits one tile buffer");
+  threadgroup float* ct = smem + (step & 1) * TILE;
   const int sm = 16 * (int(simd_gid) / (BN / 16));
   const int sn = 16 * (int(simd_gid) % (BN / 16));
   MB_UNROLL for (int i = 0; i < 2; ++i) {

@@ -211,3 +211,18 @@ def test_gather_gemv_reads_an_experts_weights_once_per_run(sort):
     assert r["device_read_by_width"]["4"] == runs * N * K // 2 + r["grid"][0] * pairs * 2 * 4
     if sort:
         assert runs < pairs  # the sorted blocks share experts
+
+
+@pytest.mark.parametrize("perm", [False, True])
+@pytest.mark.parametrize("M", [12, 17])
+def test_tiled_one_barrier_per_k_step(M, perm):
+    # Double-buffered tiles: one barrier per 32-column step (across
+    # segments), one before the output is stored, and one before the first
+    # step only with a perm (its entries are staged ahead). Single-buffered
+    # tiles needed two per step.
+    N, segs = 128, [(4, 64, 64), (3, 32, 96)]
+    c = qmm_case(M, segs, perm, N=N)
+    r = T.run_case(c, np.random.default_rng(6))[0]
+    steps = sum(k for _, _, k in segs) // 32
+    groups = r["grid"][0] * r["grid"][1]
+    assert r["barriers"] == groups * (steps + 1 + int(perm))
