@@ -28,6 +28,10 @@ using namespace metal;
 // The emulator checks that a word pointer made from a byte pointer is
 // aligned for its type; Metal requires it and would not say.
 #define MB_CHECK_ALIGNED(ptr)
+// A threadgroup pointer to T at the same address as threadgroup pointer p
+// (the emulator's `threadgroup` is not a type qualifier, so it spells the
+// cast without it).
+#define MB_TG_CAST(T, p) ((threadgroup T*)(p))
 
 #else
 
@@ -35,6 +39,7 @@ using namespace metal;
 #error "compile .metal sources as C++ only after including tests/metal/metal_compat.h"
 #endif
 #define MB_UNROLL
+#define MB_TG_CAST(T, p) (reinterpret_cast<T*>(p))
 // MB_CHECK_ALIGNED: defined by metal_compat.h.
 
 #endif

@@ -81,6 +81,12 @@ static_assert(MB_QMM_TG_FLOATS ==
                       2 * (MB_QMM_BM + MB_QMM_BN) * MB_QMM_TILE_STRIDE + 2 * MB_QMM_BK &&
                   MB_QMM16_TG_FLOATS ==
                       2 * (MB_QMM16_BM + MB_QMM16_BN) * MB_QMM_TILE_STRIDE + 2 * MB_QMM_BK &&
+                  mb_qmm_tg_floats(MB_QMM_BM, 4) == MB_QMM_TG_FLOATS &&
+                  mb_qmm_tg_floats(MB_QMM16_BM, 4) == MB_QMM16_TG_FLOATS &&
+                  mb_qmm_tg_floats(MB_QMM_BM, 2) < MB_QMM_TG_FLOATS &&
+                  mb_qmm_tg_floats(MB_QMM16_BM, 2) < MB_QMM16_TG_FLOATS &&
+                  mb_qmm_buffer_floats(MB_QMM_BM, 2) % 4 == 0 &&
+                  mb_qmm_buffer_floats(MB_QMM16_BM, 2) % 4 == 0 &&
                   MB_GATHER_QMM_TG_FLOATS == (MB_QMM_BM + MB_QMM_BN) * MB_QMM_TILE_STRIDE &&
                   mb_qmm_bn(MB_QMM_BM) == MB_QMM_BN && mb_qmm_bn(MB_QMM16_BM) == MB_QMM16_BN &&
                   kQmm16ThreadgroupBytes <= kMaxThreadgroupBytes,
@@ -196,7 +202,9 @@ inline std::vector<QmmLaunch> plan_qmm(int M, int N,
       l.grid[0] = uint32_t((N + bn - 1) / bn);
       l.grid[1] = uint32_t((M + bm - 1) / bm);
       l.group[0] = MB_QMM_THREADS;
-      l.threadgroup_bytes = bm == MB_QMM_BM ? kQmmThreadgroupBytes : kQmm16ThreadgroupBytes;
+      // x tiles hold x as stored: 2-byte activations need half the bytes.
+      l.threadgroup_bytes =
+          size_t(mb_qmm_tg_floats(bm, xt == ActType::F32 ? 4 : 2)) * sizeof(float);
     } else {
       const int rows = qmv_simdgroups(N, max_gemv_threads, (M + MB_QMV_MAX_M - 1) / MB_QMV_MAX_M) *
                        MB_QMV_ROWS_PER_SIMDGROUP;

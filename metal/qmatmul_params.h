@@ -140,3 +140,17 @@ enum MbQmmShape {
 
 // Columns of a tiled block with BM rows: 4 simdgroups of 16 x 16.
 constexpr int mb_qmm_bn(int bm) { return 32 * 32 / bm; }
+
+// The tiled kernel's x tile holds x as stored (float, or the 2-byte half /
+// bfloat16 bits: exact, half the threadgroup bytes of float), rows of
+// BK + 16 / x_bytes elements (16 bytes of padding, as MLX pads its tiles).
+constexpr int mb_qmm_xstride(int x_bytes) { return MB_QMM_BK + 16 / x_bytes; }
+// One tile buffer in floats: the x tile, then the float W tile [BN][S].
+constexpr int mb_qmm_buffer_floats(int bm, int x_bytes) {
+  return (bm * mb_qmm_xstride(x_bytes) * x_bytes + 3) / 4 + mb_qmm_bn(bm) * MB_QMM_TILE_STRIDE;
+}
+// Threadgroup memory of the dense tiled kernels: two buffers, then two
+// steps' BK perm entries.
+constexpr int mb_qmm_tg_floats(int bm, int x_bytes) {
+  return 2 * mb_qmm_buffer_floats(bm, x_bytes) + 2 * MB_QMM_BK;
+}

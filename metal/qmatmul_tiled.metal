@@ -30,11 +30,14 @@
 //    uint32 words shared by its 4 loader threads through simd_shuffle;
 // then, after the barrier, simdgroup (sm, sn) accumulates its 16 x 16
 // block of outputs over the step's four 8-column slices: x fragments by
-// plain loads at an origin, Wᵀ fragments by transposed loads of W rows
+// lane loads (each lane its two elements of the fragment, thread_elements,
+// converted to float), Wᵀ fragments by transposed loads of W rows
 // (B(k, n) = wt[n][k]). Steps are contiguous across segments (the next
-// step's columns are always the next 32 of the permuted order). Tiles and
-// accumulators are float: products and sums are exact float arithmetic
-// whatever the activation dtype (as MLX accumulates in float).
+// step's columns are always the next 32 of the permuted order). The x tile
+// holds x as stored (IO::storage: float, or the 2-byte half / bfloat16
+// bits -- exact, and half the threadgroup bytes of a float tile); the W
+// tile and the accumulators are float: products and sums are exact float
+// arithmetic whatever the activation dtype (as MLX accumulates in float).
 template <typename IO, typename SC, int bits, int BM>
 inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
                            const device int32_t* perm, const device uint8_t* w,
@@ -46,7 +49,10 @@ inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
   constexpr int S = MB_QMM_TILE_STRIDE;
   constexpr int BN = mb_qmm_bn(BM);
   constexpr int WR = BN / 32;  // W rows per loader thread
-  constexpr int TILE = (BM + BN) * S;  // one buffer: x tile, then W tile
+  typedef typename IO::storage XT;
+  constexpr int XS = mb_qmm_xstride(sizeof(XT));  // x tile row stride
+  constexpr int TILE = mb_qmm_buffer_floats(BM, sizeof(XT));  // x tile, then W tile
+  constexpr int XF = TILE - BN * S;  // floats of the x tile
   const int lrow = int(lid) / 4;
   const int lcol = (int(lid) % 4) * 8;
   const size_t row_bytes = size_t(sg.kseg) * bits / 8;
@@ -63,25 +69,30 @@ inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
   const uint lane0 = (lid % 32u) & ~3u;
   const int q = (8 * j * bits) / 32;
   const int shift = (8 * j * bits) % 32;
+  // This lane's two elements of an 8 x 8 fragment (Apple's layout, as MLX's
+  // BaseMMAFrag::get_coord): row fr, columns fc and fc + 1.
+  const uint lane = lid % 32u;
+  const int fr = int(4 * (lane / 16) + (lane / 2) % 4);
+  const int fc = int(4 * ((lane / 8) % 2) + 2 * (lane % 2));
 
   for (int kt = 0; kt < sg.kseg; kt += MB_QMM_BK, ++step) {
     const int buf = step & 1;
-    threadgroup float* xt = smem + buf * TILE;                  // [BM][S]
-    threadgroup float* wt = xt + BM * S;                        // [BN][S]
+    threadgroup XT* xt = MB_TG_CAST(XT, smem + buf * TILE);     // [BM][XS]
+    threadgroup float* wt = smem + buf * TILE + XF;             // [BN][S]
     threadgroup float* pt = smem + 2 * TILE + buf * MB_QMM_BK;  // [BK] int bits
     const int c0 = sg.k0 + kt + lcol;
     if (lrow < BM) {  // x loader rows (all 32 when BM = 32)
       MB_UNROLL for (int i = 0; i < 8; ++i) {
-        float v = 0.0f;
+        XT v = IO::store(0.0f);
         if (x_in) {
           if (p.has_perm) {
             const uint32_t pc = as_type<uint32_t>(pt[lcol + i]);
-            v = pc < uint32_t(p.K) ? IO::load(xrow[pc]) : NAN;
+            v = pc < uint32_t(p.K) ? xrow[pc] : IO::store(NAN);
           } else {
-            v = IO::load(xrow[c0 + i]);
+            v = xrow[c0 + i];
           }
         }
-        xt[lrow * S + lcol + i] = v;
+        xt[lrow * XS + lcol + i] = v;
       }
     }
     // The step's `bits` words of each of this thread's W rows: loader j (of
@@ -120,7 +131,9 @@ inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
     MB_UNROLL for (int kk = 0; kk < MB_QMM_BK; kk += 8) {
       simdgroup_float8x8 a[2], bt[2];
       MB_UNROLL for (int i = 0; i < 2; ++i) {
-        simdgroup_load(a[i], xt, S, ulong2(ulong(kk), ulong(sm + 8 * i)));
+        const int o = (sm + 8 * i + fr) * XS + kk + fc;
+        a[i].thread_elements()[0] = IO::load(xt[o]);
+        a[i].thread_elements()[1] = IO::load(xt[o + 1]);
       }
       MB_UNROLL for (int j = 0; j < 2; ++j) {
         simdgroup_load(bt[j], wt + (sn + 8 * j) * S + kk, S, ulong2(0, 0), true);
@@ -197,7 +210,7 @@ template <typename IO, typename SC, int BM>
   simdgroup_float8x8 c[4];
   MB_UNROLL for (int i = 0; i < 4; ++i) c[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
-  constexpr int TILE = (BM + BN) * S;
+  constexpr int TILE = mb_qmm_buffer_floats(BM, sizeof(typename IO::storage));
   // The first step's perm entries (later ones are staged a step ahead);
   // without a perm there is nothing to wait for.
   if (p.has_perm) {

@@ -226,3 +226,28 @@ def test_tiled_one_barrier_per_k_step(M, perm):
     steps = sum(k for _, _, k in segs) // 32
     groups = r["grid"][0] * r["grid"][1]
     assert r["barriers"] == groups * (steps + 1 + int(perm))
+
+
+@pytest.mark.parametrize("M", [12, 17])
+def test_tiled_x_tile_holds_2_byte_activations(M):
+    # The x tile stores x as stored: with float16 (or bfloat16) x its
+    # threadgroup writes and the fragment reads are 2 bytes per element, half
+    # of float32 x's; the W tile, the output staging and the MMAs are the same.
+    N, K = 128, 128
+
+    def case(xd):
+        c = dict(qmm_case(M, [(4, 64, K)], False, N=N), x_dtype=xd)
+        return T.run_case(c, np.random.default_rng(8))[0]
+
+    f32, f16, bf16 = case("float32"), case("float16"), case("bfloat16")
+    groups = f16["grid"][0] * f16["grid"][1]
+    bm = 16 if M <= 16 else 32
+    steps = K // 32
+    # per step: BM x 32 x-tile elements written; 4 simdgroups x 4 slices x
+    # 2 fragments x 64 elements read
+    for r in (f16, bf16):
+        assert f32["threadgroup_write_bytes"] - r["threadgroup_write_bytes"] == \
+            groups * steps * bm * 32 * 2
+        assert f32["threadgroup_read_bytes"] - r["threadgroup_read_bytes"] == \
+            groups * steps * 4 * 4 * 2 * 64 * 2
+        assert r["mma"] == f32["mma"] and r["barriers"] == f32["barriers"]
