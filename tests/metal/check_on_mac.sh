@@ -191,6 +191,12 @@ for mode in ('mxfp4', 'nvfp4', 'mxfp8'):
 # two, with a permutation, GEMV and both tiled block shapes (M = 2, 12, 17).
 step fused-qmatmul-gpu "$PY" -m pytest tests/metal/test_gpu_device.py -q -p no:cacheprovider \
   -k "many_segments or mixed_segments"
+# The GEMV's wide threadgroups (16 / 32 simdgroups at N = 2000 / 4100),
+# the gathered GEMV walking runs of sorted experts, and the tiled kernel's
+# double-buffered tiles with 2-byte x tiles (thread_elements fragment loads,
+# float16 / bfloat16 x at M = 9, 33, 200), on the GPU.
+step gemv-wide-gather-runs-tiles-gpu "$PY" -m pytest tests/metal/test_gpu_device.py -q \
+  -p no:cacheprovider -k "wide_threadgroups or sorted_gemv_runs or quantized_matmul_gpu_matches_mlx"
 step gpu-tests "$PY" -m pytest tests/metal/test_gpu_device.py -q -rs -p no:cacheprovider
 step no-gpu-test-skipped bash -c "! grep -q 'SKIPPED' '$LOG/gpu-tests.txt'"
 step full-suite "$PY" -m pytest tests -q -rs -p no:cacheprovider

@@ -126,6 +126,41 @@ def test_gather_qmm_gpu_matches_mlx(M, bits, dtype):
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("N", [2000, 4100])
+def test_gemv_wide_threadgroups_gpu_matches_mlx(M, N):
+    # N >= 1985 / 3969: the GEMV runs 16 / 32 simdgroups per threadgroup (up
+    # to 1024 threads, bounded by the pipeline's maxTotalThreadsPerThreadgroup).
+    rng = np.random.default_rng(M + N)
+    K, gs = 512, 64
+    w = mx.array(rng.standard_normal((N, K)).astype(np.float32)).astype(mx.float16)
+    wq, s, b = mx.quantize(w, group_size=gs, bits=4)
+    x = mx.array(rng.standard_normal((M, K)).astype(np.float32)).astype(mx.float16)
+    want = np.array(on(mx.cpu, mx.quantized_matmul, x, wq, s, b, transpose=True,
+                       group_size=gs, bits=4).astype(mx.float32))
+    got = np.array(on(mx.gpu, mixbits.quantized_matmul, x, wq, s, b, group_size=gs,
+                      bits=4).astype(mx.float32))
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("M", [1, 3])
+def test_gather_sorted_gemv_runs_gpu_matches_mlx(M):
+    # Sorted pairs spread over many experts (< 8 rows each): the gathered
+    # GEMV in 8-row blocks walking runs of equal expert.
+    rng = np.random.default_rng(70 + M)
+    E, N, K, gs = 32, 300, 512, 64
+    w = mx.array(rng.standard_normal((E, N, K)).astype(np.float32)).astype(mx.float16)
+    wq, s, b = mx.quantize(w, group_size=gs, bits=4)
+    ids = mx.array(np.sort(rng.integers(0, E, 72)).astype(np.uint32))
+    x = mx.array(rng.standard_normal((72, M, K)).astype(np.float32)).astype(mx.float16)
+    mx.eval(wq, s, b, x, ids)
+    want = np.array(on(mx.cpu, mx.gather_qmm, x, wq, s, b, None, ids, transpose=True,
+                       group_size=gs, bits=4, sorted_indices=True).astype(mx.float32))
+    got = np.array(on(mx.gpu, mixbits.gather_quantized_matmul, x, wq, s, b, None, ids,
+                      group_size=gs, bits=4, sorted_indices=True).astype(mx.float32))
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
 def test_gather_gpu_runs_the_metal_kernel_and_matches_cpu(tmp_path):
     # Mixed segments with a permutation, both operands gathered with batch
     # dims, an index out of range (NaN matrix, as on the CPU), a strided x.
