@@ -37,7 +37,7 @@ class JointEvaluator:
         when the model's forward allows it (:func:`.prefix.replays`;
         ``reuse_reason`` says why not otherwise). ``layer_limit``: bytes of
         built candidate layers kept (:class:`.layer_cache.LayerCache`);
-        "auto": half the memory available once the reference logits are
+        "auto": 3/8 of the memory available once the reference logits are
         in; None: no limit. Ignored with ``calibration`` (its cache is used)."""
         self.model = model
         self.adapter = ModelAdapter(model)
@@ -59,11 +59,15 @@ class JointEvaluator:
             from .. import streaming
             from .layer_cache import LayerCache
 
-            # Half of what is left: the block-output store takes an eighth
-            # (_start_reuse), the rest is for the forward's activations and
-            # the layers of the assignment in use, held while it runs even
-            # when the cache has dropped them.
-            limit = streaming.memory_share(0.5) if layer_limit == "auto" else layer_limit
+            # 3/8 of what is left, with the block-output store's eighth
+            # (_start_reuse) half: the rest is for the forward's activations
+            # and the layers of the assignment in use, held while it runs
+            # even when the cache has dropped them. At 8B on 24 GiB (~18 GiB
+            # left with the weights on disk) that is ~6.7 GiB: two sets of
+            # layers at 3.5 bpw (3.3 GiB each), so a search's current
+            # allocation stays built; a dropped set costs ~95 CPU-s to
+            # rebuild there (12 at 1B), under half an 8 x 256 evaluation.
+            limit = streaming.memory_share(3 / 8) if layer_limit == "auto" else layer_limit
             self._layers = LayerCache(limit)
         self.evaluations = 0  # forwards run (an assignment scored before is not rerun)
         self.reused = 0  # scores returned from _scores
@@ -88,7 +92,7 @@ class JointEvaluator:
         self.reuse_reason, self._after = replays(self.model, blocks, piece, root, outside)
         if self.reuse_reason is None:
             if limit is None:
-                # The layer cache takes half the available memory (__init__):
+                # The layer cache takes 3/8 of the available memory (__init__):
                 # this store an eighth. An 8B bf16 model's outputs are
                 # 1 GiB per evaluation of 8 x 256 tokens (float32).
                 limit = streaming.memory_share(1 / 8, at_most=2 << 30)
