@@ -48,6 +48,12 @@ def parse_probe(output: str) -> dict:
     if m:
         out["per_sequence_s"] = dict(zip(("fisher", "pair_fixed", "pair_per_block", "joint"),
                                          map(float, m.groups())))
+    m = re.search(r"reference forward ([\d.]+) s", output)
+    if m:
+        out.setdefault("per_sequence_s", {})["reference_forward"] = float(m.group(1))
+    m = re.search(r"quantizing every tensor once ([\d.]+) s", output)
+    if m:
+        out["quantize_every_tensor_once_s"] = float(m.group(1))
     m = re.search(r"projected measure \+ refine: (.*?); budget", output)
     if m:
         out["projected_total_s"] = {k: seconds(v) for k, v in
