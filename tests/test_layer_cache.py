@@ -3,6 +3,7 @@ byte limit (mixbits.measure.layer_cache), and a limit that forces rebuilds
 changes no score: a refine run with the baseline guard gives the same joint
 KLs, bit for bit, with a tiny limit as with none."""
 
+import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
@@ -85,3 +86,25 @@ def test_cache_drops_least_recently_used_first():
     big = LayerCache(limit=1)
     big.put(("a", "x"), layers[2])  # larger than the limit: kept until the next put
     assert big.get(("a", "x")) is layers[2] and big.bytes == size[2]
+
+
+def test_ternary_layers_are_built_in_bounded_pieces():
+    """The ternary candidate's numpy work takes ~32 bytes per weight; done
+    in row pieces it stays near one piece's, bit for bit the same layer."""
+    import tracemalloc
+
+    from mixbits.layout import ternary_triplet
+
+    w = mx.random.normal((512, 2048), key=mx.random.key(0)).astype(mx.float16)
+    whole = ternary_triplet(w, 64, chunk=w.size)
+    tracemalloc.start()
+    pieces = ternary_triplet(w, 64, chunk=1 << 16)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    for a, b in zip(whole, pieces):
+        assert np.array_equal(np.array(a), np.array(b))
+    assert peak < 4 * w.size  # the whole matrix at once: > 32 bytes per weight
+    tracemalloc.start()
+    ternary_triplet(w, 64, chunk=w.size)
+    assert tracemalloc.get_traced_memory()[1] > 16 * w.size
+    tracemalloc.stop()

@@ -75,25 +75,35 @@ def unpack_codes(wq: np.ndarray, bits: int) -> np.ndarray:
     return stream.reshape(n, -1, bits) @ weights
 
 
-def ternary_triplet(w: mx.array, group_size: int, dtype=None):
+def ternary_triplet(w: mx.array, group_size: int, dtype=None, chunk: int = 1 << 22):
     """Quantize ``w`` [N, k] to {-s, 0, +s} per group as a 2-bit affine segment.
 
     s is the group's mean |w| (absmean, as ternary LLMs use); codes 0, 1, 2
     decode as scale * code + bias with scale = s, bias = -s.
+
+    Rows go through numpy ``chunk`` weights at a time: the float32 copy,
+    int64 codes and bit planes take ~32 bytes per weight, 2 GB at once for
+    a 1B model's head and 17 GB for Llama-3-8B's (refine's peak, issue 40).
+    Rows are independent, so the result does not depend on ``chunk``.
     """
     dtype = dtype or w.dtype
-    wn = np.asarray(w.astype(mx.float32))
-    if not np.isfinite(wn).all():
-        # NaN has no ternary code; refuse instead of packing garbage.
-        raise ValueError("w has NaN or infinite values, which ternary quantization cannot represent")
-    n, k = wn.shape
-    g = wn.reshape(n, k // group_size, group_size)
-    s = np.abs(g).mean(axis=-1, keepdims=True)
-    s = np.where(s > 0, s, 1.0).astype(np.float32)
-    t = np.clip(np.rint(g / s), -1, 1)
-    codes = (t + 1).astype(np.int64).reshape(n, k)
-    scales = mx.array(s[..., 0]).astype(dtype)
-    wq = mx.array(pack_codes(codes, 2))
+    n, k = w.shape
+    rows = max(1, chunk // max(k, 1))
+    packed, scale_rows = [], []
+    for r0 in range(0, n, rows) if n else [0]:
+        wn = np.asarray(w[r0 : r0 + rows].astype(mx.float32))
+        if not np.isfinite(wn).all():
+            # NaN has no ternary code; refuse instead of packing garbage.
+            raise ValueError("w has NaN or infinite values, which ternary quantization cannot represent")
+        m = wn.shape[0]
+        g = wn.reshape(m, k // group_size, group_size)
+        s = np.abs(g).mean(axis=-1, keepdims=True)
+        s = np.where(s > 0, s, 1.0).astype(np.float32)
+        t = np.clip(np.rint(g / s), -1, 1)
+        packed.append(pack_codes((t + 1).astype(np.int64).reshape(m, k), 2))
+        scale_rows.append(s[..., 0])
+    scales = mx.array(np.concatenate(scale_rows)).astype(dtype)
+    wq = mx.array(np.concatenate(packed))
     return wq, scales, -scales
 
 
