@@ -49,6 +49,15 @@ def _close(got: dict, want: dict):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * np.abs(w).max(), err_msg=p)
 
 
+def _falls_back_with_same_numbers(model, sites, toks, match, seed=0):
+    """The block-wise call warns (``match``) and runs the whole-model pass:
+    the same Fisher as asking for that pass outright."""
+    with pytest.warns(RuntimeWarning, match=match):
+        got, _ = fisher_diagonal(model, toks, sites, progress=False, seed=seed)
+    want, _ = fisher_diagonal(model, toks, sites, progress=False, seed=seed, blockwise=False)
+    _close(got, want)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_blockwise_fisher_equals_the_whole_model_pass(arch):
     model, _ = tiny_models.build(arch)
@@ -77,20 +86,14 @@ def test_embeddings_feeding_block_arguments_fall_back_with_a_warning():
     block chain would miss a path, so the whole-model pass runs (said)."""
     model, _ = tiny_models.build("gemma3n")
     sites = ModelAdapter(model).sites
-    toks = _tokens(2)
-    with pytest.warns(RuntimeWarning, match="whole model at once.*other than the hidden state"):
-        got, _ = fisher_diagonal(model, toks, sites, progress=False, seed=4)
-    want, _ = fisher_diagonal(model, toks, sites, progress=False, seed=4, blockwise=False)
-    _close(got, want)
+    _falls_back_with_same_numbers(model, sites, _tokens(2),
+                                  "whole model at once.*other than the hidden state", seed=4)
 
 
 def test_a_model_whose_blocks_return_tuples_falls_back_with_a_warning():
     model, _ = tiny_models.build("rwkv7")
     sites = ModelAdapter(model).sites[:4]
-    with pytest.warns(RuntimeWarning, match="whole model at once.*returns tuple"):
-        got, _ = fisher_diagonal(model, _tokens(2), sites, progress=False)
-    want, _ = fisher_diagonal(model, _tokens(2), sites, progress=False, blockwise=False)
-    _close(got, want)
+    _falls_back_with_same_numbers(model, sites, _tokens(2), "whole model at once.*returns tuple")
 
 
 def test_block_sites_only_stop_at_the_lowest_measured_block(monkeypatch):
@@ -186,8 +189,5 @@ def test_a_block_output_changed_in_place_falls_back_with_a_warning():
     model, _ = tiny_models.build("llama")
     model.model.__class__ = Writes
     sites = ModelAdapter(model).sites
-    toks = _tokens(2)
-    with pytest.warns(RuntimeWarning, match="whole model at once.*block 2's recorded output differs"):
-        got, _ = fisher_diagonal(model, toks, sites, progress=False, seed=5)
-    want, _ = fisher_diagonal(model, toks, sites, progress=False, seed=5, blockwise=False)
-    _close(got, want)
+    _falls_back_with_same_numbers(model, sites, _tokens(2),
+                                  "whole model at once.*block 2's recorded output differs", seed=5)

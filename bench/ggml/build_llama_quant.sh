@@ -21,25 +21,8 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/fetch_sdist.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/isa.sh"
 
-SRC="$OUT/llama.cpp"
-if [ ! -f "$SRC/tools/quantize/quantize.cpp" ] || [ ! -f "$SRC/tools/imatrix/imatrix.cpp" ]; then
-  rm -rf "$SRC" && mkdir -p "$SRC"
-  echo "extracting vendor/llama.cpp"
-  tar xzf "$SDIST" -C "$SRC" --strip-components=3 --exclude='*/.git/*' \
-      "llama_cpp_python-$VERSION/vendor/llama.cpp"
-fi
-[ -f "$SRC/ggml/ggml.pc.in" ] || : > "$SRC/ggml/ggml.pc.in"
-
-# the same configure as build_llama_bench.sh: both can share one build folder
-CM="$OUT/llama-cmake$SUFFIX"
-GIT_CEILING_DIRECTORIES="$SRC" cmake -S "$SRC" -B "$CM" -DCMAKE_BUILD_TYPE=Release \
-  -DBUILD_SHARED_LIBS=OFF "${ISA_FLAGS[@]}" -DGGML_BACKEND_DL=OFF \
-  -DGGML_CPU=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF \
-  -DGGML_OPENMP=OFF -DGGML_LLAMAFILE=ON -DGGML_RPC=OFF \
-  -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF \
-  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
-  -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_LLGUIDANCE=OFF \
-  >"$CM.log" 2>&1 || { tail -30 "$CM.log"; exit 1; }
+NEED="tools/quantize/quantize.cpp tools/imatrix/imatrix.cpp tools/tokenize/tokenize.cpp tools/perplexity/perplexity.cpp"
+source "$(dirname "${BASH_SOURCE[0]}")/llama_configure.sh"
 for tool in llama-quantize llama-imatrix llama-tokenize llama-perplexity; do
   nice -n 10 cmake --build "$CM" --target "$tool" -j "$JOBS"
   BIN=$(find "$CM" -type f -name "$tool" -perm -u+x | head -1)
