@@ -60,16 +60,7 @@ int main(int argc, char** argv) {
       select_swiglu(Backend::Neon) != swiglu_neon ||
       select_swiglu_vjp(Backend::Neon) != swiglu_vjp_neon || select_attn(Backend::Auto).gemm != attn_gemm_neon)
     die("neon (or auto) does not select the NEON kernels", 3);
-  Reader r;
-  {
-    std::FILE* f = std::fopen(argv[1], "rb");
-    if (!f) die("cannot open the case file");
-    char chunk[1 << 16];
-    size_t n;
-    while ((n = std::fread(chunk, 1, sizeof chunk, f)) > 0) r.buf.insert(r.buf.end(), chunk, chunk + n);
-    std::fclose(f);
-  }
-  if (std::memcmp(r.take(4), "MBA1", 4) != 0) die("not an MBA1 case file");
+  Reader r = read_case_file(argv[1], "MBA1");
   const int32_t count = r.i32();
   std::FILE* out = std::fopen(argv[2], "wb");
   if (!out) die("cannot open the output file");

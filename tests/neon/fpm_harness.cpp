@@ -25,13 +25,7 @@ const char* const kHarnessName = "fpm_harness";
 
 int main(int argc, char** argv) {
   if (argc != 3) die("usage: fpm_harness CASES OUT");
-  FILE* f = std::fopen(argv[1], "rb");
-  if (!f) die("cannot open the case file");
-  Reader r;
-  char chunk[1 << 16];
-  for (size_t n; (n = std::fread(chunk, 1, sizeof chunk, f)) > 0;) r.buf.insert(r.buf.end(), chunk, chunk + n);
-  std::fclose(f);
-  if (std::memcmp(r.take(4), "MBF1", 4) != 0) die("not a case file");
+  Reader r = read_case_file(argv[1], "MBF1");
   const int count = r.i32();
   FILE* out = std::fopen(argv[2], "wb");
   if (!out) die("cannot open the output file");

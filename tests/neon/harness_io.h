@@ -1,6 +1,6 @@
-// What the aarch64 harnesses (qmm_harness.cpp, repacked_harness.cpp) share:
-// a fatal error with the harness's name, and a bounds-checked reader of the
-// case files the Python tests write. Each harness defines kHarnessName.
+// What the aarch64 harnesses (qmm, repacked, fpm, attn) share: a fatal error
+// with the harness's name, and a bounds-checked reader of the case files the
+// Python tests write. Each harness defines kHarnessName.
 #pragma once
 #include <cstdint>
 #include <cstdio>
@@ -29,3 +29,16 @@ struct Reader {
     return v;
   }
 };
+
+// The whole case file at `path`, its 4-byte magic (e.g. "MBQ1") checked and
+// consumed: the harness's reader starts at the case count.
+inline Reader read_case_file(const char* path, const char* magic) {
+  std::FILE* f = std::fopen(path, "rb");
+  if (!f) die("cannot open the case file");
+  Reader r;
+  char chunk[1 << 16];
+  for (size_t n; (n = std::fread(chunk, 1, sizeof chunk, f)) > 0;) r.buf.insert(r.buf.end(), chunk, chunk + n);
+  std::fclose(f);
+  if (std::memcmp(r.take(4), magic, 4) != 0) die("not a case file");
+  return r;
+}

@@ -52,13 +52,7 @@ const Kernel kKernels[] = {
 
 int main(int argc, char** argv) {
   if (argc != 4) die("usage: qmm_harness CASES OUT NAME[,NAME...]");
-  FILE* f = std::fopen(argv[1], "rb");
-  if (!f) die("cannot open the case file");
-  Reader r;
-  char chunk[1 << 16];
-  for (size_t n; (n = std::fread(chunk, 1, sizeof chunk, f)) > 0;) r.buf.insert(r.buf.end(), chunk, chunk + n);
-  std::fclose(f);
-  if (std::memcmp(r.take(4), "MBQ1", 4) != 0) die("not a case file");
+  Reader r = read_case_file(argv[1], "MBQ1");
   const int count = r.i32();
 
   std::vector<const Kernel*> picked;
