@@ -25,19 +25,22 @@ def layer_bytes(layer) -> int:
     return sum(int(v.nbytes) for _, v in tree_flatten(layer.parameters()))
 
 
-class LayerCache:
-    """Layers by (tensor path, candidate name), least recently used dropped
-    while they hold more than ``limit`` bytes (None: no limit). A layer
-    larger than the limit is still returned and kept until the next put,
-    so the assignment being built always gets every layer."""
+class BytesLRU:
+    """Items by key, the least recently used dropped while they hold more
+    than ``limit`` bytes (None: no limit); ``size(item)`` gives an item's
+    bytes, counted once when it is put. The most recent item is never
+    dropped, so what was just put is always there for its caller. The
+    joint evaluator's two caches (built layers here, block outputs in
+    :mod:`.prefix`) are both this."""
 
-    def __init__(self, limit: int | None = None):
+    def __init__(self, limit: int | None, size):
         self.limit = None if limit is None else int(limit)
+        self.size = size
         self.bytes = 0
         self.peak_bytes = 0  # the most it held (after dropping)
-        self.builds = 0  # layers put (a rebuild of a dropped one counts again)
+        self.builds = 0  # items put (a re-put of a dropped one counts again)
         self.dropped = 0
-        self._items: OrderedDict = OrderedDict()  # key -> (layer, bytes)
+        self._items: OrderedDict = OrderedDict()  # key -> (item, bytes)
 
     def __contains__(self, key) -> bool:
         return key in self._items
@@ -46,17 +49,17 @@ class LayerCache:
         return len(self._items)
 
     def get(self, key):
-        item = self._items.get(key)
-        if item is None:
+        entry = self._items.get(key)
+        if entry is None:
             return None
         self._items.move_to_end(key)
-        return item[0]
+        return entry[0]
 
-    def put(self, key, layer) -> None:
+    def put(self, key, item) -> None:
         if key in self._items:
             self.bytes -= self._items.pop(key)[1]
-        n = layer_bytes(layer)
-        self._items[key] = (layer, n)
+        n = self.size(item)
+        self._items[key] = (item, n)
         self.bytes += n
         self.builds += 1
         while self.limit is not None and self.bytes > self.limit and len(self._items) > 1:
@@ -64,6 +67,20 @@ class LayerCache:
             self.bytes -= old
             self.dropped += 1
         self.peak_bytes = max(self.peak_bytes, self.bytes)
+
+    def clear(self) -> None:
+        self._items.clear()
+        self.bytes = 0
+
+
+class LayerCache(BytesLRU):
+    """Layers by (tensor path, candidate name), least recently used dropped
+    while they hold more than ``limit`` bytes (None: no limit). A layer
+    larger than the limit is still returned and kept until the next put,
+    so the assignment being built always gets every layer."""
+
+    def __init__(self, limit: int | None = None):
+        super().__init__(limit, layer_bytes)
 
     def by_candidate(self) -> dict[str, int]:
         """Bytes held per candidate name (for memory reports)."""

@@ -19,11 +19,10 @@ on a short piece of the calibration tokens before an evaluator relies on it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import mlx.core as mx
 
 from .. import streaming
+from .layer_cache import BytesLRU
 from .replay import _arrays, _Proxy, _settle, _stateful
 
 
@@ -48,40 +47,22 @@ def signatures(assignment: dict[str, str], sites: dict, n_blocks: int,
     return out
 
 
-class BlockOutputs:
+class BlockOutputs(BytesLRU):
     """Block outputs by (chunk, block, signature), the least recently used
     dropped once they hold more than ``limit`` bytes. Callers put an
     evaluation's outputs last block first, so that of one evaluation the
     late blocks go first: an early block's output serves more trials (any
-    that changes a later block)."""
+    that changes a later block). A key put again keeps its first output
+    (the same values) and only becomes the most recent."""
 
     def __init__(self, limit: int):
-        self.limit = int(limit)
-        self.bytes = 0
-        self._items: OrderedDict = OrderedDict()
-
-    def get(self, key):
-        out = self._items.get(key)
-        if out is not None:
-            self._items.move_to_end(key)
-        return out
+        super().__init__(limit, _nbytes)
 
     def put(self, key, out) -> None:
-        if key in self._items:
-            self._items.move_to_end(key)
+        if key in self:
+            self.get(key)
             return
-        self._items[key] = out
-        self.bytes += _nbytes(out)
-        while self.bytes > self.limit and len(self._items) > 1:
-            _, old = self._items.popitem(last=False)
-            self.bytes -= _nbytes(old)
-
-    def clear(self) -> None:
-        self._items.clear()
-        self.bytes = 0
-
-    def __len__(self) -> int:
-        return len(self._items)
+        super().put(key, out)
 
 
 def _nbytes(out) -> int:
