@@ -47,7 +47,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import streaming
-from .replay import _Proxy
+from .replay import BlockProxy
 
 
 def _floats(value) -> list:
@@ -61,7 +61,7 @@ def _floats(value) -> list:
     return []
 
 
-class _Given(_Proxy):
+class _Given(BlockProxy):
     """A block that returns ``out`` (its recorded output, or the variable the
     head's vjp differentiates) whatever it is given; ``seen``: a list that
     receives the hidden state it was given (block 0, for the embedding);
@@ -221,12 +221,12 @@ class _Stage:
     stacks, and its Fisher totals."""
 
     def __init__(self, adapter, sites):
-        from .grad import _stack_modules
+        from .grad import stack_modules
 
         self.ad = adapter
         self.tapped = {s.path: adapter.get(s.path) for s in sites if s.form != "stack"}
         self.forms = {s.path: s.form for s in sites}
-        self.stacks, self.originals = _stack_modules(adapter, sites)
+        self.stacks, self.originals = stack_modules(adapter, sites)
         self.fisher = {s.path: np.zeros(s.shape, np.float32) for s in sites}
 
     def __enter__(self):

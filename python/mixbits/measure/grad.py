@@ -66,7 +66,7 @@ def _float_stack(m, w):
     return twin
 
 
-def _stack_modules(ad, sites) -> tuple[dict, dict]:
+def stack_modules(ad, sites) -> tuple[dict, dict]:
     """({path: module whose float ``weight`` gets differentiated}, {path:
     original module to put back}) for the expert / multi-head stacks. A
     stack routes each token to some of its matrices, so its gradient is
@@ -204,7 +204,7 @@ def _whole_model_fisher(model, tokens, sites, *, samples, seed, batch, progress,
     ad = ModelAdapter(model)
     tapped = {s.path: ad.get(s.path) for s in sites if s.form != "stack"}
     forms = {s.path: s.form for s in sites}
-    stacks, originals = _stack_modules(ad, sites)
+    stacks, originals = stack_modules(ad, sites)
     fisher = {s.path: np.zeros(s.shape, np.float32) for s in sites}
     toks = np.asarray(tokens)
 

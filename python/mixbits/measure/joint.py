@@ -107,14 +107,14 @@ class JointEvaluator:
         """``model(x)``; for a model whose weights stay on disk
         (:mod:`mixbits.streaming`), one block's weights at a time."""
         from .. import streaming
-        from .replay import _Streamed
+        from .replay import Streamed
 
         blocks = self.adapter.blocks
         if not blocks or not streaming.streams(self.model):
             return self.model(x)
         originals = list(blocks)
         try:
-            blocks[:] = [_Streamed(b, self.model) for b in originals]
+            blocks[:] = [Streamed(b, self.model) for b in originals]
             out = self.model(x)
             mx.eval(out)
         finally:

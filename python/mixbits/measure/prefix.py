@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from .. import streaming
 from .layer_cache import BytesLRU
-from .replay import _arrays, _Proxy, _settle, _stateful
+from .replay import arrays_in, BlockProxy, settle, is_stateful
 
 
 def signatures(assignment: dict[str, str], sites: dict, n_blocks: int,
@@ -66,7 +66,7 @@ class BlockOutputs(BytesLRU):
 
 
 def _nbytes(out) -> int:
-    return sum(a.nbytes for a in _arrays(out))
+    return sum(a.nbytes for a in arrays_in(out))
 
 
 def _alias(out):
@@ -81,7 +81,7 @@ def _alias(out):
     return out
 
 
-class _Kept(_Proxy):
+class _Kept(BlockProxy):
     """Runs its block; records (index, args, kwargs, what the block returned)."""
 
     def __init__(self, block, index: int, calls: list, root=None):
@@ -90,12 +90,12 @@ class _Kept(_Proxy):
             object.__setattr__(self, "_" + k, v)
 
     def __call__(self, *args, **kwargs):
-        out = _settle(self._inner(*args, **kwargs), self._inner, self._root)
+        out = settle(self._inner(*args, **kwargs), self._inner, self._root)
         self._calls.append((self._index, args, kwargs, _alias(out)))
         return out
 
 
-class _Given(_Proxy):
+class _Given(BlockProxy):
     """Stands in for a block that need not run: returns a stored output."""
 
     def __init__(self, block, out):
@@ -106,7 +106,7 @@ class _Given(_Proxy):
         return _alias(self._out)
 
 
-class _Marker(_Proxy):
+class _Marker(BlockProxy):
     """Notes, at each call of its module, how many blocks had run."""
 
     def __init__(self, inner, calls: list, seen: list):
@@ -124,7 +124,7 @@ def forward(model, blocks: list, x, start: int = 0, last=None, root=None, calls=
     (block start-1's output: the only one the next block reads -- what
     :func:`replays` checks), the rest run and recorded. ``root``: the
     model, when its weights stay on disk (each run block evaluated and
-    released, as :class:`~mixbits.measure.replay._Streamed` does). Returns
+    released, as :class:`~mixbits.measure.replay.Streamed` does). Returns
     (output, [(block index, args, kwargs, output)] of the blocks that ran,
     appended to ``calls`` when given)."""
     originals = list(blocks)
@@ -136,7 +136,7 @@ def forward(model, blocks: list, x, start: int = 0, last=None, root=None, calls=
             blocks[i] = _Kept(originals[i], i, calls, root)
         out = model(x)
         # The recorded outputs with the forward's: concrete, their graphs dropped.
-        mx.eval(_arrays(out), [c[3] for c in calls])
+        mx.eval(arrays_in(out), [c[3] for c in calls])
     finally:
         blocks[:] = originals
     if root is not None:
@@ -148,7 +148,7 @@ def well_formed(calls: list, start: int, n_blocks: int) -> bool:
     """Blocks start..n-1 called once each, in order, the hidden state
     first, nothing stateful passed."""
     return ([c[0] for c in calls] == list(range(start, n_blocks))
-            and all(c[1] and not any(_stateful(v) for v in (*c[1][1:], *c[2].values()))
+            and all(c[1] and not any(is_stateful(v) for v in (*c[1][1:], *c[2].values()))
                     for c in calls))
 
 

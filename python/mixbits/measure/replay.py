@@ -37,7 +37,7 @@ from .. import streaming
 from ..adapter import ModelAdapter, Site, get_module, set_module
 
 
-class _Proxy(nn.Module):
+class BlockProxy(nn.Module):
     """Stands in for a module; attributes it lacks come from the original
     (the model may ask a block ``is_linear`` or a head ``as_linear``)."""
 
@@ -52,16 +52,16 @@ class _Proxy(nn.Module):
             return getattr(object.__getattribute__(self, "_inner"), name)
 
 
-def _arrays(out) -> list:
+def arrays_in(out) -> list:
     """The arrays of a block's output (an array, or a tuple with other parts)."""
     if isinstance(out, mx.array):
         return [out]
     if isinstance(out, (tuple, list)):
-        return [a for o in out for a in _arrays(o)]
+        return [a for o in out for a in arrays_in(o)]
     return []
 
 
-def _settle(out, block, root):
+def settle(out, block, root):
     """With ``root`` (a model whose weights stay on disk, see
     :mod:`mixbits.streaming`; None: nothing to do): evaluate the block's
     output now and let go of the block's weights, so a forward holds one
@@ -69,13 +69,13 @@ def _settle(out, block, root):
     embedding table: the blocks are proxies now, which a release of
     ``root`` does not enter)."""
     if root is not None:
-        mx.eval(_arrays(out))
+        mx.eval(arrays_in(out))
         streaming.release(block)
         streaming.release(root)
     return out
 
 
-class _Recorder(_Proxy):
+class _Recorder(BlockProxy):
     def __init__(self, block, index: int, calls: list, root=None):
         super().__init__(block)
         object.__setattr__(self, "_index", index)
@@ -83,13 +83,13 @@ class _Recorder(_Proxy):
         object.__setattr__(self, "_root", root)
 
     def __call__(self, *args, **kwargs):
-        out = _settle(self._inner(*args, **kwargs), self._inner, self._root)
+        out = settle(self._inner(*args, **kwargs), self._inner, self._root)
         self._calls.append((self._index, args, kwargs, out))
         return out
 
 
-class _Streamed(_Proxy):
-    """Runs its block as it is, one block's weights at a time (:func:`_settle`
+class Streamed(BlockProxy):
+    """Runs its block as it is, one block's weights at a time (:func:`settle`
     of ``root``, the model)."""
 
     def __init__(self, block, root):
@@ -97,10 +97,10 @@ class _Streamed(_Proxy):
         object.__setattr__(self, "_root", root)
 
     def __call__(self, *args, **kwargs):
-        return _settle(self._inner(*args, **kwargs), self._inner, self._root)
+        return settle(self._inner(*args, **kwargs), self._inner, self._root)
 
 
-class _Stub(_Proxy):
+class _Stub(BlockProxy):
     """Returns the recorded output of its block, repeated for the batch."""
 
     def __init__(self, block, out):
@@ -111,7 +111,7 @@ class _Stub(_Proxy):
         return self._out
 
 
-class _BlockBranch(_Proxy):
+class _BlockBranch(BlockProxy):
     """Runs the real block once per candidate module on its slice of the
     batch, with the block's recorded arguments."""
 
@@ -133,17 +133,17 @@ class _BlockBranch(_Proxy):
                 x = h[(*lead, slice(g * self._b, (g + 1) * self._b))]
                 outs.append(block(x, *self._args[1:], **self._kwargs))
             if self._root is not None:
-                mx.eval([a for o in outs for a in _arrays(o)])
+                mx.eval([a for o in outs for a in arrays_in(o)])
         finally:
             set_module(block, self._path, original)
-        return _settle(_concat(outs, out_axes), block, self._root)
+        return settle(_concat(outs, out_axes), block, self._root)
 
 
 class _SharedInput(Exception):
     """A leaf's input has no batch axis: candidates need a forward each."""
 
 
-class _LeafBranch(_Proxy):
+class _LeafBranch(BlockProxy):
     """Applies candidate module g to slice g of the first argument, for
     every method the model calls (``__call__``, ``as_linear``)."""
 
@@ -179,7 +179,7 @@ class _LeafBranch(_Proxy):
         return self._split(name) if callable(attr) and not name.startswith("_") else attr
 
 
-class _InputRecorder(_Proxy):
+class _InputRecorder(BlockProxy):
     """Accumulates X^T X (float32 numpy) of what a linear receives. The
     product runs in numpy: OpenBLAS's sgemm, not MLX's CPU matmul, which
     on Linux is reference BLAS (~40x slower here). Converting x evaluates
@@ -312,7 +312,7 @@ class _Spill:
         self._items.clear()
 
 
-def _stateful(x) -> bool:
+def is_stateful(x) -> bool:
     """A block argument that can hold state between calls: a cache object
     or a dict the block writes into (deepseek_v41 makes its own caches
     when given none). Replaying the recorded call would read what the
@@ -320,7 +320,7 @@ def _stateful(x) -> bool:
     if x is None or isinstance(x, (mx.array, str, int, float, bool)):
         return False
     if isinstance(x, tuple):
-        return any(_stateful(v) for v in x)
+        return any(is_stateful(v) for v in x)
     return True
 
 
@@ -367,7 +367,7 @@ class Replayer:
         """Blocks ``start``.. wrapped to run one at a time (a streaming model)."""
         if self.stream:
             for i in range(start, len(blocks)):
-                blocks[i] = _Streamed(blocks[i], self.model)
+                blocks[i] = Streamed(blocks[i], self.model)
 
     def _reference(self, toks):
         blocks = self.adapter.blocks
@@ -399,7 +399,7 @@ class Replayer:
             bad = [i for i, (a, o) in enumerate(axes)
                    if a is None or (o[0] if isinstance(o, tuple) else o) is None]
             held = next(((i, type(v).__name__) for i, (args, kwargs, _) in enumerate(recs)
-                         for v in (*args[1:], *kwargs.values()) if _stateful(v)), None)
+                         for v in (*args[1:], *kwargs.values()) if is_stateful(v)), None)
             if bad:
                 self._not_replayable(f"block {bad[0]}'s hidden state has no batch axis of size {b} "
                                      f"followed by the sequence ({t})")
