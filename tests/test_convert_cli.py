@@ -268,12 +268,16 @@ def test_time_budget_picks_the_most_exact_method_that_fits(dense, tmp_path, caps
     assert main(base + ["--out", str(out), "--time-budget", "600"]) == 0
     printed = capsys.readouterr().out
     assert "method: exact (projected" in printed and "[2/4] measure: exact" in printed
+    # the probe's costs and the picked method's stage estimates, to set the measured stages against
+    assert "probe: timed on one sequence: Fisher pass " in printed
+    assert printed.count("estimated: measure ~") == 1
     assert json.loads((Path(str(out) + ".work") / "settings.json").read_text())["method"] == "exact"
     assert json.loads((Path(str(out) + ".work") / "table.json").read_text())["meta"]["method"] == "exact"
     # a rerun keeps the first run's choice, whatever the budget now (no probe)
     assert main(base + ["--out", str(out), "--time-budget", "1e-9"]) == 0
     printed = capsys.readouterr().out
     assert "method:" not in printed and "(kept from the last run)" in printed
+    assert "estimated:" not in printed and "probe:" not in printed
     # nothing fits: the cheapest runs, with a one-line warning
     out = tmp_path / "b"
     assert main(base + ["--out", str(out), "--time-budget", "1e-9"]) == 0

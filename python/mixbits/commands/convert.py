@@ -135,7 +135,7 @@ def _load_measured_model(args):
 
 def dry_run(args) -> int:
     from ..adapter import ModelAdapter
-    from ..convert import format_duration, output_dirs, timing_probe, work_dir
+    from ..convert import output_dirs, timing_probe, work_dir
 
     from ..measure.calib import calibration_tokens
 
@@ -150,18 +150,29 @@ def dry_run(args) -> int:
     print(f"model: {args.model}: {len(sites)} quantizable tensors, "
           f"{sum(s.nparams for s in sites) / 1e6:.1f} M weights")
     print(f"candidates: {' '.join(args.candidates)} ({probe.pairs} (tensor, candidate) pairs)")
-    print(f"calibration: {tokens.shape[0]} x {tokens.shape[1]} tokens; timed on one sequence: "
-          f"Fisher pass {probe.fisher_seq:.2f} s, exact pair {probe.pair[0]:.2f} s + "
-          f"{probe.pair[1]:.3f} s per block, joint evaluation {probe.joint_seq:.2f} s (quantized "
-          f"model), reference forward {probe.reference_seq:.2f} s; quantizing every tensor once "
-          f"{probe.build_set:.1f} s")
+    print(f"calibration: {tokens.shape[0]} x {tokens.shape[1]} tokens; {_probe_costs(probe)}")
     print(f"method: {args.method}; budgets: {', '.join(f'{b:g}' for b in sorted(args.bpw))} bpw (storage)")
-    print(f"estimated: measure ~{format_duration(est['measure'])}, refine ~{format_duration(est['refine'])} "
-          "(from the probe, at this machine's current load), then quantize and save")
+    print(_estimate_line(est))
     for b, out in output_dirs(args.out, sorted(args.bpw)).items():
         print(f"would write {out} ({b:g} bpw)")
     print(f"stage outputs would be kept in {work_dir(args.out)}; nothing was written")
     return 0
+
+
+def _probe_costs(probe) -> str:
+    """The timing probe's per-sequence costs, as the dry run and a run that
+    let the probe pick the method both print them."""
+    return (f"timed on one sequence: Fisher pass {probe.fisher_seq:.2f} s, exact pair {probe.pair[0]:.2f} s + "
+            f"{probe.pair[1]:.3f} s per block, joint evaluation {probe.joint_seq:.2f} s (quantized "
+            f"model), reference forward {probe.reference_seq:.2f} s; quantizing every tensor once "
+            f"{probe.build_set:.1f} s")
+
+
+def _estimate_line(est: dict) -> str:
+    from ..convert import format_duration
+
+    return (f"estimated: measure ~{format_duration(est['measure'])}, refine ~{format_duration(est['refine'])} "
+            "(from the probe, at this machine's current load), then quantize and save")
 
 
 def convert(args, current: dict, work) -> int:
@@ -207,8 +218,12 @@ def convert(args, current: dict, work) -> int:
         from ..adapter import ModelAdapter
         from ..convert import settings, timing_probe
 
-        _choose_method(args, timing_probe(model, tokens, ModelAdapter(model).sites, args.candidates,
-                                          min(args.bpw)))
+        probe = timing_probe(model, tokens, ModelAdapter(model).sites, args.candidates, min(args.bpw))
+        print(f"probe: {_probe_costs(probe)}", flush=True)
+        _choose_method(args, probe)
+        # the chosen method's stages as projected, for the measured ones (timings.json) to be set against
+        print(_estimate_line(probe.stage_seconds(args.method, args.bpw, args.max_evals, args.exact_budget,
+                                                 args.fisher_samples)), flush=True)
         current = settings(args)
     if not (work / SETTINGS).exists():
         write_json_atomic(current, work / SETTINGS)
