@@ -15,7 +15,10 @@ def add_arguments(p) -> None:
                         "mlx-lm runs: the sweep calls the model's own forward)")
     add_calibration_arguments(p)
     p.add_argument("--out", required=True, help="sensitivity table (JSON), checkpointed per tensor")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted sweep in --out")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted measurement in --out (with the same settings: the "
+                        "exact sweep per tensor; grad and two-stage per rated tensor, the Fisher "
+                        "pass from the last finished block)")
     p.add_argument("--candidates", nargs="+", default=list(DEFAULT_CANDIDATES),
                    help="names such as 2b_g64 3b_g64 4b_g32 8b_g128 ternary_g64 4b10_3b_g64, or a "
                         f"preset: 'default' ({' '.join(DEFAULT_CANDIDATES)}) or 'wide' (2/3/4/5/6/8 "

@@ -280,10 +280,23 @@ class _Stage:
 
 
 def fisher_groups(model, tokens, sites, rp, *, samples: int = 1, seed: int = 0,
-                  progress: bool = True, out_energy: dict | None = None):
+                  progress: bool = True, out_energy: dict | None = None, start=None,
+                  chain: dict | None = None):
     """Yields {path: Fisher diagonal} per block (last block first), then for
     the sites outside the blocks; ``rp``: :func:`block_chain`'s Replayer.
-    Between yields the model is as it was (no proxies, taps or twins)."""
+    Between yields the model is as it was (no proxies, taps or twins).
+
+    Each block's Fisher is summed over every chunk of sequences and sample
+    before it is yielded, so a pass killed part way has lost nothing of the
+    blocks it yielded; what it needs to go on below them is the loss's
+    cotangent at the last yielded block's input, one [tokens, hidden]
+    array per chunk and sample. ``chain``: a dict that gets, before each
+    block's group is yielded, ``block`` (its index) and ``cotangents``
+    (at its input, [chunk][sample]; see :func:`save_cotangents`).
+    ``start``: such a (block, cotangents) pair from a pass over the same
+    tokens, samples and seed: the backward goes on at the block below
+    (the targets are drawn again, the head's vjps are skipped); ``sites``
+    must then hold no tensor of that block or above."""
     from tqdm import tqdm
 
     ad = rp.adapter
@@ -292,9 +305,19 @@ def fisher_groups(model, tokens, sites, rp, *, samples: int = 1, seed: int = 0,
     outside = [s for s in sites if s.block is None]
     # Without tensors outside the blocks the backward stops at the lowest measured block.
     stop = 0 if outside or not sites else min(s.block for s in sites)
+    top = len(blocks)  # the backward starts below this block
+    if start is not None:
+        top, given = start
+        if any(s.block is not None and s.block >= top for s in sites):
+            raise ValueError(f"a pass resumed below block {top} cannot measure that block's tensors")
+        want = [[tuple(rp.records[c][top][0][0].shape)] * samples for c in range(n_chunks)]
+        if [[tuple(g.shape) for g in row] for row in given] != want:
+            raise ValueError(f"the cotangents at block {top}'s input do not fit these tokens and "
+                             f"samples ({want[0][:1]} x {samples} per chunk, {n_chunks} chunks)")
+        stop = min(stop, top)
     key = mx.random.key(seed)
     targets, cots, lasts = [], [], []
-    bar = tqdm(total=len(blocks) - stop + bool(outside), desc="fisher", unit="block",
+    bar = tqdm(total=top - stop + bool(outside), desc="fisher", unit="block",
                disable=not progress)
     for c in range(n_chunks):
         ref = rp.logits[c]
@@ -304,6 +327,8 @@ def fisher_groups(model, tokens, sites, rp, *, samples: int = 1, seed: int = 0,
             ys.append(mx.random.categorical(ref, key=sub))  # y_t ~ P(.|x_<t)
         mx.eval(ys)
         targets.append(ys)
+        if start is not None and not outside:
+            continue  # the cotangents are given and nothing needs the last block's output
         recs, x = rp.records[c], rp.chunks[c]
         # The last block's output recomputed: the model's code after the
         # blocks may write into the recorded one (gemma3n's AltUp streams).
@@ -311,6 +336,9 @@ def fisher_groups(model, tokens, sites, rp, *, samples: int = 1, seed: int = 0,
         last = blocks[-1](*args, **kwargs)
         mx.eval(last)
         lasts.append(last)
+        if start is not None:
+            del recs, args, kwargs
+            continue
         row = []
         for y in ys:
             def head(h, recs=recs, x=x, y=y):
@@ -320,8 +348,10 @@ def fisher_groups(model, tokens, sites, rp, *, samples: int = 1, seed: int = 0,
             row.append(g)
         cots.append(row)
         del ref, recs, args, kwargs
+    if start is not None:
+        cots = [list(row) for row in start[1]]
     streaming.release(model)  # the final norm and head, read by the heads' vjps
-    for i in reversed(range(stop, len(blocks))):
+    for i in reversed(range(stop, top)):
         block = blocks[i]
         with _Stage(ad, [s for s in sites if s.block == i]) as st:
             for c in range(n_chunks):
@@ -341,6 +371,8 @@ def fisher_groups(model, tokens, sites, rp, *, samples: int = 1, seed: int = 0,
                 del inputs, args, kwargs, rest, recorded, y
         streaming.release(block)
         bar.update(1)
+        if chain is not None:
+            chain.update(block=i, cotangents=cots)
         if st.fisher:
             yield st.fisher
         del st
@@ -364,5 +396,36 @@ def fisher_groups(model, tokens, sites, rp, *, samples: int = 1, seed: int = 0,
                 del inputs
         streaming.release(model)
         bar.update(1)
+        if chain is not None:
+            chain.update(block=None, cotangents=None)  # nothing below: no state to go on from
         yield st.fisher
     bar.close()
+
+
+def save_cotangents(path, block: int, cotangents, key: str) -> None:
+    """The block chain's state (``chain`` of :func:`fisher_groups`: the
+    cotangents at ``block``'s input) to ``path`` (safetensors, written
+    aside and renamed), tagged with ``key``: what the pass depends on."""
+    from ..atomic import replace_atomic
+
+    arrays = {f"c{c}_s{s}": g for c, row in enumerate(cotangents) for s, g in enumerate(row)}
+    meta = {"block": str(block), "key": key, "chunks": str(len(cotangents)),
+            "samples": str(len(cotangents[0]) if cotangents else 0)}
+    replace_atomic(path, lambda tmp: mx.save_safetensors(tmp, arrays, meta))
+
+
+def load_cotangents(path, key: str):
+    """(block, cotangents) saved by :func:`save_cotangents` with ``key``, or
+    None when ``path`` is absent, unreadable or made for another pass."""
+    from pathlib import Path
+
+    if not Path(path).is_file():
+        return None
+    try:
+        arrays, meta = mx.load(str(path), return_metadata=True)
+        if meta.get("key") != key:
+            return None
+        n, k = int(meta["chunks"]), int(meta["samples"])
+        return int(meta["block"]), [[arrays[f"c{c}_s{s}"] for s in range(k)] for c in range(n)]
+    except (OSError, RuntimeError, ValueError, KeyError):
+        return None

@@ -28,6 +28,9 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -136,15 +139,20 @@ def check_fisher_memory(model, sites, rp=None, samples: int = 1) -> None:
 
 
 def fisher_stream(model, tokens, sites, *, samples: int = 1, seed: int = 0, batch: int = 2,
-                  progress: bool = True, out_energy: dict | None = None, blockwise: bool = True):
+                  progress: bool = True, out_energy: dict | None = None, blockwise: bool = True,
+                  start=None, chain: dict | None = None):
     """Yields {path: diag Fisher} groups covering ``sites``: one per block,
     freed by the caller before the next is formed (:mod:`.fisher_blocks`),
     or, for a model whose blocks cannot be chained (or ``blockwise``
     False), all of them at once from the whole-model pass, with a warning
-    when the block-wise pass was asked for."""
+    when the block-wise pass was asked for. ``chain``: a dict that gets
+    ``pass`` ("blocks" or "whole": which pass made the group being
+    yielded) and, from the block-wise pass, the state ``start`` continues
+    from (see :func:`.fisher_blocks.fisher_groups`)."""
     from ..adapter import ModelAdapter
     from . import fisher_blocks
 
+    chain = {} if chain is None else chain
     rp = None
     if blockwise:
         rp, why = fisher_blocks.block_chain(model, tokens, batch, ModelAdapter(model), sites)
@@ -152,18 +160,23 @@ def fisher_stream(model, tokens, sites, *, samples: int = 1, seed: int = 0, batc
             warnings.warn(f"the gradient (Fisher) pass runs on the whole model at once ({why}): it "
                           "holds every weight for its backward", RuntimeWarning, stacklevel=3)
     if rp is None:
+        chain["pass"] = "whole"
         yield _whole_model_fisher(model, tokens, sites, samples=samples, seed=seed, batch=batch,
                                   progress=progress, out_energy=out_energy)
         return
     check_fisher_memory(model, sites, rp, samples)
+    chain["pass"] = "blocks"
     try:
         yield from fisher_blocks.fisher_groups(model, tokens, sites, rp, samples=samples, seed=seed,
-                                               progress=progress, out_energy=out_energy)
+                                               progress=progress, out_energy=out_energy, start=start,
+                                               chain=chain)
     except fisher_blocks.Unchained as e:  # found part way: the groups yielded so far are redone
         warnings.warn(f"the gradient (Fisher) pass runs on the whole model at once ({e}): it holds "
                       "every weight for its backward", RuntimeWarning, stacklevel=3)
         if out_energy is not None:
             out_energy.clear()
+        chain.clear()
+        chain["pass"] = "whole"
         yield _whole_model_fisher(model, tokens, sites, samples=samples, seed=seed, batch=batch,
                                   progress=progress, out_energy=out_energy)
 
@@ -340,8 +353,30 @@ def estimate(fisher: mx.array, n_tokens: int, dense: mx.array, layer,
     return est * (full / diag) if diag > 0 else est
 
 
+@dataclass
+class GradCheckpoint:
+    """Where :func:`grad_entries` keeps its progress, so a run killed part
+    way loses at most the group (block) it was rating. ``save(entries,
+    state)`` is called after every rated tensor with the entries so far
+    (the model's order) and the state a resume gives back here:
+    ``entries`` ({path: entry}), ``fallback`` ({path: why} for tensors
+    left to the exact sweep) and ``fisher_pass`` ("blocks" or "whole": the
+    pass those came from). ``cotangents``: the file of the block chain's
+    state after the last finished block (written after that block's
+    tensors are saved, removed when the pass ends), tagged with ``key``
+    (what the pass depends on: model, tokens, samples, seed)."""
+
+    save: Callable[[list, dict], None]
+    cotangents: Path
+    key: str
+    entries: dict = field(default_factory=dict)
+    fallback: dict = field(default_factory=dict)
+    fisher_pass: str | None = None
+
+
 def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples: int = 1,
-                 seed: int = 0, progress: bool = True) -> list[dict]:
+                 seed: int = 0, progress: bool = True,
+                 checkpoint: GradCheckpoint | None = None) -> list[dict]:
     """Table entries (the sweep's layout) with proxy KLs for ``sites``.
     Calibrated candidates (``+gptq`` ...) get their layer's X^T X from a
     block replay, exactly as the exact sweep does (one K x K at a time),
@@ -354,13 +389,20 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
     gets NaN), or whose estimate overflows, cannot be rated by the proxy:
     it is measured exactly, as the exact sweep does (``source: "exact"``,
     the reason in the entry's ``proxy_fallback``), and the tensors are
-    named once in a :class:`ProxyFallbackWarning`. No NaN reaches the table."""
+    named once in a :class:`ProxyFallbackWarning`. No NaN reaches the table.
+
+    ``checkpoint``: progress saved after every tensor (see
+    :class:`GradCheckpoint`); the tensors it holds are not rated again and,
+    when the block chain's state after their blocks is on disk, the
+    Fisher pass goes on below them. The entries equal an uninterrupted
+    run's (their ``seconds`` aside). Each entry's ``seconds``: its own
+    rating plus an even share of its group's Fisher pass."""
     from tqdm import tqdm
 
+    from . import fisher_blocks
     from ..adapter import ModelAdapter
     from .replay import Replayer, token_chunks
 
-    t0 = time.perf_counter()
     energy: dict = {}
     n_tok = np.asarray(tokens).size * samples
     ad = ModelAdapter(model)
@@ -371,52 +413,98 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
             replayer.append(Replayer(model, token_chunks(tokens, 4), ad))
         return replayer[0]
 
-    fallback, out, spent = {}, {}, {}
-    # Each group (one block's tensors, block by block) is rated as soon as
-    # its Fisher diagonal is complete and freed before the next is formed.
-    groups = fisher_stream(model, tokens, sites, samples=samples, seed=seed, progress=progress,
-                           out_energy=energy)
-    bar = tqdm(total=len(sites), desc="proxy", unit="tensor", disable=not progress)
-    for fisher in groups:
-        fallback.update({p: f"{n} of the Fisher diagonal's {fisher[p].size} entries are not finite"
-                         for p, n in _nonfinite(fisher).items()})
-        for s in sites:
-            if s.path not in fisher:
-                continue
-            bar.update(1)
-            if s.path in fallback:
-                continue
-            t1 = time.perf_counter()
-            # Let go of each diagonal once rated (an 8B embedding's is 2 GiB).
-            entry = _rate(ad, s, fisher.pop(s.path), n_tok, site_cands[s.path], scale_dtype, energy, rp)
-            spent[s.path] = time.perf_counter() - t1
-            if entry is None:
-                fallback[s.path] = "the estimate overflows"
-            else:
-                out[s.path] = entry
-        del fisher
+    ck = checkpoint
+    known = {s.path for s in sites}
+    out = {p: e for p, e in (ck.entries if ck else {}).items() if p in known}
+    fallback = {p: w for p, w in (ck.fallback if ck else {}).items() if p in known and p not in out}
+    fisher_pass = ck.fisher_pass if ck and (out or fallback) else None
+
+    def save():
+        if ck:
+            ck.save([out[s.path] for s in sites if s.path in out],
+                    {"fisher_pass": fisher_pass,
+                     "fallback": {s.path: fallback[s.path] for s in sites if s.path in fallback}})
+
+    def todo():
+        return [s for s in sites if s.path not in out and s.path not in fallback]
+
+    start = None
+    if ck and fisher_pass == "blocks" and todo():
+        got = fisher_blocks.load_cotangents(ck.cotangents, ck.key)
+        # Only a state below which nothing is left: every tensor of its block and above is saved.
+        if got is not None and all(s.block is None or s.block < got[0] for s in todo()):
+            start = got
+    bar = tqdm(total=len(sites), initial=len(sites) - len(todo()), desc="proxy", unit="tensor",
+               disable=not progress)
+    again = bool(todo())
+    while again:
+        again = False
+        chain: dict = {}
+        # Each group (one block's tensors, block by block) is rated as soon as
+        # its Fisher diagonal is complete and freed before the next is formed.
+        groups = fisher_stream(model, tokens, todo(), samples=samples, seed=seed, progress=progress,
+                               out_energy=energy, blockwise=fisher_pass != "whole", start=start,
+                               chain=chain)
+        t_group = time.perf_counter()
+        for fisher in groups:
+            if fisher_pass is not None and chain["pass"] != fisher_pass:
+                # The block chain broke part way (fisher_blocks.Unchained): what it
+                # rated is redone from the whole-model pass, all of it.
+                out.clear()
+                fallback.clear()
+                fisher_pass, start = chain["pass"], None
+                bar.reset()
+                save()
+                if any(s.path not in fisher for s in sites):  # some came from a checkpoint
+                    again = True
+                    break
+            fisher_pass = chain["pass"]
+            share = (time.perf_counter() - t_group) / max(1, len(fisher))
+            fallback.update({p: f"{n} of the Fisher diagonal's {fisher[p].size} entries are not finite"
+                             for p, n in _nonfinite(fisher).items()})
+            for s in sites:
+                if s.path not in fisher:
+                    continue
+                bar.update(1)
+                if s.path in fallback:
+                    continue
+                t1 = time.perf_counter()
+                # Let go of each diagonal once rated (an 8B embedding's is 2 GiB).
+                entry = _rate(ad, s, fisher.pop(s.path), n_tok, site_cands[s.path], scale_dtype,
+                              energy, rp)
+                if entry is None:
+                    fallback[s.path] = "the estimate overflows"
+                else:
+                    entry["seconds"] = round(share + time.perf_counter() - t1, 3)
+                    out[s.path] = entry
+                save()
+            save()  # the group's fallbacks, when none of it was rated
+            if ck and chain.get("block") is not None:
+                fisher_blocks.save_cotangents(ck.cotangents, chain["block"], chain["cotangents"], ck.key)
+            del fisher
+            t_group = time.perf_counter()
+        groups.close()
     bar.close()
-    # The Fisher pass's time shared evenly; each tensor's own rating added.
-    per_site = (time.perf_counter() - t0 - sum(spent.values())) / max(1, len(sites))
-    for p, e in out.items():
-        e["seconds"] = round(per_site + spent[p], 3)
-    fallback = {s.path: fallback[s.path] for s in sites if s.path in fallback}  # the model's order
-    if fallback:
+    if ck:
+        Path(ck.cotangents).unlink(missing_ok=True)  # the pass is over: every group is saved
+    pending = {s.path: fallback[s.path] for s in sites if s.path in fallback and s.path not in out}
+    if pending:
         from .sweep import SweepConfig, measure_site
 
-        named = ", ".join(f"{p} ({why})" for p, why in list(fallback.items())[:6])
-        more = f" and {len(fallback) - 6} more" if len(fallback) > 6 else ""
+        named = ", ".join(f"{p} ({why})" for p, why in list(pending.items())[:6])
+        more = f" and {len(pending) - 6} more" if len(pending) > 6 else ""
         warnings.warn(ProxyFallbackWarning(
-            f"the gradient proxy cannot rate {len(fallback)} tensor(s), measured exactly instead: "
+            f"the gradient proxy cannot rate {len(pending)} tensor(s), measured exactly instead: "
             f"{named}{more}"), stacklevel=2)
         by_path = {s.path: s for s in sites}
-        for p, why in tqdm(fallback.items(), desc="exact (proxy fallback)", unit="tensor",
+        for p, why in tqdm(pending.items(), desc="exact (proxy fallback)", unit="tensor",
                            disable=not progress):
             names = [c.name for c in site_cands[p]]
             cfg = SweepConfig(names, **({"scale_dtype": scale_dtype} if scale_dtype else {}))
             entry = measure_site(rp(), by_path[p], site_cands[p], cfg).to_entry()
             entry["candidates"] = [{**c, "source": "exact"} for c in entry["candidates"]]
             out[p] = {**entry, "proxy_fallback": why}
+            save()
     return [out[s.path] for s in sites]
 
 

@@ -39,13 +39,23 @@ are less uncertain) with 3 rounds took the design tokens' 3.5 bpw gap from
 +3.3% (raw distance, 2 rounds) to +0.1% at the same 0.15 budget; on 265
 held-out sequences see bench/README.md.
 
-Every candidate records its ``source`` ("exact" or "grad"); the exact
-stage checkpoints each measured tensor to ``<out>.exact.json``, and a
-resumed run reuses those pairs and counts them against the budget.
+Every candidate records its ``source`` ("exact" or "grad"). Nothing
+done is lost to a kill: the grad stage checkpoints each rated tensor to
+``<out>`` itself (``"complete": false``, its state under
+``grad_stage``) and the Fisher pass's block chain after each finished
+block to ``<out>.fisher.safetensors`` (the cotangents at that block's
+input), so a resumed run rates no tensor twice and takes the backward on
+from the lowest finished block; the exact stage checkpoints each measured
+tensor to ``<out>.exact.json``, and a resumed run reuses those pairs and
+counts them against the budget. A resume with other settings (model,
+tokens, candidates, samples, seed, method options) is refused before any
+work.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from pathlib import Path
@@ -169,6 +179,35 @@ def plan(entries: list[dict], exact: dict[str, dict[str, float]], targets, quota
     return new
 
 
+# Beside a table: the gradient pass's block chain state (see grad.GradCheckpoint).
+FISHER_STATE = ".fisher.safetensors"
+
+
+def settings_key(settings: dict) -> str:
+    """A digest of a run's settings, which tags the state files it leaves."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def grad_stage(path, table: dict) -> dict:
+    """What an unfinished table (a grad stage killed part way) holds for a
+    resume: {"entries": {path: entry}, "fallback": {path: why},
+    "fisher_pass", "seconds"}; {} for a table without it (an older run's)."""
+    from ..errors import FormatError
+
+    st = table.get("grad_stage")
+    if st is None:
+        return {}
+    entries = table.get("entries")
+    if (not isinstance(st, dict) or not isinstance(entries, list)
+            or not all(isinstance(e, dict) and isinstance(e.get("path"), str) for e in entries)
+            or not isinstance(st.get("fallback", {}), dict)
+            or st.get("fisher_pass") not in (None, "blocks", "whole")):
+        raise FormatError(f"{path}: its unfinished gradient stage is not one mixbits wrote; choose "
+                          "another --out")
+    return {"entries": {e["path"]: e for e in entries}, "fallback": dict(st.get("fallback", {})),
+            "fisher_pass": st.get("fisher_pass"), "seconds": float(st.get("seconds", 0.0))}
+
+
 @locks_output
 def proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=None,
                 targets=(3.0, 3.5, 4.0, 4.5), budget: float = 0.15, rounds: int = ROUNDS,
@@ -181,7 +220,7 @@ def proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=N
     from ..adapter import ModelAdapter
     from ..formats.errors import load_json
     from .candidates import fitting, parse_candidate
-    from .grad import grad_entries
+    from .grad import GradCheckpoint, grad_entries
     from .replay import Replayer, token_chunks
     from .sweep import measure_site
 
@@ -208,15 +247,37 @@ def proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=N
     if method == "two-stage":
         meta.update({"targets_bpw": list(targets), "exact_budget": budget, "rounds": rounds})
     settings = dict(meta)  # what a resume must match; results are added below
+    stage: dict = {}
     if out.exists():  # resume: only a table made with these settings (not an exact one, say)
         prev = load_json(out, "sensitivity table")
         settings_mismatch(out, prev.get("meta"), settings, ignore=RESULTS)
         if prev.get("complete") is True:
             return prev  # finished: the same settings give the same table
+        stage = grad_stage(out, prev)
+    side = out.with_name(out.name + ".exact.json")  # the exact stage's own checkpoint
+    done: dict[str, dict] = {}
+    if method == "two-stage" and side.exists():  # checked before any work, as the table is
+        if not resume:
+            raise FileExistsError(f"{side} exists; pass resume=True (--resume) to continue it")
+        prev = load_json(side, "two-stage exact checkpoint")
+        settings_mismatch(side, prev.get("meta"), settings)
+        done = {e["path"]: e for e in prev.get("entries", [])}
     t0 = time.perf_counter()
+    before = stage.get("seconds", 0.0)  # the grad stage's time in the runs before this one
+
+    def save(entries, state):
+        # The grad stage's checkpoint is the table itself, unfinished: a resume reads it back.
+        write_json_atomic({"format": TABLE_FORMAT, "version": TABLE_VERSION, "metric": "kl",
+                           "meta": settings, "complete": False, "entries": entries,
+                           "grad_stage": {**state, "seconds": round(before + time.perf_counter() - t0, 3)},
+                           **({"float": left_float} if left_float else {})}, out, indent=1)
+
+    ck = GradCheckpoint(save, out.with_name(out.name + FISHER_STATE), settings_key(settings),
+                        entries=stage.get("entries", {}), fallback=stage.get("fallback", {}),
+                        fisher_pass=stage.get("fisher_pass"))
     entries = grad_entries(model, tokens, all_sites, site_cands, samples=samples, seed=seed,
-                           progress=progress)
-    meta["proxy_seconds"] = round(time.perf_counter() - t0, 3)
+                           progress=progress, checkpoint=ck)
+    meta["proxy_seconds"] = round(before + time.perf_counter() - t0, 3)
     cap = getattr(getattr(model, "args", None), "final_logit_softcapping", None)
     if cap:  # the table says where its proxy values can be off in scale
         # Issue 40 item 4 (tests/test_proxy_scale.py): the proxy is the second-order term of
@@ -233,15 +294,7 @@ def proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=N
              "complete": True, "entries": entries, **({"float": left_float} if left_float else {})}
     if method == "two-stage":
         t1 = time.perf_counter()
-        side = out.with_name(out.name + ".exact.json")  # the exact stage's own checkpoint
         side_meta = settings
-        done: dict[str, dict] = {}
-        if side.exists():
-            if not resume:
-                raise FileExistsError(f"{side} exists; pass resume=True (--resume) to continue it")
-            prev = load_json(side, "two-stage exact checkpoint")
-            settings_mismatch(side, prev.get("meta"), side_meta)
-            done = {e["path"]: e for e in prev.get("entries", [])}
         exact = {p: {c["kind"]: c["kl"] for c in e["candidates"]} for p, e in done.items()}
         cost = pair_costs(entries)
         total = sum(cost[e["path"]] * len(e["candidates"]) for e in entries)
