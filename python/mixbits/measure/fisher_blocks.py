@@ -253,7 +253,7 @@ class _Stage:
         or None: recorded in this same forward (the taps' shapes must be
         known: a capture forward, left unevaluated, gives them). Returns
         (the vjps of ``primals``, ``fn``'s outputs, the inputs)."""
-        from .grad import _accumulate
+        from .grad import accumulate_fisher
 
         deltas = {k: mx.zeros(shape, dtype) for k, (shape, dtype) in self.taps.shapes.items()}
         dk, wk = list(deltas), list(self.weights0)
@@ -272,7 +272,7 @@ class _Stage:
         if record:
             inputs = _tap_inputs(self.taps)
         gd = dict(zip(dk, g[n:n + len(dk)]))
-        _accumulate(self.fisher, inputs, gd, self.forms, n_seq, out_energy)
+        accumulate_fisher(self.fisher, inputs, gd, self.forms, n_seq, out_energy)
         for k, w in zip(wk, g[n + len(dk):]):
             w = np.array(w.astype(mx.float32))
             self.fisher[k] += w * w

@@ -258,7 +258,7 @@ def _whole_model_fisher(model, tokens, sites, *, samples, seed, batch, progress,
                     deltas = {k: mx.zeros(shape, dtype) for k, (shape, dtype) in taps.shapes.items()}
                     _, (gd, gw) = grad_fn(deltas, weights0, x, y)
                     mx.eval(gd, gw)
-                    _accumulate(fisher, inputs, gd, forms, n_seq, out_energy)
+                    accumulate_fisher(fisher, inputs, gd, forms, n_seq, out_energy)
                     for p, g in gw.items():
                         g = np.array(g.astype(mx.float32))
                         fisher[p] += g * g
@@ -276,7 +276,7 @@ def _whole_model_fisher(model, tokens, sites, *, samples, seed, batch, progress,
     return fisher
 
 
-def _accumulate(fisher, inputs, grads, forms, n_seq, out_energy) -> None:
+def accumulate_fisher(fisher, inputs, grads, forms, n_seq, out_energy) -> None:
     """fisher[path] += (weight gradient of one sample)^2 for every tapped
     path. A sample is one sequence when every recorded call of the module
     keeps the batch as its leading axis, else the whole batch (still
