@@ -10,6 +10,9 @@ rerun of the same command after a kill continues where it stopped:
 3. refine      -- one ``allocation_<bpw>bpw.json`` per budget: exact
    knapsack optimum, joint-KL search, then the baseline guard (uniform and
    mlx-lm's mixed recipe at the same or lower bpw win if they score lower);
+   by default once per candidate menu (:func:`refine_menus`, each menu's
+   result in ``allocation_<bpw>bpw.<menu>.json``), the lower calibration
+   joint KL kept;
 4. quantize    -- the folder(s), each written whole or not at all, with a
    model card (README.md), the allocation and a sensitivity plot.
 
@@ -83,6 +86,8 @@ def settings(args) -> dict:
             calib["corpus"] = args.corpus
     out = {"model": str(args.model), "method": args.method, "candidates": list(args.candidates),
            "calibration": calib, "max_evals": args.max_evals}
+    if getattr(args, "menus", None):  # absent for one menu: such a run's settings are as before menus
+        out["menus"] = {k: list(v) for k, v in args.menus.items()}
     if args.method != "exact":
         out["fisher_samples"] = args.fisher_samples
     if args.method == "two-stage":
@@ -158,6 +163,7 @@ class Probe:
     reference_seq: float = 0.0  # refine's evaluator setup per sequence: the float forward (reference logits)
     build_set: float = 0.0  # quantizing every tensor at one candidate (refine's layers, each built once)
     candidates: int = 1  # candidate kinds: at most that many such sets get built
+    refines: int = 1  # searches per budget: one per candidate menu (refine_menus)
 
     @property
     def pairs(self) -> int:
@@ -173,12 +179,13 @@ class Probe:
 
     def refine_seconds(self, bpws, max_evals: int) -> float:
         # One reference pass; the layers, each (tensor, candidate) quantized
-        # once for all budgets: about two full sets per budget (its optimum's
-        # widths, its guard's uniform one), never more sets than candidates;
-        # then each budget's joint-KL evaluations plus ~4 of the baseline guard's.
-        sets = min(self.candidates, 2 * len(bpws))
+        # once for all budgets and menus: about two full sets per search
+        # (its optimum's widths, its guard's uniform one), never more sets
+        # than candidates; then each search's joint-KL evaluations plus ~4
+        # of the baseline guard's (every menu's search has all --max-evals).
+        sets = min(self.candidates, 2 * len(bpws) * self.refines)
         fixed = self.n_seq * self.reference_seq + sets * self.build_set
-        return fixed + len(bpws) * (max_evals + 4) * self.n_seq * self.joint_seq
+        return fixed + self.refines * len(bpws) * (max_evals + 4) * self.n_seq * self.joint_seq
 
     def totals(self, bpws, max_evals: int, exact_budget: float, samples: int) -> dict[str, float]:
         """Projected measure + refine seconds of every method."""
@@ -236,12 +243,13 @@ def _quantized_probe(ev, sites, cands, bpw=None) -> tuple[float, float]:
     return joint, build_s / build_w * total_w
 
 
-def timing_probe(model, tokens, sites, candidates, bpw=None) -> Probe:
+def timing_probe(model, tokens, sites, candidates, bpw=None, refines: int = 1) -> Probe:
     """Time, on the first calibration sequence: a Fisher pass, two exact
     pairs (a tensor of the first block and one of the last, so the fixed
     and per-block parts separate), the float reference forward and a
     joint-KL evaluation of the quantized model (:func:`_quantized_probe`;
-    ``bpw``: the target its candidate is chosen nearest to)."""
+    ``bpw``: the target its candidate is chosen nearest to). ``refines``:
+    refine's searches per budget (one per candidate menu)."""
     from .adapter import ModelAdapter
     from .measure.candidates import parse_candidate, supports
     from .measure.grad import fisher_diagonal
@@ -273,7 +281,57 @@ def timing_probe(model, tokens, sites, candidates, bpw=None) -> Probe:
     ev = JointEvaluator(model, one, chunk=1)
     reference = time.perf_counter() - t0
     joint, build = _quantized_probe(ev, sites, cands, bpw)
-    return Probe(len(tokens), fisher, pair, units, joint, reference, build, len(cands))
+    return Probe(len(tokens), fisher, pair, units, joint, reference, build, len(cands), refines)
+
+
+def menu_allocation_path(work: Path, bpw: float, menu: str) -> Path:
+    return work / f"allocation_{bpw:g}bpw.{menu}.json"
+
+
+def refine_menus(table: dict, evaluator, bpw: float, menus: dict, max_evals: int, work: Path | None = None,
+                 progress: bool = True) -> dict:
+    """Refine the allocation at ``bpw`` once per candidate menu ({name:
+    kinds}, each a subset of the table's candidates) on the one
+    ``evaluator`` -- the same calibration tokens, reference logits, built
+    layers and scores for all -- and return the allocation with the lower
+    calibration joint KL (what its baseline guard wrote it at; ties: the
+    first menu), with the decision under "menu". Each menu's search gets
+    all ``max_evals``: the first menu's result is then the one refining
+    with it alone gives, and what is kept never scores above it. ``work``:
+    each menu's result is kept there (:func:`menu_allocation_path`) so a
+    rerun after a kill continues with the next menu."""
+    from .atomic import write_json_atomic
+    from .formats.errors import load_json
+    from .measure.refine import refine, restrict_table
+
+    runs = {}
+    for name, kinds in menus.items():
+        path = menu_allocation_path(work, bpw, name) if work is not None else None
+        if path is not None and path.exists():
+            runs[name] = load_json(path, str(path))
+            continue
+        runs[name] = refine(restrict_table(table, kinds), evaluator, bpw, max_evals=max_evals,
+                            progress=progress)
+        if path is not None:
+            write_json_atomic(runs[name], path)
+    kls = {name: a["guard"]["joint_kl"] for name, a in runs.items()}
+    kept = min(kls, key=kls.get)  # the first of the lowest: ties keep the first menu
+    out = dict(runs[kept])
+    out["menu"] = {"kept": kept, "rule": "the lower calibration joint KL (ties: the first menu)",
+                   "calibration_joint_kl": kls,
+                   "written": {name: a["guard"]["written"] for name, a in runs.items()},
+                   "evaluations": {name: a["joint_refine"]["evaluations"] for name, a in runs.items()},
+                   "candidates": {name: list(kinds) for name, kinds in menus.items()}}
+    return out
+
+
+def menu_line(allocation: dict) -> str | None:
+    """The menu decision in one line (None for a one-menu run)."""
+    m = allocation.get("menu")
+    if not m:
+        return None
+    kls = ", ".join(f"{n} {kl:.4f}" for n, kl in m["calibration_joint_kl"].items())
+    return f"candidate menu: {m['kept']} kept (calibration joint KL: {kls})"
 
 
 def format_duration(s: float) -> str:
@@ -309,7 +367,8 @@ def card(model: str, r: Result, n_tokens: tuple[int, int], method: str) -> str:
              f"over the {len(a['assignment'])} quantized tensors",
              f"- storage bpw: {a.get('average_bpw_storage', float('nan')):.3f}",
              f"- measured by `{method}` on {n_tokens[0]} x {n_tokens[1]} calibration tokens",
-             f"- written: {g.get('written', 'mixed allocation')}", "",
+             f"- written: {g.get('written', 'mixed allocation')}",
+             *([f"- {menu_line(a)}"] if menu_line(a) else []), "",
              "| allocation | bpw | joint KL (calibration) |", "|---|---|---|",
              f"| mixbits mixed allocation | {a.get('average_bpw_storage', float('nan')):.3f} "
              f"| {g.get('mixed_joint_kl', float('nan')):.4f} |"]

@@ -19,8 +19,24 @@ METHOD_HELP = ("how per-tensor sensitivity is measured: two-stage (default: the 
                "only: fastest, least reliable on small calibration sets)")
 
 
+def menu_help(menus: dict) -> str:
+    default, extended = menus["default"], menus["extended"]
+    extra = " ".join(k for k in extended if k not in default)
+    return ("the candidate menu: 'default' (the 'default' preset), 'extended' (the 'extended' preset: "
+            f"default + {extra}) or 'both' (the default: the extended menu measured once, then refine "
+            "run twice on the same calibration tokens, with each menu, and the allocation with the "
+            "lower calibration joint KL kept; ties: default). Neither menu won at every budget on "
+            "SmolLM2-135M, and the lower calibration KL picked the held-out winner at each "
+            "(bench/results/quality_menu_smollm2.json). Each of the two searches gets all --max-evals, "
+            "so the kept allocation never scores above what --menu default refines from the same "
+            "table; refine, the larger stage, takes up to twice as long (shared: the reference "
+            "logits, the built layers and the scores of plans both try); the extended measurement "
+            "costs ~6%% more (grad)")
+
+
 def add_arguments(p) -> None:
     from ..measure.calib import add_calibration_arguments
+    from ..measure.candidates import CONVERT_MENUS
 
     p.add_argument("--model", required=True, metavar="PATH|HF_ID|FILE.gguf",
                    help="an mlx-lm / Hugging Face model folder, a Hugging Face repo id (resolved by "
@@ -41,9 +57,11 @@ def add_arguments(p) -> None:
                         "when none fits, grad with refine's joint evaluations (--max-evals) lowered to "
                         "what the budget leaves (a warning if even 1 is over); a rerun keeps the first "
                         "run's choice")
-    p.add_argument("--candidates", nargs="+", default=["default"],
-                   help="candidate kinds or a preset (as `mixbits measure --candidates`; default: "
-                        "the 'default' preset)")
+    p.add_argument("--candidates", nargs="+", default=None,
+                   help="candidate kinds or a preset (as `mixbits measure --candidates`): one menu, "
+                        "measured and refined as given, instead of --menu's")
+    p.add_argument("--menu", choices=(*CONVERT_MENUS, "both"), default=None,
+                   help=menu_help(CONVERT_MENUS))
     p.add_argument("--exact-budget", type=float, default=0.15, metavar="SHARE",
                    help="two-stage: the exact stage's share of a full exact sweep's cost (default 0.15)")
     p.add_argument("--fisher-samples", type=int, default=2,
@@ -62,10 +80,22 @@ def check(args) -> dict:
     from ..convert import (check_settings, output_dirs, saved_settings, settings, smallest_storage_bpw,
                            work_dir)
     from ..folder import check_replaceable
-    from ..measure.candidates import expand_candidates
+    from ..measure.candidates import CONVERT_MENUS, expand_candidates
     from . import _checks
 
-    args.candidates = expand_candidates(args.candidates)
+    args.menus = None
+    if args.candidates is None:
+        menu = args.menu or "both"
+        if menu == "both":  # measured over the union (the extended menu), refined with each
+            args.menus = {k: expand_candidates(v) for k, v in CONVERT_MENUS.items()}
+            args.candidates = expand_candidates([c for v in CONVERT_MENUS.values() for c in v])
+        else:
+            args.candidates = expand_candidates(CONVERT_MENUS[menu])
+    elif args.menu is not None:
+        raise _checks.UsageError(f"--menu {args.menu} and --candidates: give one (--candidates is a menu "
+                                 "of its own)")
+    else:
+        args.candidates = expand_candidates(args.candidates)
     _checks.positive_bpw("--bpw", args.bpw)
     if len(set(args.bpw)) != len(args.bpw):
         raise _checks.UsageError(f"--bpw {args.bpw}: a budget is repeated")
@@ -142,7 +172,7 @@ def dry_run(args) -> int:
     model, tokenizer = _load_measured_model(args)
     tokens = calibration_tokens(args, model, tokenizer)
     sites = ModelAdapter(model).sites
-    probe = timing_probe(model, tokens, sites, args.candidates, min(args.bpw))
+    probe = timing_probe(model, tokens, sites, args.candidates, min(args.bpw), _refines(args))
     if args.method is None:
         _choose_method(args, probe)
     est = probe.stage_seconds(args.method, args.bpw, args.max_evals, args.exact_budget,
@@ -150,6 +180,9 @@ def dry_run(args) -> int:
     print(f"model: {args.model}: {len(sites)} quantizable tensors, "
           f"{sum(s.nparams for s in sites) / 1e6:.1f} M weights")
     print(f"candidates: {' '.join(args.candidates)} ({probe.pairs} (tensor, candidate) pairs)")
+    if args.menus:
+        print("menus: refine runs once per menu at each budget (" + "; ".join(
+            f"{k}: {' '.join(v)}" for k, v in args.menus.items()) + "), the lower calibration joint KL kept")
     print(f"calibration: {tokens.shape[0]} x {tokens.shape[1]} tokens; {_probe_costs(probe)}")
     print(f"method: {args.method}; budgets: {', '.join(f'{b:g}' for b in sorted(args.bpw))} bpw (storage)")
     print(_estimate_line(est))
@@ -157,6 +190,11 @@ def dry_run(args) -> int:
         print(f"would write {out} ({b:g} bpw)")
     print(f"stage outputs would be kept in {work_dir(args.out)}; nothing was written")
     return 0
+
+
+def _refines(args) -> int:
+    """refine's searches per budget: one per menu."""
+    return len(args.menus) if args.menus else 1
 
 
 def _probe_costs(probe) -> str:
@@ -218,7 +256,8 @@ def convert(args, current: dict, work) -> int:
         from ..adapter import ModelAdapter
         from ..convert import settings, timing_probe
 
-        probe = timing_probe(model, tokens, ModelAdapter(model).sites, args.candidates, min(args.bpw))
+        probe = timing_probe(model, tokens, ModelAdapter(model).sites, args.candidates, min(args.bpw),
+                             _refines(args))
         print(f"probe: {_probe_costs(probe)}", flush=True)
         _choose_method(args, probe)
         # the chosen method's stages as projected, for the measured ones (timings.json) to be set against
@@ -319,9 +358,10 @@ def _measure(args, model, tokens, work, timed) -> dict:
 
 def _refine(args, model, tokens, table, work, bpws, timed) -> dict:
     """{bpw: allocation}: kept from the last run, or refined (one joint
-    evaluator, its reference logits computed once, for every budget)."""
+    evaluator, its reference logits computed once, for every budget and
+    menu)."""
     from ..atomic import write_json_atomic
-    from ..convert import allocation_path
+    from ..convert import allocation_path, menu_line, refine_menus
     from ..formats.errors import load_json
     from ..measure.joint import JointEvaluator
     from ..measure.refine import refine
@@ -333,12 +373,17 @@ def _refine(args, model, tokens, table, work, bpws, timed) -> dict:
             out[b] = load_json(path, str(path))
             _stage(3, "refine", f"{b:g} bpw: {out[b]['guard']['written']} (kept from the last run)")
             continue
+        per = f" per menu ({', '.join(args.menus)})" if args.menus else ""
         _stage(3, "refine", f"{b:g} bpw: knapsack optimum, joint-KL search ({args.max_evals} "
-               "evaluations), baselines")
+               f"evaluations{per}), baselines")
         t0 = time.perf_counter()
         if ev is None:
             ev = JointEvaluator(model, tokens, chunk=4)
-        out[b] = refine(table, ev, b, max_evals=args.max_evals)
+        if args.menus:
+            out[b] = refine_menus(table, ev, b, args.menus, args.max_evals, work)
+            print(f"      {b:g} bpw: {menu_line(out[b])}", flush=True)
+        else:
+            out[b] = refine(table, ev, b, max_evals=args.max_evals)
         write_json_atomic(out[b], path)
         timed("refine", t0)
     return out

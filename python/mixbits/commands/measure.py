@@ -8,7 +8,7 @@ from pathlib import Path
 
 def add_arguments(p) -> None:
     from ..measure.calib import add_calibration_arguments
-    from ..measure.candidates import AWQ_HELP, DEFAULT_CANDIDATES
+    from ..measure.candidates import AWQ_HELP, DEFAULT_CANDIDATES, EXTENDED_CANDIDATES
 
     p.add_argument("--model", required=True,
                    help="'smollm2', 'gemma3', a .gguf file, or an mlx-lm model folder (any architecture "
@@ -21,7 +21,8 @@ def add_arguments(p) -> None:
                         "pass from the last finished block)")
     p.add_argument("--candidates", nargs="+", default=list(DEFAULT_CANDIDATES),
                    help="names such as 2b_g64 3b_g64 4b_g32 8b_g128 ternary_g64 4b10_3b_g64, or a "
-                        f"preset: 'default' ({' '.join(DEFAULT_CANDIDATES)}) or 'wide' (2/3/4/5/6/8 "
+                        f"preset: 'default' ({' '.join(DEFAULT_CANDIDATES)}), 'extended' (default + "
+                        f"{' '.join(EXTENDED_CANDIDATES[len(DEFAULT_CANDIDATES):])}), 'wide' (2/3/4/5/6/8 "
                         "bits at g64 and g128, ternary, three mixed kinds), 'fp' (MLX's modes mxfp4, "
                         "nvfp4, mxfp8: 4.25, 4.5, 8.25 bits per weight as stored, saved as MLX's own "
                         "layers) or 'all' (wide and fp); a tensor gets those whose "

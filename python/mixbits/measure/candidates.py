@@ -191,8 +191,16 @@ def _check(name: str, gs: int, bits: list[int]) -> None:
 
 
 DEFAULT_CANDIDATES = ("2b_g64", "3b_g64", "4b_g64", "8b_g64", "ternary_g64", "4b10_3b_g64")
+# The default menu and four kinds it lacks: on SmolLM2-135M neither menu's
+# allocations scored lower held-out KL at every budget, and at each budget
+# the one with the lower calibration joint KL also won on held-out text
+# (bench/results/quality_menu_smollm2.json) -- so convert measures this
+# superset once and refines with both (CONVERT_MENUS).
+EXTENDED_CANDIDATES = DEFAULT_CANDIDATES + ("5b_g64", "6b_g64", "3b_g32", "4b_g32")
+# convert's candidate menus, by --menu name; the first is what a tie keeps.
+CONVERT_MENUS = {"default": DEFAULT_CANDIDATES, "extended": EXTENDED_CANDIDATES}
 
-# Named sets for ``--candidates``: "default"; "wide" -- every width at
+# Named sets for ``--candidates``: "default"; "extended" (above); "wide" -- every width at
 # two group sizes, ternary, and two mixed kinds -- for sweeps that can
 # afford ~16 candidates per tensor; "fp" -- MLX's three floating-point
 # modes, to add to another set (``default fp``: one allocation over both);
@@ -201,6 +209,7 @@ _WIDE = tuple(f"{b}b_g{g}" for b in (2, 3, 4, 5, 6, 8) for g in (64, 128)) + (
     "ternary_g64", "4b10_3b_g64", "3b10_2b_g64", "6b10_4b_g64")
 PRESETS = {
     "default": DEFAULT_CANDIDATES,
+    "extended": EXTENDED_CANDIDATES,
     "wide": _WIDE,
     "fp": tuple(FP_MODES),
     "all": _WIDE + tuple(FP_MODES),

@@ -65,6 +65,28 @@ def without_outside(table: dict) -> dict:
     return {**table, "entries": kept}
 
 
+def restrict_table(table: dict, kinds) -> dict:
+    """The table with only the candidates named in ``kinds`` (one menu of a
+    measurement over a superset, as convert refines with each of its
+    menus), in the table's order; a tensor none of them was measured for
+    leaves the table (it stays float, as a measurement with that menu
+    alone leaves it) and is listed under "float"."""
+    kinds = set(kinds)
+    kept, left = [], []
+    for e in table["entries"]:
+        cands = [c for c in e["candidates"] if c["kind"] in kinds]
+        if cands:
+            kept.append({**e, "candidates": cands})
+        else:
+            left.append({"path": e["path"], "reason": "no candidate of the menu was measured for it"})
+    if not kept:
+        raise ValueError(f"no tensor of the table was measured with any of {sorted(kinds)}")
+    out = {**table, "entries": kept}
+    if left:
+        out["float"] = list(table.get("float", [])) + left
+    return out
+
+
 def chosen_embed_bits(table: dict, assign: list[dict], embed_bits: int | None) -> int | None:
     """What allocation.json's embed_bits must say: ``embed_bits`` when
     embeddings and head were set apart at that width; else the width the
