@@ -219,14 +219,15 @@ def contenders(model_name: str, tok, calib: dict[int, np.ndarray], work: Path, m
     ("llama.cpp Q4_K_M+imatrix embed q4_0 seed0", "llama.cpp Q4_K_M+imatrix
     seed0"), then, if ``plain``, the same without imatrix ("llama.cpp
     Q4_K_M"); the GGUFs and imatrices are kept in ``work``."""
-    from mixbits.models import smollm2
+    from mixbits.models import KEYWORDS, resolve_keyword
 
     work.mkdir(parents=True, exist_ok=True)
-    if model_name != "smollm2":
-        raise SystemExit("--kquant: only smollm2's float reference GGUF is written here so far")
+    if model_name not in KEYWORDS:
+        raise SystemExit(f"--kquant: the reference GGUF is written for the keyword models {KEYWORDS}, "
+                         f"not {model_name!r}")
     ref = work / "reference_f32.gguf"
     if not ref.exists():
-        write_float_gguf(smollm2.fetch(), ref)
+        write_float_gguf(resolve_keyword(model_name), ref)
     seq_len = next(iter(calib.values())).shape[1]
     for s, toks in calib.items():
         kept = work / f"calib_seed{s}.npy"  # the imatrix and GGUFs of seed s belong to these tokens

@@ -42,7 +42,8 @@ bench/ggml/build_llama_quant.sh): llama.cpp's mixes Q2_K ... Q5_K_M from the
 reference written as an F32 GGUF, with each seed's importance matrix
 (llama-imatrix on the seed's tokens) and without; their storage bpw are the
 bytes of the same tensors in the quantized GGUF (K-quant super-block scales
-included, whatever type the mix gave each tensor).
+included, whatever type the mix gave each tensor); a mix over the largest
+budget is only sized (no table row can use it), unless ``--kquant-all``.
 
 Run:  nice -n 10 python bench/quality_protocol.py [--seeds 0 1] [--mixbits-seeds 0]
       [--budgets 3 3.5 4 4.5 5] [--work DIR]
@@ -302,12 +303,16 @@ def summarize(records: dict, budgets, seeds, mixbits_seeds, held: str = "license
                 base, at = name.rsplit(" @", 1)
                 if not at.startswith(f"{b:g} "):
                     continue
-                cands.setdefault(base, []).append(r)
             else:
                 base = name.rsplit(" seed", 1)[0]
-                cands.setdefault(base, []).append(r)
+            # a calibrated contender's rows in ``seeds`` order (other seeds' rows left out),
+            # so row i is seed seeds[i] whatever order the records were written in
+            seed = int(name.rsplit(" seed", 1)[1]) if " seed" in name else None
+            if seed is None or seed in seeds:
+                cands.setdefault(base, []).append((-1 if seed is None else seeds.index(seed), r))
         scored = []
-        for base, rs in cands.items():
+        for base, rows_ in cands.items():
+            rs = [r for _, r in sorted(rows_, key=lambda x: x[0])]
             kl = np.array([r["kl"][held] for r in rs])
             scored.append((kl.mean(), base, kl, rs[0]["bpw"]))
         scored.sort(key=lambda x: x[0])
@@ -324,6 +329,11 @@ def summarize(records: dict, budgets, seeds, mixbits_seeds, held: str = "license
             if have:
                 k = kl if kl.shape[0] == 1 else kl[[seeds.index(s) for s in have]]
                 c["ratio"], c["ratio_ci95"] = ratio_ci(ours, k)
+                if len(have) > 1:  # each seed alone: mixbits' row against the contender's same-seed row
+                    c["ratio_per_seed"] = {}
+                    for i, s in enumerate(have):
+                        r, ci = ratio_ci(ours[i], k[0] if k.shape[0] == 1 else k[i])
+                        c["ratio_per_seed"][str(s)] = {"ratio": r, "ci95": ci}
             row["contenders"].append(c)
         rows.append(row)
     return rows
@@ -351,6 +361,9 @@ def main() -> None:
     ap.add_argument("--result", type=Path, help="results file (default: results/quality_protocol_<model>.json)")
     ap.add_argument("--kquant", action="store_true",
                     help="add llama.cpp's K-quant mixes, with and without imatrix (bench/kquant.py)")
+    ap.add_argument("--kquant-all", action="store_true",
+                    help="score every K-quant mix; default: only those at storage bpw <= the largest budget "
+                         "(the others' bpw and types are recorded, their KL is not run)")
     args = ap.parse_args()
     conv_opts = ([*(["--method", args.method] if args.method else []),
                   *(["--candidates", *args.candidates] if args.candidates else [])])
@@ -402,8 +415,15 @@ def main() -> None:
     if args.kquant:  # llama.cpp's mixes, scored from the GGUFs llama-quantize wrote
         import kquant
 
+        sites = list(next(iter(sc.evals.values())).sites)
         for name, path in kquant.contenders(args.model, sc.tok, calib, work / "kquant"):
             if "licenses" not in records.get(name, {}).get("kl", {}):
+                bpw, types = kquant.gguf_bpw(path, kquant.covered_names(path, sites))
+                if bpw > max(args.budgets) + 1e-9 and not args.kquant_all:
+                    # over every budget: no table row can use it; its size is kept, its KL not run
+                    records[name] = {"bpw": bpw, "kl": {}, "ggml_types": types}
+                    save()
+                    continue
                 t0 = time.perf_counter()
                 records[name] = kquant.record(sc.evals, path, ["licenses"])  # the claim's set only, as dq
                 print(f"{name}: bpw {records[name]['bpw']:.3f} KL licenses "
@@ -449,8 +469,10 @@ def main() -> None:
         if r["mixbits_kl"] is None:
             print(f"{r['budget']:g} bpw: best contender {c['name']} {c['kl']:.4f} ({c['bpw']:.3f} bpw)")
             continue
+        per = "".join(f"; seed {s} {v['ratio']:.3f} [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}]"
+                      for s, v in c.get("ratio_per_seed", {}).items())
         print(f"{r['budget']:g} bpw: mixbits {r['mixbits_kl']:.4f} vs {c['name']} {c['kl']:.4f} "
-              f"({c['bpw']:.3f} bpw): {c['ratio']:.3f} [{c['ratio_ci95'][0]:.3f}, {c['ratio_ci95'][1]:.3f}]")
+              f"({c['bpw']:.3f} bpw): {c['ratio']:.3f} [{c['ratio_ci95'][0]:.3f}, {c['ratio_ci95'][1]:.3f}]{per}")
     print(f"wrote {out}")
 
 if __name__ == "__main__":

@@ -52,3 +52,25 @@ def test_token_sets_seed0_is_converts_cut_and_heldout_is_disjoint():
     assert np.array_equal(small[0], token_sequences(tok, load_texts(None, "auto"), 2, qp.SEQ_LEN))
     assert small[1].shape == (2, qp.SEQ_LEN)
     assert all(np.array_equal(held[k], held2[k]) for k in held)
+
+
+def test_summarize_pairs_each_seed_with_the_contenders_same_seed_row():
+    # records written seed 1 first (a --records-from merge keeps the other file's order)
+    b = np.linspace(1.0, 2.0, 16)
+    recs = {"llama.cpp Q3_K_M+imatrix seed1": {"bpw": 4.6, "kl": {"licenses": list(4 * b)}},
+            "llama.cpp Q3_K_M+imatrix seed0": {"bpw": 4.6, "kl": {"licenses": list(2 * b)}},
+            "llama.cpp Q3_K_M+imatrix seed7": {"bpw": 4.6, "kl": {"licenses": list(100 * b)}},  # not a seed here
+            "uniform 4b_g64": {"bpw": 4.5, "kl": {"licenses": list(10 * b)}},
+            "mixbits @5 seed0": {"bpw": 5.0, "kl": {"licenses": list(1 * b)}},
+            "mixbits @5 seed1": {"bpw": 5.0, "kl": {"licenses": list(3 * b)}}}
+    (row,) = qp.summarize(recs, [5.0], [0, 1], [0, 1])
+    best = row["contenders"][0]
+    assert best["name"] == "llama.cpp Q3_K_M+imatrix" and abs(best["kl"] - 3 * b.mean()) < 1e-12
+    assert abs(best["ratio"] - 4 / 6) < 1e-12  # pooled means (1 + 3) / (2 + 4)
+    per = best["ratio_per_seed"]
+    assert abs(per["0"]["ratio"] - 0.5) < 1e-12 and abs(per["1"]["ratio"] - 0.75) < 1e-12
+    assert abs(per["1"]["ci95"][0] - 0.75) < 1e-12  # paired: exact in every resample
+    # a seedless contender: both seeds against its one row
+    uni = next(c for c in row["contenders"] if c["name"] == "uniform 4b_g64")
+    assert abs(uni["ratio_per_seed"]["0"]["ratio"] - 0.1) < 1e-12
+    assert abs(uni["ratio_per_seed"]["1"]["ratio"] - 0.3) < 1e-12
