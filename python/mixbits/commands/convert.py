@@ -29,9 +29,10 @@ def menu_help(menus: dict) -> str:
             "SmolLM2-135M, and the lower calibration KL picked the held-out winner at each "
             "(bench/results/quality_menu_smollm2.json). Each of the two searches gets all --max-evals, "
             "so the kept allocation never scores above what --menu default refines from the same "
-            "table; refine, the larger stage, takes up to twice as long (shared: the reference "
-            "logits, the built layers and the scores of plans both try); the extended measurement "
-            "costs ~6%% more (grad)")
+            "table; refine, the larger stage, takes about twice as long (shared: the reference "
+            "logits, the built layers and the scores of plans both try) and the extended measurement "
+            "~6-9%% more (grad): SmolLM2-135M at 4.5 and 5.0 bpw, ~1.3-1.5x the wall time of --menu "
+            "default (bench/results/convert_menu_cost_smollm2.json)")
 
 
 def add_arguments(p) -> None:
