@@ -31,8 +31,9 @@ def menu_help(menus: dict) -> str:
             "so the kept allocation never scores above what --menu default refines from the same "
             "table; refine, the larger stage, takes about twice as long (shared: the reference "
             "logits, the built layers and the scores of plans both try) and the extended measurement "
-            "~6-9%% more (grad): SmolLM2-135M at 4.5 and 5.0 bpw, ~1.3-1.5x the wall time of --menu "
-            "default (bench/results/convert_menu_cost_smollm2.json)")
+            "~6-9%% more with grad (SmolLM2-135M at 4.5 and 5.0 bpw: ~1.3-1.5x the wall time of --menu "
+            "default); with two-stage the exact stage grows with the pairs (1.7x as many): ~1.8x "
+            "projected (bench/results/convert_menu_cost_smollm2.json)")
 
 
 def add_arguments(p) -> None:
