@@ -232,16 +232,19 @@ def test_a_rerun_after_a_kill_continues_with_the_next_menu(dense, tmp_path, caps
 
 
 def test_refine_projection_counts_every_menus_search():
-    from mixbits.convert import Probe
+    from mixbits.convert import GUARD_EVALS, REUSE, Probe
 
     one = Probe(n_seq=8, fisher_seq=1.0, pair=(0.5, 0.1), pair_units=[10], joint_seq=2.0,
                 reference_seq=3.0, build_set=5.0, candidates=10)
     two = Probe(n_seq=8, fisher_seq=1.0, pair=(0.5, 0.1), pair_units=[10], joint_seq=2.0,
                 reference_seq=3.0, build_set=5.0, candidates=10, refines=2)
-    # one reference pass; 2 sets of layers per search; (30 + 4) x 8 x 2 s per search
-    assert one.refine_seconds([3.5], 30) == 8 * 3.0 + 2 * 5.0 + 34 * 8 * 2.0
-    assert two.refine_seconds([3.5], 30) == 8 * 3.0 + 4 * 5.0 + 2 * 34 * 8 * 2.0
-    assert two.refine_seconds([3.5, 4.5, 5.0], 30) == 8 * 3.0 + 10 * 5.0 + 2 * 3 * 34 * 8 * 2.0
+    # one reference pass; 2 sets of layers per search; per search the first evaluation and the
+    # guard's 4 whole, the 29 later ones at REUSE of one (the evaluator's reuse), each 8 x 2 s
+    evals = 1 + GUARD_EVALS + 29 * REUSE
+    assert GUARD_EVALS == 4
+    assert one.refine_seconds([3.5], 30) == 8 * 3.0 + 2 * 5.0 + evals * 8 * 2.0
+    assert two.refine_seconds([3.5], 30) == 8 * 3.0 + 4 * 5.0 + 2 * evals * 8 * 2.0
+    assert two.refine_seconds([3.5, 4.5, 5.0], 30) == 8 * 3.0 + 10 * 5.0 + 2 * 3 * evals * 8 * 2.0
 
 
 def test_the_probe_projects_one_search_per_menu(dense, tmp_path, capsys, monkeypatch):

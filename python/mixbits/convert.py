@@ -131,9 +131,12 @@ def plan_for_budget(probe: "Probe", bpws, max_evals: int, exact_budget: float, s
             return Plan(m, max_evals, True, totals)
     cheapest = METHODS[-1]
     measure = probe.stage_seconds(cheapest, bpws, max_evals, exact_budget, samples)["measure"]
-    fixed = measure + probe.refine_seconds(bpws, 0)  # the guard's evaluations included
-    per_eval = probe.refine_seconds(bpws, 1) - probe.refine_seconds(bpws, 0)
-    affordable = math.floor((budget_s - fixed) / per_eval) if per_eval > 0 else max_evals
+    first = measure + probe.refine_seconds(bpws, 1)  # the guard's evaluations included
+    per_eval = probe.refine_seconds(bpws, 2) - probe.refine_seconds(bpws, 1)  # a later (reusing) one
+    if budget_s < first:
+        affordable = 0
+    else:
+        affordable = 1 + math.floor((budget_s - first) / per_eval) if per_eval > 0 else max_evals
     evals = max(1, min(max_evals, affordable))
     return Plan(cheapest, evals, affordable >= 1, totals)
 
@@ -146,6 +149,17 @@ def check_settings(work: Path, current: dict) -> None:
         diff = "; ".join(f"{k}: {saved.get(k)!r} then, {current.get(k)!r} now" for k in keys)
         raise UsageError(f"{work} holds the stages of a run with other settings ({diff}). Rerun with "
                          f"the same options to continue it, or remove {work} to start over")
+
+
+# The baseline guard's evaluations per search (uniform kinds, mlx-lm's recipe): full forwards.
+GUARD_EVALS = 4
+# A search evaluation after its first, as a share of a full one: the least
+# saving measured (bench/results/joint_reuse_1b.json, Llama-shaped 1B, 1 x
+# 256 tokens: 2 budgets x 8 evaluations ran 270 of 380 block calls, 0.71,
+# and 16 of 19 forwards; one budget x 30 ran 0.43 of the block calls at
+# 0.46x the CPU seconds). What a search skips depends on its moves, which
+# a probe on one sequence cannot see, so the smaller saving is taken.
+REUSE = 0.71
 
 
 @dataclass
@@ -164,16 +178,31 @@ class Probe:
     build_set: float = 0.0  # quantizing every tensor at one candidate (refine's layers, each built once)
     candidates: int = 1  # candidate kinds: at most that many such sets get built
     refines: int = 1  # searches per budget: one per candidate menu (refine_menus)
+    # The proxy's rating of each (tensor, candidate) pair, seconds, in pair_units' order:
+    # quantizing the tensor at the candidate and the Fisher-weighted error (grad/two-stage).
+    rate_units: list[float] = field(default_factory=list)
+    hessian_tensors: int = 0  # tensors with a calibrated candidate: one block replay each for X^T X
 
     @property
     def pairs(self) -> int:
         return len(self.pair_units)
 
+    def grad_seconds(self, samples: int) -> float:
+        """The gradient proxy's measure stage: the Fisher pass (every
+        measured tensor's squared gradients summed, ``samples`` backward
+        passes per sequence; timed with one, the recording forward so
+        counted once per sample: a little over), then every (tensor,
+        candidate) pair quantized and rated, and for tensors with a
+        calibrated candidate their input's X^T X (one block forward per
+        sequence, taken as an exact pair's per-block cost)."""
+        return (self.n_seq * samples * self.fisher_seq + sum(self.rate_units)
+                + self.hessian_tensors * self.n_seq * self.pair[1])
+
     def stage_seconds(self, method: str, bpws, max_evals: int, exact_budget: float,
                       samples: int) -> dict[str, float]:
         a, b = self.pair
         exact = self.n_seq * sum(a + b * u for u in self.pair_units)
-        grad = self.n_seq * samples * self.fisher_seq
+        grad = self.grad_seconds(samples)
         measure = {"exact": exact, "grad": grad, "two-stage": grad + exact_budget * exact}[method]
         return {"measure": measure, "refine": self.refine_seconds(bpws, max_evals)}
 
@@ -183,9 +212,16 @@ class Probe:
         # (its optimum's widths, its guard's uniform one), never more sets
         # than candidates; then each search's joint-KL evaluations plus ~4
         # of the baseline guard's (every menu's search has all --max-evals).
+        # The evaluator reuses (measure/joint.py, prefix.py): a search's
+        # first evaluation and the guard's run whole; the later ones are
+        # local changes of the best so far, whose unchanged first blocks'
+        # outputs are kept and whose repeats are scored from memory. They
+        # are counted at REUSE of a full evaluation (see there).
         sets = min(self.candidates, 2 * len(bpws) * self.refines)
         fixed = self.n_seq * self.reference_seq + sets * self.build_set
-        return fixed + self.refines * len(bpws) * (max_evals + 4) * self.n_seq * self.joint_seq
+        full = min(max_evals, 1) + GUARD_EVALS
+        later = REUSE * max(max_evals - 1, 0)
+        return fixed + self.refines * len(bpws) * (full + later) * self.n_seq * self.joint_seq
 
     def totals(self, bpws, max_evals: int, exact_budget: float, samples: int) -> dict[str, float]:
         """Projected measure + refine seconds of every method."""
@@ -243,8 +279,83 @@ def _quantized_probe(ev, sites, cands, bpw=None) -> tuple[float, float]:
     return joint, build_s / build_w * total_w
 
 
+# Weights of the slice each (shape, candidate) rating is timed on (whole rows).
+RATE_SLICE = 1 << 20
+
+
+def _rate_stand_in(module, site, rows: int):
+    """(module, weights) to time a candidate's rating on: a float linear or
+    embedding cut to its first ``rows`` rows (quantizing and the weighted
+    error go row group by row group, so the time per weight carries over;
+    a mixed kind's column split is kept whole), else the module itself."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    w = module.get("weight") if hasattr(module, "get") else None
+    if ("scales" in module or not isinstance(w, mx.array) or w.ndim != 2 or rows >= w.shape[0]
+            or not isinstance(module, (nn.Linear, nn.Embedding))):
+        return module, site.nparams
+    if isinstance(module, nn.Embedding):
+        cut = nn.Embedding(rows, w.shape[1])
+    else:
+        cut = nn.Linear(w.shape[1], rows, bias=False)
+    cut.weight = w[:rows]
+    mx.eval(cut.weight)
+    return cut, rows * w.shape[1]
+
+
+def _rating_probe(originals: dict, sites, cands, clock=time.perf_counter) -> list[float]:
+    """Seconds the gradient proxy spends rating each (tensor, candidate) pair
+    (in the order of the pairs: every site, every candidate it supports):
+    what grad.py's ``_rate`` does -- the candidate layer built, its storage
+    counted, the Fisher-weighted error (with the input correlations when a
+    calibrated candidate is among the tensor's) -- timed per candidate on
+    one tensor of each (form, shape), cut to about RATE_SLICE weights
+    (:func:`_rate_stand_in`), as seconds per weight; the Fisher diagonal,
+    X^T X and output energy there are stand-ins of the right shapes (the
+    work does not depend on their values)."""
+    import mlx.core as mx
+
+    from . import streaming
+    from .adapter import dense_weight
+    from .measure.candidates import build_layer, supports
+    from .measure.grad import estimate
+    from .measure.sweep import storage_bits
+
+    per_weight: dict[tuple, dict[str, float]] = {}
+    out = []
+    for s in sites:
+        fits = [c for c in cands if supports(c, s)]
+        if not fits:
+            continue
+        key = (s.form, tuple(s.shape), s.experts, s.block is None)
+        if key not in per_weight:
+            original = originals[s.path]
+            k = s.shape[-1]
+            module, n = _rate_stand_in(original, s, max(1, -(-RATE_SLICE // k)))
+            dense = dense_weight(module)
+            fish = mx.ones(dense.shape, mx.float32)
+            calibrated = any(c.calibrated for c in fits)
+            inputs = (mx.eye(k, dtype=mx.float32), 1) if calibrated else None
+            energy = np.ones(dense.shape[0]) if calibrated and dense.ndim == 2 else None
+            mx.eval(dense, fish)
+            rates = {}
+            for c in fits:
+                t0 = clock()
+                layer = build_layer(module, c, None, inputs, dense)
+                storage_bits(layer, s)
+                estimate(fish, 1, dense, layer, inputs[0] if inputs else None, energy)
+                rates[c.name] = (clock() - t0) / n
+            per_weight[key] = rates
+            streaming.release(original)
+        out += [per_weight[key][c.name] * s.nparams for c in fits]
+    return out
+
+
 def timing_probe(model, tokens, sites, candidates, bpw=None, refines: int = 1) -> Probe:
-    """Time, on the first calibration sequence: a Fisher pass, two exact
+    """Time, on the first calibration sequence: a Fisher pass over every
+    measured tensor, each (form, shape)'s proxy rating per candidate
+    (:func:`_rating_probe`), two exact
     pairs (a tensor of the first block and one of the last, so the fixed
     and per-block parts separate), the float reference forward and a
     joint-KL evaluation of the quantized model (:func:`_quantized_probe`;
@@ -252,7 +363,7 @@ def timing_probe(model, tokens, sites, candidates, bpw=None, refines: int = 1) -
     refine's searches per budget (one per candidate menu)."""
     from .adapter import ModelAdapter
     from .measure.candidates import parse_candidate, supports
-    from .measure.grad import fisher_diagonal
+    from .measure.grad import fisher_stream
     from .measure.joint import JointEvaluator
     from .measure.replay import Replayer, token_chunks
     from .measure.sweep import SweepConfig, measure_site
@@ -264,8 +375,16 @@ def timing_probe(model, tokens, sites, candidates, bpw=None, refines: int = 1) -
     units = [cost[s.path] for s in sites for c in cands if supports(c, s)]
     linears = [s for s in sites if s.block is not None and s.form == "linear"
                and any(supports(c, s) and not c.calibrated for c in cands)]
-    fisher_sites = linears[:1] or sites[:1]
-    fisher = _timed(lambda: fisher_diagonal(model, one, fisher_sites, progress=False))
+    measured = [s for s in sites if any(supports(c, s) for c in cands)]
+
+    def fisher_pass():
+        # As the measure stage runs it: every measured tensor's squared
+        # gradients summed (and the outputs' energy), one block's group at a
+        # time, each dropped once formed.
+        for group in fisher_stream(model, one, measured, samples=1, progress=False, out_energy={}):
+            del group
+
+    fisher = _timed(fisher_pass)
     pair = (0.0, 0.0)
     if linears:
         rp = Replayer(model, token_chunks(one, 1), ModelAdapter(model))
@@ -281,7 +400,10 @@ def timing_probe(model, tokens, sites, candidates, bpw=None, refines: int = 1) -
     ev = JointEvaluator(model, one, chunk=1)
     reference = time.perf_counter() - t0
     joint, build = _quantized_probe(ev, sites, cands, bpw)
-    return Probe(len(tokens), fisher, pair, units, joint, reference, build, len(cands), refines)
+    rates = _rating_probe(ev.originals, sites, cands)
+    return Probe(len(tokens), fisher, pair, units, joint, reference, build, len(cands), refines,
+                 rate_units=rates, hessian_tensors=sum(any(c.calibrated and supports(c, s) for c in cands)
+                                                       for s in sites))
 
 
 def menu_allocation_path(work: Path, bpw: float, menu: str) -> Path:

@@ -205,7 +205,8 @@ def _probe_costs(probe) -> str:
     return (f"timed on one sequence: Fisher pass {probe.fisher_seq:.2f} s, exact pair {probe.pair[0]:.2f} s + "
             f"{probe.pair[1]:.3f} s per block, joint evaluation {probe.joint_seq:.2f} s (quantized "
             f"model), reference forward {probe.reference_seq:.2f} s; quantizing every tensor once "
-            f"{probe.build_set:.1f} s")
+            f"{probe.build_set:.1f} s; the proxy's rating of every (tensor, candidate) "
+            f"{sum(probe.rate_units):.1f} s")
 
 
 def _estimate_line(est: dict) -> str:
