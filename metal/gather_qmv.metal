@@ -93,7 +93,7 @@ template <typename IO, typename SC, int bits, int group_size>
       mb_qmv_segment<IO, SC, bits>(x, xrow, perm, p.has_perm, p.K, p.k0, p.kseg, group_shift,
                                    (const device uint8_t*)wq + mat * row_bytes,
                                    scales + mat * groups, biases + mat * groups, xt, len, r0,
-                                   last, lid, simd_lid, int(nsimd) * 32, acc);
+                                   last, lid, simd_lid, int(nsimd) * 32, 1, acc);
       MB_UNROLL for (int m = 0; m < MB_QMV_MAX_M; ++m) {
         if (m < len) {
           MB_UNROLL for (int r = 0; r < R; ++r) {

@@ -12,14 +12,16 @@
 #include "mixbits_metal.h"
 #include "qmv_rows.h"
 
-// Threadgroup = S simdgroups x 32 lanes, S = 8, 16 or 32 as the host picks
-// (qmv_simdgroups: the more, the fewer threadgroups re-read x);
-// grid = (ceil(N / 4S), ceil(M / 8)). Each simdgroup owns 4 consecutive
-// output rows and computes them for the threadgroup's up to MB_QMV_MAX_M
-// rows of x (acc: 8 x 4 floats per lane), so at M <= 8 (the only M the host
-// sends here by default) each row of W is read once per call whatever M,
-// and the staged x serves 4S rows of W. Buffers: qmatmul_params.h (MbQmmBuffer);
-// slots of segments past p.nseg are bound to a stand-in and never read.
+// Threadgroup = S simdgroups x 32 lanes, S = 8, 16 or 32, each simdgroup in
+// H = p.qmv_sets sets of 32 / H lanes (1, 2 or 4), as the host picks
+// (qmv_shape: the more rows per threadgroup, the fewer threadgroups re-read
+// x); grid = (ceil(N / 4SH), ceil(M / 8)). Each set owns 4 consecutive
+// output rows (a simdgroup 4H) and computes them for the threadgroup's up
+// to MB_QMV_MAX_M rows of x (acc: 8 x 4 floats per lane), so at M <= 8 (the
+// only M the host sends here by default) each row of W is read once per
+// call whatever M, and the staged x serves 4SH rows of W. Buffers:
+// qmatmul_params.h (MbQmmBuffer); slots of segments past p.nseg are bound to
+// a stand-in and never read.
 template <typename IO, typename SC>
 [[kernel]] void mb_qmv(
     const device typename IO::storage* x [[buffer(0)]],
@@ -63,9 +65,12 @@ template <typename IO, typename SC>
   const device typename SC::storage* bis[MB_QMM_MAX_SEGS] = {
       biases0, biases1, biases2, biases3, biases4, biases5, biases6, biases7};
   constexpr int R = MB_QMV_ROWS_PER_SIMDGROUP;
-  const int row0 = int(tid.x) * int(nsimd) * R + int(simd_gid) * R;
-  // A simdgroup past N still stages x and meets the barriers: it computes
-  // row N - 1 and stores nothing. Rows past N otherwise repeat the last.
+  const int H = p.qmv_sets;
+  const int L = 32 / H;  // lanes per set
+  const int row0 = (int(tid.x) * int(nsimd) + int(simd_gid)) * R * H + int(simd_lid) / L * R;
+  // A set past N still stages x and meets the barriers and shuffles: it
+  // computes row N - 1 and stores nothing. Rows past N otherwise repeat the
+  // last.
   const bool active = row0 < p.N;
   const int r0 = active ? row0 : p.N - 1;
   const int last = min(R - 1, p.N - 1 - r0);
@@ -82,7 +87,7 @@ template <typename IO, typename SC>
   mb_qmv_segment<IO, SC, B>(x, xrow, perm, p.has_perm, p.K, p.seg[s].k0, p.seg[s].kseg, \
                             p.seg[s].group_shift, (const device uint8_t*)wqs[s], scs[s],   \
                             bis[s], xt, rows_x, r0, last, lid, simd_lid, int(nsimd) * 32,  \
-                            acc)
+                            H, acc)
     MB_QMM_SWITCH_BITS(p.seg[s].bits, MB_QMV_SEG)
 #undef MB_QMV_SEG
   }
@@ -90,8 +95,8 @@ template <typename IO, typename SC>
   MB_UNROLL for (int m = 0; m < MB_QMV_MAX_M; ++m) {
     if (m < rows_x) {
       MB_UNROLL for (int r = 0; r < R; ++r) {
-        const float v = simd_sum(acc[m * R + r]);
-        if (active && simd_lid == 0 && r <= last) {
+        const float v = mb_qmv_set_sum(acc[m * R + r], H);
+        if (active && simd_lid % uint(L) == 0 && r <= last) {
           mb_qmm_store<IO>(acc_buf, out, p, size_t(m0 + m) * size_t(p.N) + size_t(row0 + r), v);
         }
       }

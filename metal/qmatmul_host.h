@@ -76,6 +76,44 @@ inline int qmv_simdgroups(int N, int max_threads = 1024, int blocks = 1) {
     sg /= 2;
   return sg;
 }
+
+// The dense GEMV's threadgroup shape: simdgroups, and lane sets per
+// simdgroup (qmv_rows.h: each set of 32 / sets lanes owns 4 rows of W).
+struct QmvShape {
+  int simdgroups;
+  int sets;
+  int rows() const { return simdgroups * sets * MB_QMV_ROWS_PER_SIMDGROUP; }
+};
+// x re-read by the threadgroups may add at most 1 / kQmvRereadShare of W's
+// bytes to a call.
+constexpr int kQmvRereadShare = 16;
+// Starts from qmv_simdgroups' choice (enough threadgroups for the cores),
+// then, while the threadgroups' re-reads of x would exceed that share,
+// widens the threadgroup: more simdgroups (within max_threads), then more
+// lane sets, up to 32 x 4 sets = 512 rows of W, or until one threadgroup
+// covers N. Each threadgroup reads tg_x_bytes (its rows of x over K, and
+// the perm), so over ceil(N / rows) threadgroups that stays within the
+// share when rows x w_row_bytes >= kQmvRereadShare x tg_x_bytes
+// (w_row_bytes: codes, scales and biases of one row of W). At 4-bit, group
+// 64, float16: rows >= 57 M (x) and >= 57 M + 114 (x and perm), so
+// M = 1 keeps the core-count choice and M = 5 .. 8 take 512 rows (fewer
+// threadgroups: 8 at N = 4096; the price of reading x fewer times).
+inline QmvShape qmv_shape(int N, double tg_x_bytes, double w_row_bytes, int max_threads = 1024,
+                          int blocks = 1) {
+  QmvShape s{qmv_simdgroups(N, max_threads, blocks), 1};
+  while (s.rows() < N && double(s.rows()) * w_row_bytes < kQmvRereadShare * tg_x_bytes) {
+    if (s.simdgroups < MB_QMV_MAX_SIMDGROUPS && s.simdgroups * 2 * 32 <= max_threads)
+      s.simdgroups *= 2;
+    else if (s.sets < MB_QMV_MAX_SETS)
+      s.sets *= 2;
+    else
+      break;
+  }
+  return s;
+}
+static_assert(MB_QMV_BLOCK % (16 * 32) == 0 && 16 * (32 / MB_QMV_MAX_SETS) >= 128,
+              "qmv_rows.h: a set's trip of 16 columns per lane spans whole groups (<= 128)");
+
 constexpr size_t kQmm16ThreadgroupBytes = size_t(MB_QMM16_TG_FLOATS) * sizeof(float);
 static_assert(MB_QMM_TG_FLOATS ==
                       2 * (MB_QMM_BM + MB_QMM_BN) * MB_QMM_TILE_STRIDE + 2 * MB_QMM_BK &&
@@ -197,6 +235,7 @@ inline std::vector<QmmLaunch> plan_qmm(int M, int N,
     q.nseg = int(n);
     q.accumulate = first > 0 ? 1 : 0;
     q.write_out = first + n == segs.size() ? 1 : 0;
+    q.qmv_sets = 1;
     if (tiled) {
       const int bn = mb_qmm_bn(bm);
       l.grid[0] = uint32_t((N + bn - 1) / bn);
@@ -206,11 +245,19 @@ inline std::vector<QmmLaunch> plan_qmm(int M, int N,
       l.threadgroup_bytes =
           size_t(mb_qmm_tg_floats(bm, xt == ActType::F32 ? 4 : 2)) * sizeof(float);
     } else {
-      const int rows = qmv_simdgroups(N, max_gemv_threads, (M + MB_QMV_MAX_M - 1) / MB_QMV_MAX_M) *
-                       MB_QMV_ROWS_PER_SIMDGROUP;
+      // What each threadgroup reads besides W (x for its rows, over K, and
+      // perm) against one row of W, over all segments of the product.
+      const int xb = xt == ActType::F32 ? 4 : 2, sb = scale_type == MB_SCALE_F32 ? 4 : 2;
+      double w_row = 0;
+      for (const auto& sg : segs) w_row += double(sg.k) * sg.bits / 8 + 2.0 * (sg.k / sg.group_size) * sb;
+      const double tg_x = double(std::min(M, int(MB_QMV_MAX_M))) * K * xb + (has_perm ? 4.0 * K : 0);
+      const QmvShape sh =
+          qmv_shape(N, tg_x, w_row, max_gemv_threads, (M + MB_QMV_MAX_M - 1) / MB_QMV_MAX_M);
+      const int rows = sh.rows();
+      q.qmv_sets = sh.sets;
       l.grid[0] = uint32_t((N + rows - 1) / rows);
       l.grid[1] = uint32_t((M + MB_QMV_MAX_M - 1) / MB_QMV_MAX_M);
-      l.group[0] = uint32_t(rows / MB_QMV_ROWS_PER_SIMDGROUP * 32);
+      l.group[0] = uint32_t(sh.simdgroups * 32);
       // x staged for the rows of x a threadgroup has (the kernel indexes
       // rows 0 .. min(M, 8) - 1 of it).
       l.threadgroup_bytes = size_t(std::min(M, int(MB_QMV_MAX_M))) * MB_QMV_BLOCK * sizeof(float);

@@ -48,7 +48,8 @@ struct MbQmmFusedParams {
   int nseg;         // segments of this dispatch, 1 .. MB_QMM_MAX_SEGS
   int accumulate;   // add acc[m, n] (float32) to the result
   int write_out;    // 1: store to out (activation dtype); 0: store to acc
-  int pad_;         // keeps seg[] 16-byte aligned in both languages
+  int qmv_sets;     // GEMV: lane sets per simdgroup, 1, 2 or 4 (qmv_shape);
+                    // the tiled kernel ignores it. Keeps seg[] 16-byte aligned.
   MbQmmSeg seg[8];  // MB_QMM_MAX_SEGS; entries past nseg unused
 };
 
@@ -100,6 +101,10 @@ enum MbQmmShape {
   MB_QMV_MIN_SIMDGROUPS = 8,
   MB_QMV_MAX_SIMDGROUPS = 32,
   MB_QMV_ROWS_PER_SIMDGROUP = 4,
+  // ... per set of lanes: a simdgroup may run as 1, 2 or 4 sets of 32, 16
+  // or 8 lanes, each set its own 4 rows (qmv_shape), so a threadgroup of 32
+  // simdgroups covers up to 512 rows of W per staging of x.
+  MB_QMV_MAX_SETS = 4,
   // Every row of x (M <= MB_QMV_MAX_M) is handled by the same threadgroup,
   // so each weight is read once per call. x is staged, gathered through
   // perm, as float in threadgroup memory one block of MB_QMV_BLOCK columns

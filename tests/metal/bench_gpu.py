@@ -176,6 +176,27 @@ def kl_rows(quick):
         yield f"kl {rows}x{V}", ours, best_ms(composed, 10)
 
 
+def gemv_rows():
+    """The GEMV at every M it takes (1 .. 8), 4-bit group 64 float16, K =
+    4096, against mx.quantized_matmul: from M = 2 .. 5 on the host widens a
+    threadgroup to 256 / 512 rows of W (qmv_shape: lane sets) so that x is
+    re-read at most 1/16 of W's bytes, at the price of fewer threadgroups
+    (8 at N = 4096, 2 at N = 1024): these rows show what that costs or saves
+    on a GPU whose caches catch the re-reads."""
+    for N in (1024, 4096, 14336):
+        K = 4096
+        rng = np.random.default_rng(N)
+        w = mx.array(rng.standard_normal((N, K)).astype(np.float32)).astype(mx.float16)
+        wq, s, b = mx.quantize(w, group_size=64, bits=4)
+        for M in range(1, 9):
+            x = mx.array(rng.standard_normal((M, K)).astype(np.float32)).astype(mx.float16)
+            mx.eval(x, wq, s, b)
+            ours = best_ms(lambda: mixbits.quantized_matmul(x, wq, s, b, 64, 4), 50)
+            mlx = best_ms(lambda: mx.quantized_matmul(x, wq, s, b, transpose=True,
+                                                      group_size=64, bits=4), 50)
+            yield f"gemv {N}x{K} b4 M={M}", ours, mlx
+
+
 def traffic_rows():
     """(case, mixbits ms, mlx ms) for every counted case of metal_traffic.py;
     the qmatmul cases at 4096 x 4096 whatever M (the emulator counts smaller
@@ -284,6 +305,11 @@ def main():
         return traffic_main(sys.argv[i + 1] if i >= 0 else None)
     quick = "--quick" in sys.argv
     mx.set_default_device(mx.gpu)
+    if "--gemv" in sys.argv:
+        print(f"{'case':38} {'mixbits ms':>11} {'mlx ms':>9} {'mlx/mixbits':>12}")
+        for name, ours, mlx in gemv_rows():
+            print(f"{name:38} {ours:11.3f} {mlx:9.3f} {mlx / ours:12.2f}", flush=True)
+        return 0
     print(f"{'case':38} {'mixbits ms':>11} {'mlx ms':>9} {'mlx/mixbits':>12}")
     rows = (list(qmm_rows(quick)) + list(gather_rows(quick)) + list(grad_x_rows(quick)) +
             list(gather_grad_x_rows(quick)) + list(kl_rows(quick)))

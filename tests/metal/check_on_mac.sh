@@ -201,6 +201,10 @@ step gpu-tests "$PY" -m pytest tests/metal/test_gpu_device.py -q -rs -p no:cache
 step no-gpu-test-skipped bash -c "! grep -q 'SKIPPED' '$LOG/gpu-tests.txt'"
 step full-suite "$PY" -m pytest tests -q -rs -p no:cacheprovider
 step metal-bench "$PY" tests/metal/bench_gpu.py ${QUICK:+--quick}
+# The GEMV at M = 1 .. 8 (lane sets: fewer, wider threadgroups from M = 2 .. 5,
+# metal/qmatmul_host.h qmv_shape) against mx.quantized_matmul, N = 1024,
+# 4096, 14336.
+step gemv-lane-sets-bench "$PY" tests/metal/bench_gpu.py --gemv
 # Every case the emulator counts (tests/metal/metal_traffic.py), timed on
 # the GPU against MLX's own kernels: the real table next to the counts in
 # bench/results/metal_traffic.json.
@@ -215,6 +219,7 @@ grep -E "passed|failed" "$LOG/full-suite.txt" 2>/dev/null | tail -1 | sed 's/^/f
 grep -E "passed|failed" "$LOG/gpu-tests.txt" 2>/dev/null | tail -1 | sed 's/^/GPU tests:  /'
 echo "benchmarks (mlx/mixbits > 1: mixbits faster):"
 cat "$LOG/metal-bench.txt" 2>/dev/null
+cat "$LOG/gemv-lane-sets-bench.txt" 2>/dev/null
 echo "counted cases (tests/metal/metal_traffic.py) timed; JSON: $LOG/metal_traffic_mac.json"
 cat "$LOG/metal-traffic-bench.txt" 2>/dev/null
 echo "logs: $LOG"

@@ -1,7 +1,7 @@
 """Device-memory traffic of the Metal kernels, counted in the SIMT emulator.
 
 Every public op call of the case list (qmatmul at 1, 2 and 3 K-segments and
-with a permutation, M = 1, 8, 17, 512; MLX's own kernel for the one-segment
+with a permutation, M = 1, 4, 8, 9, 17, 512; MLX's own kernel for the one-segment
 case (op mlx_qmatmul, mlx_emu.py); the gathered qmatmul at top-8 of 128
 experts, decode and sorted prefill; KL) runs on the emulator with its
 counters on (metal_emu.counting: bytes read and written per access width,
@@ -43,8 +43,10 @@ BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # every 8x8x8 MMA lane by lane), so the tiled rows run smaller matrices; the
 # counts per call scale with N K at fixed M and layout (see the notes).
 SIZES = {
-    False: {1: (1024, 1024), 8: (1024, 1024), 9: (512, 512), 17: (512, 512), 512: (128, 256)},
-    True: {1: (4096, 4096), 8: (4096, 4096), 9: (1024, 1024), 17: (2048, 2048),
+    False: {1: (1024, 1024), 4: (1024, 1024), 8: (1024, 1024), 9: (512, 512), 17: (512, 512),
+            512: (128, 256)},
+    True: {1: (4096, 4096), 4: (4096, 4096), 8: (4096, 4096), 9: (1024, 1024),
+           17: (2048, 2048),
            512: (512, 512)},
 }
 

@@ -27,10 +27,11 @@ int main(int argc, char** argv) {
                 "\"params_bytes\": %zu, \"threadgroup_bytes\": %zu, "
                 "\"grid\": [%u, %u, %u], \"group\": [%u, %u, %u], "
                 "\"M\": %d, \"N\": %d, \"K\": %d, \"has_perm\": %d, \"nseg\": %d, "
-                "\"accumulate\": %d, \"write_out\": %d, \"seg\": [",
+                "\"accumulate\": %d, \"write_out\": %d, \"qmv_sets\": %d, \"seg\": [",
                 l.kernel.c_str(), int(l.tiled), l.first_segment, l.params_index, sizeof q,
                 l.threadgroup_bytes, l.grid[0], l.grid[1], l.grid[2], l.group[0], l.group[1],
-                l.group[2], q.M, q.N, q.K, q.has_perm, q.nseg, q.accumulate, q.write_out);
+                l.group[2], q.M, q.N, q.K, q.has_perm, q.nseg, q.accumulate, q.write_out,
+                q.qmv_sets);
     for (int j = 0; j < MB_QMM_MAX_SEGS; ++j)
       std::printf("%s[%d, %d, %d, %d]", j ? ", " : "", q.seg[j].bits, q.seg[j].group_shift,
                   q.seg[j].k0, q.seg[j].kseg);

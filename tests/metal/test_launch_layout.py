@@ -139,3 +139,25 @@ def test_eval_gpu_binds_segments_by_the_plans_slots():
                    "arrays[MB_QMM_PERM]", "arrays[MB_QMM_ACC]", "arrays[MB_QMM_OUT]"):
         assert needle in body, needle
     assert not re.search(r"arrays\[\s*\d", body)
+
+
+@pytest.mark.parametrize("M,perm,xt,sets,groups", [
+    (1, False, "float16", 1, 32), (1, True, "float16", 2, 16), (2, False, "float16", 1, 32),
+    (4, False, "float16", 2, 16), (5, False, "float16", 4, 8), (8, False, "float16", 4, 8),
+    (8, True, "float16", 4, 8), (8, False, "float32", 4, 8), (9, False, "float16", 1, 0)])
+def test_gemv_lane_sets_bound_x_rereads(dump, M, perm, xt, sets, groups):
+    # qmv_shape at 4096 x 4096, 4-bit group 64 (two segments): the core-count
+    # choice (32 simdgroups, 128 rows, 32 threadgroups) while the
+    # threadgroups' x (and perm) reads stay within 1/16 of W's bytes, else
+    # 2 or 4 lane sets per simdgroup (256, 512 rows); the tiled kernel
+    # (M = 9) is given 1, which it ignores.
+    (l,) = dump(M, 4096, perm, xt, "float16", 0, [(4, 64, 2048), (4, 64, 2048)])
+    assert l["qmv_sets"] == sets
+    if groups:
+        assert l["group"][0] == 32 * 32 and l["grid"][0] == groups
+        rows = 4096 // groups
+        w_bytes = 4096 * (4096 // 2 + 2 * 64 * 2)
+        x_bytes = M * 4096 * (4 if xt == "float32" else 2) + (4 * 4096 if perm else 0)
+        # at most 1/16 of W unless the threadgroup is already at 512 rows
+        assert groups * x_bytes <= w_bytes / 16 or rows == 512
+        assert rows == 128 or (rows // 2) * w_bytes / 4096 < 16 * x_bytes

@@ -204,6 +204,18 @@ def test_qmatmul_gemv_wide_threadgroups(M, N):
     run_case(rng, M, N, [(4, 64, 64), (3, 32, 96)], "float16", paths=("gemv",))
 
 
+@pytest.mark.parametrize("bits,gs", list(itertools.product(BITS, GROUP_SIZES)))
+def test_qmatmul_gemv_lane_sets(bits, gs):
+    # At M = 6 the host widens a GEMV threadgroup to 256 or 512 rows of W
+    # (qmv_shape: 32 simdgroups in 2 or 4 lane sets of 16 or 8 lanes, each
+    # set its own 4 rows; 2 sets for 8-bit g32 here, 4 for the rest). N = 1030
+    # leaves a last threadgroup whose first set has 2 rows and whose other
+    # sets have none; K spans two 512-column blocks, the second partial.
+    rng = np.random.default_rng(60 + bits * 7 + gs)
+    run_case(rng, 6, 1030, [(bits, gs, 512 + gs)], "float16", perm=bits % 2 == 0,
+             paths=("gemv",))
+
+
 def test_qmatmul_long_k_many_gemv_blocks():
     rng = np.random.default_rng(3)
     run_case(rng, 1, 9, [(4, 64, 2048 + 64), (2, 32, 544)], "float32")
