@@ -125,6 +125,13 @@ static_assert(MB_QMM_TG_FLOATS ==
                   mb_qmm_tg_floats(MB_QMM16_BM, 2) < MB_QMM16_TG_FLOATS &&
                   mb_qmm_buffer_floats(MB_QMM_BM, 2) % 4 == 0 &&
                   mb_qmm_buffer_floats(MB_QMM16_BM, 2) % 4 == 0 &&
+                  mb_qmm_buffer_floats(MB_QMM_BM, 2, 2) % 4 == 0 &&
+                  mb_qmm_buffer_floats(MB_QMM16_BM, 2, 2) % 4 == 0 &&
+                  mb_qmm_tile_floats(MB_QMM_BM, 2) % 4 == 0 &&
+                  mb_qmm_tile_floats(MB_QMM16_BM, 2) % 4 == 0 &&
+                  mb_qmm_wstride(4) == MB_QMM_TILE_STRIDE &&
+                  MB_QMM_BM * (MB_QMM_BN + 4) <= mb_qmm_buffer_floats(MB_QMM_BM, 2, 2) &&
+                  MB_QMM16_BM * (MB_QMM16_BN + 4) <= mb_qmm_buffer_floats(MB_QMM16_BM, 2, 2) &&
                   MB_GATHER_QMM_TG_FLOATS == (MB_QMM_BM + MB_QMM_BN) * MB_QMM_TILE_STRIDE &&
                   mb_qmm_bn(MB_QMM_BM) == MB_QMM_BN && mb_qmm_bn(MB_QMM16_BM) == MB_QMM16_BN &&
                   kQmm16ThreadgroupBytes <= kMaxThreadgroupBytes,
@@ -241,9 +248,12 @@ inline std::vector<QmmLaunch> plan_qmm(int M, int N,
       l.grid[0] = uint32_t((N + bn - 1) / bn);
       l.grid[1] = uint32_t((M + bm - 1) / bm);
       l.group[0] = MB_QMM_THREADS;
-      // x tiles hold x as stored: 2-byte activations need half the bytes.
+      // x tiles hold x as stored (2-byte activations need half the bytes);
+      // W tiles are float16 when x and the scales are (mb_qmm_wtile).
+      const bool half_w = xt == ActType::F16 && scale_type == MB_SCALE_F16;
       l.threadgroup_bytes =
-          size_t(mb_qmm_tg_floats(bm, xt == ActType::F32 ? 4 : 2)) * sizeof(float);
+          size_t(mb_qmm_tg_floats(bm, xt == ActType::F32 ? 4 : 2, half_w ? 2 : 4)) *
+          sizeof(float);
     } else {
       // What each threadgroup reads besides W (x for its rows, over K, and
       // perm) against one row of W, over all segments of the product.

@@ -149,13 +149,21 @@ constexpr int mb_qmm_bn(int bm) { return 32 * 32 / bm; }
 // The tiled kernel's x tile holds x as stored (float, or the 2-byte half /
 // bfloat16 bits: exact, half the threadgroup bytes of float), rows of
 // BK + 16 / x_bytes elements (16 bytes of padding, as MLX pads its tiles).
+// Its W tile holds W as mx.dequantize gives it: float16 (2 bytes) when x and
+// the scales are float16, else float (4 bytes; rows of BK + 4 =
+// MB_QMM_TILE_STRIDE floats).
 constexpr int mb_qmm_xstride(int x_bytes) { return MB_QMM_BK + 16 / x_bytes; }
-// One tile buffer in floats: the x tile, then the float W tile [BN][S].
-constexpr int mb_qmm_buffer_floats(int bm, int x_bytes) {
-  return (bm * mb_qmm_xstride(x_bytes) * x_bytes + 3) / 4 + mb_qmm_bn(bm) * MB_QMM_TILE_STRIDE;
+constexpr int mb_qmm_wstride(int w_bytes) { return MB_QMM_BK + 16 / w_bytes; }
+// Floats of a tile of `rows` rows of `bytes`-byte elements (16-byte rows).
+constexpr int mb_qmm_tile_floats(int rows, int bytes) {
+  return (rows * (MB_QMM_BK + 16 / bytes) * bytes + 3) / 4;
+}
+// One tile buffer in floats: the x tile [BM][XS], then the W tile [BN][WS].
+constexpr int mb_qmm_buffer_floats(int bm, int x_bytes, int w_bytes = 4) {
+  return mb_qmm_tile_floats(bm, x_bytes) + mb_qmm_tile_floats(mb_qmm_bn(bm), w_bytes);
 }
 // Threadgroup memory of the dense tiled kernels: two buffers, then two
 // steps' BK perm entries.
-constexpr int mb_qmm_tg_floats(int bm, int x_bytes) {
-  return 2 * mb_qmm_buffer_floats(bm, x_bytes) + 2 * MB_QMM_BK;
+constexpr int mb_qmm_tg_floats(int bm, int x_bytes, int w_bytes = 4) {
+  return 2 * mb_qmm_buffer_floats(bm, x_bytes, w_bytes) + 2 * MB_QMM_BK;
 }

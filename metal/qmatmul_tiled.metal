@@ -31,13 +31,33 @@
 // then, after the barrier, simdgroup (sm, sn) accumulates its 16 x 16
 // block of outputs over the step's four 8-column slices: x fragments by
 // lane loads (each lane its two elements of the fragment, thread_elements,
-// converted to float), Wᵀ fragments by transposed loads of W rows
+// converted to float), Wᵀ fragments the same way from W rows
 // (B(k, n) = wt[n][k]). Steps are contiguous across segments (the next
 // step's columns are always the next 32 of the permuted order). The x tile
 // holds x as stored (IO::storage: float, or the 2-byte half / bfloat16
 // bits -- exact, and half the threadgroup bytes of a float tile); the W
-// tile and the accumulators are float: products and sums are exact float
-// arithmetic whatever the activation dtype (as MLX accumulates in float).
+// tile holds W as mx.dequantize gives it in the scales' dtype: float16
+// when x and the scales are float16 (MbWTile: half the bytes of a float
+// tile, the value rounded as mx.dequantize rounds it), else float (for
+// float16 x with float32 or bfloat16 scales too). Fragments and
+// accumulators are float: products of the tiles' elements are exact and
+// sums float arithmetic whatever the dtypes (as MLX accumulates in float).
+template <typename IO, typename SC>
+struct MbWTile {  // float W tile: s q + b as float
+  typedef float type;
+  static float dequant(float s, uint32_t q, float b) { return s * float(q) + b; }
+};
+// x and scales float16: the W tile is float16 and holds exactly what
+// mx.dequantize gives in float16, which rounds s q to float16 and then the
+// sum with b: half(half(s q) + b). s q is exact in float (11 x 8 bits) and
+// the float sum of two halves rounds to the same half as the exact sum
+// (a float rounding cannot make a half tie), so this is that value.
+template <>
+struct MbWTile<MbF16, MbF16> {
+  typedef half type;
+  static half dequant(float s, uint32_t q, float b) { return half(float(half(s * float(q))) + b); }
+};
+
 template <typename IO, typename SC, int bits, int BM>
 inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
                            const device int32_t* perm, const device uint8_t* w,
@@ -46,13 +66,15 @@ inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
                            constant MbQmmFusedParams& p, constant MbQmmSeg& sg,
                            threadgroup float* smem, int n0, uint lid, uint simd_gid,
                            thread int& step, thread simdgroup_float8x8* c) {
-  constexpr int S = MB_QMM_TILE_STRIDE;
   constexpr int BN = mb_qmm_bn(BM);
   constexpr int WR = BN / 32;  // W rows per loader thread
   typedef typename IO::storage XT;
+  typedef MbWTile<IO, SC> WTile;
+  typedef typename WTile::type WT;
   constexpr int XS = mb_qmm_xstride(sizeof(XT));  // x tile row stride
-  constexpr int TILE = mb_qmm_buffer_floats(BM, sizeof(XT));  // x tile, then W tile
-  constexpr int XF = TILE - BN * S;  // floats of the x tile
+  constexpr int S = mb_qmm_wstride(sizeof(WT));   // W tile row stride
+  constexpr int TILE = mb_qmm_buffer_floats(BM, sizeof(XT), sizeof(WT));  // x, then W
+  constexpr int XF = mb_qmm_tile_floats(BM, sizeof(XT));  // floats of the x tile
   const int lrow = int(lid) / 4;
   const int lcol = (int(lid) % 4) * 8;
   const size_t row_bytes = size_t(sg.kseg) * bits / 8;
@@ -78,7 +100,7 @@ inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
   for (int kt = 0; kt < sg.kseg; kt += MB_QMM_BK, ++step) {
     const int buf = step & 1;
     threadgroup XT* xt = MB_TG_CAST(XT, smem + buf * TILE);     // [BM][XS]
-    threadgroup float* wt = smem + buf * TILE + XF;             // [BN][S]
+    threadgroup WT* wt = MB_TG_CAST(WT, smem + buf * TILE + XF);  // [BN][S]
     threadgroup float* pt = smem + 2 * TILE + buf * MB_QMM_BK;  // [BK] int bits
     const int c0 = sg.k0 + kt + lcol;
     if (lrow < BM) {  // x loader rows (all 32 when BM = 32)
@@ -116,7 +138,7 @@ inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
       const float s = SC::load(scales[gi]);
       const float b = SC::load(biases[gi]);
       MB_UNROLL for (int i = 0; i < 8; ++i) {
-        wt[(lrow + 32 * t) * S + lcol + i] = s * float(codes[i]) + b;
+        wt[(lrow + 32 * t) * S + lcol + i] = WTile::dequant(s, codes[i], b);
       }
     }
     // The next step's perm entries into the other pt buffer (last read by
@@ -135,8 +157,11 @@ inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
         a[i].thread_elements()[0] = IO::load(xt[o]);
         a[i].thread_elements()[1] = IO::load(xt[o + 1]);
       }
+      // B(k, n) = wt[n][k]: this lane's row fr (k), columns fc, fc + 1 (n).
       MB_UNROLL for (int j = 0; j < 2; ++j) {
-        simdgroup_load(bt[j], wt + (sn + 8 * j) * S + kk, S, ulong2(0, 0), true);
+        const int o = (sn + 8 * j + fc) * S + kk + fr;
+        bt[j].thread_elements()[0] = float(wt[o]);
+        bt[j].thread_elements()[1] = float(wt[o + S]);
       }
       MB_UNROLL for (int i = 0; i < 2; ++i) {
         MB_UNROLL for (int j = 0; j < 2; ++j) {
@@ -197,7 +222,6 @@ template <typename IO, typename SC, int BM>
       scales0, scales1, scales2, scales3, scales4, scales5, scales6, scales7};
   const device typename SC::storage* bis[MB_QMM_MAX_SEGS] = {
       biases0, biases1, biases2, biases3, biases4, biases5, biases6, biases7};
-  constexpr int S = MB_QMM_TILE_STRIDE;
   constexpr int BN = mb_qmm_bn(BM);
   static_assert(BM * BN == 32 * 32 && (BM == 16 || BM == 32), "4 simdgroups of 16 x 16");
   const int n0 = int(tid.x) * BN;
@@ -210,7 +234,8 @@ template <typename IO, typename SC, int BM>
   simdgroup_float8x8 c[4];
   MB_UNROLL for (int i = 0; i < 4; ++i) c[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
-  constexpr int TILE = mb_qmm_buffer_floats(BM, sizeof(typename IO::storage));
+  constexpr int TILE = mb_qmm_buffer_floats(BM, sizeof(typename IO::storage),
+                                            sizeof(typename MbWTile<IO, SC>::type));
   // The first step's perm entries (later ones are staged a step ahead);
   // without a perm there is nothing to wait for.
   if (p.has_perm) {

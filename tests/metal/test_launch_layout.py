@@ -161,3 +161,21 @@ def test_gemv_lane_sets_bound_x_rereads(dump, M, perm, xt, sets, groups):
         # at most 1/16 of W unless the threadgroup is already at 512 rows
         assert groups * x_bytes <= w_bytes / 16 or rows == 512
         assert rows == 128 or (rows // 2) * w_bytes / 4096 < 16 * x_bytes
+
+
+@pytest.mark.parametrize("M,xt,st,tg_bytes", [
+    (12, "float16", "float16", 13056), (17, "float16", "float16", 10496),
+    (12, "float16", "float32", 21248), (17, "float16", "float32", 14592),
+    (12, "bfloat16", "bfloat16", 21248), (17, "float32", "float16", 18688)])
+def test_tiled_threadgroup_memory_per_dtype(dump, M, xt, st, tg_bytes):
+    # Two buffers of an x tile (x as stored, rows of 32 + 16 / bytes) and a
+    # W tile (float16 rows of 40 when x and the scales are float16, else
+    # float rows of 36), then two steps' 32 perm entries: 10.3 / 12.8 KiB
+    # (32- / 16-row blocks) with float16 x and scales, was 14.3 / 20.8 KiB.
+    (l,) = dump(M, 64, False, xt, st, 0, [(4, 64, 128)])
+    bm = 16 if M <= 16 else 32
+    xb = 4 if xt == "float32" else 2
+    wb = 2 if xt == st == "float16" else 4
+    tile = lambda rows, b: rows * (32 + 16 // b) * b  # noqa: E731
+    assert l["threadgroup_bytes"] == tg_bytes == \
+        2 * (tile(bm, xb) + tile(32 * 32 // bm, wb)) + 2 * 32 * 4

@@ -46,16 +46,21 @@ def to_storage(a: mx.array) -> np.ndarray:
     return np.array(a)
 
 
-def make_segments(rng, N, specs, scale_act):
+def make_segments(rng, N, specs, scale_act, as_stored=False):
     """Quantize random weights per segment with mx.quantize; return kernel
-    inputs and the float64 dense reference (via mx.dequantize)."""
+    inputs and the float64 dense reference (via mx.dequantize: with the
+    scales as float32, or with as_stored, in the scales' own dtype, as
+    mx.dequantize rounds it there)."""
     segs, dense = [], []
     for bits, gs, k in specs:
         w = mx.array(rng.standard_normal((N, k)).astype(np.float32)).astype(MX_DTYPE[scale_act])
         wq, s, b = mx.quantize(w, group_size=gs, bits=bits)
         segs.append((bits, gs, k, np.array(wq), to_storage(s), to_storage(b)))
-        deq = mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32), group_size=gs,
-                            bits=bits)
+        if as_stored:
+            deq = mx.dequantize(wq, s, b, group_size=gs, bits=bits).astype(mx.float32)
+        else:
+            deq = mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32), group_size=gs,
+                                bits=bits)
         dense.append(np.array(deq, dtype=np.float64))
     return segs, np.concatenate(dense, axis=1)
 
@@ -92,15 +97,27 @@ def assert_near_mlx(got, want, act):
 def run_case(rng, M, N, specs, act, scale_act=None, perm=True, paths=("gemv", "tiled"),
              order="shuffle"):
     scale_act = scale_act or act
+    state = rng.bit_generator.state
     segs, W = make_segments(rng, N, specs, scale_act)
+    W16 = None
+    if act == scale_act == "float16":  # the tiled kernel's float16 W tile
+        after = rng.bit_generator.state
+        rng.bit_generator.state = state
+        _, W16 = make_segments(rng, N, specs, scale_act, as_stored=True)
+        assert rng.bit_generator.state == after
     K = W.shape[1]
     x = make_x(rng, M, K, act)
     p = rng.permutation(K).astype(np.int32) if perm else None
     xf = E.storage_to_f64(x, act)
     if p is not None:
         xf = xf[:, p]
-    ref, mag = xf @ W.T, np.abs(xf) @ np.abs(W).T
     for path in paths:
+        # The tiled kernel multiplies W as mx.dequantize gives it in float16
+        # when x and the scales are float16 (as MLX's own kernel does); the
+        # GEMV and every other dtype pair, W in float.
+        tiled = path == "tiled" or (path == "auto" and M > 8)
+        Wp = W16 if tiled and W16 is not None else W
+        ref, mag = xf @ Wp.T, np.abs(xf) @ np.abs(Wp).T
         y = E.qmatmul(x, act, segs, N, perm=p, scale_type=scale_act, path=path, order=order,
                       seed=int(rng.integers(1 << 30)))
         assert y.dtype == E.storage_dtype(act)
@@ -214,6 +231,41 @@ def test_qmatmul_gemv_lane_sets(bits, gs):
     rng = np.random.default_rng(60 + bits * 7 + gs)
     run_case(rng, 6, 1030, [(bits, gs, 512 + gs)], "float16", perm=bits % 2 == 0,
              paths=("gemv",))
+
+
+@pytest.mark.parametrize("scale_act", ["float16", "float32", "bfloat16"])
+@pytest.mark.parametrize("bits", BITS)
+def test_qmatmul_tiled_w_tile_is_mx_dequantize(bits, scale_act):
+    # One-hot rows of float16 x pick single weights: y[m, n] = W[n, j_m], one
+    # exact product and exact zeros, so the tiled kernel's output is its W
+    # tile's value rounded to float16. With float16 scales the tile is
+    # float16 and must equal mx.dequantize's float16 result bit for bit
+    # (which rounds s q, then the sum with b); with float32 / bfloat16 scales
+    # it is float, and y is mx.dequantize's float32 result rounded to
+    # float16. Every group size, 16- and 32-row blocks.
+    rng = np.random.default_rng(70 + bits)
+    N, k = 70, 128
+    sdt = MX_DTYPE[scale_act]
+    for gs in GROUP_SIZES:
+        w = rand(rng, (N, k), sdt)
+        wq, s, b = mx.quantize(w, group_size=gs, bits=bits)
+        # Scales and biases of both signs and many exponents; scales with
+        # float16's 11 bits, so s q is exact in float whatever their dtype.
+        s = (rand(rng, s.shape) * 0.05).astype(mx.float16).astype(sdt)
+        b = rand(rng, b.shape, sdt)
+        if scale_act == "float16":
+            want = mx.dequantize(wq, s, b, group_size=gs, bits=bits)
+        else:
+            want = mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32),
+                                 group_size=gs, bits=bits)
+        want = np.array(want.astype(mx.float16).view(mx.uint16))
+        segs = [(bits, gs, k, np.array(wq), to_storage(s), to_storage(b))]
+        for M in (16, 32):
+            cols = rng.integers(0, k, size=M)
+            x = np.zeros((M, k), np.float16)
+            x[np.arange(M), cols] = 1
+            y = E.qmatmul(x, "float16", segs, N, scale_type=scale_act, path="tiled")
+            np.testing.assert_array_equal(y.view(np.uint16), want[:, cols].T)
 
 
 def test_qmatmul_long_k_many_gemv_blocks():

@@ -253,25 +253,36 @@ def test_tiled_one_barrier_per_k_step(M, perm):
 
 
 @pytest.mark.parametrize("M", [12, 17])
-def test_tiled_x_tile_holds_2_byte_activations(M):
-    # The x tile stores x as stored: with float16 (or bfloat16) x its
+def test_tiled_tiles_hold_2_byte_elements(M):
+    # The x tile stores x as stored: with bfloat16 (or float16) x its
     # threadgroup writes and the fragment reads are 2 bytes per element, half
-    # of float32 x's; the W tile, the output staging and the MMAs are the same.
+    # of float32 x's. The W tile is float16 when x and the scales are float16
+    # (float16 x against bfloat16 x, both with float16 scales: the same x
+    # bytes, W's halved), float otherwise (float16 x with float32 scales
+    # counts as bfloat16 x does). Output staging and MMAs the same.
     N, K = 128, 128
 
-    def case(xd):
-        c = dict(qmm_case(M, [(4, 64, K)], False, N=N), x_dtype=xd)
+    def case(xd, sd="float16"):
+        c = dict(qmm_case(M, [(4, 64, K)], False, N=N), x_dtype=xd, scale_dtype=sd)
         return T.run_case(c, np.random.default_rng(8))[0]
 
     f32, f16, bf16 = case("float32"), case("float16"), case("bfloat16")
+    f16_f32s = case("float16", "float32")
     groups = f16["grid"][0] * f16["grid"][1]
     bm = 16 if M <= 16 else 32
+    bn = 32 * 32 // bm
     steps = K // 32
-    # per step: BM x 32 x-tile elements written; 4 simdgroups x 4 slices x
-    # 2 fragments x 64 elements read
-    for r in (f16, bf16):
+    # per step and tile: BM x 32 x-tile (BN x 32 W-tile) elements written;
+    # 4 simdgroups x 4 slices x 2 fragments x 64 elements read of each
+    frag_reads = groups * steps * 4 * 4 * 2 * 64 * 2
+    for r in (bf16, f16_f32s):
         assert f32["threadgroup_write_bytes"] - r["threadgroup_write_bytes"] == \
             groups * steps * bm * 32 * 2
-        assert f32["threadgroup_read_bytes"] - r["threadgroup_read_bytes"] == \
-            groups * steps * 4 * 4 * 2 * 64 * 2
+        assert f32["threadgroup_read_bytes"] - r["threadgroup_read_bytes"] == frag_reads
+    assert f16_f32s["threadgroup_write_bytes"] == bf16["threadgroup_write_bytes"]
+    assert bf16["threadgroup_write_bytes"] - f16["threadgroup_write_bytes"] == \
+        groups * steps * bn * 32 * 2
+    assert bf16["threadgroup_read_bytes"] - f16["threadgroup_read_bytes"] == frag_reads
+    for r in (f16, bf16, f16_f32s):
         assert r["mma"] == f32["mma"] and r["barriers"] == f32["barriers"]
+        assert r["device_read_bytes"] + r["device_write_bytes"] > 0
