@@ -1,12 +1,13 @@
 // The contract between the gathered kernels (gather_qmv.metal, the GEMV;
 // gather_qmm.metal, the tiled one) and the host code that launches them
 // (gather_host.h, cpp/gather/metal.cpp): buffer indices and the
-// per-dispatch parameter block, the same for both kernels. Plain ints
-// only, so the struct has one layout in Metal and in C++.
+// per-dispatch parameter blocks. Plain ints only, so the structs have one
+// layout in Metal and in C++.
 #pragma once
 #include "qmatmul_params.h"
 
-// One dispatch computes ONE K-segment's contribution to every output matrix
+// The tiled kernel: one dispatch computes ONE K-segment's contribution to
+// every output matrix
 //   out[i] = x[lhs[i]] · W[rhs[i]]ᵀ,  i < pairs (grid z),
 // for x [x_batches, M, K] and each segment's arrays [w_batches, N, ...]
 // (MixedGatherQMM's inputs, dense). `q` describes one x matrix against one
@@ -32,4 +33,56 @@ enum MbGatherBuffer {
   MB_GATHER_ACC = 7,     // float32 [pairs, M, N]; bound to out when unused
   MB_GATHER_OUT = 8,     // [pairs, M, N] activation dtype
   MB_GATHER_PARAMS = 9,  // MbGatherParams
+};
+
+// The GEMV walks the segment table itself, as the dense kernels do: ONE
+// dispatch computes the whole product
+//   out[i] = x[lhs[i]] · W[rhs[i]]ᵀ,  i < pairs,
+// over up to MB_QMM_MAX_SEGS segments (each its own bits, group size and
+// column range in q.seg, each with its own stacked arrays), accumulating
+// in registers; more segments are split into dispatches of
+// MB_QMM_MAX_SEGS that pass a float32 partial sum (q.accumulate,
+// q.write_out), as the dense kernels do. q.qmv_sets is 1 (one lane set).
+struct MbGatherFusedParams {
+  MbQmmFusedParams q;
+  int x_batches;  // lhs[i] >= x_batches: output matrix i is NaN
+  int w_batches;  // rhs[i] >= w_batches: output matrix i is NaN
+  int pairs;      // entries of lhs and rhs (output matrices)
+  int block_rows; // flat output rows per threadgroup (<= MB_QMV_MAX_M)
+};
+
+// The GEMV's buffer indices: the fixed slots, three per segment (slots
+// 6 .. 29), the parameter block last (Metal's 31 slots, all used).
+enum MbGatherQmvBuffer {
+  MB_GQMV_X = 0,        // activations [x_batches, M, K]
+  MB_GQMV_PERM = 1,     // int32 [K]; bound to out when there is no perm
+  MB_GQMV_LHS = 2,      // uint32 [pairs]
+  MB_GQMV_RHS = 3,      // uint32 [pairs]
+  MB_GQMV_ACC = 4,      // float32 [pairs, M, N]; bound to out when unused
+  MB_GQMV_OUT = 5,      // [pairs, M, N] activation dtype
+  MB_GQMV_WQ0 = 6,      // segment 0: uint32 [w_batches, N, kseg*bits/32]
+  MB_GQMV_SCALES0 = 7,  // segment 0: [w_batches, N, kseg/group_size]
+  MB_GQMV_BIASES0 = 8,  // segment 0: [w_batches, N, kseg/group_size]
+  MB_GQMV_WQ1 = 9,
+  MB_GQMV_SCALES1 = 10,
+  MB_GQMV_BIASES1 = 11,
+  MB_GQMV_WQ2 = 12,
+  MB_GQMV_SCALES2 = 13,
+  MB_GQMV_BIASES2 = 14,
+  MB_GQMV_WQ3 = 15,
+  MB_GQMV_SCALES3 = 16,
+  MB_GQMV_BIASES3 = 17,
+  MB_GQMV_WQ4 = 18,
+  MB_GQMV_SCALES4 = 19,
+  MB_GQMV_BIASES4 = 20,
+  MB_GQMV_WQ5 = 21,
+  MB_GQMV_SCALES5 = 22,
+  MB_GQMV_BIASES5 = 23,
+  MB_GQMV_WQ6 = 24,
+  MB_GQMV_SCALES6 = 25,
+  MB_GQMV_BIASES6 = 26,
+  MB_GQMV_WQ7 = 27,
+  MB_GQMV_SCALES7 = 28,
+  MB_GQMV_BIASES7 = 29,
+  MB_GQMV_PARAMS = 30,  // MbGatherFusedParams
 };

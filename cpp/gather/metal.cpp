@@ -70,20 +70,47 @@ void MixedGatherQMM::eval_gpu(const std::vector<mx::array>& inputs,
   const host::ActType at = metal_act_type(out.dtype());
   const int st = metal_scale_type(in[first + 1].dtype());
   auto* lib = mixbits_metal_library(d);
-  // The GEMV's threadgroup size is the host's choice (qmv_simdgroups),
-  // bounded by what every segment's pipeline allows on this GPU.
-  int gemv_threads = 1024;
-  if (!host::gather_tiled(int(pairs), M, sorted_, wb))
-    for (const auto& sg : segs)
-      gemv_threads = std::min(
-          gemv_threads,
-          int(d.get_kernel(host::ladder_kernel_name("gather_qmv", at, st, sg.bits, sg.group_size),
-                           lib)
-                  ->maxTotalThreadsPerThreadgroup()));
-  const auto plan = host::plan_gather(int(pairs), M, N, xb, wb, segs, at, st, has_perm_,
-                                      sorted_, gemv_threads);
-
   auto& enc = mx::metal::get_command_encoder(s);
+
+  if (!host::gather_tiled(int(pairs), M, sorted_, wb)) {
+    // The GEMV: one dispatch per MB_QMM_MAX_SEGS segments (the kernel walks
+    // the segment table). Its threadgroup size is the host's choice
+    // (qmv_simdgroups), bounded by what the pipeline allows on this GPU.
+    const auto probe = host::plan_gather_qmv(int(pairs), M, N, xb, wb, segs, at, st,
+                                             has_perm_, sorted_);
+    const int gemv_threads = int(
+        d.get_kernel(probe.at(0).kernel, lib)->maxTotalThreadsPerThreadgroup());
+    const auto plan = host::plan_gather_qmv(int(pairs), M, N, xb, wb, segs, at, st, has_perm_,
+                                            sorted_, gemv_threads);
+    // More than MB_QMM_MAX_SEGS segments pass a float32 partial sum.
+    std::optional<mx::array> acc;
+    if (host::qmm_needs_acc(segs.size()))
+      acc = metal_temporary(enc, {int(pairs), M, N}, mx::float32);
+    for (const host::GatherQmvLaunch& l : plan) {
+      auto* kernel = launch_pipeline(d, lib, l, "gather_qmm");
+      std::vector<mx::array*> arrays(MB_GQMV_PARAMS, nullptr);
+      arrays[MB_GQMV_X] = &in[0];
+      if (has_perm_) arrays[MB_GQMV_PERM] = &in[1];
+      arrays[MB_GQMV_LHS] = &in[lhs];
+      arrays[MB_GQMV_RHS] = &in[rhs];
+      for (int j = 0; j < l.params.q.nseg; ++j) {
+        const size_t i = size_t(l.first_segment + j);
+        arrays[size_t(host::gather_qmv_wq_slot(j))] = &in[first + 3 * i];
+        arrays[size_t(host::gather_qmv_scales_slot(j))] = &in[first + 3 * i + 1];
+        arrays[size_t(host::gather_qmv_biases_slot(j))] = &in[first + 3 * i + 2];
+      }
+      // As an output the partial sum also orders this dispatch after the
+      // one that wrote it (MLX inserts the barrier).
+      if (acc) arrays[MB_GQMV_ACC] = &*acc;
+      arrays[MB_GQMV_OUT] = &out;
+      encode_launch(enc, kernel, l, arrays);
+    }
+    return;
+  }
+
+  // The tiled kernel: one dispatch per K-segment.
+  const auto plan = host::plan_gather(int(pairs), M, N, xb, wb, segs, at, st, has_perm_,
+                                      sorted_);
   // Several segments pass a float32 partial sum from dispatch to dispatch.
   std::optional<mx::array> acc;
   if (host::per_segment_needs_acc(segs.size()))

@@ -197,6 +197,41 @@ def gemv_rows():
             yield f"gemv {N}x{K} b4 M={M}", ours, mlx
 
 
+def gather_segment_rows():
+    """The gathered GEMV over a 3-segment layout (4-bit group 64 in 1024 +
+    512 + 512 columns: the product MLX's 4-bit gather_qmm computes, split
+    as a mixbits layout is), one dispatch walking the segment table, against
+    mx.gather_qmm: 128 experts of 768 x 2048, top-8, 1 / 8 tokens unsorted
+    and 8 tokens sorted."""
+    from mixbits.layout import QuantizedTensor, Segment
+
+    E, N, K, top = 128, 768, 2048, 8
+    rng = np.random.default_rng(7)
+    w = mx.array(rng.standard_normal((E, N, K)).astype(np.float32)).astype(mx.float16)
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    qt = mixbits.quantize(w.reshape(E * N, K), [(4, 64, 1024), (4, 64, 512), (4, 64, 512)],
+                          dtype=mx.float16)
+    qt = QuantizedTensor([Segment(g.bits, g.group_size, g.k,
+                                  *(a.reshape(E, N, -1) for a in (g.wq, g.scales, g.biases)))
+                          for g in qt.segments], qt.perm)
+    mx.eval(wq, s, b, *qt.arrays())
+    for tokens, srt in ((1, False), (8, False), (8, True)):
+        idx = np.stack([rng.choice(E, top, replace=False) for _ in range(tokens)])
+        if srt:
+            flat = idx.reshape(-1)
+            ridx = mx.array(flat[np.argsort(flat, kind="stable")].astype(np.uint32))
+            x = mx.array(rng.standard_normal((tokens * top, 1, K)).astype(np.float16))
+        else:
+            ridx = mx.array(idx.astype(np.uint32))
+            x = mx.array(rng.standard_normal((tokens, 1, 1, K)).astype(np.float16))
+        mx.eval(x, ridx)
+        ours = best_ms(lambda: mixbits.gather_qmatmul(x, qt, None, ridx, sorted_indices=srt), 20)
+        mlx = best_ms(lambda: mx.gather_qmm(x, wq, s, b, None, ridx, transpose=True,
+                                            group_size=64, bits=4, sorted_indices=srt), 20)
+        yield (f"gather 3 segs {E}x{N}x{K} b4 tok={tokens}{' sorted' if srt else ''}",
+               ours, mlx)
+
+
 def traffic_rows():
     """(case, mixbits ms, mlx ms) for every counted case of metal_traffic.py;
     the qmatmul cases at 4096 x 4096 whatever M (the emulator counts smaller
@@ -305,9 +340,10 @@ def main():
         return traffic_main(sys.argv[i + 1] if i >= 0 else None)
     quick = "--quick" in sys.argv
     mx.set_default_device(mx.gpu)
-    if "--gemv" in sys.argv:
+    if "--gemv" in sys.argv or "--gather-segments" in sys.argv:
+        rows = gemv_rows if "--gemv" in sys.argv else gather_segment_rows
         print(f"{'case':38} {'mixbits ms':>11} {'mlx ms':>9} {'mlx/mixbits':>12}")
-        for name, ours, mlx in gemv_rows():
+        for name, ours, mlx in rows():
             print(f"{name:38} {ours:11.3f} {mlx:9.3f} {mlx / ours:12.2f}", flush=True)
         return 0
     print(f"{'case':38} {'mixbits ms':>11} {'mlx ms':>9} {'mlx/mixbits':>12}")

@@ -205,6 +205,9 @@ step metal-bench "$PY" tests/metal/bench_gpu.py ${QUICK:+--quick}
 # metal/qmatmul_host.h qmv_shape) against mx.quantized_matmul, N = 1024,
 # 4096, 14336.
 step gemv-lane-sets-bench "$PY" tests/metal/bench_gpu.py --gemv
+# The gathered GEMV over a 3-segment layout (one dispatch walking the
+# segment table, metal/gather_qmv.metal) against mx.gather_qmm.
+step gather-segments-bench "$PY" tests/metal/bench_gpu.py --gather-segments
 # Every case the emulator counts (tests/metal/metal_traffic.py), timed on
 # the GPU against MLX's own kernels: the real table next to the counts in
 # bench/results/metal_traffic.json.
@@ -220,6 +223,7 @@ grep -E "passed|failed" "$LOG/gpu-tests.txt" 2>/dev/null | tail -1 | sed 's/^/GP
 echo "benchmarks (mlx/mixbits > 1: mixbits faster):"
 cat "$LOG/metal-bench.txt" 2>/dev/null
 cat "$LOG/gemv-lane-sets-bench.txt" 2>/dev/null
+cat "$LOG/gather-segments-bench.txt" 2>/dev/null
 echo "counted cases (tests/metal/metal_traffic.py) timed; JSON: $LOG/metal_traffic_mac.json"
 cat "$LOG/metal-traffic-bench.txt" 2>/dev/null
 echo "logs: $LOG"

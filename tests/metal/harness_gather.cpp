@@ -10,12 +10,17 @@ namespace {
 
 using namespace mixbits::metal_host;
 
-// The GEMV: threadgroup memory, then (group, thread, simdgroup, lane,
-// simdgroups per group).
+// The GEMV: x, perm, lhs, rhs, acc, out, 8 x (wq, scales, biases), the
+// parameter block, threadgroup memory, then (group, thread, simdgroup,
+// lane, simdgroups per group).
+#define MB_SEG_PARAMS(SC) const uint32_t*, const SC*, const SC*
 template <typename S, typename SC>
-using GatherFn = void(const S*, const int32_t*, const uint32_t*, const SC*, const SC*,
-                      const uint32_t*, const uint32_t*, float*, S*, MbGatherParams&, float*,
-                      uint3, uint, uint, uint, uint);
+using GatherFn = void(const S*, const int32_t*, const uint32_t*, const uint32_t*, float*, S*,
+                      MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC),
+                      MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC),
+                      MbGatherFusedParams&, float*, uint3, uint, uint, uint, uint);
+#undef MB_SEG_PARAMS
+static_assert(MB_QMM_MAX_SEGS == 8, "the GEMV's type above lists 8 segments");
 // The tiled kernel: threadgroup memory, then (group, thread, simdgroup) ids.
 template <typename S, typename SC>
 using GatherTiledFn = void(const S*, const int32_t*, const uint32_t*, const SC*, const SC*,
@@ -34,8 +39,69 @@ struct GatherProblem {
   std::vector<UserBuf> wq, scales, biases;
 };
 
+// The GEMV: one launch per MB_QMM_MAX_SEGS segments, binding what eval_gpu
+// binds (segment j of launch l at slots gather_qmv_*_slot(j)).
+template <typename S, typename SC>
+void run_gather_qmv(const GatherProblem& g, const simt::Options& opt) {
+  const auto plan = plan_gather_qmv(g.pairs, g.M, g.N, g.x_batches, g.w_batches, g.segs, g.at,
+                                    g.scale_type, g.perm.in != nullptr, g.sorted);
+  std::vector<float> acc_sink(qmm_needs_acc(g.segs.size())
+                                  ? size_t(g.pairs) * size_t(g.M) * size_t(g.N) : 0);
+  Buffers bufs({MB_GQMV_X, MB_GQMV_PERM, MB_GQMV_LHS, MB_GQMV_RHS, MB_GQMV_ACC, MB_GQMV_OUT});
+  for (const GatherQmvLaunch& l : plan) {
+    std::vector<UserBuf> user(MB_GQMV_PARAMS);
+    user[MB_GQMV_X] = g.x;
+    user[MB_GQMV_PERM] = g.perm;
+    user[MB_GQMV_LHS] = g.lhs;
+    user[MB_GQMV_RHS] = g.rhs;
+    for (int j = 0; j < l.params.q.nseg; ++j) {
+      const size_t i = size_t(l.first_segment + j);
+      user[size_t(gather_qmv_wq_slot(j))] = g.wq[i];
+      user[size_t(gather_qmv_scales_slot(j))] = g.scales[i];
+      user[size_t(gather_qmv_biases_slot(j))] = g.biases[i];
+    }
+    if (!acc_sink.empty()) user[MB_GQMV_ACC] = {nullptr, acc_sink.data(), acc_sink.size() * 4};
+    user[MB_GQMV_OUT] = g.out;
+    const std::vector<void*> p = bufs.bind(l, user);
+    MbGatherFusedParams params = l.params;
+    const auto* xs = static_cast<const S*>(p[MB_GQMV_X]);
+    const auto* pp = static_cast<const int32_t*>(p[MB_GQMV_PERM]);
+    const auto* li = static_cast<const uint32_t*>(p[MB_GQMV_LHS]);
+    const auto* ri = static_cast<const uint32_t*>(p[MB_GQMV_RHS]);
+    auto* acc = static_cast<float*>(p[MB_GQMV_ACC]);
+    auto* y = static_cast<S*>(p[MB_GQMV_OUT]);
+    const uint32_t* w[MB_QMM_MAX_SEGS];
+    const SC* sc[MB_QMM_MAX_SEGS];
+    const SC* bi[MB_QMM_MAX_SEGS];
+    for (int j = 0; j < MB_QMM_MAX_SEGS; ++j) {
+      w[j] = static_cast<const uint32_t*>(p[size_t(gather_qmv_wq_slot(j))]);
+      sc[j] = static_cast<const SC*>(p[size_t(gather_qmv_scales_slot(j))]);
+      bi[j] = static_cast<const SC*>(p[size_t(gather_qmv_biases_slot(j))]);
+    }
+    // Threadgroup memory starts as NaN for every group: a read before a
+    // write shows up in the results.
+    Guarded smem(std::max<size_t>(l.threadgroup_bytes, 4));
+    smem.threadgroup_space();
+    simt::Options o = opt;
+    o.label = l.kernel;
+    o.group_start = [&](const simt::Dim3&) { smem.fill_nan_f32(); };
+    auto* fn = simt::find_kernel<GatherFn<S, SC>>(l.kernel);
+    simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
+        [&](const simt::ThreadIds& t) {
+          fn(xs, pp, li, ri, acc, y, w[0], sc[0], bi[0], w[1], sc[1], bi[1], w[2], sc[2], bi[2],
+             w[3], sc[3], bi[3], w[4], sc[4], bi[4], w[5], sc[5], bi[5], w[6], sc[6], bi[6],
+             w[7], sc[7], bi[7], params, smem.as<float>(), u3(t.threadgroup_position_in_grid),
+             t.thread_index_in_threadgroup, t.simdgroup_index_in_threadgroup,
+             t.thread_index_in_simdgroup, t.simdgroups_per_threadgroup);
+        }, o);
+  }
+  bufs.finish();
+}
+
+// The tiled kernel: one launch per segment.
 template <typename S, typename SC>
 void run_gather(const GatherProblem& g, const simt::Options& opt) {
+  if (!gather_tiled(g.pairs, g.M, g.sorted, g.w_batches)) return run_gather_qmv<S, SC>(g, opt);
   const auto plan = plan_gather(g.pairs, g.M, g.N, g.x_batches, g.w_batches, g.segs, g.at,
                                 g.scale_type, g.perm.in != nullptr, g.sorted);
   std::vector<float> acc_sink(per_segment_needs_acc(g.segs.size())
@@ -72,24 +138,13 @@ void run_gather(const GatherProblem& g, const simt::Options& opt) {
     simt::Options o = opt;
     o.label = l.kernel;
     o.group_start = [&](const simt::Dim3&) { smem.fill_nan_f32(); };
-    if (l.tiled) {
-      auto* fn = simt::find_kernel<GatherTiledFn<S, SC>>(l.kernel);
-      simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
-          [&](const simt::ThreadIds& t) {
-            fn(xs, pp, w, sc, bi, li, ri, acc, y, params, smem.as<float>(),
-               u3(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup,
-               t.simdgroup_index_in_threadgroup);
-          }, o);
-    } else {
-      auto* fn = simt::find_kernel<GatherFn<S, SC>>(l.kernel);
-      simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
-          [&](const simt::ThreadIds& t) {
-            fn(xs, pp, w, sc, bi, li, ri, acc, y, params, smem.as<float>(),
-               u3(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup,
-               t.simdgroup_index_in_threadgroup, t.thread_index_in_simdgroup,
-               t.simdgroups_per_threadgroup);
-          }, o);
-    }
+    auto* fn = simt::find_kernel<GatherTiledFn<S, SC>>(l.kernel);
+    simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
+        [&](const simt::ThreadIds& t) {
+          fn(xs, pp, w, sc, bi, li, ri, acc, y, params, smem.as<float>(),
+             u3(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup,
+             t.simdgroup_index_in_threadgroup);
+        }, o);
   }
   bufs.finish();
 }
@@ -143,9 +198,14 @@ int mbemu_gather(int pairs, int M, int N, int x_batches, int w_batches, int nseg
 int mbemu_gather_kernel(int pairs, int M, int sorted, int w_batches, char* name, int len,
                         char* err, int errlen) {
   return guarded_call([&] {
-    const auto plan = plan_gather(pairs, M, 8, 1, w_batches, {{4, 32, 32}}, ActType(0),
-                                  MB_SCALE_F32, false, sorted != 0);
-    std::snprintf(name, size_t(len), "%s", plan.at(0).kernel.c_str());
+    const bool srt = sorted != 0;
+    const std::string k =
+        gather_tiled(pairs, M, srt, w_batches)
+            ? plan_gather(pairs, M, 8, 1, w_batches, {{4, 32, 32}}, ActType(0), MB_SCALE_F32,
+                          false, srt).at(0).kernel
+            : plan_gather_qmv(pairs, M, 8, 1, w_batches, {{4, 32, 32}}, ActType(0),
+                              MB_SCALE_F32, false, srt).at(0).kernel;
+    std::snprintf(name, size_t(len), "%s", k.c_str());
   }, err, errlen);
 }
 

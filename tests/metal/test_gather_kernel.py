@@ -223,7 +223,7 @@ def test_harness_refuses_buffers_the_primitive_would_not_pass():
     qt = mlx_stack(rng, 3, 8, 64, 4, 32, mx.float32)
     x = rand(rng, (2, 1, 64))
     inputs = node_inputs(x, qt, None, u32([[0], [2]]))
-    with pytest.raises(E.EmulatorError, match=r"scales \(buffer 3, float32\[48\]\)"):
+    with pytest.raises(E.EmulatorError, match=r"scales \(buffer 7, float32\[48\]\)"):
         E.gather(inputs[:2] + [inputs[2][:1].copy()] + inputs[3:], qt.specs, "float32",
                      "float32", False)
     with pytest.raises(TypeError, match="lhs must be uint32"):
@@ -277,13 +277,32 @@ def test_gemv_sorted_runs_over_many_experts(M):
     # Sorted pairs spread over many experts (fewer than 8 rows each) take
     # the GEMV in 8-row blocks: several runs per block, runs across block
     # boundaries, at M = 3 a pair's rows split between two blocks; mixed
-    # segments with a perm (one dispatch per segment, partial sums).
+    # segments with a perm (one dispatch walking the segment table).
     rng = np.random.default_rng(60 + M)
     qt = mixed_stack(rng, 16, 37, [(4, 64, 128), (3, 32, 96)], mx.float16)
     idx = np.sort(rng.integers(0, 16, 39))
     x = rand(rng, (39, M, 224), mx.float16)
     assert E.gather_kernel(39, M, True, 16).startswith("mixbits_gather_qmv_")
     check(x, qt, None, u32(idx), sorted_indices=True)
+
+
+@pytest.mark.parametrize("nseg", [3, 8, 9])
+def test_gemv_one_dispatch_per_eight_segments(nseg):
+    # The gathered GEMV walks up to 8 segments (each its own width, group
+    # and stacked arrays) in one dispatch, accumulating in registers; a
+    # ninth costs a second dispatch that adds the float32 partial sum.
+    # Unsorted repeated pairs, a perm, M = 2.
+    rng = np.random.default_rng(80 + nseg)
+    specs = [(b, g, g) for b, g in zip((8, 6, 5, 4, 3, 2, 2, 2, 3),
+                                       (32, 64, 128, 32, 64, 128, 32, 32, 64))][:nseg]
+    K = sum(k for _, _, k in specs)
+    qt = mixed_stack(rng, 5, 21, specs, mx.float16)
+    x = rand(rng, (3, 2, K), mx.float16)
+    lhs, rhs = u32(rng.integers(0, 3, 7)), u32(rng.integers(0, 5, 7))
+    with E.counting() as rec:
+        check(x, qt, lhs, rhs)
+    assert [r["kernel"] for r in rec] == \
+        ["mixbits_gather_qmv_float16_float16"] * (1 if nseg <= 8 else 2)
 
 
 def test_gemv_sorted_block_with_bad_indices_gives_nan_rows():

@@ -237,6 +237,21 @@ def test_gather_gemv_reads_an_experts_weights_once_per_run(sort):
         assert runs < pairs  # the sorted blocks share experts
 
 
+@pytest.mark.parametrize("sort", [True, False])
+def test_gather_gemv_one_dispatch_for_its_segments(sort):
+    # The gathered GEMV walks the segment table: three segments are one
+    # dispatch touching exactly the analytic minimum of distinct bytes (no
+    # float32 partial sum written and read back between per-segment
+    # dispatches, as before).
+    c = {"op": "gather", "M": 1, "N": 64, "K": 256,
+         "segments": [[4, 64, 128], [3, 32, 64], [6, 64, 64]], "perm": False,
+         "x_dtype": "float16", "scale_dtype": "float16", "experts": 16, "top_k": 4,
+         "tokens": 2, "sorted": sort}
+    s = T.summarize(c, T.run_case(c, np.random.default_rng(9)))
+    assert s["kernels"] == ["mixbits_gather_qmv_float16_float16"]
+    assert s["unique_ratio"] == 1.0
+
+
 @pytest.mark.parametrize("perm", [False, True])
 @pytest.mark.parametrize("M", [12, 17])
 def test_tiled_one_barrier_per_k_step(M, perm):
