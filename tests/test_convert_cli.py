@@ -9,10 +9,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,6 +18,7 @@ import numpy as np
 import pytest
 
 import tiny_models
+from killed_runs import kill_when, rerun_and_clean, table_kls
 from mixbits.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,28 +128,13 @@ def test_killed_sweep_resumes_to_the_same_table(dense, tmp_path):
     table = Path(str(killed) + ".work") / "table.json"
     proc = subprocess.Popen(base + ["--out", str(killed)], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if table.exists() and not json.loads(table.read_text())["complete"]:
-            break
-        time.sleep(0.005)
-    assert proc.poll() is None, "the sweep finished before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_when(proc, lambda: table.exists() and not json.loads(table.read_text())["complete"],
+              120, "the sweep")
     partial = json.loads(table.read_text())
     assert not partial["complete"] and not killed.exists()
-    r = subprocess.run(base + ["--out", str(killed)], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert "continuing the last run" in r.stdout
     clean = tmp_path / "clean"
-    r = subprocess.run(base + ["--out", str(clean)], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-
-    def kls(path):
-        t = json.loads(path.read_text())
-        return {e["path"]: {c["kind"]: c["kl"] for c in e["candidates"]} for e in t["entries"]}
-
-    assert kls(table) == kls(Path(str(clean) + ".work") / "table.json")
+    rerun_and_clean(base, killed, clean, env)
+    assert table_kls(table) == table_kls(Path(str(clean) + ".work") / "table.json")
     assert (killed / "allocation.json").read_text() == (clean / "allocation.json").read_text()
 
 

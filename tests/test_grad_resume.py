@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +19,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 import tiny_models  # noqa: E402
+from killed_runs import kill_when, rerun_and_clean, table_kls  # noqa: E402
 from mixbits.errors import UsageError  # noqa: E402
 from mixbits.measure import fisher_blocks, grad  # noqa: E402
 from mixbits.measure.two_stage import proxy_sweep  # noqa: E402
@@ -240,27 +239,13 @@ def test_convert_killed_in_its_grad_stage_continues_it(tmp_path):
     state = work / "table.json.fisher.safetensors"
     proc = subprocess.Popen(base + ["--out", str(killed)], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and not state.exists():
-        time.sleep(0.002)
-    assert proc.poll() is None, "the grad stage finished before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_when(proc, state.exists, 300, "the grad stage")
     partial = json.loads((work / "table.json").read_text())
     assert partial["complete"] is False and 7 <= len(partial["entries"]) < 30
-    r = subprocess.run(base + ["--out", str(killed)], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert "continuing the last run" in r.stdout
     clean = tmp_path / "clean"
-    r = subprocess.run(base + ["--out", str(clean)], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-
-    def kls(path):
-        t = json.loads(path.read_text())
-        return {e["path"]: {c["kind"]: c["kl"] for c in e["candidates"]} for e in t["entries"]}
-
-    done = kls(work / "table.json")
-    assert done == kls(Path(str(clean) + ".work") / "table.json") and len(done) == 30
+    rerun_and_clean(base, killed, clean, env)
+    done = table_kls(work / "table.json")
+    assert done == table_kls(Path(str(clean) + ".work") / "table.json") and len(done) == 30
     for e in partial["entries"]:  # what the killed run rated is what the table holds
         assert {c["kind"]: c["kl"] for c in e["candidates"]} == done[e["path"]]
     assert not state.exists()
