@@ -42,6 +42,8 @@ struct GatherQmvLaunch : Launch {
 inline int gather_qmv_wq_slot(int j) { return MB_GQMV_WQ0 + 3 * j; }
 inline int gather_qmv_scales_slot(int j) { return MB_GQMV_SCALES0 + 3 * j; }
 inline int gather_qmv_biases_slot(int j) { return MB_GQMV_BIASES0 + 3 * j; }
+constexpr SegmentSlots kGatherQmvSegmentSlots{gather_qmv_wq_slot, gather_qmv_scales_slot,
+                                              gather_qmv_biases_slot, MB_GQMV_OUT};
 
 // Why the gathered kernel cannot run a problem ("" if it can): its
 // parameters and grid are 32-bit. mixed_gather_qmm asks before building
@@ -152,24 +154,8 @@ inline std::vector<GatherQmvLaunch> plan_gather_qmv(int pairs, int M, int N, int
         {"out", MB_GQMV_OUT, Dir::Out, elem_of(xt), outs, -1},
     };
     l.params_index = MB_GQMV_PARAMS;
-    for (int j = 0; j < MB_QMM_MAX_SEGS; ++j) {
-      const bool used = size_t(j) < n;
-      const QmmSegment s = used ? segs[first + size_t(j)] : QmmSegment{2, 32, 0};
-      if (used) {
-        q.seg[j].bits = s.bits;
-        q.seg[j].group_shift = log2_group(s.group_size);
-        q.seg[j].k0 = k0;
-        q.seg[j].kseg = s.k;
-        k0 += s.k;
-      }
-      const size_t mats = size_t(w_batches) * size_t(N);
-      const size_t groups = used ? mats * size_t(s.k / s.group_size) : 0;
-      const int stand = used ? -1 : MB_GQMV_OUT;
-      l.buffers.push_back({"wq", gather_qmv_wq_slot(j), Dir::In, Elem::U32,
-                           used ? mats * size_t(s.k) * s.bits / 32 : 0, stand});
-      l.buffers.push_back({"scales", gather_qmv_scales_slot(j), Dir::In, se, groups, stand});
-      l.buffers.push_back({"biases", gather_qmv_biases_slot(j), Dir::In, se, groups, stand});
-    }
+    fill_segment_table(q, l.buffers, segs, first, n, size_t(w_batches) * size_t(N), se,
+                       kGatherQmvSegmentSlots, k0);
     plan.push_back(l);
   }
   return plan;

@@ -201,6 +201,49 @@ inline std::string qmm_gpu_refusal(int64_t M, int64_t N, int64_t K) {
   return "";
 }
 
+// Where segment j's three arrays bind in one kernel family's launch, and the
+// slot that stands in for the arrays of unused segments (`out`: freshly
+// allocated, so offset 0 and aligned).
+struct SegmentSlots {
+  int (*wq)(int j);
+  int (*scales)(int j);
+  int (*biases)(int j);
+  int stand_in;
+};
+constexpr SegmentSlots kQmmSegmentSlots{qmm_wq_slot, qmm_scales_slot, qmm_biases_slot,
+                                        MB_QMM_OUT};
+
+// Fills q's K-segment table with segs[first .. first + n - 1] and appends the
+// "wq", "scales" and "biases" records of all MB_QMM_MAX_SEGS slots to
+// `buffers` (unused ones empty, bound to slots.stand_in). One function for
+// the product's launches (plan_qmm) and the gathered GEMV's
+// (plan_gather_qmv): their kernels read the same table through the same
+// MbQmmFusedParams and differ only in the slots and in how many [N, kseg]
+// matrices a segment's arrays hold (`mats`: N, or w_batches * N). k0: the
+// first segment's column in x, advanced past the n segments.
+inline void fill_segment_table(MbQmmFusedParams& q, std::vector<BufferArg>& buffers,
+                               const std::vector<QmmSegment>& segs, size_t first, size_t n,
+                               size_t mats, Elem scale_elem, const SegmentSlots& slots,
+                               int& k0) {
+  for (int j = 0; j < MB_QMM_MAX_SEGS; ++j) {
+    const bool used = size_t(j) < n;
+    const QmmSegment s = used ? segs[first + size_t(j)] : QmmSegment{2, 32, 0};
+    if (used) {
+      q.seg[j].bits = s.bits;
+      q.seg[j].group_shift = log2_group(s.group_size);
+      q.seg[j].k0 = k0;
+      q.seg[j].kseg = s.k;
+      k0 += s.k;
+    }
+    const size_t groups = used ? mats * size_t(s.k / s.group_size) : 0;
+    const int stand = used ? -1 : slots.stand_in;
+    buffers.push_back({"wq", slots.wq(j), Dir::In, Elem::U32,
+                       used ? mats * size_t(s.k) * s.bits / 32 : 0, stand});
+    buffers.push_back({"scales", slots.scales(j), Dir::In, scale_elem, groups, stand});
+    buffers.push_back({"biases", slots.biases(j), Dir::In, scale_elem, groups, stand});
+  }
+}
+
 // One launch per MB_QMM_MAX_SEGS segments (one for every product the
 // quantizer makes), in order. M rows of x (contiguous, K columns), N
 // outputs. Arguments are assumed validated (cpp/qmatmul/qmatmul.cpp).
@@ -285,23 +328,7 @@ inline std::vector<QmmLaunch> plan_qmm(int M, int N,
         {"out", MB_QMM_OUT, Dir::Out, elem_of(xt), mn, -1},
     };
     l.params_index = MB_QMM_PARAMS;
-    for (int j = 0; j < MB_QMM_MAX_SEGS; ++j) {
-      const bool used = size_t(j) < n;
-      const QmmSegment s = used ? segs[first + size_t(j)] : QmmSegment{2, 32, 0};
-      if (used) {
-        q.seg[j].bits = s.bits;
-        q.seg[j].group_shift = log2_group(s.group_size);
-        q.seg[j].k0 = k0;
-        q.seg[j].kseg = s.k;
-        k0 += s.k;
-      }
-      const size_t groups = used ? size_t(N) * size_t(s.k / s.group_size) : 0;
-      const int stand = used ? -1 : MB_QMM_OUT;
-      l.buffers.push_back({"wq", qmm_wq_slot(j), Dir::In, Elem::U32,
-                           used ? size_t(N) * size_t(s.k) * s.bits / 32 : 0, stand});
-      l.buffers.push_back({"scales", qmm_scales_slot(j), Dir::In, se, groups, stand});
-      l.buffers.push_back({"biases", qmm_biases_slot(j), Dir::In, se, groups, stand});
-    }
+    fill_segment_table(q, l.buffers, segs, first, n, size_t(N), se, kQmmSegmentSlots, k0);
     out.push_back(l);
   }
   return out;
