@@ -6,7 +6,8 @@ against the projection.
     python bench/float_folder.py --shape llama3-8b --out /tmp/llama8b   # 16 GB, once
     python bench/convert_8b.py --folder /tmp/llama8b                     # probe only (minutes)
     python bench/convert_8b.py --folder /tmp/llama8b --run               # the whole convert (hours)
-    python bench/convert_8b.py --folder /tmp/llama8b --run --skip-probe --n-seq 2 --time-budget 32
+    python bench/convert_8b.py --folder /tmp/llama8b --run --skip-probe --n-seq 1 --time-budget 40 --max-evals 3
+    python bench/convert_8b.py --folder /tmp/llama8b --n-seq 1 --check   # the written folder runs?
 
 --skip-probe leaves out the separate dry run: convert's own timing probe
 (run when --time-budget picks the method) prints the same costs and the
@@ -183,6 +184,80 @@ def watched(argv: list[str], log_path: Path, poll: float = 2.0) -> dict:
 
 
 
+def check_output(out_dir: Path, tokens_path: Path, n_prompt: int = 16, n_new: int = 8) -> dict:
+    """Whether the written folder runs: its size and storage bpw (the card's),
+    then, each loaded alone (the other freed): ``mixbits.load`` -- greedy
+    ``n_new`` tokens after the first ``n_prompt`` calibration tokens (the
+    folder has no tokenizer) and the prompt's last logits -- and stock
+    mlx-lm's ``load_model`` (without trust_remote_code, then with it when
+    config.json names a model file): the same greedy tokens, and its
+    logits' largest difference from mixbits'. Seconds and peak RSS of each."""
+    import gc
+
+    import mlx.core as mx
+    import numpy as np
+
+    from mixbits.streaming import peak_rss
+
+    files = [f for f in out_dir.iterdir() if f.is_file()]
+    weights = sum(f.stat().st_size for f in files if f.suffix == ".safetensors")
+    alloc = json.loads((out_dir / "allocation.json").read_text())
+    config = json.loads((out_dir / "config.json").read_text())
+    card = (out_dir / "README.md").read_text()
+    m = re.search(r"storage bpw: ([\d.]+)", card)
+    res = {"folder": str(out_dir), "folder_bytes": sum(f.stat().st_size for f in files),
+           "safetensors_gib": round(weights / GiB, 3), "storage_bpw_card": float(m.group(1)) if m else None,
+           "storage_bpw_allocation": alloc.get("average_bpw_storage"), "model_file": config.get("model_file"),
+           "written": (re.search(r"written: (.*)", card) or [None, None])[1]}
+    prompt = np.load(tokens_path)[0, :n_prompt].tolist()
+
+    def greedy(model):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(model)
+        t0 = time.perf_counter()
+        logits = model(mx.array([prompt]), cache=cache)[0, -1].astype(mx.float32)
+        mx.eval(logits)
+        prefill = time.perf_counter() - t0
+        out, nxt = [], int(mx.argmax(logits).item())
+        t1 = time.perf_counter()
+        for _ in range(n_new):
+            out.append(nxt)
+            nxt = int(mx.argmax(model(mx.array([[nxt]]), cache=cache)[0, -1]).item())
+        return out, np.array(logits), prefill, (time.perf_counter() - t1) / n_new
+
+    import mixbits
+
+    t0 = time.perf_counter()
+    model, _, _ = mixbits.load(str(out_dir))
+    load_s = time.perf_counter() - t0
+    toks, ref, prefill, per_tok = greedy(model)
+    res["mixbits_load"] = {"load_s": round(load_s, 1), "prefill_s": round(prefill, 2),
+                           "s_per_token": round(per_tok, 2), "greedy_tokens": toks,
+                           "logits_finite": bool(np.isfinite(ref).all()), "peak_rss_gib": round(peak_rss() / GiB, 2)}
+    del model
+    gc.collect()
+    from mlx_lm.utils import load_model
+
+    stock = {}
+    try:
+        load_model(out_dir)
+        stock["without_trust_remote_code"] = "loaded"
+    except Exception as e:  # what stock mlx-lm says of a folder with mixbits-only layers
+        stock["without_trust_remote_code"] = f"refused: {type(e).__name__}: {str(e)[:160]}"
+    gc.collect()
+    t0 = time.perf_counter()
+    model, _ = load_model(out_dir, trust_remote_code=True)
+    load_s = time.perf_counter() - t0
+    toks2, logits2, prefill, per_tok = greedy(model)
+    stock.update({"load_s": round(load_s, 1), "prefill_s": round(prefill, 2), "s_per_token": round(per_tok, 2),
+                  "greedy_tokens": toks2, "same_tokens_as_mixbits": toks2 == toks,
+                  "max_abs_logit_diff": float(np.abs(logits2 - ref).max()),
+                  "peak_rss_gib": round(peak_rss() / GiB, 2)})
+    res["mlx_lm_load_model"] = stock
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--folder", required=True, help="a float folder (bench/float_folder.py) with tokens.npy")
@@ -199,8 +274,24 @@ def main(argv=None) -> int:
                     help="calibrate on the first N sequences of the folder's tokens.npy")
     ap.add_argument("--log", default=None, help="the watched run's log (default: WORK/convert.log)")
     ap.add_argument("--poll", type=float, default=2.0, help="seconds between RSS samples of the run")
+    ap.add_argument("--check", action="store_true",
+                    help="only check the written folder (WORK/<bpw>bpw): loads and runs in mixbits and "
+                         "stock mlx-lm; the result goes under 'check' in --out (kept otherwise)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "convert_8b.json"))
     a = ap.parse_args(argv)
+    if a.check:
+        out_dir = Path(a.work) / f"{a.bpw:g}bpw"
+        tok = Path(a.work) / f"tokens_{a.n_seq}.npy" if a.n_seq else Path(a.folder) / "tokens.npy"
+        res = check_output(out_dir, tok)
+        print(json.dumps(res, indent=1))
+        out = Path(a.out)
+        old = json.loads(out.read_text()) if out.exists() else {}
+        old["check"] = {**res, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                        "load_avg": list(os.getloadavg())}
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(old, indent=1) + "\n")
+        tmp.replace(out)
+        return 0
     folder = Path(a.folder)
     weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     out_dir = Path(a.work) / f"{a.bpw:g}bpw"
