@@ -173,21 +173,7 @@ def test_a_block_output_changed_in_place_falls_back_with_a_warning():
     the recorded output is not what block 2 returns, the chain rule through
     the records would skip the write, so the pass falls back -- part way,
     with a warning -- and gives the whole-model numbers."""
-    from mlx_lm.models import llama
-    from mlx_lm.models.base import create_attention_mask
-
-    class Writes(llama.LlamaModel):
-        def __call__(self, inputs, cache=None, input_embeddings=None):
-            h = self.embed_tokens(inputs)
-            mask = create_attention_mask(h, None)
-            for i, layer in enumerate(self.layers):
-                h = layer(h, mask, cache=None)
-                if i == 2:  # the replay check's own block: it passes
-                    h[..., :8] = 3 * h[..., :8]
-            return self.norm(h)
-
-    model, _ = tiny_models.build("llama")
-    model.model.__class__ = Writes
+    model, _ = tiny_models.llama_writing_into_block(2)
     sites = ModelAdapter(model).sites
     _falls_back_with_same_numbers(model, sites, _tokens(2),
                                   "whole model at once.*block 2's recorded output differs", seed=5)

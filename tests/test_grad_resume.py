@@ -302,21 +302,7 @@ def test_a_chain_broken_part_way_is_redone_whole_on_resume(tmp_path, monkeypatch
     whole-model pass. Killed before the break was found (in block 3's
     ratings, or in block 2's backward with block 3's state saved) or after
     (in the whole-model ratings), the resume ends with the same table."""
-    from mlx_lm.models import llama
-    from mlx_lm.models.base import create_attention_mask
-
-    class Writes(llama.LlamaModel):
-        def __call__(self, inputs, cache=None, input_embeddings=None):
-            h = self.embed_tokens(inputs)
-            mask = create_attention_mask(h, None)
-            for i, layer in enumerate(self.layers):
-                h = layer(h, mask, cache=None)
-                if i == 2:
-                    h[..., :8] = 3 * h[..., :8]
-            return self.norm(h)
-
-    model, _ = tiny_models.build("llama")
-    model.model.__class__ = Writes
+    model, _ = tiny_models.llama_writing_into_block(2)
     toks = _toks()
     full = proxy_sweep(model, toks, tmp_path / "full.json", CANDS, **KW)
     out = tmp_path / "t.json"

@@ -121,3 +121,26 @@ def build(name: str, seed: int = 0, dtype=mx.float32):
     mx.eval(model.parameters())
     model.eval()
     return model, cfg
+
+
+def llama_writing_into_block(block: int = 2, seed: int = 0):
+    """The tiny llama whose forward writes in place into ``block``'s output
+    (the same array object afterwards, so the recorded calls still look
+    chained): what the block-wise Fisher pass must detect and fall back on.
+    The model's own layers run; only the loop around them is replaced."""
+    from mlx_lm.models import llama
+    from mlx_lm.models.base import create_attention_mask
+
+    class Writes(llama.LlamaModel):
+        def __call__(self, inputs, cache=None, input_embeddings=None):
+            h = self.embed_tokens(inputs)
+            mask = create_attention_mask(h, None)
+            for i, layer in enumerate(self.layers):
+                h = layer(h, mask, cache=None)
+                if i == block:
+                    h[..., :8] = 3 * h[..., :8]
+            return self.norm(h)
+
+    model, cfg = build("llama", seed=seed)
+    model.model.__class__ = Writes
+    return model, cfg
