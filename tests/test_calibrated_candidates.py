@@ -29,6 +29,51 @@ def test_codec():
                      ("linear", False): False}
     head = next(s for s in ad.sites if s.path == "lm_head")
     assert not supports(c, head)  # its input is not recorded by a block replay
+    # +search needs no input: it searches the plain squared error outside the blocks
+    srch = parse_candidate("4b10_3b_g64+search")
+    kinds = {(s.form, s.block is not None): supports(srch, s) for s in ad.sites}
+    assert kinds == {("embedding", False): True, ("linear", True): True, ("stack", True): False,
+                     ("linear", False): True}
+
+
+def _decoded(layer, w):
+    """The weight a built embedding or linear computes with, float64."""
+    from mixbits.nn import MixedQuantizedEmbedding
+
+    if isinstance(layer, MixedQuantizedEmbedding):
+        got = layer(mx.arange(w.shape[0])[None])[0]  # every row looked up
+    else:
+        got = layer(mx.eye(w.shape[1], dtype=mx.float32)).T  # W = (I W^T)^T
+    return np.array(got.astype(mx.float32), dtype=np.float64)
+
+
+@pytest.mark.parametrize("kind", ["3b_g64+search", "4b10_3b_g64+search"])
+def test_search_outside_the_blocks_beats_rtn(kind):
+    """An embedding and an untied head at ``+search`` are built without layer
+    inputs: each group's squared error is at most what MLX's own
+    mx.quantize/mx.dequantize leave (uniform: group by group), the mixed
+    kind's total below its round-to-nearest build (same permutation), and
+    the embedding stays an embedding."""
+    from mixbits.nn import MixedQuantizedEmbedding, MixedQuantizedLinear
+
+    model, _ = tiny_models.build("qwen3_moe")
+    ad = ModelAdapter(model)
+    cand = parse_candidate(kind)
+    for path, cls in (("model.embed_tokens", MixedQuantizedEmbedding), ("lm_head", MixedQuantizedLinear)):
+        module = ad.get(path)
+        w = module.weight
+        layer = build_layer(module, cand, None, None)
+        assert isinstance(layer, cls)
+        got, wf = _decoded(layer, w), np.array(w.astype(mx.float32), dtype=np.float64)
+        if cand.kind == "uniform":
+            rtn = np.array(mx.dequantize(*mx.quantize(w, group_size=64, bits=3), group_size=64, bits=3)
+                           .astype(mx.float32), dtype=np.float64)
+            per_group = lambda a: ((a - wf) ** 2).reshape(wf.shape[0], -1, 64).sum(-1)
+            assert (per_group(got) <= per_group(rtn) * (1 + 1e-5) + 1e-12).all()
+            assert per_group(got).sum() < 0.95 * per_group(rtn).sum()
+        else:
+            rtn = _decoded(build_layer(module, parse_candidate(cand.name.split("+")[0]), None), w)
+            assert ((got - wf) ** 2).sum() < 0.95 * ((rtn - wf) ** 2).sum()
 
 
 class _Capture(nn.Module):

@@ -50,7 +50,7 @@ def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = 
     import mlx.core as mx
 
     from mixbits.adapter import ModelAdapter
-    from mixbits.measure.candidates import build_layer, embed_candidates, parse_candidate
+    from mixbits.measure.candidates import build_layer, embed_candidates, needs_inputs, parse_candidate
 
     adapter = ModelAdapter(model)
     plan = {**embed_candidates(model, chosen, embed_bits, group_size), **chosen}
@@ -74,7 +74,8 @@ def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = 
     for p, c in plan.items():
         original = adapter.get(p)
         layer = build_layer(original, c, scale_dtype,
-                            rp.input_hessian(adapter.site(p)) if c.calibrated else None)
+                            rp.input_hessian(adapter.site(p))
+                            if c.calibrated and needs_inputs(c, adapter.site(p)) else None)
         mx.eval(layer.parameters())
         built[p] = layer
         streaming.release(original)

@@ -26,7 +26,9 @@ An optional suffix names the quantizer (default: round-to-nearest min-max):
 Every quantizer stores the same layout, so kernels, layers and saved
 folders do not know which one ran. Calibrated quantizers need the layer
 inputs the sweep's reference pass records; they apply to linears inside
-decoder blocks.
+decoder blocks -- except ``+search``, which weighs the error by the input's
+energy where it is recorded and otherwise (embeddings, a head outside the
+blocks) searches the plain squared error.
 """
 
 from __future__ import annotations
@@ -228,16 +230,28 @@ def expand_candidates(names) -> list[str]:
     return out
 
 
+def records_input(site) -> bool:
+    """Whether the replay records ``site``'s input (X^T X): linears inside blocks."""
+    return site.form == "linear" and site.block is not None
+
+
+def needs_inputs(cand: Candidate, site) -> bool:
+    """Whether building ``cand`` at ``site`` takes the input's X^T X."""
+    return cand.calibrated and records_input(site)
+
+
 def supports(cand: Candidate, site) -> bool:
     """Whether ``cand`` can be built for ``site`` (an adapter Site): group
     size dividing K; mixed kinds for linears, embeddings and expert stacks
     (MixedQuantizedSwitchLinear), not for other stacks (multi-head weights,
     kept in MLX's stock quantized class); calibrated quantizers only for
-    linears inside blocks (whose inputs are recorded)."""
+    linears inside blocks (whose inputs are recorded), ``+search`` also for
+    other linears and embeddings (unweighted there)."""
     if site.k % cand.group_size or getattr(site, "own_call", None):
         return False
-    if cand.calibrated and (site.form != "linear" or site.block is None):
-        return False
+    if cand.calibrated and not records_input(site):
+        if cand.quantizer != "search" or site.form not in ("linear", "embedding"):
+            return False
     return not (site.form == "stack" and cand.kind == "mixed" and not site.experts)
 
 
@@ -327,16 +341,19 @@ def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None, dense=No
     if cand.kind == "fp":
         return _fp_layer(module, cand, wn)
     segs = cand.segments(k)
+    embedding = isinstance(module, (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding))
     if cand.calibrated:
-        if inputs is None or w.ndim != 2:
+        if w.ndim != 2 or (inputs is None and cand.quantizer != "search"):
             raise ValueError(f"candidate {cand.name!r} needs the layer input's X^T X (a linear "
                              "inside a decoder block, measured or quantized with calibration tokens)")
         qt = _calibrated(w, segs, cand, inputs, scale_dtype)
+        if embedding:
+            return MixedQuantizedEmbedding.from_tensor(qt)
         return MixedQuantizedLinear.from_tensor(qt, module.get("bias"))
     if w.ndim == 2:
         perm = cand.perm(np.array(w)) if cand.kind == "mixed" else None
         qt = _scales_as(quantize_tensor(wn, segs, perm=perm, dtype=native), scale_dtype)
-        if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding)):
+        if embedding:
             return MixedQuantizedEmbedding.from_tensor(qt)
         return MixedQuantizedLinear.from_tensor(qt, module.get("bias"))
     if cand.kind == "mixed":
@@ -461,6 +478,9 @@ def _calibrated(w, segs, cand: Candidate, inputs, scale_dtype):
     """The calibrated quantizers of :mod:`mixbits.quantizers`."""
     from .. import quantizers
 
+    if inputs is None:  # +search where no input is recorded: the plain squared error
+        perm = cand.perm(np.array(w)) if cand.kind == "mixed" else None
+        return quantizers.search(w, segs, perm=perm, dtype=scale_dtype)
     hessian, n_tokens = inputs
     h = np.asarray(hessian, dtype=np.float64)
     if cand.quantizer == "act":

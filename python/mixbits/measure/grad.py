@@ -512,14 +512,14 @@ def _rate(ad, s, fisher, n_tok, cands_of_site, scale_dtype, energy, rp) -> dict 
     """The table entry of site ``s`` from its Fisher diagonal (None when an
     estimate is not finite)."""
     from ..adapter import dense_weight
-    from .candidates import build_layer
+    from .candidates import build_layer, needs_inputs
     from .sweep import storage_bits
 
     original = ad.get(s.path)
     dense, fish = dense_weight(original), mx.array(fisher)
     mx.eval(dense, fish)
     del fisher  # the numpy copy: MLX holds its own now
-    inputs = rp().input_hessian(s) if any(c.calibrated for c in cands_of_site) else None
+    inputs = rp().input_hessian(s) if any(needs_inputs(c, s) for c in cands_of_site) else None
     cands = []
     for c in cands_of_site:
         layer = build_layer(original, c, scale_dtype, inputs, dense)

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..adapter import ModelAdapter
 from ..layout import DEFAULT_GROUP_SIZE
-from .candidates import build_layer, embed_candidates, parse_candidate
+from .candidates import build_layer, embed_candidates, needs_inputs, parse_candidate
 from .sweep import kl_per_token
 
 
@@ -174,7 +174,8 @@ class JointEvaluator:
         layer = self._layers.get(key)
         if layer is None:  # never built, or dropped by the cache's limit
             cand = parse_candidate(cand_name)
-            h = self.hessian(path) if cand.calibrated else None
+            site = self.sites.get(path)
+            h = self.hessian(path) if site is not None and needs_inputs(cand, site) else None
             layer = build_layer(self.originals[path], cand, self.scale_dtype, h)
             mx.eval(layer.parameters())
             from .. import streaming

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..adapter import ModelAdapter, Site, dense_weight
 from ..atomic import write_json_atomic
-from .candidates import Candidate, build_layer, fitting, parse_candidate
+from .candidates import Candidate, build_layer, fitting, needs_inputs, parse_candidate
 from ..formats.errors import load_json
 from ..lock import locks_output
 from .replay import Replayer, token_chunks
@@ -106,7 +106,7 @@ def measure_site(rp: Replayer, site: Site, cands: list[Candidate], cfg: SweepCon
     forward, ``cfg.max_batch`` sequences at a time."""
     t0 = time.perf_counter()
     original = rp.adapter.get(site.path)
-    inputs = rp.input_hessian(site) if any(c.calibrated for c in cands) else None
+    inputs = rp.input_hessian(site) if any(needs_inputs(c, site) for c in cands) else None
     layers, storage = [], {}
     dense = dense_weight(original)  # decoded once, shared by the candidates' builds
     for c in cands:
