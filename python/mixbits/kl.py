@@ -289,20 +289,24 @@ class KLReference:
             # Weights proportional to p (max 1; the kernel normalizes them)
             # and sum p log p of exactly the stored weights in float64, a
             # few rows at a time in numpy.
+            # rows are read out of MLX a slice at a time: no float32 copy of
+            # the whole reference beside it (262K-vocabulary logits of
+            # 4 x 256 tokens are 1 GiB)
             V = self.shape[-1]
-            rows = np.array(ref.astype(mx.float32)).reshape(-1, V)
+            rows = ref.reshape(-1, V)
             tops = np.array(top).reshape(-1, 1)
             wdt = np.float32 if form == "probs32" else np.float16
             w = np.empty(rows.shape, wdt)
             negh = np.zeros(rows.shape[0])
             step = max(1, (1 << 20) // V)
             for i in range(0, rows.shape[0], step):
-                wi = np.exp(rows[i : i + step] - tops[i : i + step])
+                wi = np.exp(np.array(rows[i : i + step].astype(mx.float32)) - tops[i : i + step])
                 if form == "probs16":
                     wi *= np.float32(_P16_SCALE)
                 w[i : i + step] = wi
                 negh[i : i + step] = _row_negentropy(w[i : i + step])
             self._data = mx.array(w.reshape(self.shape))
+            del w
             # float32 hi + lo keeps negH to ~1e-14 (one float32: ~5e-7).
             hi = negh.astype(np.float32)
             lo = (negh - hi.astype(np.float64)).astype(np.float32)

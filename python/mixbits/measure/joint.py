@@ -21,13 +21,24 @@ from ..layout import DEFAULT_GROUP_SIZE
 from .candidates import build_layer, embed_candidates, needs_inputs, parse_candidate
 from .sweep import kl_per_token
 
+# The reference side's forms (``reference=``): float32 logits as the forward
+# gives them, or mixbits.kl.KLReference's "probs16" (the probabilities'
+# weights in float16 + each row's sum p log p in float64: half the bytes,
+# KL within ~1e-4 relative of the float32 path, tests/test_joint_reference.py).
+REFERENCES = ("auto", "logits", "probs16")
+# "auto" keeps float32 logits up to this many bytes for all the tokens, and
+# probs16 above: SmolLM2 (V = 49,152) at 16 x 256 tokens is 0.8 GB, float32;
+# Gemma-3-270M (V = 262,144) at 8 x 256 is 2.1 GB, and 1.1 GB as probs16.
+REFERENCE_F32_LIMIT = 1 << 30
+
 
 class JointEvaluator:
     """Holds the reference logits and a cache of quantized candidate layers,
     so trying many assignments re-quantizes each (tensor, candidate) once."""
 
     def __init__(self, model, tokens, chunk: int = 4, scale_dtype=mx.float16, calibration=None,
-                 reuse_blocks: bool = True, prefix_bytes: int | None = None, layer_limit="auto"):
+                 reuse_blocks: bool = True, prefix_bytes: int | None = None, layer_limit="auto",
+                 reference: str = "auto"):
         """``calibration``: another evaluator whose tokens calibrated
         candidates (``+gptq``...) are fitted on, and whose layer cache this
         one shares -- so scoring on held-out tokens never fits on them.
@@ -38,7 +49,14 @@ class JointEvaluator:
         ``reuse_reason`` says why not otherwise). ``layer_limit``: bytes of
         built candidate layers kept (:class:`.layer_cache.LayerCache`);
         "auto": 3/8 of the memory available once the reference logits are
-        in; None: no limit. Ignored with ``calibration`` (its cache is used)."""
+        in; None: no limit. Ignored with ``calibration`` (its cache is used).
+        ``reference``: how the reference logits are held (:data:`REFERENCES`):
+        "logits" (float32), "probs16" (a :class:`mixbits.kl.KLReference`
+        per chunk, half the bytes), or "auto": float32 unless the float32
+        logits of all the tokens would exceed :data:`REFERENCE_F32_LIMIT`
+        (decided on the first chunk's vocabulary; ``self.reference`` says which)."""
+        if reference not in REFERENCES:
+            raise ValueError(f"reference must be one of {REFERENCES}, got {reference!r}")
         self.model = model
         self.adapter = ModelAdapter(model)
         self.sites = {s.path: s for s in self.adapter.sites}
@@ -52,7 +70,20 @@ class JointEvaluator:
         self.pinned = {p: f"{spec['bits']}b_g{spec['group_size']}" for p, spec in self.adapter.fixed.items()}
         self.originals = {p: self.adapter.get(p) for p in [*self.sites, *self.pinned]}
         self._calibration = calibration
-        self.ref_logits = [self._logits(i) for i in range(0, len(self.tokens), self.chunk)]
+        # per chunk: float32 logits, or (probs16) a KLReference built from
+        # them, the chunk's logits let go before the next forward
+        self.reference, self.ref_logits = reference, []
+        for i in range(0, len(self.tokens), self.chunk):
+            logits = self._logits(i)
+            if self.reference == "auto":
+                whole = logits.nbytes // logits.shape[0] * len(self.tokens)
+                self.reference = "probs16" if whole > REFERENCE_F32_LIMIT else "logits"
+            if self.reference == "probs16":
+                from ..kl import KLReference
+
+                logits = KLReference(logits, form="probs16")
+            self.ref_logits.append(logits)
+            del logits
         if calibration is not None:
             self._layers = calibration._layers
         else:
@@ -241,7 +272,8 @@ class JointEvaluator:
             for ci, i in enumerate(starts):
                 x = mx.array(self.tokens[i : i + self.chunk])
                 logits = self._forward(x) if sigs is None else self._forward_reusing(x, ci, sigs)
-                kl = kl_per_token(self.ref_logits[ci], logits)
+                ref = self.ref_logits[ci]
+                kl = kl_per_token(ref, logits) if isinstance(ref, mx.array) else ref.kl(logits)
                 parts.append(np.array(kl, dtype=np.float64).reshape(logits.shape[0], -1))
         finally:
             for path in modules:
