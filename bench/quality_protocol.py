@@ -184,9 +184,31 @@ class Scorer:
                 e["candidates"].append({"kind": k, "storage_bits": bits})
         return entry_bpw(self.table, plan)
 
-    def score(self, plan: dict[str, str], sets=None) -> dict[str, list[float]]:
-        """{held-out name: per-sequence KL} on ``sets`` (default: all)."""
-        return {k: ev.sequence_kls(plan).tolist() for k, ev in self.evals.items() if sets is None or k in sets}
+    def score(self, plan: dict[str, str], sets=None, calibration=None) -> dict[str, list[float]]:
+        """{held-out name: per-sequence KL} on ``sets`` (default: all). A plan
+        with calibrated kinds (``+search``, ``+gptq``...) needs the tokens its
+        allocation was calibrated on (``calibration``): its layers are fitted
+        on them, never on the held-out text."""
+        from mixbits.measure.candidates import parse_candidate
+
+        evals = self.evals
+        if any(parse_candidate(k).calibrated for k in set(plan.values())):
+            if calibration is None:
+                raise ValueError("a plan with calibrated kinds needs its calibration tokens")
+            evals = self._fitted_on(np.asarray(calibration))
+        return {k: ev.sequence_kls(plan).tolist() for k, ev in evals.items() if sets is None or k in sets}
+
+    def _fitted_on(self, tokens: np.ndarray) -> dict:
+        """Held-out evaluators whose calibrated layers are fitted on ``tokens``
+        (one seed's set at a time: the previous seed's are let go)."""
+        from mixbits.measure.joint import JointEvaluator
+
+        if getattr(self, "_fit_tokens", None) is None or not np.array_equal(self._fit_tokens, tokens):
+            self._fitted = None  # free the last seed's reference logits and layers first
+            cal = JointEvaluator(self.model, tokens, chunk=4)
+            self._fitted = {k: JointEvaluator(self.model, v, chunk=4, calibration=cal) for k, v in self.held.items()}
+            self._fit_tokens = tokens
+        return self._fitted
 
 def uniform_plans(sites) -> dict[str, dict[str, str]]:
     return {f"uniform {b}b_g{g}": {s.path: f"{b}b_g{g}" for s in sites} for b in BITS for g in GROUPS}
@@ -389,14 +411,14 @@ def main() -> None:
     sc = Scorer(args.model)
     calib, _ = token_sets(sc.tok, args.seeds, args.n_cal)
 
-    def add(name, plan, sets=None, **extra):
+    def add(name, plan, sets=None, calibration=None, **extra):
         want = [k for k in sc.held if sets is None or k in sets]
         have = records.get(name, {}).get("kl", {})
         missing = [k for k in want if k not in have]
         if not missing:
             return
         t0 = time.perf_counter()
-        records[name] = {"bpw": sc.bpw(plan), "kl": {**have, **sc.score(plan, missing)}, **extra}
+        records[name] = {"bpw": sc.bpw(plan), "kl": {**have, **sc.score(plan, missing, calibration)}, **extra}
         print(f"{name}: bpw {records[name]['bpw']:.3f} KL "
               + " ".join(f"{k} {np.mean(v):.4f}" for k, v in records[name]["kl"].items())
               + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -442,7 +464,7 @@ def main() -> None:
             raise SystemExit(f"{out}.work holds other calibration tokens than seed {s}'s")
         for b in ready:
             plan, written = mixbits_plan(out, b)
-            add(f"mixbits @{b:g} seed{s}", plan, written=written)
+            add(f"mixbits @{b:g} seed{s}", plan, calibration=calib[s], written=written)
     result = {"host": host(), "model": args.model, "command": " ".join(sys.argv),
               "convert_options": conv_opts,
               "protocol": {"calibration": f"{args.n_cal} x {SEQ_LEN} Botchan tokens per seed (seed 0 = convert's "
