@@ -40,14 +40,15 @@ def dense(tmp_path_factory):
     return _folder(tmp_path_factory, "llama")
 
 
-def _independent_logits(folder, allocation, tokens):
+def _independent_logits(folder, allocation, tokens, calibration):
     """The allocation applied by `mixbits quantize`'s own functions to a
-    fresh load of the source: what the converted folder must hold."""
+    fresh load of the source (``+search`` kinds fitted on the
+    ``calibration`` tokens convert used): what the converted folder must hold."""
     import mixbits
     from mixbits.commands.quantize import allocation_candidates, quantize_candidates
 
     model, _, _ = mixbits.load(folder)
-    quantize_candidates(model, allocation_candidates(allocation, model))
+    quantize_candidates(model, allocation_candidates(allocation, model), tokens=calibration)
     return model(mx.array(tokens))
 
 
@@ -72,7 +73,7 @@ def test_convert_end_to_end(arch, tmp_path_factory, tmp_path, capsys):
     toks = np.load(d / "tokens.npy")[:2]
     model, _, _ = mixbits.load(out)
     got = model(mx.array(toks))
-    want = _independent_logits(d / "model", alloc, toks)
+    want = _independent_logits(d / "model", alloc, toks, np.load(d / "tokens.npy"))
     assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
     # stock mlx-lm runs the folder too (through its model file when mixbits-only kinds are in it)
     from mlx_lm.utils import load_model  # mlx_lm.load without a tokenizer (these folders have none)

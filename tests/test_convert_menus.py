@@ -5,7 +5,9 @@ joint KL. Checked against an independent evaluation -- the model's own
 forward with every assigned weight replaced by mx.dequantize of a layer
 built afresh, KL in float64 numpy -- not against the evaluator's numbers;
 ``--menu default`` is the one-menu pipeline as it was (the default table,
-one refine); a bad --menu is refused before any work."""
+one refine); a bad --menu is refused before any work. The menus' kinds are
+built by ``--quantizer`` (default ``search``; the menu tests use ``rtn``,
+whose layers need no calibration inputs to rebuild)."""
 
 from __future__ import annotations
 
@@ -102,7 +104,7 @@ def test_the_kept_allocation_has_the_lower_calibration_kl(dense, tmp_path, capsy
     tokens = np.load(dense / "tokens.npy")
     out = tmp_path / "q"
     assert main(["convert", "--model", str(dense / "model"), "--tokens", str(dense / "tokens.npy"),
-                 "--bpw", bpw, "--out", str(out), "--max-evals", "3", "--method", "grad"]) == 0, \
+                 "--bpw", bpw, "--out", str(out), "--max-evals", "3", "--method", "grad", "--quantizer", "rtn"]) == 0, \
         capsys.readouterr().err
     printed = capsys.readouterr().out
     work = Path(str(out) + ".work")
@@ -158,7 +160,8 @@ def test_menu_default_is_the_one_menu_pipeline(dense, tmp_path, capsys):
 
     out = tmp_path / "q"
     assert main(["convert", "--model", str(dense / "model"), "--tokens", str(dense / "tokens.npy"),
-                 "--bpw", "3.6", "--out", str(out), "--max-evals", "3", "--menu", "default"]) == 0
+                 "--bpw", "3.6", "--out", str(out), "--max-evals", "3", "--menu", "default",
+                 "--quantizer", "rtn"]) == 0
     work = Path(str(out) + ".work")
     settings = json.loads((work / "settings.json").read_text())
     assert settings["candidates"] == list(DEFAULT_CANDIDATES) and "menus" not in settings
@@ -198,6 +201,8 @@ def test_bad_menu_is_refused_before_any_work(dense, tmp_path, capsys, monkeypatc
     assert "--menu: invalid choice: 'wide'" in err and "'both'" in err
     assert main(base + ["--menu", "extended", "--candidates", "2b_g64", "4b_g64"]) == 2
     assert "--menu extended and --candidates: give one" in capsys.readouterr().err
+    assert main(base + ["--quantizer", "rtn", "--candidates", "2b_g64", "4b_g64"]) == 2
+    assert "--quantizer rtn and --candidates: give one" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
 
@@ -208,7 +213,7 @@ def test_a_rerun_after_a_kill_continues_with_the_next_menu(dense, tmp_path, caps
 
     out = tmp_path / "q"
     argv = ["convert", "--model", str(dense / "model"), "--tokens", str(dense / "tokens.npy"), "--bpw", "5",
-            "--out", str(out), "--max-evals", "2"]
+            "--out", str(out), "--max-evals", "2", "--quantizer", "rtn"]
     assert main(argv) == 0
     work = Path(str(out) + ".work")
     first = (out / "allocation.json").read_text()
@@ -271,3 +276,33 @@ def test_the_probe_projects_one_search_per_menu(dense, tmp_path, capsys, monkeyp
     assert main(base + ["--menu", "extended"]) == 0
     assert seen == [2, 1, 1]
     assert not list(tmp_path.iterdir())
+
+
+def test_default_quantizer_is_search_and_what_it_saves_scores_lower(dense, tmp_path, capsys):
+    """Without --quantizer the menus' kinds are ``+search``: the written
+    folder, loaded afresh and run by the model's own forward, gives the
+    calibration KL the allocation reports (float64 numpy KL against the float
+    model), and lower than the ``--quantizer rtn`` run at the same budget."""
+    import mixbits
+    from mixbits.measure.candidates import CONVERT_MENUS, expand_candidates, with_quantizer
+
+    tokens = np.load(dense / "tokens.npy")
+    model, _, _ = mixbits.load(dense / "model")
+    ref = _log_softmax(np.array(model(mx.array(tokens)).astype(mx.float32), dtype=np.float64))
+    kls = {}
+    for q in (None, "rtn"):
+        out = tmp_path / f"q_{q}"
+        argv = ["convert", "--model", str(dense / "model"), "--tokens", str(dense / "tokens.npy"), "--bpw", "3.6",
+                "--out", str(out), "--max-evals", "3", "--method", "grad"] + (["--quantizer", q] if q else [])
+        assert main(argv) == 0, capsys.readouterr().err
+        settings = json.loads((Path(str(out) + ".work") / "settings.json").read_text())
+        alloc = json.loads((out / "allocation.json").read_text())
+        want = "search" if q is None else q
+        assert settings["candidates"] == expand_candidates(with_quantizer(CONVERT_MENUS["extended"], want))
+        kinds = {a["kind"] for a in alloc["assignment"]}
+        assert all(k.endswith("+search") for k in kinds) if want == "search" else not any("+" in k for k in kinds)
+        saved, _, _ = mixbits.load(out)
+        got = _log_softmax(np.array(saved(mx.array(tokens)).astype(mx.float32), dtype=np.float64))
+        kls[want] = float((np.exp(ref) * (ref - got)).sum(axis=-1).mean())
+        assert alloc["menu"]["calibration_joint_kl"][alloc["menu"]["kept"]] == pytest.approx(kls[want], rel=2e-3)
+    assert kls["search"] < 0.9 * kls["rtn"], kls

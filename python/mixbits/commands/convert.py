@@ -19,11 +19,21 @@ METHOD_HELP = ("how per-tensor sensitivity is measured: two-stage (default: the 
                "only: fastest, least reliable on small calibration sets)")
 
 
+QUANTIZER_HELP = (
+    "how the menus' kinds are built: 'search' (the default: each group's scale and bias searched "
+    "on the error weighted by the layer input's energy on the calibration tokens -- plain squared "
+    "error for embeddings and a head outside the blocks -- never worse than round-to-nearest for "
+    "any group; the kinds are named '<kind>+search') or 'rtn' (MLX's round-to-nearest min-max, as "
+    "mlx_lm.convert). The saved layout is the same. Costs: the search runs for every (tensor, "
+    "candidate) measured, ~0.35 us per weight per candidate on one x86 core (SmolLM2-135M: a few "
+    "minutes; an 8B model: hours -- the --dry-run / --time-budget probe counts it)")
+
+
 def menu_help(menus: dict) -> str:
     default, extended = menus["default"], menus["extended"]
     extra = " ".join(k for k in extended if k not in default)
-    return ("the candidate menu: 'default' (the 'default' preset), 'extended' (the 'extended' preset: "
-            f"default + {extra}) or 'both' (the default: the extended menu measured once, then refine "
+    return ("the candidate menu (its kinds built by --quantizer): 'default' (the 'default' preset's "
+            f"kinds), 'extended' (the 'extended' preset's: default + {extra}) or 'both' (the default: the extended menu measured once, then refine "
             "run twice on the same calibration tokens, with each menu, and the allocation with the "
             "lower calibration joint KL kept; ties: default). Neither menu won at every budget on "
             "SmolLM2-135M, and the lower calibration KL picked the held-out winner at each "
@@ -38,7 +48,7 @@ def menu_help(menus: dict) -> str:
 
 def add_arguments(p) -> None:
     from ..measure.calib import add_calibration_arguments
-    from ..measure.candidates import CONVERT_MENUS
+    from ..measure.candidates import CONVERT_MENUS, CONVERT_QUANTIZERS
 
     p.add_argument("--model", required=True, metavar="PATH|HF_ID|FILE.gguf",
                    help="an mlx-lm / Hugging Face model folder, a Hugging Face repo id (resolved by "
@@ -64,6 +74,8 @@ def add_arguments(p) -> None:
                         "measured and refined as given, instead of --menu's")
     p.add_argument("--menu", choices=(*CONVERT_MENUS, "both"), default=None,
                    help=menu_help(CONVERT_MENUS))
+    p.add_argument("--quantizer", choices=CONVERT_QUANTIZERS, default=None,
+                   help=QUANTIZER_HELP)
     p.add_argument("--exact-budget", type=float, default=0.15, metavar="SHARE",
                    help="two-stage: the exact stage's share of a full exact sweep's cost (default 0.15)")
     p.add_argument("--fisher-samples", type=int, default=2,
@@ -82,20 +94,24 @@ def check(args) -> dict:
     from ..convert import (check_settings, output_dirs, saved_settings, settings, smallest_storage_bpw,
                            work_dir)
     from ..folder import check_replaceable
-    from ..measure.candidates import CONVERT_MENUS, expand_candidates
+    from ..measure.candidates import CONVERT_MENUS, expand_candidates, with_quantizer
     from . import _checks
 
     args.menus = None
     if args.candidates is None:
         menu = args.menu or "both"
+        q = args.quantizer or "search"
+        menus = {k: expand_candidates(with_quantizer(v, q)) for k, v in CONVERT_MENUS.items()}
         if menu == "both":  # measured over the union (the extended menu), refined with each
-            args.menus = {k: expand_candidates(v) for k, v in CONVERT_MENUS.items()}
-            args.candidates = expand_candidates([c for v in CONVERT_MENUS.values() for c in v])
+            args.menus = menus
+            args.candidates = expand_candidates([c for v in menus.values() for c in v])
         else:
-            args.candidates = expand_candidates(CONVERT_MENUS[menu])
-    elif args.menu is not None:
-        raise _checks.UsageError(f"--menu {args.menu} and --candidates: give one (--candidates is a menu "
-                                 "of its own)")
+            args.candidates = menus[menu]
+    elif args.menu is not None or args.quantizer is not None:
+        given = "--menu" if args.menu is not None else "--quantizer"
+        raise _checks.UsageError(f"{given} {args.menu or args.quantizer} and --candidates: give one "
+                                 "(--candidates is a menu of its own; a kind names its quantizer, "
+                                 "e.g. 3b_g64+search)")
     else:
         args.candidates = expand_candidates(args.candidates)
     _checks.positive_bpw("--bpw", args.bpw)
@@ -314,7 +330,7 @@ def _choose_method(args, probe) -> None:
 
         warnings.warn(f"no method is projected to fit --time-budget {args.time_budget:g} min (the "
                       f"cheapest, grad with 1 joint evaluation, is over it); running that. Lower "
-                      "the calibration set (--n-seq) to save time",
+                      "the calibration set (--n-seq), or --quantizer rtn, to save time",
                       TimeBudgetWarning, stacklevel=2)
 
 

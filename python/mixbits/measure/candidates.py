@@ -201,6 +201,17 @@ DEFAULT_CANDIDATES = ("2b_g64", "3b_g64", "4b_g64", "8b_g64", "ternary_g64", "4b
 EXTENDED_CANDIDATES = DEFAULT_CANDIDATES + ("5b_g64", "6b_g64", "3b_g32", "4b_g32")
 # convert's candidate menus, by --menu name; the first is what a tie keeps.
 CONVERT_MENUS = {"default": DEFAULT_CANDIDATES, "extended": EXTENDED_CANDIDATES}
+# The quantizer convert builds its menus' kinds with (--quantizer): "search"
+# (each group's scale and bias searched on the input-weighted error, never
+# worse than round-to-nearest's for that group) or "rtn" (MLX's min-max).
+CONVERT_QUANTIZERS = ("search", "rtn")
+
+
+def with_quantizer(kinds, quantizer: str) -> list[str]:
+    """``kinds`` (round-to-nearest names) built by ``quantizer`` ("rtn": as given)."""
+    if quantizer not in QUANTIZERS:
+        raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {quantizer!r}")
+    return [k if quantizer == "rtn" else f"{k}+{quantizer}" for k in kinds]
 
 # Named sets for ``--candidates``: "default"; "extended" (above); "wide" -- every width at
 # two group sizes, ternary, and two mixed kinds -- for sweeps that can
