@@ -121,14 +121,7 @@ inline std::vector<GatherQmvLaunch> plan_gather_qmv(int pairs, int M, int N, int
     MbGatherFusedParams& g = l.params;
     g = MbGatherFusedParams{};
     MbQmmFusedParams& q = g.q;
-    q.M = M;
-    q.N = N;
-    q.K = K;
-    q.has_perm = has_perm ? 1 : 0;
-    q.nseg = int(n);
-    q.accumulate = first > 0 ? 1 : 0;
-    q.write_out = first + n == segs.size() ? 1 : 0;
-    q.qmv_sets = 1;
+    q = fused_params(M, N, K, has_perm, first, n, segs.size());
     g.x_batches = x_batches;
     g.w_batches = w_batches;
     g.pairs = pairs;

@@ -244,6 +244,27 @@ inline void fill_segment_table(MbQmmFusedParams& q, std::vector<BufferArg>& buff
   }
 }
 
+// The fixed fields of one launch's segment table (fill_segment_table fills
+// the entries): the product's shape (M rows of x, N outputs, K columns),
+// and where the launch's segments first .. first + n - 1 lie among the
+// product's n_total: a launch after the first adds the float32 partial sum,
+// only the last writes `out` (qmm_needs_acc). One lane set (qmv_sets = 1):
+// plan_qmm's GEMV widens it (qmv_shape), the other kernels ignore it or
+// keep 1. For plan_qmm and the gathered kernels' plans alike.
+inline MbQmmFusedParams fused_params(int M, int N, int K, bool has_perm, size_t first, size_t n,
+                                     size_t n_total) {
+  MbQmmFusedParams q{};
+  q.M = M;
+  q.N = N;
+  q.K = K;
+  q.has_perm = has_perm ? 1 : 0;
+  q.nseg = int(n);
+  q.accumulate = first > 0 ? 1 : 0;
+  q.write_out = first + n == n_total ? 1 : 0;
+  q.qmv_sets = 1;
+  return q;
+}
+
 // One launch per MB_QMM_MAX_SEGS segments (one for every product the
 // quantizer makes), in order. M rows of x (contiguous, K columns), N
 // outputs. Arguments are assumed validated (cpp/qmatmul/qmatmul.cpp).
@@ -277,15 +298,7 @@ inline std::vector<QmmLaunch> plan_qmm(int M, int N,
     const int bm = qmm_block_rows(M);
     l.kernel = qmm_kernel_name(tiled, xt, scale_type, bm);
     MbQmmFusedParams& q = l.params;
-    q = MbQmmFusedParams{};
-    q.M = M;
-    q.N = N;
-    q.K = K;
-    q.has_perm = has_perm ? 1 : 0;
-    q.nseg = int(n);
-    q.accumulate = first > 0 ? 1 : 0;
-    q.write_out = first + n == segs.size() ? 1 : 0;
-    q.qmv_sets = 1;
+    q = fused_params(M, N, K, has_perm, first, n, segs.size());
     if (tiled) {
       const int bn = mb_qmm_bn(bm);
       l.grid[0] = uint32_t((N + bn - 1) / bn);
