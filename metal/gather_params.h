@@ -6,53 +6,30 @@
 #pragma once
 #include "qmatmul_params.h"
 
-// The tiled kernel: one dispatch computes ONE K-segment's contribution to
-// every output matrix
-//   out[i] = x[lhs[i]] · W[rhs[i]]ᵀ,  i < pairs (grid z),
-// for x [x_batches, M, K] and each segment's arrays [w_batches, N, ...]
-// (MixedGatherQMM's inputs, dense). `q` describes one x matrix against one
-// weight matrix exactly as for the dense matmul (M, N, K, the segment, the
-// partial-sum flags); acc and out are [pairs, M, N].
-struct MbGatherParams {
-  MbQmmParams q;
-  int x_batches;  // lhs[i] >= x_batches: output matrix i is NaN
-  int w_batches;  // rhs[i] >= w_batches: output matrix i is NaN
-  int pairs;      // entries of lhs and rhs (output matrices)
-  int block_rows; // GEMV: flat output rows per threadgroup (<= MB_QMV_MAX_M)
-};
-
-// Buffer indices ([[buffer(i)]]).
-enum MbGatherBuffer {
-  MB_GATHER_X = 0,       // activations [x_batches, M, K]
-  MB_GATHER_PERM = 1,    // int32 [K]; bound to out when there is no perm
-  MB_GATHER_WQ = 2,      // uint32 [w_batches, N, kseg*bits/32]
-  MB_GATHER_SCALES = 3,  // [w_batches, N, kseg/group_size]
-  MB_GATHER_BIASES = 4,  // [w_batches, N, kseg/group_size]
-  MB_GATHER_LHS = 5,     // uint32 [pairs]
-  MB_GATHER_RHS = 6,     // uint32 [pairs]
-  MB_GATHER_ACC = 7,     // float32 [pairs, M, N]; bound to out when unused
-  MB_GATHER_OUT = 8,     // [pairs, M, N] activation dtype
-  MB_GATHER_PARAMS = 9,  // MbGatherParams
-};
-
-// The GEMV walks the segment table itself, as the dense kernels do: ONE
-// dispatch computes the whole product
+// Both gathered kernels walk the segment table themselves, as the dense
+// kernels do: ONE dispatch computes the whole product
 //   out[i] = x[lhs[i]] · W[rhs[i]]ᵀ,  i < pairs,
-// over up to MB_QMM_MAX_SEGS segments (each its own bits, group size and
-// column range in q.seg, each with its own stacked arrays), accumulating
-// in registers; more segments are split into dispatches of
-// MB_QMM_MAX_SEGS that pass a float32 partial sum (q.accumulate,
-// q.write_out), as the dense kernels do. q.qmv_sets is 1 (one lane set).
+// for x [x_batches, M, K] and each segment's arrays [w_batches, N, ...]
+// (MixedGatherQMM's inputs, dense; acc and out [pairs, M, N]), over up to
+// MB_QMM_MAX_SEGS segments (each its own bits, group size and column range
+// in q.seg, each with its own stacked arrays), accumulating in registers;
+// more segments are split into dispatches of MB_QMM_MAX_SEGS that pass a
+// float32 partial sum (q.accumulate, q.write_out), as the dense kernels do.
+// q describes one x matrix against one weight matrix as for the dense
+// matmul; q.qmv_sets is 1 (the GEMV's one lane set; the tiled kernel
+// ignores it).
 struct MbGatherFusedParams {
   MbQmmFusedParams q;
   int x_batches;  // lhs[i] >= x_batches: output matrix i is NaN
   int w_batches;  // rhs[i] >= w_batches: output matrix i is NaN
   int pairs;      // entries of lhs and rhs (output matrices)
-  int block_rows; // flat output rows per threadgroup (<= MB_QMV_MAX_M)
+  int block_rows; // flat output rows per threadgroup: <= MB_QMV_MAX_M (GEMV),
+                  // MB_QMM_BM (tiled)
 };
 
-// The GEMV's buffer indices: the fixed slots, three per segment (slots
-// 6 .. 29), the parameter block last (Metal's 31 slots, all used).
+// Both gathered kernels' buffer indices (gather_qmv.metal, the GEMV, and
+// gather_qmm.metal, the tiled one): the fixed slots, three per segment
+// (slots 6 .. 29), the parameter block last (Metal's 31 slots, all used).
 enum MbGatherQmvBuffer {
   MB_GQMV_X = 0,        // activations [x_batches, M, K]
   MB_GQMV_PERM = 1,     // int32 [K]; bound to out when there is no perm

@@ -3,54 +3,95 @@
 //   out[i] = x[lhs[i]] · W[rhs[i]]ᵀ,
 // the output matrices' rows taken as one flat list of pairs·M rows (row
 // r = i·M + m). The gathered GEMV (gather_qmv.metal) reads an expert's
-// weights once per row it serves; here a threadgroup computes a 32 × 32
-// block of outputs like the dense tiled kernel (qmatmul_tiled.metal: x
-// and dequantized W tiles in threadgroup memory, 8 × 8 simdgroup
-// matrices), so an expert's weight tile is read once per 32 rows that use
-// it. With the pairs sorted by expert (mlx-lm sorts them for prefill) the
-// 32 rows of a block mostly share one expert; a block walks the runs of
-// equal rhs among its rows in order, each run one pass over K with the
-// other rows' activations zeroed and only the run's rows stored. Unsorted
+// weights once per run of its rows in an 8-row block; here a threadgroup
+// computes a 32 × 32 block of outputs with the dense tiled kernel's K walk
+// (mb_qmm_segment, qmm_tile_segment.h: double-buffered x and dequantized W
+// tiles in threadgroup memory, one barrier per 32-column step, the perm
+// entries staged a step ahead, 8 × 8 simdgroup matrices), so an expert's
+// weight tile is read once per 32 rows that use it. With the pairs sorted
+// by expert (mlx-lm sorts them for prefill) the 32 rows of a block mostly
+// share one expert; a block walks the runs of equal rhs among its rows in
+// order, each run one pass over every segment of the table with the other
+// rows' activations zeroed and only the run's rows stored. Unsorted
 // indices stay correct (more runs, more passes). Rows whose lhs or rhs is
 // out of range get NaN (the CPU primitive's rule), without reading x or W.
 //
-// As for the other kernels the host launches one dispatch per K-segment
-// (gather_host.h), and the segments meet in a float32 partial sum.
+// As the dense kernels and the gathered GEMV, ONE dispatch computes the
+// whole product: the kernel walks the segment table (MbGatherFusedParams,
+// gather_params.h, the GEMV's parameter block and buffer slots) and
+// accumulates in registers, with no float32 partial sum between segments
+// (past MB_QMM_MAX_SEGS segments the host splits the product into
+// dispatches that pass one, as for the dense kernels); each segment is
+// decoded by a template for its width (MB_QMM_SWITCH_BITS, once per segment
+// and run). Instantiated per activation dtype x scale dtype only.
 #include "mixbits_metal.h"
 #include "gather_params.h"
 #include "qmatmul_common.h"
+#include "qmm_tile_segment.h"
 
 // Threadgroup = 4 simdgroups (128 threads); grid = (ceil(N / 32),
-// ceil(pairs·M / 32)).
-template <typename IO, typename SC, int bits, int group_size>
+// ceil(pairs·M / 32)). Threadgroup memory as the dense tiled kernel's with
+// 32-row blocks (mb_qmm_tg_floats). Buffers: gather_params.h
+// (MbGatherQmvBuffer); slots of segments past q.nseg are bound to a
+// stand-in and never read.
+template <typename IO, typename SC>
 [[kernel]] void mb_gather_qmm(
     const device typename IO::storage* x [[buffer(0)]],
     const device int32_t* perm [[buffer(1)]],
-    const device uint32_t* wq [[buffer(2)]],
-    const device typename SC::storage* scales [[buffer(3)]],
-    const device typename SC::storage* biases [[buffer(4)]],
-    const device uint32_t* lhs [[buffer(5)]],
-    const device uint32_t* rhs [[buffer(6)]],
-    device float* acc [[buffer(7)]],
-    device typename IO::storage* out [[buffer(8)]],
-    constant MbGatherParams& gp [[buffer(9)]],
+    const device uint32_t* lhs [[buffer(2)]],
+    const device uint32_t* rhs [[buffer(3)]],
+    device float* acc_buf [[buffer(4)]],
+    device typename IO::storage* out [[buffer(5)]],
+    const device uint32_t* wq0 [[buffer(6)]],
+    const device typename SC::storage* scales0 [[buffer(7)]],
+    const device typename SC::storage* biases0 [[buffer(8)]],
+    const device uint32_t* wq1 [[buffer(9)]],
+    const device typename SC::storage* scales1 [[buffer(10)]],
+    const device typename SC::storage* biases1 [[buffer(11)]],
+    const device uint32_t* wq2 [[buffer(12)]],
+    const device typename SC::storage* scales2 [[buffer(13)]],
+    const device typename SC::storage* biases2 [[buffer(14)]],
+    const device uint32_t* wq3 [[buffer(15)]],
+    const device typename SC::storage* scales3 [[buffer(16)]],
+    const device typename SC::storage* biases3 [[buffer(17)]],
+    const device uint32_t* wq4 [[buffer(18)]],
+    const device typename SC::storage* scales4 [[buffer(19)]],
+    const device typename SC::storage* biases4 [[buffer(20)]],
+    const device uint32_t* wq5 [[buffer(21)]],
+    const device typename SC::storage* scales5 [[buffer(22)]],
+    const device typename SC::storage* biases5 [[buffer(23)]],
+    const device uint32_t* wq6 [[buffer(24)]],
+    const device typename SC::storage* scales6 [[buffer(25)]],
+    const device typename SC::storage* biases6 [[buffer(26)]],
+    const device uint32_t* wq7 [[buffer(27)]],
+    const device typename SC::storage* scales7 [[buffer(28)]],
+    const device typename SC::storage* biases7 [[buffer(29)]],
+    constant MbGatherFusedParams& gp [[buffer(30)]],
     threadgroup float* smem [[threadgroup(0)]],
     uint3 tid [[threadgroup_position_in_grid]],
     uint lid [[thread_index_in_threadgroup]],
     uint simd_gid [[simdgroup_index_in_threadgroup]]) {
-  constant MbQmmParams& p = gp.q;
-  constexpr int S = MB_QMM_TILE_STRIDE;
   static_assert(MB_QMM_BK % 8 == 0 && MB_QMM_BK <= 32, "a BK step lies in one group");
-  threadgroup float* xt = smem;                  // [BM][S]
-  threadgroup float* wt = smem + MB_QMM_BM * S;  // [BN][S]
+  const device uint32_t* wqs[MB_QMM_MAX_SEGS] = {wq0, wq1, wq2, wq3, wq4, wq5, wq6, wq7};
+  const device typename SC::storage* scs[MB_QMM_MAX_SEGS] = {
+      scales0, scales1, scales2, scales3, scales4, scales5, scales6, scales7};
+  const device typename SC::storage* bis[MB_QMM_MAX_SEGS] = {
+      biases0, biases1, biases2, biases3, biases4, biases5, biases6, biases7};
+  constant MbQmmFusedParams& p = gp.q;
+  constexpr int BM = MB_QMM_BM;
+  constexpr int BN = MB_QMM_BN;
+  constexpr int TILE = mb_qmm_buffer_floats(BM, sizeof(typename IO::storage),
+                                            sizeof(typename MbWTile<IO, SC>::type));
+  constexpr int CS = BN + 4;
+  static_assert(BM * CS <= TILE, "the output tile fits one tile buffer");
 
   const int rows = gp.pairs * p.M;
-  const int n0 = int(tid.x) * MB_QMM_BN;
-  const int r0 = int(tid.y) * MB_QMM_BM;
-  const int r_end = min(r0 + int(MB_QMM_BM), rows);
+  const int n0 = int(tid.x) * BN;
+  const int r0 = int(tid.y) * BM;
+  const int r_end = min(r0 + BM, rows);
 
-  // Loader role: row `lrow` of both tiles, columns lcol .. lcol + 7; the
-  // same thread stores output row r0 + lrow, columns n0 + lcol .. + 7.
+  // Loader role: row `lrow` of the x tile (mb_qmm_segment); the same thread
+  // stores output row r0 + lrow, columns n0 + lcol .. + 7.
   const int lrow = int(lid) / 4;
   const int lcol = (int(lid) % 4) * 8;
   const int r = r0 + lrow;
@@ -61,13 +102,19 @@ template <typename IO, typename SC, int bits, int group_size>
   const bool bad = r_in && (xi >= uint(gp.x_batches) || wi >= uint(gp.w_batches));
   const device typename IO::storage* xrow =
       x + (size_t(bad ? 0u : xi) * size_t(p.M) + size_t(r_in ? r % p.M : 0)) * size_t(p.K);
-  const size_t wn = size_t(min(n0 + lrow, p.N - 1));
-  const size_t row_bytes = size_t(p.kseg) * bits / 8;
-  const size_t groups = size_t(p.kseg / group_size);
 
   // MMA role: this simdgroup's 16 x 16 block of the tile.
-  const int sm = 16 * int(simd_gid / 2);
-  const int sn = 16 * int(simd_gid % 2);
+  const int sm = 16 * (int(simd_gid) / (BN / 16));
+  const int sn = 16 * (int(simd_gid) % (BN / 16));
+
+  // The first step's perm entries (a run's later steps are staged a step
+  // ahead by mb_qmm_segment; each run restages them, below).
+  if (p.has_perm) {
+    if (lid < uint(MB_QMM_BK)) {
+      smem[2 * TILE + int(lid)] = as_type<float>(mb_perm_col(perm, 1, p.K, p.seg[0].k0 + int(lid)));
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
 
   // The runs of equal rhs among rows [r0, r_end): the same walk in every
   // thread (device reads only), so barriers stay uniform.
@@ -77,51 +124,30 @@ template <typename IO, typename SC, int bits, int group_size>
     while (end < r_end && rhs[end / p.M] == e) ++end;
     if (e < uint(gp.w_batches)) {
       const bool mine = r >= start && r < end && !bad;
-      const device uint8_t* wrow =
-          (const device uint8_t*)wq + (size_t(e) * size_t(p.N) + wn) * row_bytes;
-      const size_t g0 = (size_t(e) * size_t(p.N) + wn) * groups;
-      simdgroup_float8x8 c[2][2];
+      simdgroup_float8x8 c[4];
+      MB_UNROLL for (int i = 0; i < 4; ++i) {
+        c[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      }
+      const size_t mat = size_t(e) * size_t(p.N);  // expert e's first row
+      int step = 0;  // over the run's steps, all segments: picks the tile buffer
+      for (int s = 0; s < p.nseg; ++s) {
+        constant MbQmmSeg& g = p.seg[s];
+        const size_t groups = size_t(g.kseg) >> g.group_shift;
+#define MB_GQMM_SEG(B)                                                                      \
+  mb_qmm_segment<IO, SC, B, BM>(                                                            \
+      xrow, mine, perm, (const device uint8_t*)wqs[s] + mat * (size_t(g.kseg) * B / 8),     \
+      scs[s] + mat * groups, bis[s] + mat * groups, p, g, smem, n0, lid, simd_gid, step, c)
+        MB_QMM_SWITCH_BITS(g.bits, MB_GQMM_SEG)
+#undef MB_GQMM_SEG
+      }
+      // Stage the outputs, [BM][CS], in the tile buffer the last step did
+      // not use (every thread finished reading it before the last step's
+      // barrier); each thread then stores its row's 8 outputs if the row
+      // belongs to this run.
+      threadgroup float* ct = smem + (step & 1) * TILE;
       MB_UNROLL for (int i = 0; i < 2; ++i) {
         MB_UNROLL for (int j = 0; j < 2; ++j) {
-          c[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-        }
-      }
-      for (int kt = 0; kt < p.kseg; kt += MB_QMM_BK) {
-        const int c0 = p.k0 + kt + lcol;
-        MB_UNROLL for (int i = 0; i < 8; ++i) {
-          xt[lrow * S + lcol + i] = mine ? mb_load_x<IO>(xrow, perm, p, c0 + i) : 0.0f;
-        }
-        uint32_t codes[8];
-        mb_unpack8<bits>(wrow + size_t(kt + lcol) * bits / 8, codes);
-        const size_t gi = g0 + size_t((kt + lcol) / group_size);
-        const float s = SC::load(scales[gi]);
-        const float b = SC::load(biases[gi]);
-        MB_UNROLL for (int i = 0; i < 8; ++i) {
-          wt[lrow * S + lcol + i] = s * float(codes[i]) + b;
-        }
-        threadgroup_barrier(mem_flags::mem_threadgroup);
-        MB_UNROLL for (int kk = 0; kk < MB_QMM_BK; kk += 8) {
-          simdgroup_float8x8 a[2], bt[2];
-          MB_UNROLL for (int i = 0; i < 2; ++i) {
-            simdgroup_load(a[i], xt, S, ulong2(ulong(kk), ulong(sm + 8 * i)));
-          }
-          MB_UNROLL for (int j = 0; j < 2; ++j) {
-            simdgroup_load(bt[j], wt + (sn + 8 * j) * S + kk, S, ulong2(0, 0), true);
-          }
-          MB_UNROLL for (int i = 0; i < 2; ++i) {
-            MB_UNROLL for (int j = 0; j < 2; ++j) {
-              simdgroup_multiply_accumulate(c[i][j], a[i], bt[j], c[i][j]);
-            }
-          }
-        }
-        threadgroup_barrier(mem_flags::mem_threadgroup);
-      }
-      // Stage the outputs in the x tile's space, then each thread stores
-      // its row's 8 outputs if the row belongs to this run.
-      threadgroup float* ct = xt;  // [BM][S]
-      MB_UNROLL for (int i = 0; i < 2; ++i) {
-        MB_UNROLL for (int j = 0; j < 2; ++j) {
-          simdgroup_store(c[i][j], ct, S, ulong2(ulong(sn + 8 * j), ulong(sm + 8 * i)));
+          simdgroup_store(c[2 * i + j], ct, CS, ulong2(ulong(sn + 8 * j), ulong(sm + 8 * i)));
         }
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -129,12 +155,17 @@ template <typename IO, typename SC, int bits, int group_size>
         MB_UNROLL for (int i = 0; i < 8; ++i) {
           const int n = n0 + lcol + i;
           if (n < p.N) {
-            mb_qmm_store<IO>(acc, out, p, size_t(r) * size_t(p.N) + size_t(n),
-                             ct[lrow * S + lcol + i]);
+            mb_qmm_store<IO>(acc_buf, out, p, size_t(r) * size_t(p.N) + size_t(n),
+                             ct[lrow * CS + lcol + i]);
           }
         }
       }
-      // The next run overwrites the x tile.
+      // The next run starts at the first step again: its perm entries into
+      // buffer 0 (every read of the perm buffers was before the last step's
+      // barrier), and its tiles overwrite ct once every thread has stored.
+      if (p.has_perm && lid < uint(MB_QMM_BK)) {
+        smem[2 * TILE + int(lid)] = as_type<float>(mb_perm_col(perm, 1, p.K, p.seg[0].k0 + int(lid)));
+      }
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
     start = end;
@@ -142,11 +173,10 @@ template <typename IO, typename SC, int bits, int group_size>
   if (bad) {
     MB_UNROLL for (int i = 0; i < 8; ++i) {
       const int n = n0 + lcol + i;
-      if (n < p.N) mb_qmm_store<IO>(acc, out, p, size_t(r) * size_t(p.N) + size_t(n), NAN);
+      if (n < p.N) mb_qmm_store<IO>(acc_buf, out, p, size_t(r) * size_t(p.N) + size_t(n), NAN);
     }
   }
 }
 
-#define MB_GATHER_QMM_INST(name, io, sc, bits, gs) \
-  MB_INSTANTIATE_KERNEL(name, mb_gather_qmm, io, sc, bits, gs)
-MB_QMM_LADDER(MB_GATHER_QMM_INST, "gather_qmm")
+#define MB_GATHER_QMM_INST(name, io, sc) MB_INSTANTIATE_KERNEL(name, mb_gather_qmm, io, sc)
+MB_QMM_FUSED_LADDER(MB_GATHER_QMM_INST, "gather_qmm")

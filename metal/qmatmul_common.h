@@ -8,7 +8,6 @@
 
 // Finishes one output: adds the partial sum of earlier segments and stores
 // either the final value or the new partial sum.
-// P: MbQmmParams (gathered kernels) or MbQmmFusedParams (dense ones).
 template <typename IO, typename P>
 inline void mb_qmm_store(device float* acc, device typename IO::storage* out,
                          constant P& p, size_t idx, float v) {
@@ -20,22 +19,10 @@ inline void mb_qmm_store(device float* acc, device typename IO::storage* out,
   }
 }
 
-// Activation column c of row `xrow` (c in permuted order). A perm entry
-// outside [0, K) reads NaN rather than out-of-bounds memory, so a broken
-// permutation poisons the output (as the CPU path does) instead of reading
-// garbage.
-template <typename IO>
-inline float mb_load_x(const device typename IO::storage* xrow,
-                       const device int32_t* perm, constant MbQmmParams& p,
-                       int c) {
-  if (!p.has_perm) return IO::load(xrow[c]);
-  const uint32_t pc = uint32_t(perm[c]);
-  return pc < uint32_t(p.K) ? IO::load(xrow[pc]) : NAN;
-}
-
 // Column pc of x for permuted column c: perm[c] with a perm, else c. An
-// entry outside [0, K) gives K, which the callers read as NaN (as
-// mb_load_x does).
+// entry outside [0, K) gives K, which the callers read as NaN rather than
+// out-of-bounds memory, so a broken permutation poisons the output (as the
+// CPU path does) instead of reading garbage.
 inline uint32_t mb_perm_col(const device int32_t* perm, int has_perm, int K, int c) {
   const uint32_t pc = has_perm ? uint32_t(perm[c]) : uint32_t(c);
   return pc < uint32_t(K) ? pc : uint32_t(K);
@@ -68,7 +55,7 @@ inline uint32_t mb_perm_col(const device int32_t* perm, int has_perm, int K, int
   MB_QMM_FUSED_SCALES(inst, kind, "float16", MbF16)      \
   MB_QMM_FUSED_SCALES(inst, kind, "bfloat16", MbBF16)
 
-// The per-segment kernels (gathered, transposed) are instantiated per
+// The per-segment kernels (transposed) are instantiated per
 // activation dtype x scale dtype x bits x
 // group size, under the name
 //   mixbits_<kind>_<activation dtype>_<scale dtype>_b<bits>_g<group size>

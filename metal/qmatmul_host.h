@@ -132,7 +132,6 @@ static_assert(MB_QMM_TG_FLOATS ==
                   mb_qmm_wstride(4) == MB_QMM_TILE_STRIDE &&
                   MB_QMM_BM * (MB_QMM_BN + 4) <= mb_qmm_buffer_floats(MB_QMM_BM, 2, 2) &&
                   MB_QMM16_BM * (MB_QMM16_BN + 4) <= mb_qmm_buffer_floats(MB_QMM16_BM, 2, 2) &&
-                  MB_GATHER_QMM_TG_FLOATS == (MB_QMM_BM + MB_QMM_BN) * MB_QMM_TILE_STRIDE &&
                   mb_qmm_bn(MB_QMM_BM) == MB_QMM_BN && mb_qmm_bn(MB_QMM16_BM) == MB_QMM16_BN &&
                   kQmm16ThreadgroupBytes <= kMaxThreadgroupBytes,
               "the tiled kernels' two buffers of x and W tiles, then two steps' perm entries");
@@ -187,10 +186,6 @@ inline size_t qmm_dispatches(size_t n_segments) {
 // [M, N] partial sum from dispatch to dispatch.
 inline bool qmm_needs_acc(size_t n_segments) { return qmm_dispatches(n_segments) > 1; }
 
-// The per-segment kernels (gathered): one dispatch per segment, so more
-// than one segment passes a partial sum.
-inline bool per_segment_needs_acc(size_t n_segments) { return n_segments > 1; }
-
 // Why the Metal kernels cannot run a problem ("" if they can): their
 // parameters are int32. Checked when the graph node is built
 // (cpp/qmatmul/qmatmul.cpp), so eval_gpu never meets such a problem.
@@ -216,8 +211,8 @@ constexpr SegmentSlots kQmmSegmentSlots{qmm_wq_slot, qmm_scales_slot, qmm_biases
 // Fills q's K-segment table with segs[first .. first + n - 1] and appends the
 // "wq", "scales" and "biases" records of all MB_QMM_MAX_SEGS slots to
 // `buffers` (unused ones empty, bound to slots.stand_in). One function for
-// the product's launches (plan_qmm) and the gathered GEMV's
-// (plan_gather_qmv): their kernels read the same table through the same
+// the product's launches (plan_qmm) and the gathered kernels'
+// (gather_host.h): their kernels read the same table through the same
 // MbQmmFusedParams and differ only in the slots and in how many [N, kseg]
 // matrices a segment's arrays hold (`mats`: N, or w_batches * N). k0: the
 // first segment's column in x, advanced past the n segments.

@@ -1,29 +1,14 @@
 // The contract between the quantized-matmul kernels (qmatmul_gemv.metal,
 // qmatmul_tiled.metal) and the host code that launches them (qmatmul_host.h,
 // cpp/qmatmul/metal.cpp): buffer indices, tile shapes and the per-dispatch
-// parameter block (MbQmmParams: also the gathered kernels' per-segment one). Plain ints only, so the struct has one layout in Metal
-// and in C++.
+// parameter block (MbQmmFusedParams: also the gathered kernels', inside
+// MbGatherFusedParams). Plain ints only, so the struct has one layout in
+// Metal and in C++.
 #pragma once
 
 // dtype of scales and biases. It may differ from x's; it picks the kernel
 // instantiation (qmm_kernel_name), the kernels never switch on it.
 enum MbScaleType { MB_SCALE_F32 = 0, MB_SCALE_F16 = 1, MB_SCALE_BF16 = 2 };
-
-// The gathered kernels (gather_params.h) compute ONE K-segment per dispatch:
-//   part[m, n] = sum_{j < kseg} x[m, col(k0 + j)] * W_seg[n, j]
-// with col(k) = perm[k] when has_perm, else k. With several segments the
-// dispatches run in order: the first writes float32 acc, the next ones add
-// to it, the last adds and writes `out` in the activation dtype.
-struct MbQmmParams {
-  int M;            // rows of x (leading dims flattened)
-  int N;            // output features
-  int K;            // columns of x (all segments)
-  int k0;           // first column of this segment, in permuted order
-  int kseg;         // columns of this segment
-  int has_perm;     // gather x through perm
-  int accumulate;   // add acc[m, n] (float32) to the result
-  int write_out;    // 1: store to out (activation dtype); 0: store to acc
-};
 
 // The dense kernels (qmatmul_gemv.metal, qmatmul_tiled.metal) loop over the
 // segments themselves: ONE dispatch computes the whole product
@@ -32,7 +17,7 @@ struct MbQmmParams {
 // its own bits and group size from this table (runtime values: the kernels
 // are instantiated per activation and scale dtype only). A product with more
 // segments is split into dispatches of MB_QMM_MAX_SEGS segments that pass a
-// float32 partial sum (accumulate / write_out, as the gathered kernels do).
+// float32 partial sum (accumulate / write_out; the gathered kernels alike).
 struct MbQmmSeg {
   int bits;         // 2, 3, 4, 5, 6 or 8
   int group_shift;  // log2(group size): 5, 6 or 7
@@ -132,8 +117,6 @@ enum MbQmmShape {
   // once per step instead of loaded by every thread that reads x, also
   // double-buffered.
   MB_QMM_TG_FLOATS = 2 * (32 + 32) * 36 + 2 * 32,
-  // The gathered tiled kernel (gather_qmm.metal): one buffer, no perm.
-  MB_GATHER_QMM_TG_FLOATS = (32 + 32) * 36,
   // 9 .. 16 rows of x: a 16 x 64 block per threadgroup (same 4 simdgroups,
   // side by side), so at least half of the MMA rows are real rows from
   // M = 9 (a 32-row tile uses 9 / 32 of them there).

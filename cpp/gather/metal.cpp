@@ -1,8 +1,9 @@
-// MixedGatherQMM::eval_gpu: the Metal path. One dispatch per K-segment of
-// the gathered GEMV (metal/gather_qmv.metal) or, for many sorted rows, the
-// tiled gathered kernel (metal/gather_qmm.metal), each specialized for
-// that segment's bits, group size and scale dtype, the segments meeting in
-// a float32 partial sum; the launch plan (kernel names, grids, parameters,
+// MixedGatherQMM::eval_gpu: the Metal path. The gathered GEMV
+// (metal/gather_qmv.metal) or, for many sorted rows, the tiled gathered
+// kernel (metal/gather_qmm.metal), each ONE dispatch per product: the
+// kernel walks the segment table, instantiated per activation and scale
+// dtype (past MB_QMM_MAX_SEGS segments, dispatches of that many passing a
+// float32 partial sum); the launch plan (kernel names, grids, parameters,
 // and the buffers each launch binds) comes from metal/gather_host.h, the
 // same code the emulator harness runs on Linux. Compiled only when MLX has
 // Metal (CMake adds cpp/*/metal.cpp under MLX_BUILD_METAL); gather.cpp holds
@@ -72,66 +73,40 @@ void MixedGatherQMM::eval_gpu(const std::vector<mx::array>& inputs,
   auto* lib = mixbits_metal_library(d);
   auto& enc = mx::metal::get_command_encoder(s);
 
-  if (!host::gather_tiled(int(pairs), M, sorted_, wb)) {
-    // The GEMV: one dispatch per MB_QMM_MAX_SEGS segments (the kernel walks
-    // the segment table). Its threadgroup size is the host's choice
-    // (qmv_simdgroups), bounded by what the pipeline allows on this GPU.
+  std::vector<host::GatherLaunch> plan;
+  if (host::gather_tiled(int(pairs), M, sorted_, wb)) {
+    plan = host::plan_gather(int(pairs), M, N, xb, wb, segs, at, st, has_perm_, sorted_);
+  } else {
+    // The GEMV's threadgroup size is the host's choice (qmv_simdgroups),
+    // bounded by what the pipeline allows on this GPU.
     const auto probe = host::plan_gather_qmv(int(pairs), M, N, xb, wb, segs, at, st,
                                              has_perm_, sorted_);
     const int gemv_threads = int(
         d.get_kernel(probe.at(0).kernel, lib)->maxTotalThreadsPerThreadgroup());
-    const auto plan = host::plan_gather_qmv(int(pairs), M, N, xb, wb, segs, at, st, has_perm_,
-                                            sorted_, gemv_threads);
-    // More than MB_QMM_MAX_SEGS segments pass a float32 partial sum.
-    std::optional<mx::array> acc;
-    if (host::qmm_needs_acc(segs.size()))
-      acc = metal_temporary(enc, {int(pairs), M, N}, mx::float32);
-    for (const host::GatherQmvLaunch& l : plan) {
-      auto* kernel = launch_pipeline(d, lib, l, "gather_qmm");
-      std::vector<mx::array*> arrays(MB_GQMV_PARAMS, nullptr);
-      arrays[MB_GQMV_X] = &in[0];
-      if (has_perm_) arrays[MB_GQMV_PERM] = &in[1];
-      arrays[MB_GQMV_LHS] = &in[lhs];
-      arrays[MB_GQMV_RHS] = &in[rhs];
-      for (int j = 0; j < l.params.q.nseg; ++j) {
-        const size_t i = size_t(l.first_segment + j);
-        arrays[size_t(host::gather_qmv_wq_slot(j))] = &in[first + 3 * i];
-        arrays[size_t(host::gather_qmv_scales_slot(j))] = &in[first + 3 * i + 1];
-        arrays[size_t(host::gather_qmv_biases_slot(j))] = &in[first + 3 * i + 2];
-      }
-      // As an output the partial sum also orders this dispatch after the
-      // one that wrote it (MLX inserts the barrier).
-      if (acc) arrays[MB_GQMV_ACC] = &*acc;
-      arrays[MB_GQMV_OUT] = &out;
-      encode_launch(enc, kernel, l, arrays);
-    }
-    return;
+    plan = host::plan_gather_qmv(int(pairs), M, N, xb, wb, segs, at, st, has_perm_, sorted_,
+                                 gemv_threads);
   }
-
-  // The tiled kernel: one dispatch per K-segment.
-  const auto plan = host::plan_gather(int(pairs), M, N, xb, wb, segs, at, st, has_perm_,
-                                      sorted_);
-  // Several segments pass a float32 partial sum from dispatch to dispatch.
+  // More than MB_QMM_MAX_SEGS segments pass a float32 partial sum.
   std::optional<mx::array> acc;
-  if (host::per_segment_needs_acc(segs.size()))
+  if (host::qmm_needs_acc(segs.size()))
     acc = metal_temporary(enc, {int(pairs), M, N}, mx::float32);
-
   for (const host::GatherLaunch& l : plan) {
-    const size_t i = size_t(l.segment);
     auto* kernel = launch_pipeline(d, lib, l, "gather_qmm");
-    std::vector<mx::array*> arrays(MB_GATHER_PARAMS, nullptr);
-    arrays[MB_GATHER_X] = &in[0];
-    if (has_perm_) arrays[MB_GATHER_PERM] = &in[1];
-    arrays[MB_GATHER_WQ] = &in[first + 3 * i];
-    arrays[MB_GATHER_SCALES] = &in[first + 3 * i + 1];
-    arrays[MB_GATHER_BIASES] = &in[first + 3 * i + 2];
-    arrays[MB_GATHER_LHS] = &in[lhs];
-    arrays[MB_GATHER_RHS] = &in[rhs];
+    std::vector<mx::array*> arrays(MB_GQMV_PARAMS, nullptr);
+    arrays[MB_GQMV_X] = &in[0];
+    if (has_perm_) arrays[MB_GQMV_PERM] = &in[1];
+    arrays[MB_GQMV_LHS] = &in[lhs];
+    arrays[MB_GQMV_RHS] = &in[rhs];
+    for (int j = 0; j < l.params.q.nseg; ++j) {
+      const size_t i = size_t(l.first_segment + j);
+      arrays[size_t(host::gather_qmv_wq_slot(j))] = &in[first + 3 * i];
+      arrays[size_t(host::gather_qmv_scales_slot(j))] = &in[first + 3 * i + 1];
+      arrays[size_t(host::gather_qmv_biases_slot(j))] = &in[first + 3 * i + 2];
+    }
     // As an output the partial sum also orders this dispatch after the one
     // that wrote it (MLX inserts the barrier).
-    if (acc) arrays[MB_GATHER_ACC] = &*acc;
-    arrays[MB_GATHER_OUT] = &out;
-
+    if (acc) arrays[MB_GQMV_ACC] = &*acc;
+    arrays[MB_GQMV_OUT] = &out;
     encode_launch(enc, kernel, l, arrays);
   }
 }

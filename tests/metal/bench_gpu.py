@@ -14,7 +14,8 @@ judge them).
 
 --traffic times every case metal_traffic.py counts in the emulator (its
 --full case list: qmatmul at 1, 2, 3 K-segments and with a permutation at
-M = 1, 8, 17, 512; the gathered matmul at top-8 of 128 experts; KL)
+M = 1, 8, 17, 512; the gathered matmul at top-8 of 128 experts and, tiled,
+top-2 of 8, at 1, 2, 3 K-segments; KL)
 against mx.quantized_matmul / mx.gather_qmm / MLX's composition, at the
 issue's sizes (qmatmul 4096 x 4096 at every M), and prints the achieved
 bandwidth on the analytic minimum, so the first Mac run gives the real
@@ -198,24 +199,22 @@ def gemv_rows():
 
 
 def gather_segment_rows():
-    """The gathered GEMV over a 3-segment layout (4-bit group 64 in 1024 +
-    512 + 512 columns: the product MLX's 4-bit gather_qmm computes, split
-    as a mixbits layout is), one dispatch walking the segment table, against
-    mx.gather_qmm: 128 experts of 768 x 2048, top-8, 1 / 8 tokens unsorted
-    and 8 tokens sorted."""
+    """The gathered matmul over 2- and 3-segment layouts (4-bit group 64 in
+    1024 + 1024 and 1024 + 512 + 512 columns: the product MLX's 4-bit
+    gather_qmm computes, split as a mixbits layout is), one dispatch walking
+    the segment table, against mx.gather_qmm: 128 experts of 768 x 2048,
+    top-8; 1 / 8 tokens unsorted and 8 tokens sorted take the gathered GEMV
+    (metal/gather_qmv.metal), 512 tokens sorted (about 32 rows per expert)
+    the tiled kernel (metal/gather_qmm.metal)."""
     from mixbits.layout import QuantizedTensor, Segment
 
     E, N, K, top = 128, 768, 2048, 8
     rng = np.random.default_rng(7)
     w = mx.array(rng.standard_normal((E, N, K)).astype(np.float32)).astype(mx.float16)
     wq, s, b = mx.quantize(w, group_size=64, bits=4)
-    qt = mixbits.quantize(w.reshape(E * N, K), [(4, 64, 1024), (4, 64, 512), (4, 64, 512)],
-                          dtype=mx.float16)
-    qt = QuantizedTensor([Segment(g.bits, g.group_size, g.k,
-                                  *(a.reshape(E, N, -1) for a in (g.wq, g.scales, g.biases)))
-                          for g in qt.segments], qt.perm)
-    mx.eval(wq, s, b, *qt.arrays())
-    for tokens, srt in ((1, False), (8, False), (8, True)):
+    mx.eval(wq, s, b)
+    routes = []
+    for tokens, srt in ((1, False), (8, False), (8, True), (512, True)):
         idx = np.stack([rng.choice(E, top, replace=False) for _ in range(tokens)])
         if srt:
             flat = idx.reshape(-1)
@@ -225,11 +224,22 @@ def gather_segment_rows():
             ridx = mx.array(idx.astype(np.uint32))
             x = mx.array(rng.standard_normal((tokens, 1, 1, K)).astype(np.float16))
         mx.eval(x, ridx)
-        ours = best_ms(lambda: mixbits.gather_qmatmul(x, qt, None, ridx, sorted_indices=srt), 20)
-        mlx = best_ms(lambda: mx.gather_qmm(x, wq, s, b, None, ridx, transpose=True,
-                                            group_size=64, bits=4, sorted_indices=srt), 20)
-        yield (f"gather 3 segs {E}x{N}x{K} b4 tok={tokens}{' sorted' if srt else ''}",
-               ours, mlx)
+        routes.append((tokens, srt, x, ridx))
+    for layout in ([(4, 64, 1024), (4, 64, 1024)], [(4, 64, 1024), (4, 64, 512), (4, 64, 512)]):
+        qt = mixbits.quantize(w.reshape(E * N, K), layout, dtype=mx.float16)
+        qt = QuantizedTensor([Segment(g.bits, g.group_size, g.k,
+                                      *(a.reshape(E, N, -1) for a in (g.wq, g.scales, g.biases)))
+                              for g in qt.segments], qt.perm)
+        mx.eval(*qt.arrays())
+        for tokens, srt, x, ridx in routes:
+            ours = best_ms(lambda: mixbits.gather_qmatmul(x, qt, None, ridx, sorted_indices=srt),
+                           20)
+            mlx = best_ms(lambda: mx.gather_qmm(x, wq, s, b, None, ridx, transpose=True,
+                                                group_size=64, bits=4, sorted_indices=srt), 20)
+            rows = tokens * top  # metal/gather_host.h's gather_tiled, at M = 1
+            kind = "tiled" if srt and rows >= 64 and rows >= 8 * min(E, rows) else "gemv"
+            yield (f"gather {len(layout)} segs {E}x{N}x{K} b4 tok={tokens}"
+                   f"{' sorted' if srt else ''} ({kind})", ours, mlx)
 
 
 def traffic_rows():
@@ -268,6 +278,17 @@ def traffic_rows():
             w = mx.array(rng.standard_normal((nexp, N, K)).astype(np.float32)).astype(
                 dt[c["scale_dtype"]])
             wq, s, bi = mx.quantize(w, group_size=g, bits=b)
+            qt = None
+            if len(c["segments"]) > 1:  # every layout is one width: MLX's equal
+                from mixbits.layout import QuantizedTensor, Segment
+
+                qt = mixbits.quantize(w.reshape(nexp * N, K), [tuple(t) for t in c["segments"]],
+                                      dtype=dt[c["scale_dtype"]])
+                qt = QuantizedTensor([Segment(sg.bits, sg.group_size, sg.k,
+                                              *(a.reshape(nexp, N, -1)
+                                                for a in (sg.wq, sg.scales, sg.biases)))
+                                      for sg in qt.segments], qt.perm)
+                mx.eval(*qt.arrays())
             idx = np.stack([rng.choice(nexp, top, replace=False) for _ in range(Tn)])
             if c["sorted"]:
                 flat = idx.reshape(-1)
@@ -278,8 +299,12 @@ def traffic_rows():
                 x = mx.array(rng.standard_normal((Tn, 1, 1, K)).astype(np.float16))
             mx.eval(x, ridx, wq, s, bi)
             srt = c["sorted"]
-            ours = best_ms(lambda: mixbits.gather_quantized_matmul(
-                x, wq, s, bi, None, ridx, g, b, sorted_indices=srt), 20)
+            if qt is None:
+                ours = best_ms(lambda: mixbits.gather_quantized_matmul(
+                    x, wq, s, bi, None, ridx, g, b, sorted_indices=srt), 20)
+            else:
+                ours = best_ms(lambda: mixbits.gather_qmatmul(x, qt, None, ridx,
+                                                              sorted_indices=srt), 20)
             mlx = best_ms(lambda: mx.gather_qmm(x, wq, s, bi, None, ridx, transpose=True,
                                                 group_size=g, bits=b, sorted_indices=srt), 20)
             c["_experts_used"] = len(np.unique(idx))

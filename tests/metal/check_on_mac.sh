@@ -188,7 +188,9 @@ for mode in ('mxfp4', 'nvfp4', 'mxfp8'):
 # The dense qmatmul's one-dispatch kernels (29 buffer slots, a segment table
 # of up to 8 segments, qmv / qmm / qmm16) compiled by Apple's compiler and
 # run on the GPU against the CPU: 4 and 8 segments in one dispatch, 11 in
-# two, with a permutation, GEMV and both tiled block shapes (M = 2, 12, 17).
+# two, with a permutation, GEMV and both tiled block shapes (M = 2, 12, 17);
+# the tiled gathered kernel's (31 slots, gather_qmm) the same way: 3 and 8
+# segments in one dispatch, 11 in two, sorted prefill over 6 experts.
 step fused-qmatmul-gpu "$PY" -m pytest tests/metal/test_gpu_device.py -q -p no:cacheprovider \
   -k "many_segments or mixed_segments"
 # The GEMV's wide threadgroups (16 / 32 simdgroups at N = 2000 / 4100),
@@ -205,8 +207,10 @@ step metal-bench "$PY" tests/metal/bench_gpu.py ${QUICK:+--quick}
 # metal/qmatmul_host.h qmv_shape) against mx.quantized_matmul, N = 1024,
 # 4096, 14336.
 step gemv-lane-sets-bench "$PY" tests/metal/bench_gpu.py --gemv
-# The gathered GEMV over a 3-segment layout (one dispatch walking the
-# segment table, metal/gather_qmv.metal) against mx.gather_qmm.
+# The gathered matmul over 2- and 3-segment layouts, one dispatch walking
+# the segment table, against mx.gather_qmm: the GEMV (metal/gather_qmv.metal)
+# at 1 / 8 tokens and the tiled kernel (metal/gather_qmm.metal) at 512
+# sorted tokens, top-8 of 128 experts of 768 x 2048.
 step gather-segments-bench "$PY" tests/metal/bench_gpu.py --gather-segments
 # Every case the emulator counts (tests/metal/metal_traffic.py), timed on
 # the GPU against MLX's own kernels: the real table next to the counts in

@@ -10,25 +10,25 @@ namespace {
 
 using namespace mixbits::metal_host;
 
-// The GEMV: x, perm, lhs, rhs, acc, out, 8 x (wq, scales, biases), the
-// parameter block, threadgroup memory, then (group, thread, simdgroup,
-// lane, simdgroups per group).
+// Both kernels: x, perm, lhs, rhs, acc, out, 8 x (wq, scales, biases), the
+// parameter block, threadgroup memory, then the GEMV's (group, thread,
+// simdgroup, lane, simdgroups per group) or the tiled kernel's (group,
+// thread, simdgroup) ids.
 #define MB_SEG_PARAMS(SC) const uint32_t*, const SC*, const SC*
+#define MB_GATHER_BUFFERS(S, SC)                                                               \
+  const S*, const int32_t*, const uint32_t*, const uint32_t*, float*, S*, MB_SEG_PARAMS(SC),  \
+      MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC),             \
+      MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MbGatherFusedParams&, float*
 template <typename S, typename SC>
-using GatherFn = void(const S*, const int32_t*, const uint32_t*, const uint32_t*, float*, S*,
-                      MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC),
-                      MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC),
-                      MbGatherFusedParams&, float*, uint3, uint, uint, uint, uint);
+using GatherFn = void(MB_GATHER_BUFFERS(S, SC), uint3, uint, uint, uint, uint);
+template <typename S, typename SC>
+using GatherTiledFn = void(MB_GATHER_BUFFERS(S, SC), uint3, uint, uint);
+#undef MB_GATHER_BUFFERS
 #undef MB_SEG_PARAMS
-static_assert(MB_QMM_MAX_SEGS == 8, "the GEMV's type above lists 8 segments");
-// The tiled kernel: threadgroup memory, then (group, thread, simdgroup) ids.
-template <typename S, typename SC>
-using GatherTiledFn = void(const S*, const int32_t*, const uint32_t*, const SC*, const SC*,
-                           const uint32_t*, const uint32_t*, float*, S*, MbGatherParams&,
-                           float*, uint3, uint, uint);
+static_assert(MB_QMM_MAX_SEGS == 8, "the kernels' types above list 8 segments");
 
 // The shapes of MixedGatherQMM's inputs, and the caller's buffers by index
-// (MB_GATHER_X .. MB_GATHER_OUT) with one wq/scales/biases per segment.
+// (MB_GQMV_X .. MB_GQMV_OUT) with one wq/scales/biases per segment.
 struct GatherProblem {
   int pairs, M, N, x_batches, w_batches;
   bool sorted;
@@ -39,16 +39,21 @@ struct GatherProblem {
   std::vector<UserBuf> wq, scales, biases;
 };
 
-// The GEMV: one launch per MB_QMM_MAX_SEGS segments, binding what eval_gpu
-// binds (segment j of launch l at slots gather_qmv_*_slot(j)).
+// The plan eval_gpu runs (the GEMV or the tiled kernel: one launch per
+// MB_QMM_MAX_SEGS segments), binding what eval_gpu binds (segment j of
+// launch l at slots gather_qmv_*_slot(j)).
 template <typename S, typename SC>
-void run_gather_qmv(const GatherProblem& g, const simt::Options& opt) {
-  const auto plan = plan_gather_qmv(g.pairs, g.M, g.N, g.x_batches, g.w_batches, g.segs, g.at,
-                                    g.scale_type, g.perm.in != nullptr, g.sorted);
+void run_gather(const GatherProblem& g, const simt::Options& opt) {
+  const bool tiled = gather_tiled(g.pairs, g.M, g.sorted, g.w_batches);
+  const auto plan =
+      tiled ? plan_gather(g.pairs, g.M, g.N, g.x_batches, g.w_batches, g.segs, g.at,
+                          g.scale_type, g.perm.in != nullptr, g.sorted)
+            : plan_gather_qmv(g.pairs, g.M, g.N, g.x_batches, g.w_batches, g.segs, g.at,
+                              g.scale_type, g.perm.in != nullptr, g.sorted);
   std::vector<float> acc_sink(qmm_needs_acc(g.segs.size())
                                   ? size_t(g.pairs) * size_t(g.M) * size_t(g.N) : 0);
   Buffers bufs({MB_GQMV_X, MB_GQMV_PERM, MB_GQMV_LHS, MB_GQMV_RHS, MB_GQMV_ACC, MB_GQMV_OUT});
-  for (const GatherQmvLaunch& l : plan) {
+  for (const GatherLaunch& l : plan) {
     std::vector<UserBuf> user(MB_GQMV_PARAMS);
     user[MB_GQMV_X] = g.x;
     user[MB_GQMV_PERM] = g.perm;
@@ -85,66 +90,23 @@ void run_gather_qmv(const GatherProblem& g, const simt::Options& opt) {
     simt::Options o = opt;
     o.label = l.kernel;
     o.group_start = [&](const simt::Dim3&) { smem.fill_nan_f32(); };
-    auto* fn = simt::find_kernel<GatherFn<S, SC>>(l.kernel);
-    simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
-        [&](const simt::ThreadIds& t) {
-          fn(xs, pp, li, ri, acc, y, w[0], sc[0], bi[0], w[1], sc[1], bi[1], w[2], sc[2], bi[2],
-             w[3], sc[3], bi[3], w[4], sc[4], bi[4], w[5], sc[5], bi[5], w[6], sc[6], bi[6],
-             w[7], sc[7], bi[7], params, smem.as<float>(), u3(t.threadgroup_position_in_grid),
-             t.thread_index_in_threadgroup, t.simdgroup_index_in_threadgroup,
-             t.thread_index_in_simdgroup, t.simdgroups_per_threadgroup);
-        }, o);
-  }
-  bufs.finish();
-}
-
-// The tiled kernel: one launch per segment.
-template <typename S, typename SC>
-void run_gather(const GatherProblem& g, const simt::Options& opt) {
-  if (!gather_tiled(g.pairs, g.M, g.sorted, g.w_batches)) return run_gather_qmv<S, SC>(g, opt);
-  const auto plan = plan_gather(g.pairs, g.M, g.N, g.x_batches, g.w_batches, g.segs, g.at,
-                                g.scale_type, g.perm.in != nullptr, g.sorted);
-  std::vector<float> acc_sink(per_segment_needs_acc(g.segs.size())
-                                  ? size_t(g.pairs) * size_t(g.M) * size_t(g.N) : 0);
-  Buffers bufs({MB_GATHER_X, MB_GATHER_PERM, MB_GATHER_LHS, MB_GATHER_RHS, MB_GATHER_ACC,
-                MB_GATHER_OUT});
-  for (const GatherLaunch& l : plan) {
-    const size_t i = size_t(l.segment);
-    std::vector<UserBuf> user(MB_GATHER_PARAMS);
-    user[MB_GATHER_X] = g.x;
-    user[MB_GATHER_PERM] = g.perm;
-    user[MB_GATHER_WQ] = g.wq[i];
-    user[MB_GATHER_SCALES] = g.scales[i];
-    user[MB_GATHER_BIASES] = g.biases[i];
-    user[MB_GATHER_LHS] = g.lhs;
-    user[MB_GATHER_RHS] = g.rhs;
-    if (!acc_sink.empty()) user[MB_GATHER_ACC] = {nullptr, acc_sink.data(), acc_sink.size() * 4};
-    user[MB_GATHER_OUT] = g.out;
-    const std::vector<void*> p = bufs.bind(l, user);
-    MbGatherParams params = l.params;
-    const auto* xs = static_cast<const S*>(p[MB_GATHER_X]);
-    const auto* pp = static_cast<const int32_t*>(p[MB_GATHER_PERM]);
-    const auto* w = static_cast<const uint32_t*>(p[MB_GATHER_WQ]);
-    const auto* sc = static_cast<const SC*>(p[MB_GATHER_SCALES]);
-    const auto* bi = static_cast<const SC*>(p[MB_GATHER_BIASES]);
-    const auto* li = static_cast<const uint32_t*>(p[MB_GATHER_LHS]);
-    const auto* ri = static_cast<const uint32_t*>(p[MB_GATHER_RHS]);
-    auto* acc = static_cast<float*>(p[MB_GATHER_ACC]);
-    auto* y = static_cast<S*>(p[MB_GATHER_OUT]);
-    // Threadgroup memory starts as NaN for every group: a read before a
-    // write shows up in the results.
-    Guarded smem(std::max<size_t>(l.threadgroup_bytes, 4));
-    smem.threadgroup_space();
-    simt::Options o = opt;
-    o.label = l.kernel;
-    o.group_start = [&](const simt::Dim3&) { smem.fill_nan_f32(); };
-    auto* fn = simt::find_kernel<GatherTiledFn<S, SC>>(l.kernel);
-    simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
-        [&](const simt::ThreadIds& t) {
-          fn(xs, pp, w, sc, bi, li, ri, acc, y, params, smem.as<float>(),
-             u3(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup,
-             t.simdgroup_index_in_threadgroup);
-        }, o);
+#define MB_GATHER_ARGS                                                                       \
+  xs, pp, li, ri, acc, y, w[0], sc[0], bi[0], w[1], sc[1], bi[1], w[2], sc[2], bi[2], w[3],   \
+      sc[3], bi[3], w[4], sc[4], bi[4], w[5], sc[5], bi[5], w[6], sc[6], bi[6], w[7], sc[7],  \
+      bi[7], params, smem.as<float>(), u3(t.threadgroup_position_in_grid),                    \
+      t.thread_index_in_threadgroup, t.simdgroup_index_in_threadgroup
+    if (l.tiled) {
+      auto* fn = simt::find_kernel<GatherTiledFn<S, SC>>(l.kernel);
+      simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
+          [&](const simt::ThreadIds& t) { fn(MB_GATHER_ARGS); }, o);
+    } else {
+      auto* fn = simt::find_kernel<GatherFn<S, SC>>(l.kernel);
+      simt::dispatch_threadgroups(dim(l.grid), dim(l.group),
+          [&](const simt::ThreadIds& t) {
+            fn(MB_GATHER_ARGS, t.thread_index_in_simdgroup, t.simdgroups_per_threadgroup);
+          }, o);
+    }
+#undef MB_GATHER_ARGS
   }
   bufs.finish();
 }

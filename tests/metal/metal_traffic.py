@@ -3,7 +3,8 @@
 Every public op call of the case list (qmatmul at 1, 2 and 3 K-segments and
 with a permutation, M = 1, 4, 8, 9, 17, 512; MLX's own kernel for the one-segment
 case (op mlx_qmatmul, mlx_emu.py); the gathered qmatmul at top-8 of 128
-experts, decode and sorted prefill; KL) runs on the emulator with its
+experts, decode and sorted prefill, and a sorted prefill at top-2 of 8
+experts that takes the tiled kernel, each at 1, 2 and 3 K-segments; KL) runs on the emulator with its
 counters on (metal_emu.counting: bytes read and written per access width,
 threadgroup bytes, barriers, MMAs, threads), one record per call with the
 analytic minimum -- every weight, scale, bias, index and x element read
@@ -103,15 +104,31 @@ def mlx_cases(full: bool) -> list[dict]:
 
 def gather_cases(full: bool) -> list[dict]:
     """Top-8 routing over 128 experts: a decode token (8 pairs of one row,
-    unsorted: the GEMV) and a sorted prefill of 8 tokens (64 pairs, sorted
-    by expert as mlx-lm does from 64 pairs: the tiled kernel)."""
+    unsorted) and a sorted prefill of 8 tokens (64 pairs, sorted by expert
+    as mlx-lm does from 64 pairs; one or two rows per expert, so the GEMV
+    too); then a sorted prefill with at least 8 rows per expert, which takes
+    the tiled kernel: 32 tokens at top-2 of 8 experts (Mixtral's routing, 64
+    pairs). Each at one segment, then (after the one-segment records, so
+    their routing stays the same) at two and three segments of equal bits
+    (4-bit, group 64), as for qmatmul."""
     decode = (768, 2048) if full else (256, 512)
     prefill = (256, 512) if full else (128, 256)
-    cases = []
-    for T, sort, (N, K) in ((1, False, decode), (8, True, prefill)):
-        cases.append({"op": "gather", "M": 1, "N": N, "K": K, "segments": [[4, 64, K]],
-                      "perm": False, "x_dtype": "float16", "scale_dtype": "float16",
-                      "experts": 128, "top_k": 8, "tokens": T, "sorted": sort})
+    shapes = ((1, 8, 128, False, decode), (8, 8, 128, True, prefill),
+              (32, 2, 8, True, prefill))
+
+    def case(T, top, nexp, sort, N, K, segs):
+        return {"op": "gather", "M": 1, "N": N, "K": K, "segments": segs, "perm": False,
+                "x_dtype": "float16", "scale_dtype": "float16", "experts": nexp,
+                "top_k": top, "tokens": T, "sorted": sort}
+
+    cases = [case(T, top, nexp, sort, N, K, [[4, 64, K]])
+             for T, top, nexp, sort, (N, K) in shapes[:2]]
+    for T, top, nexp, sort, (N, K) in shapes:
+        h = K // 2
+        for segs in ([[4, 64, K]], [[4, 64, h], [4, 64, h]],
+                     [[4, 64, K // 4], [4, 64, K // 4], [4, 64, h]]):
+            if len(segs) > 1 or nexp == 8:  # the first two one-segment cases are above
+                cases.append(case(T, top, nexp, sort, N, K, segs))
     return cases
 
 

@@ -112,14 +112,14 @@ def test_unknown_kernel_name_fails():
 
 def test_every_instantiation_registered():
     # qmatmul: the kernels that walk a segment table (qmv, qmm, qmm16,
-    # gather_qmv) per 3 activation types x 3 scale types (widths and group
-    # sizes come from the table); the per-segment ones (gather_qmm, qmv_t,
+    # gather_qmv, gather_qmm) per 3 activation types x 3 scale types (widths
+    # and group sizes come from the table); the per-segment ones (qmv_t,
     # gather_qmv_t) per
     # 3 x 3 types x 6 widths x 3 group sizes; the transposed products' perm check (1), unpermute (3
     # dtypes) and the gathered one's grouping (1); kl: 3 x 3 (reference,
     # logits) types; selftest: 19 kernels; fp_qmv: 3 modes x 3 activation
     # types. Duplicate host names would collapse into one entry.
-    assert E.kernel_count() == 3 * 3 * 4 + 3 * 3 * 6 * 3 * 3 + 1 + 3 + 1 + 3 * 3 + 19 + 3 * 3
+    assert E.kernel_count() == 3 * 3 * 5 + 3 * 3 * 6 * 3 * 2 + 1 + 3 + 1 + 3 * 3 + 19 + 3 * 3
 
 
 METAL_SOURCES = sorted(E.METAL_DIR.glob("*.metal")) + sorted(E.EMU_DIR.glob("*.metal"))
@@ -150,7 +150,7 @@ def enum_values(text: str, enum: str) -> list[int]:
     ("qmatmul_gemv.metal", "qmatmul_params.h", "MbQmmBuffer", 29),
     ("qmatmul_tiled.metal", "qmatmul_params.h", "MbQmmBuffer", 29),
     ("gather_qmv.metal", "gather_params.h", "MbGatherQmvBuffer", 31),
-    ("gather_qmm.metal", "gather_params.h", "MbGatherBuffer", 10),
+    ("gather_qmm.metal", "gather_params.h", "MbGatherQmvBuffer", 31),
     ("kl.metal", "kl_params.h", "MbKlBuffer", 10),
 ])
 def test_buffer_indices_follow_declaration_order(metal, params, enum, n):

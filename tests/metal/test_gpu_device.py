@@ -98,6 +98,29 @@ def test_many_segments_gpu_matches_cpu(M, n_segs):
     np.testing.assert_allclose(gpu, cpu, rtol=2e-2, atol=2e-2 * np.abs(cpu).max())
 
 
+@pytest.mark.parametrize("n_segs", [3, 8, 11])
+def test_gather_tiled_many_segments_gpu_matches_cpu(n_segs):
+    # The tiled gathered kernel (sorted prefill, >= 8 rows per expert) walks
+    # the segment table as the dense kernels do: 3 and 8 segments in one
+    # dispatch, 11 in two passing a float32 partial sum; with a permutation.
+    rng = np.random.default_rng(40 + n_segs)
+    specs = [((8, 6, 5, 4, 3, 2)[i % 6], (32, 64, 128)[i % 3], (32, 64, 128)[i % 3] * (1 + i % 2))
+             for i in range(n_segs)]
+    K, E, n = sum(k for _, _, k in specs), 6, 45
+    qt = mixbits.quantize(mx.array(rng.standard_normal((E * n, K)).astype(np.float32)), specs,
+                          perm=mx.array(rng.permutation(K).astype(np.int32)))
+    qt = QuantizedTensor([Segment(sg.bits, sg.group_size, sg.k,
+                                  *(a.reshape(E, n, -1) for a in (sg.wq, sg.scales, sg.biases)))
+                          for sg in qt.segments], qt.perm)
+    ids = mx.array(np.sort(rng.integers(0, E, 100)).astype(np.uint32))
+    x = mx.array(rng.standard_normal((100, 1, K)).astype(np.float32)).astype(mx.float16)
+    cpu = np.array(on(mx.cpu, mixbits.gather_qmatmul, x, qt, None, ids,
+                      sorted_indices=True).astype(mx.float32))
+    gpu = np.array(on(mx.gpu, mixbits.gather_qmatmul, x, qt, None, ids,
+                      sorted_indices=True).astype(mx.float32))
+    np.testing.assert_allclose(gpu, cpu, rtol=2e-2, atol=2e-2 * np.abs(cpu).max())
+
+
 def graph_ops(y, tmp_path):
     """The primitive names in y's graph (mx.export_to_dot labels)."""
     import re

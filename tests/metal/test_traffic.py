@@ -252,6 +252,26 @@ def test_gather_gemv_one_dispatch_for_its_segments(sort):
     assert s["unique_ratio"] == 1.0
 
 
+@pytest.mark.parametrize("segs", [[[4, 64, 256]], [[4, 64, 128], [3, 32, 64], [6, 64, 64]]])
+def test_gather_tiled_one_dispatch_for_its_segments(segs):
+    # The tiled gathered kernel walks the segment table too: a sorted
+    # prefill (8 rows per expert) over three segments is one dispatch, as
+    # over one, touching exactly the analytic minimum of distinct bytes (no
+    # float32 partial sum written and read back between per-segment
+    # dispatches, as before); one barrier per 32-column step of each run of
+    # equal expert in a 32-row block, two more per run (output staged,
+    # then stored).
+    c = {"op": "gather", "M": 1, "N": 64, "K": 256, "segments": segs, "perm": False,
+         "x_dtype": "float16", "scale_dtype": "float16", "experts": 8, "top_k": 8,
+         "tokens": 8, "sorted": True}
+    rec = T.run_case(c, np.random.default_rng(10))
+    s = T.summarize(c, rec)
+    assert s["kernels"] == ["mixbits_gather_qmm_float16_float16"]
+    assert s["unique_ratio"] == 1.0
+    runs_per_block = 4  # 32 sorted rows, 8 per expert
+    assert s["barriers"] == rec[0]["grid"][0] * rec[0]["grid"][1] * runs_per_block * (256 // 32 + 2)
+
+
 @pytest.mark.parametrize("perm", [False, True])
 @pytest.mark.parametrize("M", [12, 17])
 def test_tiled_one_barrier_per_k_step(M, perm):
