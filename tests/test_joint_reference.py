@@ -128,3 +128,27 @@ def test_probs16_reference_matches_float64_on_gemma3():
     # the 8 x 256 calibration set's float32 logits are over the limit: "auto" holds it as probs16
     assert 8 * 256 * vocab * 4 > joint.REFERENCE_F32_LIMIT
     print("gemma3 worst relative error (float32, probs16):", worst)
+
+
+def test_an_evaluator_sharing_a_reference_scores_as_one_with_its_own():
+    """quality_protocol's evaluators fitted on a seed's calibration tokens
+    take the held-out reference of the scorer's own (same model and tokens)."""
+    model, _ = build("llama_tied", seed=3)
+    rng = np.random.default_rng(0)
+    held, cal_tokens = rng.integers(0, 160, size=(3, 24)), rng.integers(0, 160, size=(4, 24))
+    plan = {p: "3b_g64+search" for p in sites(model)}
+    for form in ("logits", "probs16"):
+        scorer = JointEvaluator(model, held, chunk=2, reference=form)
+        cal = JointEvaluator(model, cal_tokens, chunk=2)
+        own = JointEvaluator(model, held, chunk=2, calibration=cal, reference=form)
+        shared = JointEvaluator(model, held, chunk=2, calibration=cal, same_reference=scorer)
+        assert shared.ref_logits is scorer.ref_logits and shared.reference == form
+        got = shared.sequence_kls(plan)
+        np.testing.assert_array_equal(got, own.sequence_kls(plan))
+        np.testing.assert_allclose(got, float64_kls(shared, plan), rtol=RTOL_P16 if form == "probs16" else RTOL_F32)
+        # the scorer's own (uncalibrated: fitted on the held-out tokens) differs: the sharing is only of the reference
+        assert not np.allclose(scorer.sequence_kls(plan), got, rtol=1e-3)
+    for bad in (dict(tokens=held[:2]), dict(chunk=1), dict(reference="logits")):
+        kw = {"tokens": held, "chunk": 2, **bad}
+        with pytest.raises(ValueError, match="same_reference"):
+            JointEvaluator(model, kw.pop("tokens"), calibration=cal, same_reference=scorer, **kw)
