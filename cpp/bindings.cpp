@@ -34,6 +34,7 @@
 #include "common/convert.h"
 #include "common/cpu.h"
 #include "quant_error/quant_error.h"
+#include "quant_search/search.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -195,6 +196,68 @@ NB_MODULE(_ext, m) {
       "x"_a, "group_size"_a, "width"_a,
       "The integer contracts' quantization (kernel.h's int_quantize) of one row of finite "
       "float32 x: (codes, d, ix, xs) per group.");
+  // quantizers/search.py's fused per-group search (quant_search/search.h).
+  // Shapes are checked in Python (search.py's _search_chunk); only sizes here.
+  m.def(
+      "search_trials",
+      [](nb::ndarray<const float, nb::ndim<3>, nb::c_contig, nb::device::cpu> t,
+         nb::ndarray<const float, nb::ndim<3>, nb::c_contig, nb::device::cpu> x,
+         nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> h,
+         nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> cs,
+         nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> cb,
+         nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> ds,
+         nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> db, float qlo,
+         float qhi, float qoff, int idx0,
+         nb::ndarray<double, nb::ndim<1>, nb::c_contig, nb::device::cpu> best_err,
+         nb::ndarray<int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> best_idx,
+         nb::ndarray<uint8_t, nb::ndim<3>, nb::c_contig, nb::device::cpu> codes, bool simd) {
+        mixbits::SearchGroups g;
+        g.R = int64_t(t.shape(0)), g.G = int64_t(t.shape(1)), g.gs = int64_t(t.shape(2));
+        const int64_t ng = g.R * g.G, C = int64_t(cs.shape(0));
+        for (size_t d = 0; d < 3; ++d)
+          if (x.shape(d) != t.shape(d) || codes.shape(d) != t.shape(d))
+            throw nb::value_error("search_trials: t, x and codes differ in shape");
+        if (int64_t(h.shape(0)) != g.G || int64_t(h.shape(1)) != g.gs)
+          throw nb::value_error("search_trials: h must be [G, gs]");
+        for (auto* a : {&cs, &cb, &ds, &db})
+          if (int64_t(a->shape(0)) != C || int64_t(a->shape(1)) != ng)
+            throw nb::value_error("search_trials: parameters must be [C, R*G]");
+        if (int64_t(best_err.shape(0)) != ng || int64_t(best_idx.shape(0)) != ng)
+          throw nb::value_error("search_trials: best_err, best_idx must be [R*G]");
+        if (g.gs < 1) throw nb::value_error("search_trials: empty groups");
+        g.t = t.data(), g.x = x.data(), g.h = h.data();
+        g.qlo = qlo, g.qhi = qhi, g.qoff = qoff;
+        nb::gil_scoped_release unlocked;
+        mixbits::search_trials(g, C, cs.data(), cb.data(), ds.data(), db.data(), idx0,
+                               best_err.data(), best_idx.data(), codes.data(), simd);
+      },
+      "t"_a, "x"_a, "h"_a, "cs"_a, "cb"_a, "ds"_a, "db"_a, "qlo"_a, "qhi"_a, "qoff"_a, "idx0"_a,
+      "best_err"_a, "best_idx"_a, "codes"_a, "simd"_a,
+      "Per group, candidates' codes clip(rint((x-cb)/cs), qlo, qhi)+qoff and weighted error "
+      "against t (decoded ds*c+db); keeps the strictly better (in place). simd=False: the "
+      "scalar reference.");
+  m.def(
+      "search_lsq_sums",
+      [](nb::ndarray<const float, nb::ndim<3>, nb::c_contig, nb::device::cpu> t,
+         nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> h,
+         nb::ndarray<const uint8_t, nb::ndim<3>, nb::c_contig, nb::device::cpu> codes,
+         float qoff, nb::ndarray<double, nb::ndim<2>, nb::c_contig, nb::device::cpu> out,
+         bool simd) {
+        mixbits::SearchGroups g;
+        g.R = int64_t(t.shape(0)), g.G = int64_t(t.shape(1)), g.gs = int64_t(t.shape(2));
+        for (size_t d = 0; d < 3; ++d)
+          if (codes.shape(d) != t.shape(d))
+            throw nb::value_error("search_lsq_sums: t and codes differ in shape");
+        if (int64_t(h.shape(0)) != g.G || int64_t(h.shape(1)) != g.gs)
+          throw nb::value_error("search_lsq_sums: h must be [G, gs]");
+        if (int64_t(out.shape(0)) != g.R * g.G || out.shape(1) != 5)
+          throw nb::value_error("search_lsq_sums: out must be [R*G, 5]");
+        g.t = t.data(), g.h = h.data(), g.qoff = qoff;
+        nb::gil_scoped_release unlocked;
+        mixbits::search_lsq_sums(g, codes.data(), out.data(), simd);
+      },
+      "t"_a, "h"_a, "codes"_a, "qoff"_a, "out"_a, "simd"_a,
+      "Per group: sum h, h q, h q q, h t, h q t (q = codes + qoff), float64 in numpy's order.");
   // The bulk half-precision conversions: simd=False the scalar definition,
   // True the version the kernels run on this CPU (F16C / NEON, else the same).
   m.def(

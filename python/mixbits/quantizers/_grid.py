@@ -84,8 +84,12 @@ def minmax_params(g: np.ndarray, bits: int):
     """MLX's affine rule on float32 groups [..., gs]: the range over
     2**bits - 1 steps, nudged so the edge of larger magnitude is a code
     exactly (the scale may come out negative; that is MLX's convention)."""
+    return minmax_from_range(g.min(axis=-1), g.max(axis=-1), bits)
+
+
+def minmax_from_range(lo: np.ndarray, hi: np.ndarray, bits: int):
+    """minmax_params from the groups' float32 minimum and maximum."""
     nb = F32(2**bits - 1)
-    lo, hi = g.min(axis=-1), g.max(axis=-1)
     low_edge = np.abs(lo) > np.abs(hi)
     scale = np.maximum((hi - lo) / nb, F32(1e-7))
     scale = np.where(low_edge, scale, -scale)
@@ -122,10 +126,32 @@ def segment(bits, gs: int, codes: np.ndarray, scales: np.ndarray, biases: np.nda
     already rounded to ``dtype``."""
     kind = "ternary" if bits == TERNARY else "affine"
     b = 2 if bits == TERNARY else bits
-    wq = mx.array(pack_codes(codes.astype(np.int64), b))
+    if codes.dtype == np.uint8 and codes.shape[1] % 32 == 0 and codes.size and int(codes.max()) < 1 << b:
+        wq = mx.array(pack_u8(codes, b))
+    else:
+        wq = mx.array(pack_codes(codes.astype(np.int64), b))
     sc = mx.array(np.asarray(scales, F32)).astype(dtype)
     bi = mx.array(np.asarray(biases, F32)).astype(dtype)
     return Segment(b, gs, codes.shape[1], wq, sc, bi, kind)
+
+
+def pack_u8(codes: np.ndarray, bits: int, rows: int = 4096) -> np.ndarray:
+    """``layout.pack_codes`` for uint8 codes [N, k] (k % 32 == 0, codes <
+    2**bits): each 32 codes fill ``bits`` words, code j from stream bit
+    j*bits; one shift-or per code position over a block of rows, instead of
+    a bit plane per bit (same words; tests/test_search_fast.py)."""
+    n, k = codes.shape
+    out = np.zeros((n, k // 32, bits), np.uint32)
+    for r0 in range(0, n, rows):
+        c = codes[r0 : r0 + rows].reshape(-1, k // 32, 32)
+        o = out[r0 : r0 + rows]
+        for j in range(32):
+            word, shift = divmod(j * bits, 32)
+            v = c[:, :, j].astype(np.uint32)
+            o[:, :, word] |= v << np.uint32(shift)
+            if shift + bits > 32:
+                o[:, :, word + 1] |= v >> np.uint32(32 - shift)
+    return out.reshape(n, k // 32 * bits)
 
 
 def tensor(segs, perm) -> QuantizedTensor:
