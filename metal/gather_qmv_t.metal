@@ -1,45 +1,71 @@
 // Gathered transposed product, the Metal kernels of MixedGatherQMMT (the
 // gradient of the gathered matmul wrt x on a GPU stream):
 //   dx[lhs[i]] += dy[i] · W[rhs[i]], un-permuted to x's column order
-// for few rows per matrix (M <= MB_QT_MAX_M: MoE layers have M = 1). The
-// launch sequence and buffers are in gather_t_params.h, the host plan in
-// gather_t_host.h; the perm check and the unpermute are qmatmul_t.metal's.
-// The product's decode and reduction are the dense transposed kernel's
-// (qmv_t_cols.h); it is launched once per K-segment and specialized for its
-// bits, group size, dy dtype and scale dtype.
+// for few rows per matrix (M <= MB_QT_MAX_M: MoE layers have M = 1). Two
+// launches whatever the segment count (gather_t_params.h; the host plan in
+// gather_t_host.h): the grouping of the pairs, then ONE product dispatch
+// over every segment, whose decode, sums and stores are the dense
+// transposed kernel's (qmv_t_cols.h). Instantiated per dy dtype x scale
+// dtype.
 #include "mixbits_metal.h"
 #include "gather_t_params.h"
 #include "qmv_t_cols.h"
 
-// One threadgroup of MB_GT_GROUP_THREADS: a counting sort of the pairs by
-// dx matrix. Afterwards order[bounds[b-1] .. bounds[b]) (bounds[-1] = 0)
-// are the pairs with lhs = b in index order, for b <= x_batches, the last
-// bin holding every lhs out of range. Thread t owns bins b0 .. b1 - 1 and
-// alone writes their bounds and order slots, so no atomics are needed and
-// the grouping is the same on every run. A pair whose lhs or rhs is out of
-// range turns the status to MB_PERM_OUT_OF_RANGE (kept over the perm
-// check's result when there is one), and the product writes NaN.
+// One threadgroup of MB_GT_GROUP_THREADS. With a perm, first its case, as
+// the CPU primitive sees it: inv[perm[k]] = k (racing whole 32-bit stores:
+// one wins, and every loser then sees inv[perm[k]] != k), an entry out of
+// range (compared as unsigned: a uint32 entry >= 2^31 read as int32 bits is
+// out of range) or repeated. Then a counting sort of the pairs by dx
+// matrix: order[bounds[b-1] .. bounds[b]) (bounds[-1] = 0) are the pairs
+// with lhs = b in index order, for b <= x_batches, the last bin holding
+// every lhs out of range. Thread t owns bins b0 .. b1 - 1 and alone writes
+// their bounds and order slots, so no atomics are needed and the grouping
+// is the same on every run. A pair whose lhs or rhs is out of range turns
+// the status to MB_PERM_OUT_OF_RANGE, and the product writes NaN.
 template <typename Index>
 [[kernel]] void mb_gather_t_group(
-    device int32_t* status [[buffer(6)]],
-    const device Index* lhs [[buffer(9)]],
-    const device Index* rhs [[buffer(10)]],
-    device int32_t* order [[buffer(11)]],
-    device int32_t* bounds [[buffer(12)]],
-    constant MbGatherTParams& p [[buffer(13)]],
+    const device int32_t* perm [[buffer(1)]],
+    const device Index* lhs [[buffer(3)]],
+    const device Index* rhs [[buffer(4)]],
+    device int32_t* index [[buffer(5)]],
+    constant MbGatherTParams& gp [[buffer(30)]],
     threadgroup int32_t* counts [[threadgroup(0)]],
     uint lid [[thread_index_in_threadgroup]]) {
-  const uint bins = uint(p.x_batches) + 1;
+  device int32_t* bounds = index + mb_gt_bounds_at();
+  device int32_t* order = index + mb_gt_order_at(gp.x_batches);
+  int32_t pst = MB_PERM_BIJECTIVE;
+  if (gp.q.has_perm) {
+    device int32_t* inv = index + mb_gt_inv_at(gp.x_batches, gp.pairs);
+    const uint K = uint(gp.q.K);
+    for (uint j = lid; j < K; j += MB_GT_GROUP_THREADS) inv[j] = -1;
+    threadgroup_barrier(mem_flags::mem_device);
+    for (uint k = lid; k < K; k += MB_GT_GROUP_THREADS) {
+      const uint j = uint(perm[k]);
+      if (j >= K) pst = MB_PERM_OUT_OF_RANGE;
+      else inv[j] = int32_t(k);
+    }
+    threadgroup_barrier(mem_flags::mem_device);
+    for (uint k = lid; k < K; k += MB_GT_GROUP_THREADS) {
+      const uint j = uint(perm[k]);
+      if (j < K && inv[j] != int32_t(k)) pst = max(pst, int32_t(MB_PERM_REPEATS));
+    }
+    counts[lid] = pst;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int t = 0; t < MB_GT_GROUP_THREADS; ++t) pst = max(pst, counts[t]);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // counts is reused below
+  }
+
+  const uint bins = uint(gp.x_batches) + 1;
   const uint per = (bins + MB_GT_GROUP_THREADS - 1) / MB_GT_GROUP_THREADS;
   const uint b0 = min(lid * per, bins), b1 = min(b0 + per, bins);
-  const uint P = uint(p.pairs), last = uint(p.x_batches);
+  const uint P = uint(gp.pairs), last = uint(gp.x_batches);
 
   for (uint b = b0; b < b1; ++b) bounds[b] = 0;
   bool bad = false;
   int32_t mine = 0;
   for (uint i = 0; i < P; ++i) {
     const uint b = min(uint(lhs[i]), last);
-    bad = bad || b == last || uint(rhs[i]) >= uint(p.w_batches);
+    bad = bad || b == last || uint(rhs[i]) >= uint(gp.w_batches);
     if (b >= b0 && b < b1) {
       bounds[b] += 1;
       ++mine;
@@ -61,67 +87,153 @@ template <typename Index>
     const uint b = min(uint(lhs[i]), last);
     if (b >= b0 && b < b1) order[bounds[b]++] = int32_t(i);
   }
-  // Every thread read every index, so each knows `bad`; one writes it.
-  if (lid == 0) {
-    const int32_t st = bad ? int32_t(MB_PERM_OUT_OF_RANGE) : int32_t(MB_PERM_BIJECTIVE);
-    status[0] = p.q.has_perm ? max(status[0], st) : st;
-  }
+  // Every thread read every index (and perm entry), so each knows the
+  // status; one writes it.
+  if (lid == 0) index[0] = bad ? int32_t(MB_PERM_OUT_OF_RANGE) : pst;
 }
 
-// Threadgroup (block, m, b): columns block*128 .. of row m of dx matrix b
-// (one segment), summed over the pairs of bin b in order; grid =
-// (ceil(kseg / 128), M, x_batches). A dx matrix no pair names gets zeros.
-template <typename IO, typename SC, int bits, int group_size>
+// Threadgroup (t, b): one 128-column block of one segment (t as in the
+// dense kernel) of every row of dx matrix b, summed over the pairs of bin
+// b in order; grid = (sum over segments of ceil(kseg / 128), x_batches). A
+// dx matrix no pair names gets zeros. The status's cases as the dense
+// kernel's: NaN over dx columns k0 + block .. for a bad index or perm
+// entry; a perm with repeats: the dx columns j = k0 + block + c computed
+// one by one (sum over the k with perm[k] = j, in k order, of z, each a
+// column of W walked row by row, summed over the bin's pairs).
+template <typename IO, typename SC>
 [[kernel]] void mb_gather_qmv_t(
     const device typename IO::storage* dy [[buffer(0)]],
-    const device uint32_t* wq [[buffer(2)]],
-    const device typename SC::storage* scales [[buffer(3)]],
-    const device typename SC::storage* biases [[buffer(4)]],
-    const device int32_t* status [[buffer(6)]],
-    device float* z [[buffer(7)]],
-    device typename IO::storage* out [[buffer(8)]],
-    const device uint32_t* rhs [[buffer(10)]],
-    const device int32_t* order [[buffer(11)]],
-    const device int32_t* bounds [[buffer(12)]],
-    constant MbGatherTParams& gp [[buffer(13)]],
-    threadgroup float* red [[threadgroup(0)]],
+    const device int32_t* perm [[buffer(1)]],
+    device typename IO::storage* out [[buffer(2)]],
+    const device uint32_t* rhs [[buffer(4)]],
+    const device int32_t* index [[buffer(5)]],
+    const device uint32_t* wq0 [[buffer(6)]],
+    const device typename SC::storage* scales0 [[buffer(7)]],
+    const device typename SC::storage* biases0 [[buffer(8)]],
+    const device uint32_t* wq1 [[buffer(9)]],
+    const device typename SC::storage* scales1 [[buffer(10)]],
+    const device typename SC::storage* biases1 [[buffer(11)]],
+    const device uint32_t* wq2 [[buffer(12)]],
+    const device typename SC::storage* scales2 [[buffer(13)]],
+    const device typename SC::storage* biases2 [[buffer(14)]],
+    const device uint32_t* wq3 [[buffer(15)]],
+    const device typename SC::storage* scales3 [[buffer(16)]],
+    const device typename SC::storage* biases3 [[buffer(17)]],
+    const device uint32_t* wq4 [[buffer(18)]],
+    const device typename SC::storage* scales4 [[buffer(19)]],
+    const device typename SC::storage* biases4 [[buffer(20)]],
+    const device uint32_t* wq5 [[buffer(21)]],
+    const device typename SC::storage* scales5 [[buffer(22)]],
+    const device typename SC::storage* biases5 [[buffer(23)]],
+    const device uint32_t* wq6 [[buffer(24)]],
+    const device typename SC::storage* scales6 [[buffer(25)]],
+    const device typename SC::storage* biases6 [[buffer(26)]],
+    const device uint32_t* wq7 [[buffer(27)]],
+    const device typename SC::storage* scales7 [[buffer(28)]],
+    const device typename SC::storage* biases7 [[buffer(29)]],
+    constant MbGatherTParams& gp [[buffer(30)]],
+    threadgroup float* tg [[threadgroup(0)]],
     uint3 tid [[threadgroup_position_in_grid]],
-    uint lid [[thread_index_in_threadgroup]]) {
-  constant MbQmvTParams& p = gp.q;
-  const int m = int(tid.y);
-  const uint b = tid.z;
-  const int block = int(tid.x) * MB_QT_COLS;
+    uint lid [[thread_index_in_threadgroup]],
+    uint simd_lid [[thread_index_in_simdgroup]]) {
+  constant MbQmmFusedParams& p = gp.q;
+  const device uint32_t* wqs[MB_QMM_MAX_SEGS] = {wq0, wq1, wq2, wq3, wq4, wq5, wq6, wq7};
+  const device typename SC::storage* scs[MB_QMM_MAX_SEGS] = {
+      scales0, scales1, scales2, scales3, scales4, scales5, scales6, scales7};
+  const device typename SC::storage* bis[MB_QMM_MAX_SEGS] = {
+      biases0, biases1, biases2, biases3, biases4, biases5, biases6, biases7};
+  int block = 0;
+  const int s = mb_qt_find_block(p, int(tid.x), block);
+  const int bits = p.seg[s].bits, gshift = p.seg[s].group_shift, kseg = p.seg[s].kseg;
+  const int kc0 = p.seg[s].k0 + block;
+  const int ncols = min(int(MB_QT_COLS), kseg - block);
+  const int M = p.M, N = p.N, K = p.K;
+  const uint b = tid.y;
+  const size_t row0 = size_t(b) * size_t(M);  // dx row of m = 0
+  const size_t mat = size_t(M) * size_t(N);   // one dy matrix
+  const device int32_t* bounds = index + mb_gt_bounds_at();
+  const device int32_t* order = index + mb_gt_order_at(gp.x_batches);
+  const int j0 = b == 0 ? 0 : bounds[b - 1], j1 = bounds[b];
+  const int32_t status = index[0];
+
+  if (status == MB_PERM_OUT_OF_RANGE) {
+    // A bad index or perm entry: NaN everywhere, as the CPU primitive;
+    // nothing is read through the indices.
+    for (int idx = int(lid); idx < M * MB_QT_COLS; idx += MB_QT_THREADS) {
+      const int m = idx / MB_QT_COLS, c = idx % MB_QT_COLS;
+      if (c < ncols) out[(row0 + size_t(m)) * size_t(K) + size_t(kc0 + c)] = IO::store(NAN);
+    }
+    return;
+  }
+  if (status == MB_PERM_REPEATS) {
+    for (int c = int(lid); c < ncols; c += MB_QT_THREADS) {
+      const int j = kc0 + c;
+      float v[MB_QT_MAX_M];
+      MB_UNROLL for (int m = 0; m < MB_QT_MAX_M; ++m) v[m] = 0.0f;
+      for (int k = 0; k < K; ++k) {
+        if (perm[k] != j) continue;
+        const int ks = mb_qt_segment_of(p, k);
+        const int col = k - p.seg[ks].k0;
+        const size_t row_bytes = size_t(p.seg[ks].kseg) * size_t(p.seg[ks].bits) / 8;
+        const size_t groups = size_t(p.seg[ks].kseg >> p.seg[ks].group_shift);
+        float z[MB_QT_MAX_M];
+        MB_UNROLL for (int m = 0; m < MB_QT_MAX_M; ++m) z[m] = 0.0f;
+        for (int jj = j0; jj < j1; ++jj) {
+          const size_t i = size_t(order[jj]), e = size_t(rhs[i]);
+#define MB_GT_COLUMN(B)                                                                     \
+  mb_qt_column<IO, SC, B>(dy + i * mat, M, N,                                               \
+                          (const device uint8_t*)wqs[ks] + e * size_t(N) * row_bytes,       \
+                          row_bytes, scs[ks] + e * size_t(N) * groups,                      \
+                          bis[ks] + e * size_t(N) * groups, groups, p.seg[ks].group_shift,  \
+                          col, z)
+          MB_QMM_SWITCH_BITS(p.seg[ks].bits, MB_GT_COLUMN)
+#undef MB_GT_COLUMN
+        }
+        MB_UNROLL for (int m = 0; m < MB_QT_MAX_M; ++m) v[m] += z[m];
+      }
+      for (int m = 0; m < M; ++m) {
+        out[(row0 + size_t(m)) * size_t(K) + size_t(j)] = IO::store(v[m]);
+      }
+    }
+    return;
+  }
+
+  threadgroup float* red = tg;  // [M][SLICES][COLS]
+  threadgroup int32_t* cols = MB_TG_CAST(int32_t, tg + mb_qt_red_words(M));
+  if (p.has_perm) {
+    for (int c = int(lid); c < ncols; c += MB_QT_THREADS) cols[c] = perm[kc0 + c];
+  }  // (read after mb_qt_finish's barrier)
   const int chunk = int(lid) % MB_QT_CHUNKS;
   const int slice = int(lid) / MB_QT_CHUNKS;
-  const int col = block + MB_CHUNK * chunk;  // first column, in the segment
-
-  float acc[MB_CHUNK];
-  MB_UNROLL for (int i = 0; i < MB_CHUNK; ++i) acc[i] = 0.0f;
-  float bsum = 0.0f;
-  if (status[0] == MB_PERM_OUT_OF_RANGE) {
-    // A bad index (or perm entry): NaN everywhere, as the CPU primitive;
-    // nothing is read through the indices.
-    bsum = NAN;
-  } else if (col < p.kseg) {
-    const size_t row_bytes = size_t(p.kseg) * bits / 8;
-    const size_t groups = size_t(p.kseg / group_size);
-    const size_t mat_bytes = size_t(p.N) * row_bytes, mat_groups = size_t(p.N) * groups;
-    const device uint8_t* w0 = (const device uint8_t*)wq + size_t(col) * bits / 8;
-    const int j1 = bounds[b];
-    for (int j = b == 0 ? 0 : bounds[b - 1]; j < j1; ++j) {
-      const size_t i = size_t(order[j]);
-      const size_t e = size_t(rhs[i]);
-      mb_qmv_t_accumulate<IO, SC, bits, group_size>(
-          dy + (i * size_t(p.M) + size_t(m)) * size_t(p.N), w0 + e * mat_bytes,
-          scales + e * mat_groups, biases + e * mat_groups, p.N, row_bytes, groups,
-          size_t(col / group_size), slice, acc, bsum);
+  const int col = block + MB_QT_CHUNK_COLS * chunk;  // first column, in the segment
+  const ushort base = ushort(simd_lid & ~uint(MB_QT_CHUNKS - 1));
+  float acc[MB_QT_MAX_M * MB_QT_CHUNK_COLS];
+  float bsum[MB_QT_MAX_M];
+  MB_UNROLL for (int i = 0; i < MB_QT_MAX_M * MB_QT_CHUNK_COLS; ++i) acc[i] = 0.0f;
+  MB_UNROLL for (int m = 0; m < MB_QT_MAX_M; ++m) bsum[m] = 0.0f;
+  {
+    const size_t row_bytes = size_t(kseg) * size_t(bits) / 8;
+    const size_t groups = size_t(kseg >> gshift);
+    const size_t mat_bytes = size_t(N) * row_bytes, mat_groups = size_t(N) * groups;
+    const bool on = col < kseg;
+    const device uint8_t* w0 = (const device uint8_t*)wqs[s] + size_t(on ? col : 0) * bits / 8;
+    const bool lead = mb_qt_group_lead(chunk, gshift);
+    const ushort src = mb_qt_group_src(simd_lid, gshift);
+    const size_t g = size_t(on ? col >> gshift : 0);
+    for (int jj = j0; jj < j1; ++jj) {
+      const size_t i = size_t(order[jj]), e = size_t(rhs[i]);
+#define MB_GT_ACC(B)                                                                    \
+  mb_qt_accumulate<IO, SC, B>(dy + i * mat, M, N, w0 + e * mat_bytes, row_bytes,       \
+                              scs[s] + e * mat_groups, bis[s] + e * mat_groups, groups, g, \
+                              on, lead, src, base, chunk, slice, acc, bsum)
+      MB_QMM_SWITCH_BITS(bits, MB_GT_ACC)
+#undef MB_GT_ACC
     }
   }
-  mb_qmv_t_finish<IO>(red, acc, bsum, slice, chunk, lid, block, p,
-                      size_t(b) * size_t(p.M) + size_t(m), z, out);
+  mb_qt_finish<IO>(red, acc, bsum, M, slice, chunk, lid, ncols, p.has_perm != 0, cols, kc0, K,
+                   row0, out);
 }
 
-#define MB_GATHER_QMV_T_INST(name, io, sc, bits, gs) \
-  MB_INSTANTIATE_KERNEL(name, mb_gather_qmv_t, io, sc, bits, gs)
-MB_QMM_LADDER(MB_GATHER_QMV_T_INST, "gather_qmv_t")
+#define MB_GATHER_QMV_T_INST(name, io, sc) MB_INSTANTIATE_KERNEL(name, mb_gather_qmv_t, io, sc)
+MB_QMM_FUSED_LADDER(MB_GATHER_QMV_T_INST, "gather_qmv_t")
 MB_INSTANTIATE_KERNEL("mixbits_gather_t_group", mb_gather_t_group, uint32_t)

@@ -1,126 +1,163 @@
 // Transposed product of the mixed-segment quantized matmul, the Metal
-// kernels of MixedQMatmulT (the gradient wrt x on a GPU stream):
+// kernel of MixedQMatmulT (the gradient wrt x on a GPU stream):
 //   dx = dy · W, un-permuted to x's column order
-// for few rows of dy (M <= MB_QT_MAX_M: the vjp of decode-sized calls).
-// The launch sequence, buffers and work split are in qmatmul_t_params.h;
-// the host plan in qmatmul_t_host.h. Like the forward, qmv_t is launched
-// once per K-segment and specialized for its bits, group size, dy dtype
-// and scale dtype.
+// for few rows of dy (M <= MB_QT_MAX_M: the vjp of decode-sized calls), in
+// ONE dispatch whatever the segment count, the permutation included
+// (qmatmul_t_params.h; the host plan in qmatmul_t_host.h). Instantiated
+// per dy dtype x scale dtype; each threadgroup's segment gives its bits
+// (one switch, uniform over the threadgroup) and group size.
 #include "mixbits_metal.h"
 #include "qmv_t_cols.h"
 
-// z[m, k] = sum_n dy[m, n] (s[n, g] q[n, k] + b[n, g]), g = k / group_size,
-// for one 128-column block (whole groups: 128 is a multiple of each group
-// size) of one segment and one row m. Grid = (ceil(kseg / 128), M).
-// The work split, decode and reduction are qmv_t_cols.h's (shared with the
-// gathered product, gather_qmv_t.metal).
-template <typename IO, typename SC, int bits, int group_size>
+// Threadgroup (t, r): one 128-column block (whole groups) of one segment,
+// rows 8 r .. 8 r + 7 of dy (every row at M <= 8); grid = (sum over
+// segments of ceil(kseg / 128), ceil(M / 8)). With a perm,
+// every threadgroup first reads all of perm: a K-bit map in threadgroup
+// memory finds entries out of range and repeated ones, and the block's own
+// entries are kept for the scatter. Then, the CPU primitive's cases:
+//   bijective     the block's columns are computed and stored to
+//                 dx[m, perm[k]] (each dx column written once in all);
+//   out of range  the threadgroup writes NaN over dx columns k0 + block ..
+//                 (the blocks tile [0, K), so every element is NaN);
+//   repeats       the threadgroup computes dx columns j = k0 + block + c
+//                 itself: the sum over the k with perm[k] = j, in k order,
+//                 of z[m, k], each z a column of W walked row by row (slow,
+//                 but only a hand-built perm gets here).
+template <typename IO, typename SC>
 [[kernel]] void mb_qmv_t(
     const device typename IO::storage* dy [[buffer(0)]],
-    const device uint32_t* wq [[buffer(2)]],
-    const device typename SC::storage* scales [[buffer(3)]],
-    const device typename SC::storage* biases [[buffer(4)]],
-    device float* z [[buffer(7)]],
-    device typename IO::storage* out [[buffer(8)]],
-    constant MbQmvTParams& p [[buffer(9)]],
-    threadgroup float* red [[threadgroup(0)]],
+    const device int32_t* perm [[buffer(1)]],
+    device typename IO::storage* out [[buffer(2)]],
+    const device uint32_t* wq0 [[buffer(3)]],
+    const device typename SC::storage* scales0 [[buffer(4)]],
+    const device typename SC::storage* biases0 [[buffer(5)]],
+    const device uint32_t* wq1 [[buffer(6)]],
+    const device typename SC::storage* scales1 [[buffer(7)]],
+    const device typename SC::storage* biases1 [[buffer(8)]],
+    const device uint32_t* wq2 [[buffer(9)]],
+    const device typename SC::storage* scales2 [[buffer(10)]],
+    const device typename SC::storage* biases2 [[buffer(11)]],
+    const device uint32_t* wq3 [[buffer(12)]],
+    const device typename SC::storage* scales3 [[buffer(13)]],
+    const device typename SC::storage* biases3 [[buffer(14)]],
+    const device uint32_t* wq4 [[buffer(15)]],
+    const device typename SC::storage* scales4 [[buffer(16)]],
+    const device typename SC::storage* biases4 [[buffer(17)]],
+    const device uint32_t* wq5 [[buffer(18)]],
+    const device typename SC::storage* scales5 [[buffer(19)]],
+    const device typename SC::storage* biases5 [[buffer(20)]],
+    const device uint32_t* wq6 [[buffer(21)]],
+    const device typename SC::storage* scales6 [[buffer(22)]],
+    const device typename SC::storage* biases6 [[buffer(23)]],
+    const device uint32_t* wq7 [[buffer(24)]],
+    const device typename SC::storage* scales7 [[buffer(25)]],
+    const device typename SC::storage* biases7 [[buffer(26)]],
+    constant MbQmmFusedParams& p [[buffer(27)]],
+    threadgroup float* tg [[threadgroup(0)]],
     uint3 tid [[threadgroup_position_in_grid]],
-    uint lid [[thread_index_in_threadgroup]]) {
-  const int m = int(tid.y);
-  const int block = int(tid.x) * MB_QT_COLS;
+    uint lid [[thread_index_in_threadgroup]],
+    uint simd_lid [[thread_index_in_simdgroup]]) {
+  const device uint32_t* wqs[MB_QMM_MAX_SEGS] = {wq0, wq1, wq2, wq3, wq4, wq5, wq6, wq7};
+  const device typename SC::storage* scs[MB_QMM_MAX_SEGS] = {
+      scales0, scales1, scales2, scales3, scales4, scales5, scales6, scales7};
+  const device typename SC::storage* bis[MB_QMM_MAX_SEGS] = {
+      biases0, biases1, biases2, biases3, biases4, biases5, biases6, biases7};
+  int block = 0;
+  const int s = mb_qt_find_block(p, int(tid.x), block);
+  const int bits = p.seg[s].bits, gshift = p.seg[s].group_shift, kseg = p.seg[s].kseg;
+  const int kc0 = p.seg[s].k0 + block;  // the block's first packed column
+  const int ncols = min(int(MB_QT_COLS), kseg - block);
+  // Rows m0 .. m0 + M - 1 of dy (grid.y = ceil(p.M / 8): one threadgroup
+  // row at the M <= MB_QT_MAX_M eval_gpu sends here).
+  const int m0 = int(tid.y) * MB_QT_MAX_M;
+  const int M = min(int(MB_QT_MAX_M), p.M - m0), N = p.N, K = p.K;
+  dy += size_t(m0) * size_t(N);
+  out += size_t(m0) * size_t(K);
+
+  threadgroup float* red = tg;  // [M][SLICES][COLS]
+  threadgroup int32_t* flags = MB_TG_CAST(int32_t, tg + mb_qt_red_words(M));
+  threadgroup int32_t* cols = flags + MB_QT_THREADS;  // the block's perm entries
+  threadgroup uint32_t* map = MB_TG_CAST(uint32_t, cols + MB_QT_COLS);
+
+  int32_t status = MB_PERM_BIJECTIVE;
+  if (p.has_perm) {
+    const int words = mb_qt_map_words(K);
+    for (int w = int(lid); w < words; w += MB_QT_THREADS) map[w] = 0u;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    int32_t st = MB_PERM_BIJECTIVE;
+    // Entries compared as unsigned: a uint32 entry >= 2^31 (read as int32
+    // bits) is out of range, as on the CPU.
+    for (int k = int(lid); k < K; k += MB_QT_THREADS) {
+      const uint32_t j = uint32_t(perm[k]);
+      if (uint32_t(k - kc0) < uint32_t(ncols)) cols[k - kc0] = int32_t(j);
+      if (j >= uint32_t(K)) {
+        st = MB_PERM_OUT_OF_RANGE;
+      } else {
+        const uint32_t bit = 1u << (j & 31u);
+        if (mb_tg_fetch_or(&map[j >> 5], bit) & bit) st = max(st, int32_t(MB_PERM_REPEATS));
+      }
+    }
+    flags[lid] = st;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int t = 0; t < MB_QT_THREADS; ++t) status = max(status, flags[t]);
+  }
+
+  if (status == MB_PERM_OUT_OF_RANGE) {
+    for (int idx = int(lid); idx < M * MB_QT_COLS; idx += MB_QT_THREADS) {
+      const int m = idx / MB_QT_COLS, c = idx % MB_QT_COLS;
+      if (c < ncols) out[size_t(m) * size_t(K) + size_t(kc0 + c)] = IO::store(NAN);
+    }
+    return;
+  }
+  if (status == MB_PERM_REPEATS) {
+    for (int c = int(lid); c < ncols; c += MB_QT_THREADS) {
+      const int j = kc0 + c;
+      float v[MB_QT_MAX_M];
+      MB_UNROLL for (int m = 0; m < MB_QT_MAX_M; ++m) v[m] = 0.0f;
+      for (int k = 0; k < K; ++k) {
+        if (perm[k] != j) continue;
+        const int ks = mb_qt_segment_of(p, k);
+        const int col = k - p.seg[ks].k0;
+        const size_t row_bytes = size_t(p.seg[ks].kseg) * size_t(p.seg[ks].bits) / 8;
+        const size_t groups = size_t(p.seg[ks].kseg >> p.seg[ks].group_shift);
+        float z[MB_QT_MAX_M];
+        MB_UNROLL for (int m = 0; m < MB_QT_MAX_M; ++m) z[m] = 0.0f;
+#define MB_QT_COLUMN(B)                                                                   \
+  mb_qt_column<IO, SC, B>(dy, M, N, (const device uint8_t*)wqs[ks], row_bytes, scs[ks], \
+                          bis[ks], groups, p.seg[ks].group_shift, col, z)
+        MB_QMM_SWITCH_BITS(p.seg[ks].bits, MB_QT_COLUMN)
+#undef MB_QT_COLUMN
+        MB_UNROLL for (int m = 0; m < MB_QT_MAX_M; ++m) v[m] += z[m];
+      }
+      for (int m = 0; m < M; ++m) out[size_t(m) * size_t(K) + size_t(j)] = IO::store(v[m]);
+    }
+    return;
+  }
+
   const int chunk = int(lid) % MB_QT_CHUNKS;
   const int slice = int(lid) / MB_QT_CHUNKS;
-  const int col = block + MB_CHUNK * chunk;  // first column, in the segment
-
-  float acc[MB_CHUNK];
-  MB_UNROLL for (int i = 0; i < MB_CHUNK; ++i) acc[i] = 0.0f;
-  float bsum = 0.0f;
-  // kseg is a multiple of 32, so a chunk is inside the segment or wholly
-  // past its end (then the thread only contributes zeros to the sum).
-  if (col < p.kseg) {
-    const size_t row_bytes = size_t(p.kseg) * bits / 8;
-    const size_t groups = size_t(p.kseg / group_size);
-    mb_qmv_t_accumulate<IO, SC, bits, group_size>(
-        dy + size_t(m) * size_t(p.N), (const device uint8_t*)wq + size_t(col) * bits / 8,
-        scales, biases, p.N, row_bytes, groups, size_t(col / group_size), slice, acc, bsum);
+  const int col = block + MB_QT_CHUNK_COLS * chunk;  // first column, in the segment
+  const ushort base = ushort(simd_lid & ~uint(MB_QT_CHUNKS - 1));
+  float acc[MB_QT_MAX_M * MB_QT_CHUNK_COLS];
+  float bsum[MB_QT_MAX_M];
+  MB_UNROLL for (int i = 0; i < MB_QT_MAX_M * MB_QT_CHUNK_COLS; ++i) acc[i] = 0.0f;
+  MB_UNROLL for (int m = 0; m < MB_QT_MAX_M; ++m) bsum[m] = 0.0f;
+  {
+    const size_t row_bytes = size_t(kseg) * size_t(bits) / 8;
+    const size_t groups = size_t(kseg >> gshift);
+    const bool on = col < kseg;
+    const device uint8_t* w = (const device uint8_t*)wqs[s] + size_t(on ? col : 0) * bits / 8;
+#define MB_QT_ACC(B)                                                                         \
+  mb_qt_accumulate<IO, SC, B>(dy, M, N, w, row_bytes, scs[s], bis[s], groups,               \
+                              size_t(on ? col >> gshift : 0), on,                           \
+                              mb_qt_group_lead(chunk, gshift), mb_qt_group_src(simd_lid, gshift), \
+                              base, chunk, slice, acc, bsum)
+    MB_QMM_SWITCH_BITS(bits, MB_QT_ACC)
+#undef MB_QT_ACC
   }
-  mb_qmv_t_finish<IO>(red, acc, bsum, slice, chunk, lid, block, p, size_t(m), z, out);
+  mb_qt_finish<IO>(red, acc, bsum, M, slice, chunk, lid, ncols, p.has_perm != 0, cols, kc0, K,
+                   0, out);
 }
 
-// One threadgroup of MB_QT_CHECK_THREADS: inv[perm[k]] = k and status[0]
-// (MbPermStatus). Entries are compared as unsigned, so a uint32 entry
-// >= 2^31 (read as int32 bits) is out of range, as on the CPU. Repeated
-// entries race to store their k into one inv slot: whole 32-bit stores, one
-// wins, and every loser then sees inv[perm[k]] != k, which is all the
-// check needs.
-template <typename Index>
-[[kernel]] void mb_qmv_t_perm_check(
-    const device Index* perm [[buffer(1)]],
-    device int32_t* inv [[buffer(5)]],
-    device int32_t* status [[buffer(6)]],
-    constant MbQmvTParams& p [[buffer(9)]],
-    threadgroup int32_t* flags [[threadgroup(0)]],
-    uint lid [[thread_index_in_threadgroup]]) {
-  const uint K = uint(p.K);
-  for (uint j = lid; j < K; j += MB_QT_CHECK_THREADS) inv[j] = -1;
-  threadgroup_barrier(mem_flags::mem_device);
-  int32_t st = MB_PERM_BIJECTIVE;
-  for (uint k = lid; k < K; k += MB_QT_CHECK_THREADS) {
-    const uint j = uint(perm[k]);
-    if (j >= K) st = MB_PERM_OUT_OF_RANGE;
-    else inv[j] = int32_t(k);
-  }
-  threadgroup_barrier(mem_flags::mem_device);
-  for (uint k = lid; k < K; k += MB_QT_CHECK_THREADS) {
-    const uint j = uint(perm[k]);
-    if (j < K && inv[j] != int32_t(k)) st = max(st, int32_t(MB_PERM_REPEATS));
-  }
-  flags[lid] = st;
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (lid == 0) {
-    int32_t all = MB_PERM_BIJECTIVE;
-    for (int t = 0; t < MB_QT_CHECK_THREADS; ++t) all = max(all, flags[t]);
-    status[0] = all;
-  }
-}
-
-// dx[m, j] from z and the check's result, one column per thread; grid =
-// (ceil(K / 64), M). A permutation (all the Python layer builds) gathers
-// through the inverse. The other two cases follow the CPU primitive:
-// repeated columns sum in float32 in k order, rounded once (a scan of perm
-// per output: slow, but only a hand-built perm gets here); an entry out of
-// range makes the row NaN.
-template <typename IO>
-[[kernel]] void mb_qmv_t_unpermute(
-    const device int32_t* perm [[buffer(1)]],
-    const device int32_t* inv [[buffer(5)]],
-    const device int32_t* status [[buffer(6)]],
-    const device float* z [[buffer(7)]],
-    device typename IO::storage* out [[buffer(8)]],
-    constant MbQmvTParams& p [[buffer(9)]],
-    uint3 tid [[threadgroup_position_in_grid]],
-    uint lid [[thread_index_in_threadgroup]]) {
-  const int j = int(tid.x) * MB_QT_UNPERM_THREADS + int(lid);
-  if (j >= p.K) return;
-  const size_t row = size_t(tid.y) * size_t(p.K);
-  const int32_t st = status[0];
-  float v;
-  if (st == MB_PERM_BIJECTIVE) {
-    v = z[row + size_t(inv[j])];
-  } else if (st == MB_PERM_REPEATS) {
-    v = 0.0f;
-    for (int k = 0; k < p.K; ++k)
-      if (perm[k] == j) v += z[row + size_t(k)];
-  } else {
-    v = NAN;
-  }
-  out[row + size_t(j)] = IO::store(v);
-}
-
-#define MB_QMV_T_INST(name, io, sc, bits, gs) \
-  MB_INSTANTIATE_KERNEL(name, mb_qmv_t, io, sc, bits, gs)
-MB_QMM_LADDER(MB_QMV_T_INST, "qmv_t")
-MB_INSTANTIATE_KERNEL("mixbits_qmv_t_perm_check", mb_qmv_t_perm_check, int32_t)
-MB_INSTANTIATE_KERNEL("mixbits_qmv_t_unpermute_float32", mb_qmv_t_unpermute, MbF32)
-MB_INSTANTIATE_KERNEL("mixbits_qmv_t_unpermute_float16", mb_qmv_t_unpermute, MbF16)
-MB_INSTANTIATE_KERNEL("mixbits_qmv_t_unpermute_bfloat16", mb_qmv_t_unpermute, MbBF16)
+#define MB_QMV_T_INST(name, io, sc) MB_INSTANTIATE_KERNEL(name, mb_qmv_t, io, sc)
+MB_QMM_FUSED_LADDER(MB_QMV_T_INST, "qmv_t")

@@ -130,7 +130,8 @@ std::vector<mx::array> MixedGatherQMM::vjp(
           s.device == mx::Device::cpu
               ? prefer_qmm_t(backend_)
               : gather_qmm_t_gpu_runs(int64_t(p.lhs.size()), M, p.packed[0].shape(-2), K,
-                                      batch_size(p.x), batch_size(p.packed[0]));
+                                      batch_size(p.x), batch_size(p.packed[0]),
+                                      int64_t(segs_.size()));
       auto dx = use_t
                     ? mixed_gather_qmm_t(dy, p.perm, p.packed, segs_, p.lhs,
                                          p.rhs, p.x.shape(), backend_, s)

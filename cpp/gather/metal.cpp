@@ -13,9 +13,9 @@
 // gather_gpu_refusal accepts: nothing here rejects user input.
 //
 // MixedGatherQMMT::eval_gpu (the gradient wrt x, dx[lhs[i]] += dy[i] ·
-// W[rhs[i]] un-permuted, for few rows per matrix): an optional perm check,
-// the grouping of the pairs by dx matrix, one gather_qmv_t.metal product
-// per segment, an optional unpermute; the plan from metal/gather_t_host.h.
+// W[rhs[i]] un-permuted, for few rows per matrix): the grouping of the
+// pairs by dx matrix (with the perm's check), then one gather_qmv_t.metal
+// product over every segment; the plan from metal/gather_t_host.h.
 #ifdef _METAL_
 
 #ifndef MIXBITS_HAS_METALLIB
@@ -111,11 +111,11 @@ void MixedGatherQMM::eval_gpu(const std::vector<mx::array>& inputs,
   }
 }
 
-// The scratch buffers (inverse perm, status, the pairs grouped by dx
-// matrix, z in packed order) are temporaries of the command buffer; as
-// outputs of one dispatch and inputs of the next they also order the
-// dispatches (MLX inserts the barriers). mixed_gather_qmm_t builds this
-// node only for problems gather_qmm_t_gpu_runs accepts.
+// The index scratch (status, the pairs grouped by dx matrix, the inverse
+// perm) is a temporary of the command buffer; as the grouping's output and
+// the product's input it also orders the two dispatches (MLX inserts the
+// barrier). mixed_gather_qmm_t builds this node only for problems
+// gather_qmm_t_gpu_runs accepts.
 void MixedGatherQMMT::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
   namespace host = metal_host;
   const mx::Stream& s = stream();
@@ -135,39 +135,27 @@ void MixedGatherQMMT::eval_gpu(const std::vector<mx::array>& inputs, mx::array& 
                                             metal_scale_type(in[first + 1].dtype()), has_perm_);
 
   auto& enc = mx::metal::get_command_encoder(s);
-  auto status = metal_temporary(enc, {1}, mx::int32);
-  auto order = metal_temporary(enc, {pairs}, mx::int32);
-  auto bounds = metal_temporary(enc, {Bx + 1}, mx::int32);
-  std::optional<mx::array> inv, z;
-  if (has_perm_) {
-    inv = metal_temporary(enc, {K}, mx::int32);
-    z = metal_temporary(enc, {Bx * M, K}, mx::float32);
-  }
+  auto index = metal_temporary(
+      enc, {int(host::gt_index_words(pairs, Bx, K, has_perm_))}, mx::int32);
 
   auto* lib = mixbits_metal_library(d);
   for (const host::GatherTLaunch& l : plan) {
     auto* kernel = launch_pipeline(d, lib, l, "gather_qmm (transposed)");
-    // One numbering for every launch: the shared perm check and unpermute
-    // bind slots 0 .. 8 of it (MbQmvTBuffer's), the others all of it.
     std::vector<mx::array*> arrays(MB_GT_PARAMS, nullptr);
     arrays[MB_GT_DY] = &in[0];
-    if (has_perm_) {
-      arrays[MB_GT_PERM] = &in[1];
-      arrays[MB_GT_INV] = &*inv;
-      arrays[MB_GT_Z] = &*z;
-    }
-    if (l.segment >= 0) {
-      const size_t i = first + 3 * size_t(l.segment);
-      arrays[MB_GT_WQ] = &in[i];
-      arrays[MB_GT_SCALES] = &in[i + 1];
-      arrays[MB_GT_BIASES] = &in[i + 2];
-    }
-    arrays[MB_GT_STATUS] = &status;
+    if (has_perm_) arrays[MB_GT_PERM] = &in[1];
     arrays[MB_GT_OUT] = &out;
     arrays[MB_GT_LHS] = &in[lhs];
     arrays[MB_GT_RHS] = &in[rhs];
-    arrays[MB_GT_ORDER] = &order;
-    arrays[MB_GT_BOUNDS] = &bounds;
+    arrays[MB_GT_INDEX] = &index;
+    if (l.kind == host::GtKind::Product) {
+      for (int j = 0; j < l.params.q.nseg; ++j) {
+        const size_t i = first + 3 * size_t(j);
+        arrays[size_t(host::gt_wq_slot(j))] = &in[i];
+        arrays[size_t(host::gt_scales_slot(j))] = &in[i + 1];
+        arrays[size_t(host::gt_biases_slot(j))] = &in[i + 2];
+      }
+    }
 
     encode_launch(enc, kernel, l, arrays);
   }

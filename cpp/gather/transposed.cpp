@@ -24,11 +24,11 @@
 namespace mixbits {
 
 bool gather_qmm_t_gpu_runs(int64_t pairs, int64_t M, int64_t N, int64_t K,
-                           int64_t x_batches, int64_t w_batches) {
+                           int64_t x_batches, int64_t w_batches, int64_t nseg) {
 #ifdef _METAL_
-  return metal_host::gather_qmv_t_gpu_applies(pairs, M, N, K, x_batches, w_batches);
+  return metal_host::gather_qmv_t_gpu_applies(pairs, M, N, K, x_batches, w_batches, nseg);
 #else
-  (void)pairs, (void)M, (void)N, (void)K, (void)x_batches, (void)w_batches;
+  (void)pairs, (void)M, (void)N, (void)K, (void)x_batches, (void)w_batches, (void)nseg;
   return false;
 #endif
 }
@@ -47,7 +47,8 @@ mx::array mixed_gather_qmm_t(const mx::array& dy,
     const int64_t M = x_shape[x_shape.size() - 2], K = x_shape.back();
     const int64_t Bx = prod(x_shape, 0, x_shape.size() - 2);
     const int64_t Bw = prod(packed[0].shape(), 0, packed[0].ndim() - 2);
-    if (!gather_qmm_t_gpu_runs(int64_t(lhs.size()), M, packed[0].shape(-2), K, Bx, Bw))
+    if (!gather_qmm_t_gpu_runs(int64_t(lhs.size()), M, packed[0].shape(-2), K, Bx, Bw,
+                               int64_t(segs.size())))
       throw std::invalid_argument(
           "[gather_qmm] no GPU kernel for this transposed product (see "
           "gather_qmm_t_gpu_runs); on the GPU the gradient is dequantize + "

@@ -54,9 +54,10 @@ class MixedGatherQMMT : public mx::UnaryPrimitive {
 // kernels, every count is positive and fits their 32-bit parameters, and
 // M <= MB_QT_MAX_M rows per matrix (as for the dense transposed product:
 // the kernel re-decodes W per row, which a GEMM on the dequantized W
-// amortizes once M grows). MoE layers have M = 1.
+// amortizes once M grows). MoE layers have M = 1. At most 8 segments
+// (nseg): the one product dispatch binds every segment.
 bool gather_qmm_t_gpu_runs(int64_t pairs, int64_t M, int64_t N, int64_t K,
-                           int64_t x_batches, int64_t w_batches);
+                           int64_t x_batches, int64_t w_batches, int64_t nseg);
 
 // dx for a MixedGatherQMM node's inputs (already checked there) on a CPU
 // stream, or on a GPU stream where gather_qmm_t_gpu_runs says so: dy is

@@ -155,7 +155,8 @@ std::vector<mx::array> MixedQMatmul::vjp(
       const int64_t M = int64_t(dy.size()) / std::max(1, dy.shape(-1));
       const bool use_t = s.device == mx::Device::cpu
                              ? prefer_qmm_t(backend_)
-                             : qmatmul_t_gpu_runs(M, dy.shape(-1), x.shape(-1));
+                             : qmatmul_t_gpu_runs(M, dy.shape(-1), x.shape(-1),
+                                                  int64_t(segs_.size()));
       auto dx = use_t
                     ? mixed_qmatmul_t(dy, perm, packed, segs_, backend_, s)
                     : grad::unpermute_cols(

@@ -11,8 +11,8 @@
 // needs no copy kernel of its own and rejects no user input.
 //
 // MixedQMatmulT::eval_gpu (the gradient wrt x, dx = dy · W un-permuted,
-// for few rows of dy): an optional perm check, one qmatmul_t.metal product
-// per segment, an optional unpermute; the plan from metal/qmatmul_t_host.h.
+// for few rows of dy): one qmatmul_t.metal dispatch over every segment,
+// the perm included; the plan from metal/qmatmul_t_host.h.
 #ifdef _METAL_
 
 #ifndef MIXBITS_HAS_METALLIB
@@ -97,10 +97,9 @@ void MixedQMatmul::eval_gpu(const std::vector<mx::array>& inputs,
   }
 }
 
-// The scratch buffers (inverse perm, its status, z in packed order) are
-// temporaries of the command buffer; as outputs of one dispatch and inputs
-// of the next they also order the dispatches (MLX inserts the barriers).
-// mixed_qmatmul_t builds this node only for problems qmv_t_gpu_applies.
+// One dispatch (qmatmul_t.metal walks the segment table and checks and
+// applies the perm itself): no scratch buffers. mixed_qmatmul_t builds this
+// node only for problems qmv_t_gpu_applies.
 void MixedQMatmulT::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
   namespace host = metal_host;
   const mx::Stream& s = stream();
@@ -122,29 +121,17 @@ void MixedQMatmulT::eval_gpu(const std::vector<mx::array>& inputs, mx::array& ou
                                      metal_scale_type(in[first + 1].dtype()), has_perm_);
 
   auto& enc = mx::metal::get_command_encoder(s);
-  std::optional<mx::array> inv, status, z;
-  if (has_perm_) {
-    inv = metal_temporary(enc, {K}, mx::int32);
-    status = metal_temporary(enc, {1}, mx::int32);
-    z = metal_temporary(enc, {M, K}, mx::float32);
-  }
-
   auto* lib = mixbits_metal_library(d);
   for (const host::QtLaunch& l : plan) {
     auto* kernel = launch_pipeline(d, lib, l, "qmatmul (transposed)");
     std::vector<mx::array*> arrays(MB_QT_PARAMS, nullptr);
     arrays[MB_QT_DY] = &in[0];
-    if (has_perm_) {
-      arrays[MB_QT_PERM] = &in[1];
-      arrays[MB_QT_INV] = &*inv;
-      arrays[MB_QT_STATUS] = &*status;
-      arrays[MB_QT_Z] = &*z;
-    }
-    if (l.segment >= 0) {
-      const size_t i = first + 3 * size_t(l.segment);
-      arrays[MB_QT_WQ] = &in[i];
-      arrays[MB_QT_SCALES] = &in[i + 1];
-      arrays[MB_QT_BIASES] = &in[i + 2];
+    if (has_perm_) arrays[MB_QT_PERM] = &in[1];
+    for (int j = 0; j < l.params.nseg; ++j) {
+      const size_t i = first + 3 * size_t(j);
+      arrays[size_t(host::qt_wq_slot(j))] = &in[i];
+      arrays[size_t(host::qt_scales_slot(j))] = &in[i + 1];
+      arrays[size_t(host::qt_biases_slot(j))] = &in[i + 2];
     }
     arrays[MB_QT_OUT] = &out;
 

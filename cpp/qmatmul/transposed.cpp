@@ -32,11 +32,11 @@ int total_k(const std::vector<SegSpec>& segs) {
 
 }  // namespace
 
-bool qmatmul_t_gpu_runs(int64_t M, int64_t N, int64_t K) {
+bool qmatmul_t_gpu_runs(int64_t M, int64_t N, int64_t K, int64_t nseg) {
 #ifdef _METAL_
-  return M > 0 && metal_host::qmv_t_gpu_applies(M, N, K);
+  return M > 0 && metal_host::qmv_t_gpu_applies(M, N, K, nseg);
 #else
-  (void)M, (void)N, (void)K;
+  (void)M, (void)N, (void)K, (void)nseg;
   return false;
 #endif
 }
@@ -61,9 +61,10 @@ mx::array mixed_qmatmul_t(const mx::array& dy,
   } else {
     int64_t M = 1;
     for (int i = 0; i + 1 < int(dy.ndim()); ++i) M *= dy.shape(i);
-    if (!qmatmul_t_gpu_runs(M, N, K))
-      fail("no GPU kernel for this problem (" + std::to_string(M) +
-           " rows; see qmatmul_t_gpu_runs); on the GPU the gradient is "
+    if (!qmatmul_t_gpu_runs(M, N, K, int64_t(segs.size())))
+      fail("no GPU kernel for this problem (" + std::to_string(M) + " rows, " +
+           std::to_string(segs.size()) + " segments, K=" + std::to_string(K) +
+           "; see qmatmul_t_gpu_runs); on the GPU the gradient is "
            "dequantize + matmul there");
   }
   if (perm && (perm->ndim() != 1 || perm->shape(0) != K ||

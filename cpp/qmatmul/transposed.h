@@ -49,10 +49,12 @@ class MixedQMatmulT : public mx::UnaryPrimitive {
   Backend backend_;
 };
 
-// Whether a GPU stream runs MixedQMatmulT for M rows of dy: this build has
-// the Metal kernels and M <= MB_QT_MAX_M (qmatmul_t_params.h), where
-// re-decoding W per row still beats dequantize + GEMM.
-bool qmatmul_t_gpu_runs(int64_t M, int64_t N, int64_t K);
+// Whether a GPU stream runs MixedQMatmulT for M rows of dy and nseg
+// K-segments: this build has the Metal kernel, M <= MB_QT_MAX_M
+// (qmatmul_t_params.h), where decoding W once for every row still beats
+// dequantize + GEMM, at most 8 segments and K <= MB_QT_MAX_K (its one
+// dispatch binds every segment and checks the perm in threadgroup memory).
+bool qmatmul_t_gpu_runs(int64_t M, int64_t N, int64_t K, int64_t nseg);
 
 // dx = dy · W, un-permuted, on a CPU stream, or on a GPU stream where
 // qmatmul_t_gpu_runs says so. The weights and perm are those a

@@ -242,18 +242,71 @@ def gather_segment_rows():
                    f"{' sorted' if srt else ''} ({kind})", ours, mlx)
 
 
-def traffic_rows():
-    """(case, mixbits ms, mlx ms) for every counted case of metal_traffic.py;
-    the qmatmul cases at 4096 x 4096 whatever M (the emulator counts smaller
-    matrices at M = 17, 512; counts scale with N K)."""
+def traffic_rows(ops=()):
+    """(case, mixbits ms, mlx ms) for every counted case of metal_traffic.py
+    (or those of the ops named); the qmatmul cases at 4096 x 4096 whatever
+    M (the emulator counts smaller matrices at M = 17, 512; counts scale
+    with N K)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import metal_traffic as T  # numpy-only at import: no emulator build
 
     dt = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-    for c in T.qmatmul_cases(True) + T.gather_cases(True) + T.kl_cases(True):
+    cases = (T.qmatmul_cases(True) + T.gather_cases(True) + T.qmatmul_t_cases(True)
+             + T.gather_t_cases(True) + T.kl_cases(True))
+    for c in cases:
+        if ops and c["op"] not in ops:
+            continue
         rng = np.random.default_rng(0)
         c = dict(c)
-        if c["op"] == "qmatmul":
+        if c["op"] == "qmatmul_t":
+            # dx = dy · W alone (the forward output never evaluated): the
+            # layout's one transposed dispatch against MLX's vjp of
+            # mx.quantized_matmul on the one-segment weights of equal bits.
+            N, K, M = c["N"], c["K"], c["M"]
+            w = mx.array(rng.standard_normal((N, K)).astype(np.float32)).astype(
+                dt[c["scale_dtype"]])
+            x = mx.array(rng.standard_normal((M, K)).astype(np.float32)).astype(
+                dt[c["x_dtype"]])
+            dy = mx.array(rng.standard_normal((M, N)).astype(np.float32)).astype(
+                dt[c["x_dtype"]])
+            qt = mixbits.quantize(w, [tuple(s) for s in c["segments"]],
+                                  perm=rng.permutation(K) if c["perm"] else None,
+                                  dtype=dt[c["scale_dtype"]])
+            b, g = c["segments"][0][:2]
+            wq, s, bi = mx.quantize(w, group_size=g, bits=b)
+            mx.eval(x, dy, wq, s, bi, *qt.arrays())
+            ours = best_ms(lambda: mx.vjp(lambda x: mixbits.qmatmul(x, qt), [x], [dy])[1][0], 20)
+            mlx = best_ms(lambda: mx.vjp(lambda x: mx.quantized_matmul(
+                x, wq, s, bi, transpose=True, group_size=g, bits=b), [x], [dy])[1][0], 20)
+        elif c["op"] == "gather_t":
+            # The gathered dx for one decode token (top-8 of 128 experts) over
+            # the layout's segments against MLX's vjp of mx.gather_qmm.
+            from mixbits.layout import QuantizedTensor, Segment
+
+            nexp, top, N, K = c["experts"], c["top_k"], c["N"], c["K"]
+            b, g, _ = c["segments"][0]
+            w = mx.array(rng.standard_normal((nexp, N, K)).astype(np.float32)).astype(
+                dt[c["scale_dtype"]])
+            wq, s, bi = mx.quantize(w, group_size=g, bits=b)
+            qt = mixbits.quantize(w.reshape(nexp * N, K), [tuple(s) for s in c["segments"]],
+                                  perm=rng.permutation(K) if c["perm"] else None,
+                                  dtype=dt[c["scale_dtype"]])
+            qt = QuantizedTensor([Segment(sg.bits, sg.group_size, sg.k,
+                                          *(a.reshape(nexp, N, -1)
+                                            for a in (sg.wq, sg.scales, sg.biases)))
+                                  for sg in qt.segments], qt.perm)
+            idx = rng.choice(nexp, top, replace=False)
+            ridx = mx.array(idx.reshape(1, top).astype(np.uint32))
+            x = mx.array(rng.standard_normal((1, 1, 1, K)).astype(np.float16))
+            dy = mx.array(rng.standard_normal((1, top, 1, N)).astype(np.float16))
+            mx.eval(x, dy, ridx, wq, s, bi, *qt.arrays())
+            ours = best_ms(lambda: mx.vjp(lambda x: mixbits.gather_qmatmul(
+                x, qt, None, ridx), [x], [dy])[1][0], 20)
+            mlx = best_ms(lambda: mx.vjp(lambda x: mx.gather_qmm(
+                x, wq, s, bi, None, ridx, transpose=True, group_size=g, bits=b),
+                [x], [dy])[1][0], 20)
+            c["_experts_used"] = top
+        elif c["op"] == "qmatmul":
             N = K = 4096
             scale = K / c["K"]
             c["segments"] = [[b, g, int(k * scale)] for b, g, k in c["segments"]]
@@ -329,7 +382,7 @@ def traffic_rows():
             name = (f"{c['op']} M={c['M']} {c['N']}x{c['K']} segs={len(c['segments'])}"
                     f"{' perm' if c['perm'] else ''}"
                     + (f" tok={c['tokens']}{' sorted' if c['sorted'] else ''}"
-                       if c["op"] == "gather" else ""))
+                       if c["op"] in ("gather", "gather_t") else ""))
         rec = {k: v for k, v in c.items() if not k.startswith("_")}
         rec.update({"mixbits_ms": ours, "mlx_ms": mlx, "analytic_min": minimum,
                     "mixbits_gbps_on_min": minimum / ours / 1e6,
@@ -337,12 +390,12 @@ def traffic_rows():
         yield name, ours, mlx, rec
 
 
-def traffic_main(out):
+def traffic_main(out, ops=()):
     mx.set_default_device(mx.gpu)
     print(f"{'case':52} {'mixbits ms':>11} {'mlx ms':>9} {'mlx/mixbits':>12} "
           f"{'GB/s(min)':>10}")
     records = []
-    for name, ours, mlx, rec in traffic_rows():
+    for name, ours, mlx, rec in traffic_rows(ops):
         records.append(rec)
         print(f"{name:52} {ours:11.3f} {mlx:9.3f} {mlx / ours:12.2f} "
               f"{rec['mixbits_gbps_on_min']:10.1f}", flush=True)
@@ -360,9 +413,12 @@ def main():
     if not mx.metal.is_available():
         print("no Metal GPU")
         return 2
-    if "--traffic" in sys.argv:
+    if "--traffic" in sys.argv or "--grad-segments" in sys.argv:
+        # --grad-segments: only the transposed products' counted cases (1, 2
+        # and 3 segments and 2 with a perm, dense and gathered).
         i = sys.argv.index("--out") if "--out" in sys.argv else -1
-        return traffic_main(sys.argv[i + 1] if i >= 0 else None)
+        ops = ("qmatmul_t", "gather_t") if "--grad-segments" in sys.argv else ()
+        return traffic_main(sys.argv[i + 1] if i >= 0 else None, ops)
     quick = "--quick" in sys.argv
     mx.set_default_device(mx.gpu)
     if "--gemv" in sys.argv or "--gather-segments" in sys.argv:

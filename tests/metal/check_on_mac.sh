@@ -212,6 +212,12 @@ step gemv-lane-sets-bench "$PY" tests/metal/bench_gpu.py --gemv
 # at 1 / 8 tokens and the tiled kernel (metal/gather_qmm.metal) at 512
 # sorted tokens, top-8 of 128 experts of 768 x 2048.
 step gather-segments-bench "$PY" tests/metal/bench_gpu.py --gather-segments
+# The gradient wrt x over 1, 2 and 3 segments and 2 with a perm, dense
+# (4096 x 4096, M = 1 and 8) and gathered (one decode token, top-8 of 128
+# experts of 768 x 2048): one transposed dispatch whatever the segment
+# count (metal/qmatmul_t.metal, metal/gather_qmv_t.metal) against MLX's vjp
+# of mx.quantized_matmul / mx.gather_qmm on equal-bit weights.
+step grad-segments-bench "$PY" tests/metal/bench_gpu.py --grad-segments
 # Every case the emulator counts (tests/metal/metal_traffic.py), timed on
 # the GPU against MLX's own kernels: the real table next to the counts in
 # bench/results/metal_traffic.json.
@@ -228,6 +234,7 @@ echo "benchmarks (mlx/mixbits > 1: mixbits faster):"
 cat "$LOG/metal-bench.txt" 2>/dev/null
 cat "$LOG/gemv-lane-sets-bench.txt" 2>/dev/null
 cat "$LOG/gather-segments-bench.txt" 2>/dev/null
+cat "$LOG/grad-segments-bench.txt" 2>/dev/null
 echo "counted cases (tests/metal/metal_traffic.py) timed; JSON: $LOG/metal_traffic_mac.json"
 cat "$LOG/metal-traffic-bench.txt" 2>/dev/null
 echo "logs: $LOG"

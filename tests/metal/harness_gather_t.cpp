@@ -1,11 +1,11 @@
-// C entry point for the gathered transposed product (metal/gather_qmv_t.metal,
-// with qmatmul_t.metal's perm check and unpermute) on the SIMT emulator,
+// C entry point for the gathered transposed product (metal/gather_qmv_t.metal)
+// on the SIMT emulator,
 // launched as MixedGatherQMMT::eval_gpu launches it: the plan comes from
 // metal/gather_t_host.h and the buffers are allocated, checked and bound
-// from its description (harness_core.h; rules in harness.cpp). The scratch
-// buffers (inverse, status, z, order, bounds) are eval_gpu's temporaries;
-// here they are shared between the launches and start poisoned, so a value
-// one launch forgets to write shows in the next or fails the run.
+// from its description (harness_core.h; rules in harness.cpp). The index
+// scratch (status, bounds, order, inverse) is eval_gpu's temporary; here
+// it is shared between the launches and starts poisoned, so a value the
+// grouping forgets to write shows in the product or fails the run.
 #include "gather_t_host.h"
 #include "harness_core.h"
 
@@ -13,16 +13,17 @@ namespace {
 
 using namespace mixbits::metal_host;
 
-using CheckFn = void(const int32_t*, int32_t*, int32_t*, MbQmvTParams&, int32_t*, uint);
-template <typename S>
-using UnpermuteFn = void(const int32_t*, const int32_t*, const int32_t*, const float*, S*,
-                         MbQmvTParams&, uint3, uint);
-using GroupFn = void(int32_t*, const uint32_t*, const uint32_t*, int32_t*, int32_t*,
+using GroupFn = void(const int32_t*, const uint32_t*, const uint32_t*, int32_t*,
                      MbGatherTParams&, int32_t*, uint);
+#define MB_SEG_PARAMS(SC) const uint32_t*, const SC*, const SC*
 template <typename S, typename SC>
-using ProductFn = void(const S*, const uint32_t*, const SC*, const SC*, const int32_t*, float*,
-                       S*, const uint32_t*, const int32_t*, const int32_t*, MbGatherTParams&,
-                       float*, uint3, uint);
+using ProductFn = void(const S*, const int32_t*, S*, const uint32_t*, const int32_t*,
+                       MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC),
+                       MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC),
+                       MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MbGatherTParams&, float*, uint3,
+                       uint, uint);
+#undef MB_SEG_PARAMS
+static_assert(MB_QMM_MAX_SEGS == 8, "the product's type above lists 8 segments");
 
 // MixedGatherQMMT's inputs (dy, perm, the stacked segments, lhs, rhs) and
 // dx, by the caller's buffers.
@@ -42,78 +43,58 @@ void run_gt(const GtProblem& t, const simt::Options& opt) {
                                       t.at, t.scale_type, has_perm);
   int K = 0;
   for (const auto& s : t.segs) K += s.k;
-  std::vector<int32_t> inv(has_perm ? K : 0), status(1), order(size_t(t.pairs)),
-      bounds(size_t(t.x_batches) + 1);
-  std::vector<float> z(has_perm ? size_t(t.x_batches) * t.M * size_t(K) : 0);
-  auto sink = [](auto& v) {
-    return UserBuf{v.data(), v.data(), v.size() * sizeof(v[0])};
-  };
-  Buffers bufs({MB_GT_DY, MB_GT_PERM, MB_GT_INV, MB_GT_STATUS, MB_GT_Z, MB_GT_OUT, MB_GT_LHS,
-                MB_GT_RHS, MB_GT_ORDER, MB_GT_BOUNDS});
+  std::vector<int32_t> index(gt_index_words(t.pairs, t.x_batches, K, has_perm));
+  Buffers bufs({MB_GT_DY, MB_GT_PERM, MB_GT_OUT, MB_GT_LHS, MB_GT_RHS, MB_GT_INDEX});
   for (const GatherTLaunch& l : plan) {
     std::vector<UserBuf> user(MB_GT_PARAMS);
-    const auto used = [&](int i) {
-      return size_t(i) < l.buffers.size() && l.buffers[size_t(i)].used();
-    };
+    const auto used = [&](int i) { return l.buffers[size_t(i)].used(); };
     if (used(MB_GT_DY)) user[MB_GT_DY] = t.dy;
     if (used(MB_GT_PERM)) user[MB_GT_PERM] = t.perm;
-    if (l.kind == GtKind::Product) {
-      user[MB_GT_WQ] = t.wq[size_t(l.segment)];
-      user[MB_GT_SCALES] = t.scales[size_t(l.segment)];
-      user[MB_GT_BIASES] = t.biases[size_t(l.segment)];
-    }
-    if (used(MB_GT_INV)) user[MB_GT_INV] = sink(inv);
-    if (used(MB_GT_STATUS)) user[MB_GT_STATUS] = sink(status);
-    if (used(MB_GT_Z)) user[MB_GT_Z] = sink(z);
     if (used(MB_GT_OUT)) user[MB_GT_OUT] = t.out;
     if (used(MB_GT_LHS)) user[MB_GT_LHS] = t.lhs;
     if (used(MB_GT_RHS)) user[MB_GT_RHS] = t.rhs;
-    if (used(MB_GT_ORDER)) user[MB_GT_ORDER] = sink(order);
-    if (used(MB_GT_BOUNDS)) user[MB_GT_BOUNDS] = sink(bounds);
+    // The index scratch is eval_gpu's temporary: written by the grouping
+    // (poisoned before it), read by the product.
+    user[MB_GT_INDEX] = {index.data(), index.data(), index.size() * sizeof(int32_t)};
+    if (l.kind == GtKind::Product) {
+      for (int j = 0; j < l.params.q.nseg; ++j) {
+        user[size_t(gt_wq_slot(j))] = t.wq[size_t(j)];
+        user[size_t(gt_scales_slot(j))] = t.scales[size_t(j)];
+        user[size_t(gt_biases_slot(j))] = t.biases[size_t(j)];
+      }
+    }
     const std::vector<void*> p = bufs.bind(l, user);
-    auto at = [&](int i) { return size_t(i) < p.size() ? p[size_t(i)] : nullptr; };
     Guarded smem(std::max<size_t>(l.threadgroup_bytes, 4));
     smem.threadgroup_space();
     simt::Options o = opt;
     o.label = l.kernel;
     o.group_start = [&](const simt::Dim3&) { smem.fill_nan_f32(); };
-    auto* perm = static_cast<int32_t*>(at(MB_GT_PERM));
-    auto* inv_p = static_cast<int32_t*>(at(MB_GT_INV));
-    auto* st_p = static_cast<int32_t*>(at(MB_GT_STATUS));
-    auto* z_p = static_cast<float*>(at(MB_GT_Z));
-    auto* out = static_cast<S*>(at(MB_GT_OUT));
-    if (l.kind == GtKind::PermCheck) {
-      MbQmvTParams q = l.params.q;
-      auto* fn = simt::find_kernel<CheckFn>(l.kernel);
-      simt::dispatch_threadgroups(dim(l.grid), dim(l.group), [&](const simt::ThreadIds& i) {
-        fn(perm, inv_p, st_p, q, smem.as<int32_t>(), i.thread_index_in_threadgroup);
-      }, o);
-    } else if (l.kind == GtKind::Unpermute) {
-      MbQmvTParams q = l.params.q;
-      auto* fn = simt::find_kernel<UnpermuteFn<S>>(l.kernel);
-      simt::dispatch_threadgroups(dim(l.grid), dim(l.group), [&](const simt::ThreadIds& i) {
-        fn(perm, inv_p, st_p, z_p, out, q, u3(i.threadgroup_position_in_grid),
-           i.thread_index_in_threadgroup);
-      }, o);
-    } else if (l.kind == GtKind::Group) {
-      MbGatherTParams params = l.params;
+    MbGatherTParams params = l.params;
+    auto* perm = static_cast<const int32_t*>(p[MB_GT_PERM]);
+    auto* idx = static_cast<int32_t*>(p[MB_GT_INDEX]);
+    auto* rhs = static_cast<const uint32_t*>(p[MB_GT_RHS]);
+    if (l.kind == GtKind::Group) {
       auto* fn = simt::find_kernel<GroupFn>(l.kernel);
       simt::dispatch_threadgroups(dim(l.grid), dim(l.group), [&](const simt::ThreadIds& i) {
-        fn(st_p, static_cast<const uint32_t*>(at(MB_GT_LHS)),
-           static_cast<const uint32_t*>(at(MB_GT_RHS)), static_cast<int32_t*>(at(MB_GT_ORDER)),
-           static_cast<int32_t*>(at(MB_GT_BOUNDS)), params, smem.as<int32_t>(),
-           i.thread_index_in_threadgroup);
+        fn(perm, static_cast<const uint32_t*>(p[MB_GT_LHS]), rhs, idx, params,
+           smem.as<int32_t>(), i.thread_index_in_threadgroup);
       }, o);
     } else {
-      MbGatherTParams params = l.params;
+      const uint32_t* w[MB_QMM_MAX_SEGS];
+      const SC* sc[MB_QMM_MAX_SEGS];
+      const SC* bi[MB_QMM_MAX_SEGS];
+      for (int j = 0; j < MB_QMM_MAX_SEGS; ++j) {
+        w[j] = static_cast<const uint32_t*>(p[size_t(gt_wq_slot(j))]);
+        sc[j] = static_cast<const SC*>(p[size_t(gt_scales_slot(j))]);
+        bi[j] = static_cast<const SC*>(p[size_t(gt_biases_slot(j))]);
+      }
       auto* fn = simt::find_kernel<ProductFn<S, SC>>(l.kernel);
       simt::dispatch_threadgroups(dim(l.grid), dim(l.group), [&](const simt::ThreadIds& i) {
-        fn(static_cast<const S*>(at(MB_GT_DY)), static_cast<const uint32_t*>(at(MB_GT_WQ)),
-           static_cast<const SC*>(at(MB_GT_SCALES)), static_cast<const SC*>(at(MB_GT_BIASES)),
-           st_p, z_p, out, static_cast<const uint32_t*>(at(MB_GT_RHS)),
-           static_cast<const int32_t*>(at(MB_GT_ORDER)),
-           static_cast<const int32_t*>(at(MB_GT_BOUNDS)), params, smem.as<float>(),
-           u3(i.threadgroup_position_in_grid), i.thread_index_in_threadgroup);
+        fn(static_cast<const S*>(p[MB_GT_DY]), perm, static_cast<S*>(p[MB_GT_OUT]), rhs, idx,
+           w[0], sc[0], bi[0], w[1], sc[1], bi[1], w[2], sc[2], bi[2], w[3], sc[3], bi[3],
+           w[4], sc[4], bi[4], w[5], sc[5], bi[5], w[6], sc[6], bi[6], w[7], sc[7], bi[7],
+           params, smem.as<float>(), u3(i.threadgroup_position_in_grid),
+           i.thread_index_in_threadgroup, i.thread_index_in_simdgroup);
       }, o);
     }
   }
@@ -165,8 +146,8 @@ int mbemu_gather_t(int pairs, int M, int N, int x_batches, int w_batches, int ns
 // Whether eval_gpu's kernels take the problem (gather_qmv_t_gpu_applies,
 // what mixed_gather_qmm_t and MixedGatherQMM::vjp ask on a GPU stream).
 int mbemu_gather_t_applies(int64_t pairs, int64_t M, int64_t N, int64_t K, int64_t x_batches,
-                           int64_t w_batches) {
-  return gather_qmv_t_gpu_applies(pairs, M, N, K, x_batches, w_batches) ? 1 : 0;
+                           int64_t w_batches, int64_t nseg) {
+  return gather_qmv_t_gpu_applies(pairs, M, N, K, x_batches, w_batches, nseg) ? 1 : 0;
 }
 
 }  // extern "C"

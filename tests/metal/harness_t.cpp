@@ -1,11 +1,9 @@
 // C entry point for the transposed quantized matmul (metal/qmatmul_t.metal)
 // on the SIMT emulator, launched as MixedQMatmulT::eval_gpu launches it:
-// the plan (perm check, one product per segment, unpermute) comes from
+// the plan (one launch: every segment, the permutation) comes from
 // metal/qmatmul_t_host.h and the buffers are allocated, checked and bound
-// from its description (harness_core.h; rules in harness.cpp). The three
-// scratch buffers are eval_gpu's temporaries; here they are shared between
-// the launches and start as NaN / 0xff bytes, so a value one launch
-// forgets to write shows in the next.
+// from its description (harness_core.h; rules in harness.cpp). dx starts
+// poisoned, so an element the kernel forgets to write fails the run.
 #include "qmatmul_t_host.h"
 #include "harness_core.h"
 
@@ -13,13 +11,16 @@ namespace {
 
 using namespace mixbits::metal_host;
 
+// The kernel's parameters in order: dy, perm, out, three per segment, the
+// parameter block, threadgroup memory, then (group, thread, lane) ids.
+#define MB_SEG_PARAMS(SC) const uint32_t*, const SC*, const SC*
 template <typename S, typename SC>
-using ProductFn = void(const S*, const uint32_t*, const SC*, const SC*, float*, S*,
-                       MbQmvTParams&, float*, uint3, uint);
-using CheckFn = void(const int32_t*, int32_t*, int32_t*, MbQmvTParams&, int32_t*, uint);
-template <typename S>
-using UnpermuteFn = void(const int32_t*, const int32_t*, const int32_t*, const float*, S*,
-                         MbQmvTParams&, uint3, uint);
+using ProductFn = void(const S*, const int32_t*, S*, MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC),
+                       MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC),
+                       MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC),
+                       MbQmmFusedParams&, float*, uint3, uint, uint);
+#undef MB_SEG_PARAMS
+static_assert(MB_QMM_MAX_SEGS == 8, "the kernel's type above lists 8 segments");
 
 struct TProblem {
   int M, N;
@@ -34,60 +35,44 @@ template <typename S, typename SC>
 void run_t(const TProblem& t, const simt::Options& opt) {
   const bool has_perm = t.perm.in != nullptr;
   const auto plan = plan_qmv_t(t.M, t.N, t.segs, t.at, t.scale_type, has_perm);
-  int K = 0;
-  for (const auto& s : t.segs) K += s.k;
-  std::vector<int32_t> inv(has_perm ? K : 0), status(has_perm ? 1 : 0);
-  std::vector<float> z(has_perm ? size_t(t.M) * size_t(K) : 0);
-  auto sink = [](auto& v) {
-    return UserBuf{v.data(), v.data(), v.size() * sizeof(v[0])};
-  };
-  Buffers bufs({MB_QT_DY, MB_QT_PERM, MB_QT_INV, MB_QT_STATUS, MB_QT_Z, MB_QT_OUT});
+  Buffers bufs({MB_QT_DY, MB_QT_PERM, MB_QT_OUT});
   for (const QtLaunch& l : plan) {
     std::vector<UserBuf> user(MB_QT_PARAMS);
     const auto used = [&](int i) { return l.buffers[size_t(i)].used(); };
     if (used(MB_QT_DY)) user[MB_QT_DY] = t.dy;
     if (used(MB_QT_PERM)) user[MB_QT_PERM] = t.perm;
-    if (l.kind == QtKind::Product && used(MB_QT_WQ)) {
-      user[MB_QT_WQ] = t.wq[size_t(l.segment)];
-      user[MB_QT_SCALES] = t.scales[size_t(l.segment)];
-      user[MB_QT_BIASES] = t.biases[size_t(l.segment)];
+    for (int j = 0; j < l.params.nseg; ++j) {
+      if (!used(qt_wq_slot(j))) continue;  // N = 0
+      user[size_t(qt_wq_slot(j))] = t.wq[size_t(j)];
+      user[size_t(qt_scales_slot(j))] = t.scales[size_t(j)];
+      user[size_t(qt_biases_slot(j))] = t.biases[size_t(j)];
     }
-    if (used(MB_QT_INV)) user[MB_QT_INV] = sink(inv);
-    if (used(MB_QT_STATUS)) user[MB_QT_STATUS] = sink(status);
-    if (used(MB_QT_Z)) user[MB_QT_Z] = sink(z);
-    if (used(MB_QT_OUT)) user[MB_QT_OUT] = t.out;
+    user[MB_QT_OUT] = t.out;
     const std::vector<void*> p = bufs.bind(l, user);
     Guarded smem(std::max<size_t>(l.threadgroup_bytes, 4));
     smem.threadgroup_space();
-    MbQmvTParams params = l.params;
+    MbQmmFusedParams params = l.params;
     simt::Options o = opt;
     o.label = l.kernel;
     o.group_start = [&](const simt::Dim3&) { smem.fill_nan_f32(); };
-    auto* perm = static_cast<int32_t*>(p[MB_QT_PERM]);
-    auto* inv_p = static_cast<int32_t*>(p[MB_QT_INV]);
-    auto* st_p = static_cast<int32_t*>(p[MB_QT_STATUS]);
-    auto* z_p = static_cast<float*>(p[MB_QT_Z]);
-    auto* out = static_cast<S*>(p[MB_QT_OUT]);
-    if (l.kind == QtKind::PermCheck) {
-      auto* fn = simt::find_kernel<CheckFn>(l.kernel);
-      simt::dispatch_threadgroups(dim(l.grid), dim(l.group), [&](const simt::ThreadIds& i) {
-        fn(perm, inv_p, st_p, params, smem.as<int32_t>(), i.thread_index_in_threadgroup);
-      }, o);
-    } else if (l.kind == QtKind::Product) {
-      auto* fn = simt::find_kernel<ProductFn<S, SC>>(l.kernel);
-      simt::dispatch_threadgroups(dim(l.grid), dim(l.group), [&](const simt::ThreadIds& i) {
-        fn(static_cast<const S*>(p[MB_QT_DY]), static_cast<const uint32_t*>(p[MB_QT_WQ]),
-           static_cast<const SC*>(p[MB_QT_SCALES]), static_cast<const SC*>(p[MB_QT_BIASES]),
-           z_p, out, params, smem.as<float>(), u3(i.threadgroup_position_in_grid),
-           i.thread_index_in_threadgroup);
-      }, o);
-    } else {
-      auto* fn = simt::find_kernel<UnpermuteFn<S>>(l.kernel);
-      simt::dispatch_threadgroups(dim(l.grid), dim(l.group), [&](const simt::ThreadIds& i) {
-        fn(perm, inv_p, st_p, z_p, out, params, u3(i.threadgroup_position_in_grid),
-           i.thread_index_in_threadgroup);
-      }, o);
+    const uint32_t* w[MB_QMM_MAX_SEGS];
+    const SC* sc[MB_QMM_MAX_SEGS];
+    const SC* bi[MB_QMM_MAX_SEGS];
+    for (int j = 0; j < MB_QMM_MAX_SEGS; ++j) {
+      w[j] = static_cast<const uint32_t*>(p[size_t(qt_wq_slot(j))]);
+      sc[j] = static_cast<const SC*>(p[size_t(qt_scales_slot(j))]);
+      bi[j] = static_cast<const SC*>(p[size_t(qt_biases_slot(j))]);
     }
+    const auto* dy = static_cast<const S*>(p[MB_QT_DY]);
+    const auto* perm = static_cast<const int32_t*>(p[MB_QT_PERM]);
+    auto* out = static_cast<S*>(p[MB_QT_OUT]);
+    auto* fn = simt::find_kernel<ProductFn<S, SC>>(l.kernel);
+    simt::dispatch_threadgroups(dim(l.grid), dim(l.group), [&](const simt::ThreadIds& i) {
+      fn(dy, perm, out, w[0], sc[0], bi[0], w[1], sc[1], bi[1], w[2], sc[2], bi[2], w[3], sc[3],
+         bi[3], w[4], sc[4], bi[4], w[5], sc[5], bi[5], w[6], sc[6], bi[6], w[7], sc[7], bi[7],
+         params, smem.as<float>(), u3(i.threadgroup_position_in_grid),
+         i.thread_index_in_threadgroup, i.thread_index_in_simdgroup);
+    }, o);
   }
   bufs.finish();
 }

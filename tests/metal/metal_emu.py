@@ -155,7 +155,7 @@ def lib() -> ctypes.CDLL:
                                   I, U64, ctypes.c_char_p, I]
         L.mbemu_gather_t.argtypes = [I, I, I, I, I, I, P, P, P, I, P, Z, P, Z, P, P, P, P,
                                      P, P, I, P, Z, P, Z, P, Z, I, U64, ctypes.c_char_p, I]
-        L.mbemu_gather_t_applies.argtypes = [ctypes.c_int64] * 6
+        L.mbemu_gather_t_applies.argtypes = [ctypes.c_int64] * 7
         L.mbemu_kl.argtypes = [I, I, I, I, I, I, P, P, I, U64, ctypes.c_char_p, I]
         L.mbemu_selftest.argtypes = [ctypes.c_char_p, I, I, P, P, I, I, U64,
                                      ctypes.c_char_p, I]
@@ -370,10 +370,10 @@ def gather_t(inputs, segments, act: str, scale_type: str, has_perm: bool, x_batc
 
 
 def gather_t_applies(pairs: int, M: int, N: int, K: int, x_batches: int,
-                     w_batches: int) -> bool:
+                     w_batches: int, nseg: int = 1) -> bool:
     """Whether the gathered transposed kernels take a problem (gather_t_host.h;
     on a GPU stream the gradient is dequantize + gather_mm otherwise)."""
-    return bool(lib().mbemu_gather_t_applies(pairs, M, N, K, x_batches, w_batches))
+    return bool(lib().mbemu_gather_t_applies(pairs, M, N, K, x_batches, w_batches, nseg))
 
 
 KL_MODES = {"logits": 0, "fixed_shift": 1, "probs": 2}

@@ -4,7 +4,10 @@ Every public op call of the case list (qmatmul at 1, 2 and 3 K-segments and
 with a permutation, M = 1, 4, 8, 9, 17, 512; MLX's own kernel for the one-segment
 case (op mlx_qmatmul, mlx_emu.py); the gathered qmatmul at top-8 of 128
 experts, decode and sorted prefill, and a sorted prefill at top-2 of 8
-experts that takes the tiled kernel, each at 1, 2 and 3 K-segments; KL) runs on the emulator with its
+experts that takes the tiled kernel, each at 1, 2 and 3 K-segments; the
+gradients wrt x, dense (op qmatmul_t, M = 1 and 8) and gathered (op
+gather_t, one decode token), at 1, 2 and 3 segments and with a
+permutation; KL) runs on the emulator with its
 counters on (metal_emu.counting: bytes read and written per access width,
 threadgroup bytes, barriers, MMAs, threads), one record per call with the
 analytic minimum -- every weight, scale, bias, index and x element read
@@ -65,6 +68,43 @@ def qmatmul_cases(full: bool) -> list[dict]:
                            ([[4, 64, h], [4, 64, h]], True)):
             cases.append({"op": "qmatmul", "M": M, "N": N, "K": K, "segments": segs,
                           "perm": perm, "x_dtype": "float16", "scale_dtype": "float16"})
+    return cases
+
+
+# The transposed products (the gradient wrt x, M <= 8 rows of dy: their
+# kernels' range) at the GEMV sizes: dy [M, N], W [N, K], dx [M, K].
+T_SIZES = {False: (1024, 1024), True: (4096, 4096)}
+
+
+def qmatmul_t_cases(full: bool) -> list[dict]:
+    """dx = dy · W un-permuted (MixedQMatmulT) at M = 1 and 8, the same
+    four layouts as the forward: 1, 2 and 3 segments and 2 with a perm."""
+    N, K = T_SIZES[full]
+    h = K // 2
+    cases = []
+    for M in (1, 8):
+        for segs, perm in (([[4, 64, K]], False),
+                           ([[4, 64, h], [4, 64, h]], False),
+                           ([[4, 64, K // 4], [4, 64, K // 4], [4, 64, h]], False),
+                           ([[4, 64, h], [4, 64, h]], True)):
+            cases.append({"op": "qmatmul_t", "M": M, "N": N, "K": K, "segments": segs,
+                          "perm": perm, "x_dtype": "float16", "scale_dtype": "float16"})
+    return cases
+
+
+def gather_t_cases(full: bool) -> list[dict]:
+    """dx[lhs[i]] += dy[i] · W[rhs[i]] (MixedGatherQMMT, the MoE gradient)
+    for one decode token at top-8 of 128 experts (the forward's decode
+    size), one segment, two, three and two with a perm."""
+    N, K = (768, 2048) if full else (256, 512)
+    h = K // 2
+    cases = []
+    for segs, perm in (([[4, 64, K]], False), ([[4, 64, h], [4, 64, h]], False),
+                       ([[4, 64, K // 4], [4, 64, K // 4], [4, 64, h]], False),
+                       ([[4, 64, h], [4, 64, h]], True)):
+        cases.append({"op": "gather_t", "M": 1, "N": N, "K": K, "segments": segs,
+                      "perm": perm, "x_dtype": "float16", "scale_dtype": "float16",
+                      "experts": 128, "top_k": 8, "tokens": 1, "sorted": False})
     return cases
 
 
@@ -192,6 +232,25 @@ def run_case(c: dict, rng) -> list[dict]:
                       for a in _packed(rng, (nexp,), N, b, g, k, c["scale_dtype"])]
             E.gather([x, *packed, lhs, rhs], c["segments"], c["x_dtype"], c["scale_dtype"],
                      False, sorted_indices=c["sorted"])
+        elif c["op"] == "qmatmul_t":
+            dy = _storage(rng, (M, N), c["x_dtype"])
+            packed = [a for b, g, k in c["segments"]
+                      for a in _packed(rng, (), N, b, g, k, c["scale_dtype"])]
+            perm = [rng.permutation(K).astype(np.int32)] if c["perm"] else []
+            E.qmv_t([dy, *perm, *packed], c["segments"], c["x_dtype"], c["scale_dtype"],
+                    c["perm"])
+        elif c["op"] == "gather_t":
+            T, top, nexp = c["tokens"], c["top_k"], c["experts"]
+            idx = np.stack([rng.choice(nexp, top, replace=False) for _ in range(T)])
+            c["_experts_used"] = len(np.unique(idx))
+            rhs = idx.ravel().astype(np.uint32)
+            lhs = np.repeat(np.arange(T), top).astype(np.uint32)
+            dy = _storage(rng, (T * top, M, N), c["x_dtype"])
+            packed = [a for b, g, k in c["segments"]
+                      for a in _packed(rng, (nexp,), N, b, g, k, c["scale_dtype"])]
+            perm = [rng.permutation(K).astype(np.int32)] if c["perm"] else []
+            E.gather_t([dy, *perm, *packed, lhs, rhs], c["segments"], c["x_dtype"],
+                       c["scale_dtype"], c["perm"], T)
         elif c["op"] == "kl":
             a = _storage(rng, (M, N), c["x_dtype"], 3.0)
             b = _storage(rng, (M, N), c["x_dtype"], 3.0)
@@ -216,10 +275,14 @@ def analytic_min(c: dict) -> int:
     perm = 4 * K if c["perm"] else 0
     if c["op"] in ("qmatmul", "mlx_qmatmul"):
         return weights(1) + M * K * xb + M * N * xb + perm
+    if c["op"] == "qmatmul_t":  # dy [M, N] in, dx [M, K] out
+        return weights(1) + M * N * xb + M * K * xb + perm
     T, top = c["tokens"], c["top_k"]
     pairs = T * top
     experts_used = c["_experts_used"]
     x_rows = pairs if c["sorted"] else T
+    # gather: x [x_rows, M, K] in, y [pairs, M, N] out; gather_t: dy
+    # [pairs, M, N] in, dx [T, M, K] out -- the same sizes.
     return (weights(experts_used) + x_rows * M * K * xb + pairs * M * N * xb
             + 2 * 4 * pairs + perm)
 
@@ -262,7 +325,8 @@ def main(argv=None) -> int:
     size.add_argument("--quick", action="store_true", default=True,
                       help="small shapes (default; seconds to a minute or two)")
     size.add_argument("--full", action="store_true", help="4096 x 4096 and larger shapes")
-    ap.add_argument("--op", choices=("qmatmul", "mlx_qmatmul", "gather", "kl"), action="append",
+    ap.add_argument("--op", choices=("qmatmul", "mlx_qmatmul", "gather", "kl", "qmatmul_t",
+                                     "gather_t"), action="append",
                     help="only these ops (repeatable)")
     ap.add_argument("--one-segment", action="store_true",
                     help="qmatmul: only the one-segment layout (the product MLX's kernels compute)")
@@ -272,7 +336,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     full = bool(a.full)
     cases = [c for f, op in ((qmatmul_cases, "qmatmul"), (mlx_cases, "mlx_qmatmul"),
-                             (gather_cases, "gather"), (kl_cases, "kl"))
+                             (gather_cases, "gather"), (qmatmul_t_cases, "qmatmul_t"),
+                             (gather_t_cases, "gather_t"), (kl_cases, "kl"))
              if not a.op or op in a.op for c in f(full)
              if not (a.one_segment and op == "qmatmul" and (len(c["segments"]) > 1 or c["perm"]))]
     rng = np.random.default_rng(0)

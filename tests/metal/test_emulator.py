@@ -112,14 +112,12 @@ def test_unknown_kernel_name_fails():
 
 def test_every_instantiation_registered():
     # qmatmul: the kernels that walk a segment table (qmv, qmm, qmm16,
-    # gather_qmv, gather_qmm) per 3 activation types x 3 scale types (widths
-    # and group sizes come from the table); the per-segment ones (qmv_t,
-    # gather_qmv_t) per
-    # 3 x 3 types x 6 widths x 3 group sizes; the transposed products' perm check (1), unpermute (3
-    # dtypes) and the gathered one's grouping (1); kl: 3 x 3 (reference,
+    # gather_qmv, gather_qmm, qmv_t, gather_qmv_t) per 3 activation types x
+    # 3 scale types (widths and group sizes come from the table); the
+    # gathered transposed product's grouping (1); kl: 3 x 3 (reference,
     # logits) types; selftest: 19 kernels; fp_qmv: 3 modes x 3 activation
     # types. Duplicate host names would collapse into one entry.
-    assert E.kernel_count() == 3 * 3 * 5 + 3 * 3 * 6 * 3 * 2 + 1 + 3 + 1 + 3 * 3 + 19 + 3 * 3
+    assert E.kernel_count() == 3 * 3 * 7 + 1 + 3 * 3 + 19 + 3 * 3
 
 
 METAL_SOURCES = sorted(E.METAL_DIR.glob("*.metal")) + sorted(E.EMU_DIR.glob("*.metal"))
@@ -151,6 +149,7 @@ def enum_values(text: str, enum: str) -> list[int]:
     ("qmatmul_tiled.metal", "qmatmul_params.h", "MbQmmBuffer", 29),
     ("gather_qmv.metal", "gather_params.h", "MbGatherQmvBuffer", 31),
     ("gather_qmm.metal", "gather_params.h", "MbGatherQmvBuffer", 31),
+    ("qmatmul_t.metal", "qmatmul_t_params.h", "MbQmvTBuffer", 28),
     ("kl.metal", "kl_params.h", "MbKlBuffer", 10),
 ])
 def test_buffer_indices_follow_declaration_order(metal, params, enum, n):
@@ -165,17 +164,15 @@ def test_buffer_indices_follow_declaration_order(metal, params, enum, n):
 
 
 @pytest.mark.parametrize("metal,params,enum,prefix,n", [
-    ("qmatmul_t.metal", "qmatmul_t_params.h", "MbQmvTBuffer", "MB_QT_", 3),
     ("gather_qmv_t.metal", "gather_t_params.h", "MbGatherTBuffer", "MB_GT_", 2),
 ])
 def test_transposed_kernels_buffer_indices_follow_the_enum_by_name(metal, params, enum,
                                                                    prefix, n):
-    # The transposed products' kernels bind subsets of one buffer numbering
-    # each (MbQmvTBuffer; MbGatherTBuffer, whose slots 0 .. 8 are
-    # MbQmvTBuffer's), so declaration order cannot be the rule there: each
-    # buffer parameter's index must be the enum value of its name (dy ->
-    # MB_QT_DY, p or gp -> MB_QT_PARAMS), which is what the host plan and
-    # the harness bind by.
+    # The gathered transposed product's two kernels bind subsets of one
+    # buffer numbering (MbGatherTBuffer), so declaration order cannot be the
+    # rule there: each buffer parameter's index must be the enum value of
+    # its name (dy -> MB_GT_DY, wq0 -> MB_GT_WQ0, gp -> MB_GT_PARAMS), which
+    # is what the host plan and the harness bind by.
     text = (E.METAL_DIR / metal).read_text()
     header = (E.METAL_DIR / params).read_text()
     body = re.search(r"enum\s+" + enum + r"\s*\{(.*?)\};", header, flags=re.S).group(1)

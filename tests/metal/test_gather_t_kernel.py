@@ -244,7 +244,7 @@ def test_harness_refuses_buffers_the_primitive_would_not_pass():
     rng = np.random.default_rng(38)
     qt = mlx_stack(rng, 3, 8, 64, 4, 32, mx.float32)
     inputs, *_ = node(lambda s: rand(rng, s), (2, 1, 64), qt, None, u32([[0], [2]]))
-    with pytest.raises(E.EmulatorError, match=r"scales \(buffer 3, float32\[48\]\)"):
+    with pytest.raises(E.EmulatorError, match=r"scales \(buffer 7, float32\[48\]\)"):
         E.gather_t(inputs[:2] + [inputs[2][:1].copy()] + inputs[3:], qt.specs, "float32",
                    "float32", False, 2)
     with pytest.raises(TypeError, match="lhs must be uint32"):
@@ -265,3 +265,6 @@ def test_which_problems_the_kernels_take():
         assert not E.gather_t_applies(*args), args
     assert not E.gather_t_applies(8, 1, 5, 32, 2**31 - 1, 3)
     assert not E.gather_t_applies(8, 2, 5, 2**30, 1, 3)  # x_batches * M * K
+    # Up to 8 segments: the one product dispatch binds them all.
+    assert E.gather_t_applies(8, 1, 5, 32, 1, 3, nseg=8)
+    assert not E.gather_t_applies(8, 1, 5, 32, 1, 3, nseg=9)

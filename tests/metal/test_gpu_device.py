@@ -330,7 +330,8 @@ def test_qmatmul_gpu_gradient_wrt_x_matches_cpu(M, dtype, tmp_path):
 def test_qmatmul_gpu_gradient_with_a_repeated_perm_entry_matches_cpu():
     # A perm the Python layer never makes (the builder checks its shape
     # only): repeated columns sum and a missing one gets 0, on the GPU
-    # (perm check + the scan in the unpermute kernel) as on the CPU.
+    # (every threadgroup of the one dispatch finds the repeat in its bit
+    # map and computes its own columns by the sum) as on the CPU.
     from mixbits import _ext
 
     rng = np.random.default_rng(7)

@@ -321,3 +321,56 @@ def test_tiled_tiles_hold_2_byte_elements(M):
     for r in (f16, bf16, f16_f32s):
         assert r["mma"] == f32["mma"] and r["barriers"] == f32["barriers"]
         assert r["device_read_bytes"] + r["device_write_bytes"] > 0
+
+
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("segs,perm", [
+    ([(4, 64, 128)], False),
+    ([(6, 32, 64), (4, 64, 128), (2, 128, 128)], False),
+    ([(6, 32, 64), (4, 64, 128), (2, 128, 128)], True),
+    ([(b, 32, 32) for b in (8, 6, 5, 4, 3, 2, 2, 2)], True),
+])
+def test_transposed_one_dispatch_reads_each_weight_byte_once(M, segs, perm):
+    # dx = dy · W (MixedQMatmulT): up to 8 segments, with or without a
+    # perm, one dispatch (no perm check or unpermute launch, no float32 z
+    # written and read back) touching only the analytic minimum of distinct
+    # bytes, and every packed weight byte requested exactly once per call
+    # whatever M (each threadgroup decodes its block once for every row of
+    # dy; the kernel's only 1-byte loads are the weights').
+    K = sum(k for _, _, k in segs)
+    c = {"op": "qmatmul_t", "M": M, "N": 40, "K": K, "segments": [list(s) for s in segs],
+         "perm": perm, "x_dtype": "float16", "scale_dtype": "float16"}
+    s = T.summarize(c, T.run_case(c, np.random.default_rng(11)))
+    assert s["kernels"] == ["mixbits_qmv_t_float16_float16"]
+    assert s["unique_ratio"] == 1.0
+    assert s["read_by_width"]["1"] == sum(40 * k * b // 8 for b, _, k in segs)
+    # Scales and biases once per threadgroup (a group's first lane loads
+    # them), dy once per threadgroup (lane m loads row m), perm (with one)
+    # once per threadgroup: the blocks of 128 columns.
+    blocks = sum((k + 127) // 128 for _, _, k in segs)
+    sb = sum(2 * 40 * (k // g) * 2 for _, g, k in segs)
+    assert s["bytes_read"] == (s["read_by_width"]["1"] + sb + blocks * M * 40 * 2
+                               + (blocks * 4 * K if perm else 0))
+
+
+@pytest.mark.parametrize("perm", [False, True])
+def test_gathered_transposed_one_product_dispatch(perm):
+    # dx[lhs[i]] += dy[i] · W[rhs[i]] (MixedGatherQMMT) over three segments:
+    # the grouping (which also checks the perm), then ONE product dispatch
+    # for every segment, storing dx through the perm (no z round trip, no
+    # unpermute launch); each pair's expert weights requested once.
+    segs = [[4, 64, 128], [3, 32, 64], [6, 64, 64]]
+    c = {"op": "gather_t", "M": 1, "N": 24, "K": 256, "segments": segs, "perm": perm,
+         "x_dtype": "float16", "scale_dtype": "float16", "experts": 16, "top_k": 4,
+         "tokens": 1, "sorted": False}
+    s = T.summarize(c, T.run_case(c, np.random.default_rng(12)))
+    assert s["kernels"] == ["mixbits_gather_t_group", "mixbits_gather_qmv_t_float16_float16"]
+    assert s["read_by_width"]["1"] == 4 * sum(24 * k * b // 8 for b, _, k in segs)
+    # Distinct bytes per dispatch: the minimum plus at most the index
+    # scratch (status, bounds, order, the inverse with a perm) written and
+    # read back (the grouping reads its bounds once more), rhs and perm read
+    # by both dispatches -- not dy or W once per segment, nor a float32 z
+    # written and read back.
+    scratch = 4 * (1 + 2 + 4 + (256 if perm else 0))
+    extra = s["unique_read"] + s["unique_written"] - s["analytic_min"]
+    assert 0 <= extra <= 2 * scratch + 4 * 2 + 4 * 4 + (4 * 256 if perm else 0)

@@ -195,7 +195,22 @@ def test_harness_refuses_buffers_the_primitive_would_not_pass():
     rng = np.random.default_rng(36)
     qt = quantized(rng, 8, [(4, 32, 64)], mx.float32)
     inputs, _ = node(rand(rng, (1, 8)), qt.perm, qt)
-    with pytest.raises(E.EmulatorError, match=r"scales \(buffer 3, float32\[16\]\)"):
+    with pytest.raises(E.EmulatorError, match=r"scales \(buffer 4, float32\[16\]\)"):
         E.qmv_t(inputs[:3] + [inputs[3][:4].copy()] + inputs[4:], qt.specs, "float32",
                 "float32", True)
 
+
+
+def test_plan_refuses_what_qmv_t_gpu_applies_refuses():
+    # One dispatch binds every segment (8 slots) and checks the perm in a
+    # K-bit map (K <= 65536): past either, qmv_t_gpu_applies sends the
+    # gradient to dequantize + matmul, and the plan itself refuses.
+    rng = np.random.default_rng(37)
+    qt = quantized(rng, 4, [(4, 32, 32)] * 9, mx.float32)
+    inputs, _ = node(rand(rng, (1, 4)), qt.perm, qt)
+    with pytest.raises(E.EmulatorError, match="more than 8 segments"):
+        E.qmv_t(inputs, qt.specs, "float32", "float32", True)
+    qt = quantized(rng, 1, [(2, 128, 65536 + 128)], mx.float32, perm=False)
+    inputs, _ = node(rand(rng, (1, 1)), None, qt)
+    with pytest.raises(E.EmulatorError, match="K past MB_QT_MAX_K"):
+        E.qmv_t(inputs, qt.specs, "float32", "float32", False)
