@@ -25,8 +25,8 @@ QUANTIZER_HELP = (
     "error for embeddings and a head outside the blocks -- never worse than round-to-nearest for "
     "any group; the kinds are named '<kind>+search') or 'rtn' (MLX's round-to-nearest min-max, as "
     "mlx_lm.convert). The saved layout is the same. Costs: the search runs for every (tensor, "
-    "candidate) measured, ~0.35 us per weight per candidate on one x86 core (SmolLM2-135M: a few "
-    "minutes; an 8B model: hours -- the --dry-run / --time-budget probe counts it)")
+    "candidate) measured, ~0.045 us per weight per candidate on one x86 core (bench/results/"
+    "search_speed.json; an 8B model: ~30-50 min -- the --dry-run / --time-budget probe counts it)")
 
 
 def menu_help(menus: dict) -> str:
