@@ -145,14 +145,17 @@ def _search(w, segments, perm, dtype, h_diag, grid, refine, fast, simd=True):
             codes, s, b = _search_fast(W[:, k0 : k0 + k], h[k0 : k0 + k], bits, gs, dtype, grid, refine, simd)
         else:
             t = W[:, k0 : k0 + k].reshape(N, k // gs, gs)
-            hg = h[k0 : k0 + k].reshape(1, k // gs, gs)
-            if bits == TERNARY:
-                codes, s, b = search_ternary(t, hg, dtype, grid, refine)
-            else:
-                codes, s, b = search_affine(t, hg, bits, dtype, grid, refine)
+            codes, s, b = _by_definition(t, h[k0 : k0 + k].reshape(1, k // gs, gs), bits, dtype, grid, refine)
         segs.append(G.segment(bits, gs, codes.reshape(N, k), s, b, dtype))
         k0 += k
     return G.tensor(segs, perm)
+
+
+def _by_definition(t, hg, bits, dtype, grid, refine):
+    """Groups t [N, G, gs] (weights hg [1, G, gs]) searched by the numpy definition."""
+    if bits == TERNARY:
+        return search_ternary(t, hg, dtype, grid, refine)
+    return search_affine(t, hg, bits, dtype, grid, refine)
 
 
 def _search_fast(Wk, hk, bits, gs, dtype, grid, refine, simd):
@@ -173,11 +176,7 @@ def _search_fast(Wk, hk, bits, gs, dtype, grid, refine, simd):
         else:
             out = _affine_fast(t, h, bits, dtype, grid, refine, simd)
         if out is None:  # outside the storage dtype's range: the definition decides
-            hg = h.reshape(1, ng, gs)
-            if bits == TERNARY:
-                out = search_ternary(t, hg, dtype, grid, refine)
-            else:
-                out = search_affine(t, hg, bits, dtype, grid, refine)
+            out = _by_definition(t, h.reshape(1, ng, gs), bits, dtype, grid, refine)
             if not np.isfinite(out[0]).all():  # where the definition has no codes, neither has this
                 raise ValueError(f"w has values beyond {dtype}'s range: no {bits}-bit codes for them")
         codes[r0:r1], scales[r0:r1], biases[r0:r1] = out
