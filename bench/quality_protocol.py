@@ -44,6 +44,20 @@ reference written as an F32 GGUF, with each seed's importance matrix
 bytes of the same tensors in the quantized GGUF (K-quant super-block scales
 included, whatever type the mix gave each tensor); a mix over the largest
 budget is only sized (no table row can use it), unless ``--kquant-all``.
+With ``--gptq`` / ``--awq`` / ``--dwq EPOCHS``: mlx-lm's own quantizers
+(mlx_lm.quant.gptq / awq / dwq, called as functions) on the float model, each
+seed's calibration tokens (the same array every calibrated contender gets),
+every site at one width and group (the finest group that fits each budget,
+as for uniform; GPTQ packs 2/4/8 bits only), the embedding (tied head) at
+that same kind, round-to-nearest (GPTQ's fallback, AWQ's embed bits, DWQ's
+quantize_model). The model each leaves is scored as it is (``score_model``:
+its site layers, and any other parameter it changed -- AWQ's norms -- swapped
+into the evaluator for the run) with the same KL; storage bpw from its
+arrays with fp16 scales and biases (``quantized_bpw``), checked equal to the
+uniform kind's count. On the Linux CPU their float and quantized products
+run on mixbits' kernels (``routed_products``, ``awq_routes``: same products,
+mlx-lm's code unchanged); DWQ's training needs MLX's own quantized matmul
+and its gradient (no mixbits route), ~0.3 GFLOP/s here.
 
 Run:  nice -n 10 python bench/quality_protocol.py [--seeds 0 1] [--mixbits-seeds 0]
       [--budgets 3 3.5 4 4.5 5] [--work DIR]
@@ -61,6 +75,7 @@ convert's own cut, its first windows).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -70,6 +85,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 N_CAL, SEQ_LEN, HELD_N = 8, 256, 16
@@ -81,6 +97,15 @@ RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
 # here, so four (3/8 and 2/4 scored 1.6-2.9x uniform's KL in convert_smollm2.json).
 DQ_PAIRS = ((2, 3), (2, 4), (3, 5), (4, 5))
 RESULTS = Path(__file__).parent / "results"
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
 
 def host() -> dict:
     """CPU model, the ISA flags the kernels choose between, cores and load."""
@@ -147,7 +172,9 @@ def size_table(sites, kinds) -> dict:
 class Scorer:
     """The reference model and one JointEvaluator per held-out set."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, sets=None):
+        """``sets``: the held-out sets to build evaluators for (default all;
+        each SmolLM2 set's float32 reference is 0.8 GB)."""
         import mixbits
         from mixbits.measure.calib import cast_model
         from mixbits.measure.joint import JointEvaluator
@@ -157,7 +184,11 @@ class Scorer:
         cast_model(self.model, "float32")
         patch(self.model)
         self.seeds_calib, self.held = {}, {}
-        _, self.held = token_sets(self.tok, [])
+        _, held = token_sets(self.tok, [])
+        unknown = sorted(set(sets or ()) - set(held))
+        if unknown:
+            raise ValueError(f"unknown held-out sets {unknown}; the protocol's are {sorted(held)}")
+        self.held = {k: v for k, v in held.items() if sets is None or k in sets}
         # the second evaluator shares the first's layer cache (no calibrated
         # candidates here, so nothing is fitted on either set)
         self.evals, ev = {}, None
@@ -283,6 +314,290 @@ def dq_plans(scorer: Scorer, calib: np.ndarray, budgets, cache: Path) -> dict[st
                                                                       f"{hi}b_g64")
     return out
 
+# ------------------------------------- mlx-lm's calibrated quantizers (GPTQ, AWQ, DWQ)
+
+# mlx-lm's gptq packs its codes itself for these widths only (an assert);
+# awq and dwq quantize with mx.quantize (any width of BITS).
+GPTQ_BITS = (2, 4, 8)
+# DWQ's steps over the seed's calibration set (batches of DWQ_BATCH
+# sequences, mlx-lm's default batch and learning rate): mlx-lm's default run
+# is 2,048 samples of 1,025 tokens, ~1,000x these 2,048 tokens.
+DWQ_BATCH, DWQ_LR = 4, 1e-6
+
+
+@contextlib.contextmanager
+def routed_products():
+    """mlx-lm's quantizers as the protocol runs them on a Linux CPU: the
+    float twin's linears, attention and norms on mixbits' routes (as
+    dq_plans' twin), and every 2-D float32 ``a @ b`` they compute themselves
+    (GPTQ's X^T X and error updates) through mixbits.float_linear's OpenBLAS
+    product instead of the mlx-cpu wheel's reference BLAS (0.34 GFLOP/s on
+    X^T X here: 30 s per down_proj Hessian). Same products (float32 sums);
+    mlx-lm's code is not changed."""
+    from mixbits import float_linear, routing
+
+    orig = mx.array.__matmul__
+
+    def matmul(a, b):
+        if (isinstance(b, mx.array) and a.ndim == 2 and b.ndim == 2 and a.dtype == b.dtype == mx.float32
+                and float_linear.on_cpu()):
+            return float_linear.float_matmul(a, b, trans_b=False)
+        return orig(a, b)
+
+    mx.array.__matmul__ = matmul
+    token = routing._ACTIVE.set(True)
+    try:
+        yield
+    finally:
+        routing._ACTIVE.reset(token)
+        mx.array.__matmul__ = orig
+
+
+class _KernelQuantizedLinear(nn.QuantizedLinear):
+    """An nn.QuantizedLinear whose product runs on mixbits.qmatmul over its
+    own arrays (the mlx-cpu wheel's quantized matmul: 0.2 GFLOP/s here,
+    16 s per 2,048-token down_proj); only while awq_routes() is on."""
+
+    def __call__(self, x):
+        from mixbits.nn.weight import tensor_from_mlx_layer
+        from mixbits.ops import promote_x, qmatmul
+
+        qt = tensor_from_mlx_layer(self, "QuantizedLinear")
+        y = qmatmul(promote_x(x, qt), qt)
+        return y + self["bias"] if "bias" in self else y
+
+
+@contextlib.contextmanager
+def awq_routes(model):
+    """mlx-lm's AWQ on this CPU: the layers its nn.quantize calls make run on
+    mixbits' quantized kernel (they are nn.QuantizedLinear again after), and
+    its clip search's mx.einsum("bdg,odg->bod") -- per group column d, x_d @
+    w_d.T -- as those products on float_linear's OpenBLAS path. Same
+    products, float32 sums; mlx-lm's code is not changed."""
+    from mixbits import float_linear
+
+    quantize, einsum = nn.quantize, mx.einsum
+
+    def quantize_routed(module, *args, **kwargs):
+        out = quantize(module, *args, **kwargs)
+        for _, m in module.named_modules():
+            if type(m) is nn.QuantizedLinear:
+                m.__class__ = _KernelQuantizedLinear
+        return out
+
+    def einsum_routed(subscripts, *operands, **kwargs):
+        if (subscripts == "bdg,odg->bod" and len(operands) == 2 and not kwargs
+                and all(o.dtype == mx.float32 and o.ndim == 3 for o in operands) and float_linear.on_cpu()):
+            x, w = operands
+            return mx.stack([float_linear.float_matmul(x[:, d, :], w[:, d, :]) for d in range(x.shape[1])], axis=-1)
+        return einsum(subscripts, *operands, **kwargs)
+
+    nn.quantize, mx.einsum = quantize_routed, einsum_routed
+    try:
+        yield
+    finally:
+        nn.quantize, mx.einsum = quantize, einsum
+        for _, m in model.named_modules():
+            if type(m) is _KernelQuantizedLinear:
+                m.__class__ = nn.QuantizedLinear
+
+
+def float_twin(model):
+    """The protocol's float model as plain float32 Linear/Embedding layers
+    (what mlx-lm's quantizers take), on mixbits' routes."""
+    from mixbits.measure.dynamic_quant import float_copy
+    from mixbits.nn import patch
+
+    twin = float_copy(model)
+    patch(twin)
+    return twin
+
+
+def _fp16_storage(qmodel) -> None:
+    """Scales and biases of every affine quantized layer as the protocol
+    stores and counts them (float16), as mlx-lm leaves them for an fp16 model."""
+    for _, m in qmodel.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            m.scales = m.scales.astype(mx.float16)
+            if m.get("biases") is not None:
+                m.biases = m.biases.astype(mx.float16)
+
+
+def quantized_bpw(qmodel, sites) -> float:
+    """Storage bpw over ``sites`` of a model whose site layers are MLX affine
+    quantized layers, from their arrays: the packed codes' bits (uint32
+    words) + 16 bits per scale and per bias, over the weights they encode."""
+    mods = dict(qmodel.named_modules())
+    bits = n = 0
+    for p in sites:
+        m = mods.get(p)
+        if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or getattr(m, "mode", "affine") != "affine":
+            raise ValueError(f"{p} is not an affine quantized layer: {type(m).__name__}")
+        codes = m.weight.size * 32
+        bits += codes + 16 * (m.scales.size + (m.biases.size if m.get("biases") is not None else 0))
+        n += codes // m.bits
+    return bits / n
+
+
+def score_model(evaluators: dict, qmodel, sets=None) -> dict[str, list[float]]:
+    """{held-out name: per-sequence KL} of ``qmodel`` (a copy of the
+    evaluators' model as a quantizer left it) on the protocol's evaluators:
+    its site layers replace the evaluators' for the run (as kquant.score_gguf
+    does), and every other parameter it changed (AWQ's norms, which take its
+    input scales) is loaded for the run too; all put back after. The KL is
+    the evaluators' own (_kls_with), as for every plan."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    ev0 = next(iter(evaluators.values()))
+    if ev0.pinned:
+        raise ValueError("the model pins layers outside the sites: the swap would not replace them")
+    mods = dict(qmodel.named_modules())
+    missing = [p for p in ev0.sites if p not in mods]
+    if missing:
+        raise ValueError(f"qmodel lacks the sites {missing[:5]}")
+    layers = {p: mods[p] for p in ev0.sites}
+    inside = tuple(f"{p}." for p in ev0.sites)
+    mine = dict(tree_flatten(ev0.model.parameters()))
+    changed, saved = [], []
+    for k, v in tree_flatten(qmodel.parameters()):
+        if k.startswith(inside):
+            continue
+        if k not in mine or mine[k].shape != v.shape:
+            raise ValueError(f"qmodel's {k} is not a parameter of the evaluators' model of that shape")
+        if not mx.array_equal(mine[k], v).item():
+            changed.append((k, v.astype(mine[k].dtype)))
+            saved.append((k, mine[k]))
+    try:
+        if changed:
+            ev0.model.update(tree_unflatten(changed))
+        return {k: ev._kls_with(layers, ev.n_chunks).mean(axis=1).tolist()
+                for k, ev in evaluators.items() if sets is None or k in sets}
+    finally:
+        if saved:
+            ev0.model.update(tree_unflatten(saved))
+
+
+def gptq_model(model, calib: np.ndarray, bits: int, group: int):
+    """mlx-lm's gptq_quantize on the float twin of ``model`` with ``calib``
+    (one batch), every block linear at ``bits``/``group``; the embedding
+    (tied head), which GPTQ does not touch, round-to-nearest at the same
+    width (its fallback), as uniform quantizes it."""
+    from mixbits import routing
+    from mlx_lm.quant import gptq
+
+    if bits not in GPTQ_BITS:
+        raise ValueError(f"mlx-lm's gptq packs {GPTQ_BITS} bits only, got {bits}")
+    twin = float_twin(model)
+    # its layer test is type(l) in {nn.Linear, SwitchLinear}: the twin's
+    # routed linears (an nn.Linear subclass) count as linears for the run
+    keep = gptq.SwitchLinear
+    gptq.SwitchLinear = routing._RoutedLinear
+    try:
+        with routed_products():
+            q, _ = gptq.gptq_quantize(twin, mx.array(calib), bits, group, bits, group, batch_size=len(calib))
+    finally:
+        gptq.SwitchLinear = keep
+    return q
+
+
+def awq_model(model, calib: np.ndarray, bits: int, group: int, model_type: str):
+    """mlx-lm's awq_quantize on the float twin of ``model`` with ``calib``:
+    scale search and clipping per block, the embedding (tied head) at the
+    same width and group (its embed_bits / embed_group_size), n_grid 20."""
+    from mlx_lm.quant import awq
+
+    cfg = awq.AWQ_MODEL_CONFIGS.get(model_type)
+    if cfg is None:
+        raise ValueError(f"mlx-lm's awq has no config for {model_type!r}")
+    twin = float_twin(model)
+    with routed_products(), awq_routes(twin):
+        awq.awq_quantize(twin, mx.array(calib), cfg, group_size=group, bits=bits, embed_group_size=group,
+                         embed_bits=bits)
+    return twin
+
+
+def dwq_model(model, calib: np.ndarray, bits: int, group: int, epochs: int):
+    """mlx-lm's dwq_quantize: the float twin of ``model`` quantized
+    round-to-nearest at ``bits``/``group`` (the embedding too: mlx-lm's
+    quantize_model), its scales and biases then trained to the twin's
+    logits (KL at temperature 2, Adam at mlx-lm's default learning rate,
+    batches of DWQ_BATCH) for ``epochs`` passes over ``calib`` -- the only
+    tokens it gets, for training and for its validation loss alike. Returns
+    (model, {"steps", "valid_loss_before", "valid_loss_after"})."""
+    import copy
+    import io
+    import mlx.optimizers as optimizers
+    from contextlib import redirect_stdout
+
+    from mlx_lm.quant import dwq
+
+    twin = float_twin(model)
+    student = copy.deepcopy(twin)
+    nn.quantize(student, group_size=group, bits=bits)
+    seqs = [(list(map(int, row)), 0) for row in calib]
+    targets = {}
+
+    def target_fn(batch, idx, split):
+        key = np.asarray(batch).tobytes()
+        if key not in targets:  # the same batches come back every epoch
+            targets[key] = twin(batch)
+            mx.eval(targets[key])
+        return targets[key]
+
+    log = io.StringIO()
+    with routed_products(), redirect_stdout(log):
+        dwq.dwq_quantize(student, target_fn, optimizers.Adam(learning_rate=DWQ_LR, bias_correction=True),
+                         seqs * epochs, seqs, batch_size=DWQ_BATCH, max_seq_length=calib.shape[1] + 1, seed=0,
+                         dtype=mx.float32)
+    student.eval()
+    losses = [float(ln.rsplit("loss=", 1)[1]) for ln in log.getvalue().splitlines() if ln.startswith("Validation")]
+    return student, {"steps": epochs * (len(seqs) // DWQ_BATCH), "valid_loss_before": losses[0] if losses else None,
+                     "valid_loss_after": losses[-1] if losses else None}
+
+
+def mlxlm_widths(method: str, sites, bpw, budgets) -> list[tuple[int, int]]:
+    """(bits, group) of ``method``'s runs: of each width it takes, the finest
+    group whose storage bpw fits each budget (as finest_fitting does for
+    uniform: every site, the embedding included, at that one kind)."""
+    widths = GPTQ_BITS if method == "gptq" else BITS
+    plans = {f"{method} {b}b_g{g}": {s.path: f"{b}b_g{g}" for s in sites} for b in widths for g in GROUPS}
+    return sorted({tuple(int(x) for x in n.split()[1].replace("b_g", " ").split())
+                   for n in finest_fitting(plans, bpw, budgets)})
+
+
+def mlxlm_record(sc: "Scorer", method: str, calib: np.ndarray, bits: int, group: int, sets,
+                 dwq_epochs: int = 0, model_type: str = "llama") -> dict:
+    """Quantize the scorer's float model with mlx-lm's ``method`` on
+    ``calib`` and score the model it leaves on ``sets``: storage bpw from
+    its arrays (fp16 scales and biases), checked equal to the protocol's
+    count for the uniform plan it is; quantize and score seconds."""
+    from mixbits.nn import patch
+
+    t0 = time.perf_counter()
+    info = {}
+    if method == "gptq":
+        q = gptq_model(sc.model, calib, bits, group)
+    elif method == "awq":
+        q = awq_model(sc.model, calib, bits, group, model_type)
+    elif method == "dwq":
+        q, info = dwq_model(sc.model, calib, bits, group, dwq_epochs)
+    else:
+        raise ValueError(f"unknown mlx-lm quantizer {method!r}")
+    mx.eval(q.parameters())
+    secs = time.perf_counter() - t0
+    _fp16_storage(q)
+    paths = [s.path for s in sc.sites]
+    bpw = quantized_bpw(q, paths)
+    want = sc.bpw({p: f"{bits}b_g{group}" for p in paths})
+    if abs(bpw - want) > 1e-9:
+        raise RuntimeError(f"mlx-lm {method} stored {bpw:.6f} bpw, not the {want:.6f} of {bits}b_g{group}")
+    patch(q)  # its quantized layers on mixbits' kernels, as the evaluators' own
+    t1 = time.perf_counter()
+    kl = score_model(sc.evals, q, sets)
+    return {"bpw": bpw, "kl": kl, "quantize_s": round(secs, 1), "score_s": round(time.perf_counter() - t1, 1),
+            "calibration_tokens": list(calib.shape), **info}
+
+
 def run_convert(model_name: str, tokens: np.ndarray, budgets, out: Path, extra=()) -> float:
     """``mixbits convert`` with its defaults (or ``extra`` options) on
     ``tokens``; returns wall seconds of this call (the stage times over all
@@ -386,6 +701,15 @@ def main() -> None:
     ap.add_argument("--result", type=Path, help="results file (default: results/quality_protocol_<model>.json)")
     ap.add_argument("--kquant", action="store_true",
                     help="add llama.cpp's K-quant mixes, with and without imatrix (bench/kquant.py)")
+    ap.add_argument("--held-out", nargs="+", metavar="SET",
+                    help="held-out sets to build (default: all); contenders missing another set are not scored "
+                         "on it and the summary covers these")
+    ap.add_argument("--gptq", action="store_true",
+                    help="add mlx-lm's GPTQ (2/4/8 bits: what it packs) at the widths that fit the budgets")
+    ap.add_argument("--awq", action="store_true", help="add mlx-lm's AWQ at the widths that fit the budgets")
+    ap.add_argument("--dwq", type=int, default=0, metavar="EPOCHS",
+                    help="add mlx-lm's DWQ (RTN, then scales/biases distilled) with EPOCHS passes over the seed's "
+                         f"calibration set ({N_CAL // DWQ_BATCH} steps each at the default --n-cal)")
     ap.add_argument("--kquant-all", action="store_true",
                     help="score every K-quant mix; default: only those at storage bpw <= the largest budget "
                          "(the others' bpw and types are recorded, their KL is not run)")
@@ -411,7 +735,7 @@ def main() -> None:
         tmp.write_text(json.dumps(records))
         os.replace(tmp, rec_file)
 
-    sc = Scorer(args.model)
+    sc = Scorer(args.model, args.held_out)
     calib, _ = token_sets(sc.tok, args.seeds, args.n_cal)
 
     def add(name, plan, sets=None, calibration=None, **extra):
@@ -454,6 +778,19 @@ def main() -> None:
                 print(f"{name}: bpw {records[name]['bpw']:.3f} KL licenses "
                       f"{np.mean(records[name]['kl']['licenses']):.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
                 save()
+    methods = [m for m, on in (("gptq", args.gptq), ("awq", args.awq), ("dwq", args.dwq > 0)) if on]
+    for method in methods:  # mlx-lm's calibrated quantizers, every seed, the claim's set only (as dq)
+        for bits, group in reversed(mlxlm_widths(method, sc.sites, sc.bpw, args.budgets)):  # widest first
+            for s in args.seeds:
+                name = f"mlx-lm {method}{args.dwq if method == 'dwq' else ''} {bits}b_g{group} seed{s}"
+                if "licenses" in records.get(name, {}).get("kl", {}):
+                    continue
+                records[name] = mlxlm_record(sc, method, calib[s], bits, group, ["licenses"], args.dwq,
+                                             getattr(sc.model, "model_type", "llama"))
+                r = records[name]
+                print(f"{name}: bpw {r['bpw']:.3f} KL licenses {np.mean(r['kl']['licenses']):.4f} "
+                      f"(quantize {r['quantize_s']:.0f} s, score {r['score_s']:.0f} s)", flush=True)
+                save()
     for s in mseeds:
         out = work / f"seed{s}" / args.model
         ready = [b for b in args.budgets if (Path(str(out) + ".work") / f"allocation_{b:g}bpw.json").exists()]
@@ -479,6 +816,14 @@ def main() -> None:
               "mixbits_stage_wall_s": timings, "bench_wall_s_this_run": round(time.perf_counter() - t_start, 1),
               "summary": {h: summarize(records, args.budgets, args.seeds, mseeds, h) for h in sc.held},
               "records": records}
+    if methods:
+        result["protocol"]["mlx_lm_quantizers"] = {
+            "methods": methods, "mlx_lm": _version("mlx-lm"), "mlx": _version("mlx"),
+            "calibration": "the seed's calibration tokens, one batch (GPTQ Hessians, AWQ activations; DWQ: "
+                           f"{args.dwq} epoch(s) of batches of {DWQ_BATCH} at lr {DWQ_LR})",
+            "kinds": "every site at one bits/group, the embedding (tied head) round-to-nearest at the same kind",
+            "bpw": "from the quantized arrays, fp16 scales and biases (equal to the uniform kind's count)",
+            "scored": "the model as the quantizer left it (sites + changed norms swapped in), same evaluator"}
     if args.kquant:
         result["protocol"]["llama_cpp"] = {
             "bpw": "bytes of the same 211 tensors in the quantized GGUF (super-block scales included)",
