@@ -62,8 +62,8 @@ def test_refine_projection_counts_reference_pass_and_layer_builds():
 
 def test_grad_measure_projection_counts_fisher_and_every_pair_rating():
     p = Probe(n_seq=8, fisher_seq=3.0, pair=(0.5, 0.1), pair_units=[10] * 6, joint_seq=2.0,
-              rate_units=[0.25] * 6, hessian_tensors=2)
-    # 8 sequences x 2 samples x 3 s, 6 pairs x 0.25 s, 2 tensors' X^T X x 8 sequences x 0.1 s
+              rate_units=[0.25] * 6, hessian_blocks=2)
+    # 8 sequences x 2 samples x 3 s, 6 pairs x 0.25 s, 2 blocks' X^T X replays x 8 sequences x 0.1 s
     want = 8 * 2 * 3.0 + 6 * 0.25 + 2 * 8 * 0.1
     assert p.stage_seconds("grad", [3.5], 30, 0.15, 2)["measure"] == want
     exact = 8 * 6 * (0.5 + 0.1 * 10)

@@ -181,7 +181,9 @@ class Probe:
     # The proxy's rating of each (tensor, candidate) pair, seconds, in pair_units' order:
     # quantizing the tensor at the candidate and the Fisher-weighted error (grad/two-stage).
     rate_units: list[float] = field(default_factory=list)
-    hessian_tensors: int = 0  # tensors with a calibrated candidate: one block replay each for X^T X
+    # blocks holding a linear with a calibrated candidate: one replay each records
+    # their X^T X (Replayer.input_hessian's along)
+    hessian_blocks: int = 0
 
     @property
     def pairs(self) -> int:
@@ -193,10 +195,10 @@ class Probe:
         passes per sequence; timed with one, the recording forward so
         counted once per sample: a little over), then every (tensor,
         candidate) pair quantized and rated, and for tensors with a
-        calibrated candidate their input's X^T X (one block forward per
-        sequence, taken as an exact pair's per-block cost)."""
+        calibrated candidate their input's X^T X (one forward of their
+        block per sequence, taken as an exact pair's per-block cost)."""
         return (self.n_seq * samples * self.fisher_seq + sum(self.rate_units)
-                + self.hessian_tensors * self.n_seq * self.pair[1])
+                + self.hessian_blocks * self.n_seq * self.pair[1])
 
     def stage_seconds(self, method: str, bpws, max_evals: int, exact_budget: float,
                       samples: int) -> dict[str, float]:
@@ -362,7 +364,7 @@ def timing_probe(model, tokens, sites, candidates, bpw=None, refines: int = 1) -
     ``bpw``: the target its candidate is chosen nearest to). ``refines``:
     refine's searches per budget (one per candidate menu)."""
     from .adapter import ModelAdapter
-    from .measure.candidates import parse_candidate, supports
+    from .measure.candidates import needs_inputs, parse_candidate, supports
     from .measure.grad import fisher_stream
     from .measure.joint import JointEvaluator
     from .measure.replay import Replayer, token_chunks
@@ -402,8 +404,8 @@ def timing_probe(model, tokens, sites, candidates, bpw=None, refines: int = 1) -
     joint, build = _quantized_probe(ev, sites, cands, bpw)
     rates = _rating_probe(ev.originals, sites, cands)
     return Probe(len(tokens), fisher, pair, units, joint, reference, build, len(cands), refines,
-                 rate_units=rates, hessian_tensors=sum(any(c.calibrated and supports(c, s) for c in cands)
-                                                       for s in sites))
+                 rate_units=rates, hessian_blocks=len({s.block for s in sites
+                                                       if any(supports(c, s) and needs_inputs(c, s) for c in cands)}))
 
 
 def menu_allocation_path(work: Path, bpw: float, menu: str) -> Path:

@@ -68,17 +68,26 @@ def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = 
     from mixbits import streaming
 
     # Hessians come from the unquantized model: all layers are built before
-    # any is swapped in. Tensor by tensor: each built and evaluated, then
-    # its float weight let go (a model loaded lazily keeps it on disk).
+    # any is swapped in. Tensor by tensor, block by block: each built and
+    # evaluated, then its float weight let go (a model loaded lazily keeps
+    # it on disk). The inputs of a block's calibrated linears are recorded
+    # in one replay of the block (Replayer.input_hessian's ``along``).
+    blocks = {s.path: s.block for s in adapter.sites}  # paths the model pins may not be sites
+    plan = dict(sorted(plan.items(), key=lambda pc: -1 if blocks.get(pc[0]) is None else blocks[pc[0]]))
+    calibrated = [adapter.site(p) for p, c in plan.items() if c.calibrated and needs_inputs(c, adapter.site(p))]
     built = {}
     for p, c in plan.items():
         original = adapter.get(p)
-        layer = build_layer(original, c, scale_dtype,
-                            rp.input_hessian(adapter.site(p))
-                            if c.calibrated and needs_inputs(c, adapter.site(p)) else None)
+        inputs = None
+        if c.calibrated and needs_inputs(c, adapter.site(p)):
+            inputs = rp.input_hessian(adapter.site(p), along=calibrated)
+        layer = build_layer(original, c, scale_dtype, inputs)
+        del inputs
         mx.eval(layer.parameters())
         built[p] = layer
         streaming.release(original)
+    if rp is not None:
+        rp.forget_inputs()
     for p, layer in built.items():
         adapter.set(p, layer)
     return list(built)

@@ -401,6 +401,7 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
 
     from . import fisher_blocks
     from ..adapter import ModelAdapter
+    from .candidates import needs_inputs
     from .replay import Replayer, token_chunks
 
     energy: dict = {}
@@ -460,6 +461,9 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
                     break
             fisher_pass = chain["pass"]
             share = (time.perf_counter() - t_group) / max(1, len(fisher))
+            # the group's calibrated linears: their inputs recorded in one replay of the block
+            along = [s for s in sites if s.path in fisher and s.path not in fallback
+                     and any(needs_inputs(c, s) for c in site_cands[s.path])]
             fallback.update({p: f"{n} of the Fisher diagonal's {fisher[p].size} entries are not finite"
                              for p, n in _nonfinite(fisher).items()})
             for s in sites:
@@ -471,7 +475,7 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
                 t1 = time.perf_counter()
                 # Let go of each diagonal once rated (an 8B embedding's is 2 GiB).
                 entry = _rate(ad, s, fisher.pop(s.path), n_tok, site_cands[s.path], scale_dtype,
-                              energy, rp)
+                              energy, rp, along)
                 if entry is None:
                     fallback[s.path] = "the estimate overflows"
                 else:
@@ -479,6 +483,8 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
                     out[s.path] = entry
                 save()
             save()  # the group's fallbacks, when none of it was rated
+            if replayer:
+                replayer[0].forget_inputs()  # the group's X^T X, before the next Fisher pass
             if ck and chain.get("block") is not None:
                 fisher_blocks.save_cotangents(ck.cotangents, chain["block"], chain["cotangents"], ck.key)
             del fisher
@@ -508,9 +514,10 @@ def grad_entries(model, tokens, sites, site_cands, *, scale_dtype=None, samples:
     return [out[s.path] for s in sites]
 
 
-def _rate(ad, s, fisher, n_tok, cands_of_site, scale_dtype, energy, rp) -> dict | None:
+def _rate(ad, s, fisher, n_tok, cands_of_site, scale_dtype, energy, rp, along=()) -> dict | None:
     """The table entry of site ``s`` from its Fisher diagonal (None when an
-    estimate is not finite)."""
+    estimate is not finite). ``along``: the sites rated next whose inputs
+    the same replay records (Replayer.input_hessian)."""
     from ..adapter import dense_weight
     from .candidates import build_layer, needs_inputs
     from .sweep import storage_bits
@@ -519,7 +526,7 @@ def _rate(ad, s, fisher, n_tok, cands_of_site, scale_dtype, energy, rp) -> dict 
     dense, fish = dense_weight(original), mx.array(fisher)
     mx.eval(dense, fish)
     del fisher  # the numpy copy: MLX holds its own now
-    inputs = rp().input_hessian(s) if any(needs_inputs(c, s) for c in cands_of_site) else None
+    inputs = rp().input_hessian(s, along) if any(needs_inputs(c, s) for c in cands_of_site) else None
     cands = []
     for c in cands_of_site:
         layer = build_layer(original, c, scale_dtype, inputs, dense)

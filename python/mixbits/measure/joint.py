@@ -192,17 +192,26 @@ class JointEvaluator:
             store.put((ci, b, sigs[b]), block_out)
         return out
 
-    def hessian(self, path: str):
+    def hessian(self, path: str, along=()):
         """(X^T X, tokens) of a tensor's input on the calibration tokens
-        (this evaluator's own unless ``calibration`` was given), from a replay of the unquantized model."""
+        (this evaluator's own unless ``calibration`` was given), from a replay of the unquantized model.
+        ``along``: paths asked for next, recorded in the same replay where
+        they share the block (Replayer.input_hessian)."""
         from .replay import Replayer, token_chunks
 
         if self._calibration is not None:
-            return self._calibration.hessian(path)
+            return self._calibration.hessian(path, along)
         if getattr(self, "_replayer", None) is None:
             self._replayer = Replayer(self.model, token_chunks(self.tokens, self.chunk),
                                       self.adapter)
-        return self._replayer.input_hessian(self.sites[path])
+        return self._replayer.input_hessian(self.sites[path], [self.sites[p] for p in along])
+
+    def _forget_inputs(self) -> None:
+        """Let go of the replay's last recorded X^T X (one block's)."""
+        if self._calibration is not None:
+            return self._calibration._forget_inputs()
+        if getattr(self, "_replayer", None) is not None:
+            self._replayer.forget_inputs()
 
     def pin_outside(self, embed_bits: int | None, group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, str]:
         """Embeddings and head (the tensors outside the blocks) at
@@ -212,13 +221,16 @@ class JointEvaluator:
         self.pinned.update(added)
         return added
 
-    def layer(self, path: str, cand_name: str):
+    def layer(self, path: str, cand_name: str, along=()):
+        """The built layer of ``path`` at ``cand_name`` (cached). ``along``:
+        paths whose layers are built next (their inputs recorded in the same
+        replay, :meth:`hessian`)."""
         key = (path, cand_name)
         layer = self._layers.get(key)
         if layer is None:  # never built, or dropped by the cache's limit
             cand = parse_candidate(cand_name)
             site = self.sites.get(path)
-            h = self.hessian(path) if site is not None and needs_inputs(cand, site) else None
+            h = self.hessian(path, along) if site is not None and needs_inputs(cand, site) else None
             layer = build_layer(self.originals[path], cand, self.scale_dtype, h)
             mx.eval(layer.parameters())
             from .. import streaming
@@ -260,8 +272,13 @@ class JointEvaluator:
         if key in self._scores:
             self.reused += 1
             return self._scores[key].copy()
-        out = self._kls_with({path: self.layer(path, cand) for path, cand in assignment.items()}, n,
-                             assignment)
+        # The layers to build, their calibrated linears' inputs recorded one replay per block.
+        along = [p for p, c in assignment.items() if (p, c) not in self._layers and p in self.sites
+                 and needs_inputs(parse_candidate(c), self.sites[p])]
+        modules = {path: self.layer(path, cand, along) for path, cand in assignment.items()}
+        if along:
+            self._forget_inputs()  # the last block's X^T X, not held through the forwards
+        out = self._kls_with(modules, n, assignment)
         self.evaluations += 1
         self._scores[key] = out
         return out.copy()

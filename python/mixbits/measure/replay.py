@@ -179,22 +179,76 @@ class _LeafBranch(BlockProxy):
         return self._split(name) if callable(attr) and not name.startswith("_") else attr
 
 
-class _InputRecorder(BlockProxy):
-    """Accumulates X^T X (float32 numpy) of what a linear receives. The
-    product runs in numpy: OpenBLAS's sgemm, not MLX's CPU matmul, which
-    on Linux is reference BLAS (~40x slower here). Converting x evaluates
-    the block only up to this input."""
+class _InputPass:
+    """X^T X (float32 numpy) of what several linears receive over one pass
+    (a replay of their block on every chunk, or the model's forward). The
+    product runs in numpy: OpenBLAS's sgemm, not MLX's CPU matmul, which on
+    Linux is reference BLAS (~40x slower here). Converting an input
+    evaluates the block only up to it.
 
-    def __init__(self, inner):
+    An input array handed to several linears (q/k/v get the same x, gate
+    and up the same x) is converted and multiplied once per call, and
+    linears that received the same inputs in the same order share one
+    running sum: the same float32 products added in the same order as a
+    pass recording one of them alone, so every matrix is bit-identical to
+    that pass's. Inputs are told apart by identity (the array object the
+    block passes), never by shape or value: q's and o's inputs have the
+    same shape. What a call's inputs hold is let go by :meth:`end_call`."""
+
+    def __init__(self):
+        self._seen: list = []  # this call's (input, serial, X^T X); holding x keeps its id unique
+        self._serials = 0
+        self._sums: dict = {}  # serials received so far -> (running X^T X, token count)
+        self.recorders: dict = {}  # path -> _InputRecorder
+
+    def add(self, inner, path: str):
+        rec = self.recorders[path] = _InputRecorder(inner, self)
+        return rec
+
+    def receive(self, rec, x) -> None:
+        got = next(((s, h) for held, s, h in self._seen if held is x), None)
+        if got is None:
+            x2 = np.array(x.reshape(-1, x.shape[-1]).astype(mx.float32))
+            got = (self._serials, x2.T @ x2)
+            self._seen.append((x, *got))
+            self._serials += 1
+        serial, h = got
+        old, new = rec._key, rec._key + (serial,)
+        if new not in self._sums:
+            n = x.size // x.shape[-1]
+            if old:
+                prev, n0 = self._sums[old]
+                self._sums[new] = (prev + h, n0 + n)
+            else:
+                self._sums[new] = (h, n)
+        object.__setattr__(rec, "_key", new)
+        if old and all(r._key != old for r in self.recorders.values()):
+            del self._sums[old]  # no linear's sum goes on from there
+
+    def end_call(self) -> None:
+        self._seen.clear()
+
+    def result(self, path: str):
+        """(X^T X, token count) of ``path``'s inputs; (None, 0) when it got none.
+        The matrix is read-only: linears that got the same inputs share it."""
+        key = self.recorders[path]._key
+        if not key:
+            return None, 0
+        h, n = self._sums[key]
+        h.flags.writeable = False
+        return h, n
+
+
+class _InputRecorder(BlockProxy):
+    """Passes what a linear receives to its :class:`_InputPass`, then runs it."""
+
+    def __init__(self, inner, rec_pass: _InputPass):
         super().__init__(inner)
-        object.__setattr__(self, "_h", None)
-        object.__setattr__(self, "_n", 0)
+        object.__setattr__(self, "_pass", rec_pass)
+        object.__setattr__(self, "_key", ())
 
     def __call__(self, x, *args, **kwargs):
-        x2 = np.array(x.reshape(-1, x.shape[-1]).astype(mx.float32))
-        h = x2.T @ x2
-        object.__setattr__(self, "_h", h if self._h is None else self._h + h)
-        object.__setattr__(self, "_n", self._n + x2.shape[0])
+        self._pass.receive(self, x)
         return self._inner(x, *args, **kwargs)
 
 
@@ -336,6 +390,7 @@ class Replayer:
         self.records: list[list] = []  # [chunk][block] -> (args, kwargs, out)
         self.axes: list[list] = []  # [chunk][block] -> (its input's batch axis, its output's)
         self.replayable = bool(self.adapter.blocks)
+        self._inputs: dict = {}  # the last input_hessian pass's {path: (X^T X, tokens)}
         # Weights on disk (mixbits.load(..., lazy=True)): every forward runs
         # block by block, evaluating each and letting its weights go; the
         # reference logits and recorded calls go to disk too, read back per
@@ -457,35 +512,69 @@ class Replayer:
 
     # ------------------------------------------------------------ layer inputs
 
-    def input_hessian(self, site: Site):
-        """(X^T X [K, K] float32 numpy, token count) of what ``site`` (a linear)
-        receives on the calibration set. A replayable model runs only the
-        site's block on its recorded arguments; otherwise the whole model.
-        Memory: one K x K matrix at a time (K = 14336 is 0.8 GB)."""
+    def input_hessian(self, site: Site, along=()):
+        """(X^T X [K, K] float32 numpy, read-only, token count) of what
+        ``site`` (a linear) receives on the calibration set. A replayable
+        model runs only the site's block on its recorded arguments;
+        otherwise the whole model.
+
+        ``along``: sites the caller will ask for next (e.g. every calibrated
+        linear it builds); those in ``site``'s block are recorded in the
+        same pass (:class:`_InputPass`: one replay of the block for all of
+        them, an input several share multiplied once) and kept until a site
+        outside that pass is asked for. Each matrix is bit-identical to a
+        pass recording its site alone. Memory: one pass's matrices at a
+        time -- one block's distinct inputs at most (K = 14336 is 0.8 GB
+        each), never more than the block's."""
+        got = self._inputs.get(site.path)
+        if got is not None:
+            return got
+        self._inputs = {}  # the last pass's matrices go before this pass makes its own
+        group = {site.path: site}
+        if site.block is not None:
+            for s in along:
+                if s.block == site.block and s.path not in group:
+                    group[s.path] = s
+        self._inputs = self._record_inputs(list(group.values()))
+        return self._inputs[site.path]
+
+    def forget_inputs(self) -> None:
+        """Let go of the matrices :meth:`input_hessian` keeps for the next asks."""
+        self._inputs = {}
+
+    def _record_inputs(self, sites: list) -> dict:
+        """{path: (X^T X, token count)} of ``sites`` (all in one block when
+        the model replays) from one pass."""
         ad = self.adapter
-        if site.block is not None and self.replayable:
-            block = ad.blocks[site.block]
-            local = ad.local_path(site)
-            original = get_module(block, local)
-            rec = _InputRecorder(original)
-            set_module(block, local, rec)
+        rec = _InputPass()
+        block_i = sites[0].block
+        if block_i is not None and self.replayable:
+            block = ad.blocks[block_i]
+            locals_ = [ad.local_path(s) for s in sites]
+            originals = [get_module(block, p) for p in locals_]
             try:
+                for p, s, o in zip(locals_, sites, originals):
+                    set_module(block, p, rec.add(o, s.path))
                 for recs in self.records:
-                    args, kwargs, _ = recs[site.block]
+                    args, kwargs, _ = recs[block_i]
                     block(*args, **kwargs)
+                    rec.end_call()
             finally:
-                set_module(block, local, original)
+                for p, o in zip(reversed(locals_), reversed(originals)):
+                    set_module(block, p, o)
                 streaming.release(block)
         else:
-            original = ad.get(site.path)
-            rec = _InputRecorder(original)
-            ad.set(site.path, rec)
+            originals = [ad.get(s.path) for s in sites]
             try:
+                for s, o in zip(sites, originals):
+                    ad.set(s.path, rec.add(o, s.path))
                 for toks in self.chunks:
                     self._plain_model(toks)
+                    rec.end_call()
             finally:
-                ad.set(site.path, original)
-        return rec._h, rec._n
+                for s, o in zip(reversed(sites), reversed(originals)):
+                    ad.set(s.path, o)
+        return {s.path: rec.result(s.path) for s in sites}
 
     # ------------------------------------------------------------ candidates
 

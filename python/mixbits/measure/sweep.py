@@ -101,12 +101,15 @@ class SiteResult:
         }
 
 
-def measure_site(rp: Replayer, site: Site, cands: list[Candidate], cfg: SweepConfig) -> SiteResult:
+def measure_site(rp: Replayer, site: Site, cands: list[Candidate], cfg: SweepConfig,
+                 along=()) -> SiteResult:
     """KL of every candidate for one tensor; candidates share the suffix
-    forward, ``cfg.max_batch`` sequences at a time."""
+    forward, ``cfg.max_batch`` sequences at a time. ``along``: the sites
+    measured next whose inputs the same replay records
+    (Replayer.input_hessian)."""
     t0 = time.perf_counter()
     original = rp.adapter.get(site.path)
-    inputs = rp.input_hessian(site) if any(needs_inputs(c, site) for c in cands) else None
+    inputs = rp.input_hessian(site, along) if any(needs_inputs(c, site) for c in cands) else None
     layers, storage = [], {}
     dense = dense_weight(original)  # decoded once, shared by the candidates' builds
     for c in cands:
@@ -287,8 +290,9 @@ def sweep(model, tokens, out: str | Path, candidates=None, *, resume: bool = Fal
                initial=sum(len(site_cands[s.path]) for s in mine if s.path in done),
                unit="cand", desc=f"sweep{'' if world == 1 else f' rank {rank}'}",
                disable=not progress, smoothing=0.1)
+    along = [s for s in todo if any(needs_inputs(c, s) for c in site_cands[s.path])]
     for site in todo:
-        res = measure_site(rp, site, site_cands[site.path], cfg)
+        res = measure_site(rp, site, site_cands[site.path], cfg, along)
         done[site.path] = res.to_entry()
         write_json_atomic(table(complete=False), out, indent=1)
         bar.update(len(site_cands[site.path]))

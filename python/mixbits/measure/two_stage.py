@@ -219,7 +219,7 @@ def proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=N
     Holds ``out``'s lock (one writer) throughout."""
     from ..adapter import ModelAdapter
     from ..formats.errors import load_json
-    from .candidates import fitting, parse_candidate
+    from .candidates import fitting, needs_inputs, parse_candidate
     from .grad import GradCheckpoint, grad_entries
     from .replay import Replayer, token_chunks
     from .sweep import measure_site
@@ -315,12 +315,15 @@ def proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=N
             todo: dict[str, list[str]] = {}
             for path, kind in plan(entries, exact, targets, quota, cost):
                 todo.setdefault(path, []).append(kind)
+            # the round's calibrated linears: a block's inputs recorded in one replay
+            along = [by_site[p] for p, kinds in todo.items()
+                     if any(needs_inputs(c, by_site[p]) for c in site_cands[p] if c.name in kinds)]
             for path, kinds in todo.items():
                 if rp is None:
                     chunk = max(1, min(len(tokens), max_batch))
                     rp = Replayer(model, token_chunks(tokens, chunk), adapter)
                 site = by_site[path]
-                res = measure_site(rp, site, [c for c in site_cands[path] if c.name in kinds], cfg)
+                res = measure_site(rp, site, [c for c in site_cands[path] if c.name in kinds], cfg, along)
                 got = res.to_entry()
                 old = done.get(path, {**got, "candidates": [], "seconds": 0.0})
                 done[path] = {**got, "candidates": old["candidates"] + got["candidates"],

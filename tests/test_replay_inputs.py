@@ -1,0 +1,161 @@
+"""Replayer.input_hessian records a block's linears in one replay of the
+block (``along``): each X^T X is bit-identical to the product of the
+inputs captured in the model's own forward, summed per call in float32
+as one linear's recording alone does, and close to numpy's float64
+X^T X of the same inputs; linears given one input (q/k/v, gate/up) share
+it, a site of another block replaces what is kept, and quantize records
+each block's inputs once."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+import tiny_models
+from mixbits.adapter import ModelAdapter
+from mixbits.measure.candidates import build_layer, parse_candidate, records_input
+from mixbits.measure.replay import Replayer
+
+
+class _Capture(nn.Module):
+    """Keeps every input of the module it wraps (float32 numpy [rows, K])."""
+
+    def __init__(self, inner, store):
+        super().__init__()
+        self.inner = inner
+        object.__setattr__(self, "store", store)
+
+    def __call__(self, x, *args, **kwargs):
+        self.store.append(np.array(x.astype(mx.float32)).reshape(-1, x.shape[-1]))
+        return self.inner(x, *args, **kwargs)
+
+
+def _captured(model, ad, chunks, paths):
+    """{path: [inputs per call]} from the model's own forward on each chunk."""
+    stores = {p: [] for p in paths}
+    originals = {p: ad.get(p) for p in paths}
+    try:
+        for p in paths:
+            ad.set(p, _Capture(originals[p], stores[p]))
+        for c in chunks:
+            mx.eval(model(c))
+    finally:
+        for p in paths:
+            ad.set(p, originals[p])
+    return stores
+
+
+def _float32_sum(xs):
+    """X^T X as one linear's recording makes it: each call's float32
+    product, added in call order."""
+    h = None
+    for x in xs:
+        hx = x.T @ x
+        h = hx if h is None else h + hx
+    return h
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, _ = tiny_models.build("llama")  # hidden 64 = 4 heads x 16: q's and o's inputs alike in shape
+    ad = ModelAdapter(model)
+    toks = np.random.default_rng(3).integers(0, 160, (4, 12))
+    chunks = [mx.array(toks[:2]), mx.array(toks[2:])]
+    sites = [s for s in ad.sites if records_input(s)]
+    caps = _captured(model, ad, chunks, [s.path for s in sites])
+    return model, ad, chunks, sites, caps
+
+
+def _check(site, got, caps):
+    h, n = got
+    xs = caps[site.path]
+    assert n == sum(len(x) for x in xs)
+    np.testing.assert_array_equal(h, _float32_sum(xs), err_msg=site.path)
+    x64 = np.concatenate(xs).astype(np.float64)
+    np.testing.assert_allclose(h, x64.T @ x64, rtol=1e-5, atol=1e-5 * np.abs(x64).max() ** 2,
+                               err_msg=site.path)
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["block-replay", "whole-model"])
+def test_one_pass_per_block_gives_each_linears_own_product(setup, monkeypatch, replay):
+    model, ad, chunks, sites, caps = setup
+    rp = Replayer(model, chunks, ad)
+    assert rp.replayable
+    rp.replayable = replay  # False: the path of a model whose blocks cannot be replayed
+    passes = []
+    record = rp._record_inputs
+    monkeypatch.setattr(rp, "_record_inputs", lambda group: passes.append([s.path for s in group])
+                        or record(group))
+    blocks = sorted({s.block for s in sites})
+    assert len(blocks) == 4 and all(sum(s.block == b for s in sites) == 7 for b in blocks)
+    got = {}
+    for s in sites:  # in the adapter's order: q, k, v, o, gate, up, down per block
+        got[s.path] = rp.input_hessian(s, along=sites)
+        # what is kept is one block's: the last pass's
+        assert {ad.site(p).block for p in rp._inputs} == {s.block}
+    assert [len(p) for p in passes] == [7] * 4  # one pass per block, all its linears
+    for s in sites:
+        _check(s, got[s.path], caps)
+    # alone (today's one-site pass) gives the same bits
+    for s in sites[:7] + sites[-7:]:
+        h, n = rp.input_hessian(s)
+        assert n == got[s.path][1]
+        np.testing.assert_array_equal(h, got[s.path][0])
+    # shared inputs share one matrix, which is read-only; distinct inputs do not
+    b0 = {ad.local_path(s): got[s.path][0] for s in sites if s.block == 0}
+    assert b0["self_attn.q_proj"] is b0["self_attn.k_proj"] is b0["self_attn.v_proj"]
+    assert b0["mlp.gate_proj"] is b0["mlp.up_proj"]
+    assert b0["self_attn.o_proj"] is not b0["self_attn.q_proj"]
+    assert not np.array_equal(b0["self_attn.o_proj"], b0["self_attn.q_proj"])
+    with pytest.raises(ValueError, match="read-only"):
+        b0["self_attn.q_proj"][0, 0] = 1.0
+
+
+def test_out_of_order_asks_and_sites_of_other_blocks(setup):
+    """A site asked for out of the block order, and ``along`` naming other
+    blocks' sites: each still gets its own matrix; the kept matrices are
+    those of the asked site's block only."""
+    model, ad, chunks, sites, caps = setup
+    rp = Replayer(model, chunks, ad)
+    rng = np.random.default_rng(0)
+    for i in rng.permutation(len(sites)):
+        s = sites[i]
+        _check(s, rp.input_hessian(s, along=sites[::-1]), caps)
+        assert {ad.site(p).block for p in rp._inputs} == {s.block}
+    rp.forget_inputs()
+    assert rp._inputs == {}
+
+
+def test_quantize_records_each_block_once_and_builds_from_its_own_inputs(setup, monkeypatch):
+    """quantize_candidates at +search kinds: one pass per block, and every
+    layer bit-identical to build_layer with X^T X of its captured inputs."""
+    from mixbits.commands.quantize import quantize_candidates
+
+    _, _, chunks, sites, _ = setup
+    model, _ = tiny_models.build("llama")  # a fresh copy of the same weights to quantize
+    ad = ModelAdapter(model)
+    tokens = np.concatenate([np.array(c) for c in chunks])
+    assert tokens.shape[0] == 4  # quantize's chunks are 4 rows: one forward here
+    caps = _captured(model, ad, [mx.array(tokens)], [s.path for s in sites])
+    kinds = ["4b_g64+search", "3b_g32+search", "4b10_3b_g64+search"]
+    # the allocation in reverse path order: quantize groups it by block
+    chosen = {s.path: parse_candidate(kinds[i % 3]) for i, s in reversed(list(enumerate(sites)))}
+    originals = {p: ad.get(p) for p in chosen}
+    passes = []
+    record = Replayer._record_inputs
+
+    def counted(self, group):
+        passes.append(len(group))
+        return record(self, group)
+
+    monkeypatch.setattr(Replayer, "_record_inputs", counted)
+    replaced = quantize_candidates(model, chosen, tokens=tokens)
+    assert sorted(replaced) == sorted(chosen)
+    assert passes == [7] * 4
+    for p, c in chosen.items():
+        want = build_layer(originals[p], c, None, (_float32_sum(caps[p]), sum(map(len, caps[p]))))
+        got, want = tree_flatten(ad.get(p).parameters()), tree_flatten(want.parameters())
+        assert [k for k, _ in got] == [k for k, _ in want]
+        for (k, a), (_, b) in zip(got, want):
+            np.testing.assert_array_equal(np.array(a), np.array(b), err_msg=f"{p} {k}")
