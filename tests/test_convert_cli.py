@@ -61,9 +61,11 @@ def test_convert_end_to_end(arch, tmp_path_factory, tmp_path, capsys):
     argv = ["convert", "--model", str(d / "model"), "--tokens", str(d / "tokens.npy"),
             "--bpw", "3.6", "--out", str(out), "--max-evals", "3"]
     assert main(argv) == 0, capsys.readouterr().err
-    printed = capsys.readouterr().out
+    shown = capsys.readouterr()
+    printed = shown.out
     for stage in ("[1/4] calibration", "[2/4] measure", "[3/4] refine", "[4/4] quantize"):
         assert stage in printed
+    assert "quantize: 100%" in shown.err  # the stage's bar of tensors built, through to the end
     alloc = json.loads((out / "allocation.json").read_text())
     assert alloc["average_bpw_storage"] <= 3.6 + 1e-9
     assert alloc["baselines"] and alloc["guard"]["joint_kl"] <= min(b["joint_kl"] for b in alloc["baselines"])

@@ -433,7 +433,7 @@ def _quantize(args, r, table, tokens, timings, timed, step) -> None:
     model, tokenizer, config = mixbits.load(args.model, lazy=True)  # each tensor read as it is quantized
     # As `mixbits quantize` applies an allocation: tensors it leaves out at its embed_bits.
     quantize_candidates(model, allocation_candidates(r.allocation, model), tokens=tokens,
-                        embed_bits=r.allocation.get("embed_bits"))
+                        embed_bits=r.allocation.get("embed_bits"), progress=True)
     png = io.BytesIO()
     plot_table(table, png, allocation=r.allocation, title=f"{Path(str(args.model)).name}, {r.bpw:g} bpw")
     r.seconds = _seconds(timings)

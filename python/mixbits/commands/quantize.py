@@ -38,7 +38,7 @@ def allocation_candidates(alloc, model, *, group_size: int = DEFAULT_GROUP_SIZE,
 
 def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = True,
                         tokens=None, embed_bits: int | None = None,
-                        group_size: int = DEFAULT_GROUP_SIZE) -> list[str]:
+                        group_size: int = DEFAULT_GROUP_SIZE, progress: bool = False) -> list[str]:
     """Replace every tensor in ``chosen`` ({path: Candidate}) by its
     candidate module -- the same constructor the sweep measured -- and,
     with ``fixed``, the tensors the model's own quant_predicate pins (e.g.
@@ -46,7 +46,7 @@ def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = 
     (``+gptq``, ``+search``) need the calibration ``tokens`` [n_seq, seq_len]
     their layer inputs come from (the sweep's). ``embed_bits``: embeddings
     and head not in ``chosen`` at that width (:func:`mixbits.measure.candidates.embed_candidates`).
-    Returns replaced paths."""
+    ``progress``: a bar of the tensors built (stderr). Returns replaced paths."""
     import mlx.core as mx
 
     from mixbits.adapter import ModelAdapter
@@ -75,8 +75,10 @@ def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = 
     blocks = {s.path: s.block for s in adapter.sites}  # paths the model pins may not be sites
     plan = dict(sorted(plan.items(), key=lambda pc: -1 if blocks.get(pc[0]) is None else blocks[pc[0]]))
     calibrated = [adapter.site(p) for p, c in plan.items() if c.calibrated and needs_inputs(c, adapter.site(p))]
+    from tqdm import tqdm
+
     built = {}
-    for p, c in plan.items():
+    for p, c in tqdm(plan.items(), total=len(plan), desc="quantize", unit="tensor", disable=not progress):
         original = adapter.get(p)
         inputs = None
         if c.calibrated and needs_inputs(c, adapter.site(p)):
@@ -172,7 +174,7 @@ def _run(args) -> int:
                                        strip_prefix=args.strip_prefix)
         embed = args.embed_bits if args.embed_bits is not None else alloc.embed_bits
         replaced = quantize_candidates(model, chosen, tokens=tokens, embed_bits=embed,
-                                       group_size=args.group_size)
+                                       group_size=args.group_size, progress=True)
     except (KeyError, ValueError, TypeError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         raise FormatError(f"--allocation: {msg}") from None
