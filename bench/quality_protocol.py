@@ -595,7 +595,7 @@ def mlxlm_record(sc: "Scorer", method: str, calib: np.ndarray, bits: int, group:
     t1 = time.perf_counter()
     kl = score_model(sc.evals, q, sets)
     return {"bpw": bpw, "kl": kl, "quantize_s": round(secs, 1), "score_s": round(time.perf_counter() - t1, 1),
-            "calibration_tokens": list(calib.shape), **info}
+            "load_1min": round(os.getloadavg()[0], 2), "calibration_tokens": list(calib.shape), **info}
 
 
 def run_convert(model_name: str, tokens: np.ndarray, budgets, out: Path, extra=()) -> float:
@@ -662,8 +662,9 @@ def summarize(records: dict, budgets, seeds, mixbits_seeds, held: str = "license
                "mixbits_bpw": [records[f"mixbits @{b:g} seed{s}"]["bpw"] for s in have],
                "mixbits_written": [records[f"mixbits @{b:g} seed{s}"].get("written") for s in have],
                "contenders": []}
-        # the best four, and every llama.cpp mix that fits (its own table row)
-        for m, base, kl, bpw in scored[:4] + [x for x in scored[4:] if x[1].startswith("llama.cpp")]:
+        # the best four, and every llama.cpp mix and mlx-lm quantizer run that fits (their own table rows)
+        own = ("llama.cpp", "mlx-lm gptq", "mlx-lm awq", "mlx-lm dwq")
+        for m, base, kl, bpw in scored[:4] + [x for x in scored[4:] if x[1].startswith(own)]:
             # pair mixbits' seeds with the contender's own (calibrated ones have a row per seed)
             c = {"name": base, "bpw": bpw, "kl": float(m), "kl_se": float(kl.std(ddof=1) / np.sqrt(kl.size))}
             if have:
@@ -704,6 +705,9 @@ def main() -> None:
     ap.add_argument("--held-out", nargs="+", metavar="SET",
                     help="held-out sets to build (default: all); contenders missing another set are not scored "
                          "on it and the summary covers these")
+    ap.add_argument("--summarize-only", action="store_true",
+                    help="write the results file from the records (--work's and --records-from's) without loading "
+                         "the model or scoring anything")
     ap.add_argument("--gptq", action="store_true",
                     help="add mlx-lm's GPTQ (2/4/8 bits: what it packs) at the widths that fit the budgets")
     ap.add_argument("--awq", action="store_true", help="add mlx-lm's AWQ at the widths that fit the budgets")
@@ -735,6 +739,11 @@ def main() -> None:
         tmp.write_text(json.dumps(records))
         os.replace(tmp, rec_file)
 
+    if args.summarize_only:  # no model loaded, nothing scored: the records as they are
+        held = {k: (HELD_N, SEQ_LEN) for k in (args.held_out or ("licenses", "botchan_story_tail"))}
+        methods = sorted({n.split()[1] for n in records if n.startswith(("mlx-lm gptq ", "mlx-lm awq ", "mlx-lm dwq"))})
+        write_result(args, records, held, {}, methods, conv_opts, mseeds, t_start, work)
+        return
     sc = Scorer(args.model, args.held_out)
     calib, _ = token_sets(sc.tok, args.seeds, args.n_cal)
 
@@ -805,22 +814,30 @@ def main() -> None:
         for b in ready:
             plan, written = mixbits_plan(out, b)
             add(f"mixbits @{b:g} seed{s}", plan, calibration=calib[s], written=written)
+    write_result(args, records, {k: v.shape for k, v in sc.held.items()}, timings, methods, conv_opts, mseeds,
+                 t_start, work)
+
+def write_result(args, records: dict, held: dict, timings: dict, methods: list, conv_opts: list, mseeds: list,
+                 t_start: float, work: Path) -> None:
+    """The results file: host, protocol, per-budget summary on each held-out set in ``held``
+    ({name: [sequences, tokens]}), every record."""
     result = {"host": host(), "model": args.model, "command": " ".join(sys.argv),
               "convert_options": conv_opts,
               "protocol": {"calibration": f"{args.n_cal} x {SEQ_LEN} Botchan tokens per seed (seed 0 = convert's "
                                           "default cut)", "seeds": args.seeds, "mixbits_seeds": mseeds,
-                           "held_out": {k: list(v.shape) for k, v in sc.held.items()},
+                           "held_out": {k: list(v) for k, v in held.items()},
                            "bpw": "storage (codes + fp16 scale/bias per group) over all block linears and "
                                   "the (tied) embedding, the same tensors for every contender",
                            "reference": "the model as loaded, float32"},
               "mixbits_stage_wall_s": timings, "bench_wall_s_this_run": round(time.perf_counter() - t_start, 1),
-              "summary": {h: summarize(records, args.budgets, args.seeds, mseeds, h) for h in sc.held},
+              "summary": {h: summarize(records, args.budgets, args.seeds, mseeds, h) for h in held},
               "records": records}
     if methods:
         result["protocol"]["mlx_lm_quantizers"] = {
             "methods": methods, "mlx_lm": _version("mlx-lm"), "mlx": _version("mlx"),
-            "calibration": "the seed's calibration tokens, one batch (GPTQ Hessians, AWQ activations; DWQ: "
-                           f"{args.dwq} epoch(s) of batches of {DWQ_BATCH} at lr {DWQ_LR})",
+            "calibration": "the seed's calibration tokens, one batch (GPTQ Hessians, AWQ activations)"
+                           + (f"; DWQ: {args.dwq} epoch(s) of batches of {DWQ_BATCH} at lr {DWQ_LR}"
+                              if "dwq" in methods else ""),
             "kinds": "every site at one bits/group, the embedding (tied head) round-to-nearest at the same kind",
             "bpw": "from the quantized arrays, fp16 scales and biases (equal to the uniform kind's count)",
             "scored": "the model as the quantizer left it (sites + changed norms swapped in), same evaluator"}
@@ -844,6 +861,7 @@ def main() -> None:
         print(f"{r['budget']:g} bpw: mixbits {r['mixbits_kl']:.4f} vs {c['name']} {c['kl']:.4f} "
               f"({c['bpw']:.3f} bpw): {c['ratio']:.3f} [{c['ratio_ci95'][0]:.3f}, {c['ratio_ci95'][1]:.3f}]{per}")
     print(f"wrote {out}")
+
 
 if __name__ == "__main__":
     main()

@@ -74,3 +74,27 @@ def test_summarize_pairs_each_seed_with_the_contenders_same_seed_row():
     uni = next(c for c in row["contenders"] if c["name"] == "uniform 4b_g64")
     assert abs(uni["ratio_per_seed"]["0"]["ratio"] - 0.1) < 1e-12
     assert abs(uni["ratio_per_seed"]["1"]["ratio"] - 0.3) < 1e-12
+
+
+def test_summarize_only_writes_the_records_summary_without_a_model(tmp_path, monkeypatch):
+    import json
+
+    b = np.linspace(1.0, 2.0, 16)
+    recs = {"uniform 4b_g64": {"bpw": 4.5, "kl": {"licenses": list(2 * b)}},
+            "mlx-lm gptq 4b_g64 seed0": {"bpw": 4.5, "kl": {"licenses": list(3 * b)}},
+            "uniform 2b_g32": {"bpw": 3.0, "kl": {"licenses": list(9 * b)}},
+            "mixbits @4.5 seed0": {"bpw": 4.5, "kl": {"licenses": list(1 * b)}}}
+    (tmp_path / "records_smollm2.json").write_text(json.dumps(recs))
+    out = tmp_path / "result.json"
+    monkeypatch.setattr(sys, "argv", ["quality_protocol.py", "--seeds", "0", "--budgets", "4.5", "--work",
+                                      str(tmp_path), "--result", str(out), "--summarize-only", "--held-out",
+                                      "licenses"])
+    qp.main()
+    r = json.loads(out.read_text())
+    (row,) = r["summary"]["licenses"]
+    names = [c["name"] for c in row["contenders"]]
+    assert names == ["uniform 4b_g64", "mlx-lm gptq 4b_g64", "uniform 2b_g32"]
+    assert abs(row["contenders"][0]["ratio"] - 0.5) < 1e-12 and abs(row["contenders"][1]["ratio"] - 1 / 3) < 1e-12
+    assert r["protocol"]["mlx_lm_quantizers"]["methods"] == ["gptq"] and "DWQ" not in \
+        r["protocol"]["mlx_lm_quantizers"]["calibration"]
+    assert r["records"] == recs
