@@ -143,7 +143,7 @@ template <typename IO, typename SC>
   const device typename SC::storage* bis[MB_QMM_MAX_SEGS] = {
       biases0, biases1, biases2, biases3, biases4, biases5, biases6, biases7};
   int block = 0;
-  const int s = mb_qt_find_block(p, int(tid.x), block);
+  const int s = mb_qt_find_block(p, int(tid.x), 1, block);
   const int bits = p.seg[s].bits, gshift = p.seg[s].group_shift, kseg = p.seg[s].kseg;
   const int kc0 = p.seg[s].k0 + block;
   const int ncols = min(int(MB_QT_COLS), kseg - block);
@@ -174,16 +174,15 @@ template <typename IO, typename SC>
         if (perm[k] != j) continue;
         const int ks = mb_qt_segment_of(p, k);
         const int col = k - p.seg[ks].k0;
-        const size_t row_bytes = size_t(p.seg[ks].kseg) * size_t(p.seg[ks].bits) / 8;
+        const size_t row_words = size_t(p.seg[ks].kseg) * size_t(p.seg[ks].bits) / 32;
         const size_t groups = size_t(p.seg[ks].kseg >> p.seg[ks].group_shift);
         float z[MB_QT_MAX_M];
         MB_UNROLL for (int m = 0; m < MB_QT_MAX_M; ++m) z[m] = 0.0f;
         for (int jj = j0; jj < j1; ++jj) {
           const size_t i = size_t(order[jj]), e = size_t(rhs[i]);
 #define MB_GT_COLUMN(B)                                                                     \
-  mb_qt_column<IO, SC, B>(dy + i * mat, M, N,                                               \
-                          (const device uint8_t*)wqs[ks] + e * size_t(N) * row_bytes,       \
-                          row_bytes, scs[ks] + e * size_t(N) * groups,                      \
+  mb_qt_column<IO, SC, B>(dy + i * mat, M, N, wqs[ks] + e * size_t(N) * row_words,         \
+                          row_words, scs[ks] + e * size_t(N) * groups,                      \
                           bis[ks] + e * size_t(N) * groups, groups, p.seg[ks].group_shift,  \
                           col, z)
           MB_QMM_SWITCH_BITS(p.seg[ks].bits, MB_GT_COLUMN)
@@ -198,40 +197,39 @@ template <typename IO, typename SC>
     return;
   }
 
-  threadgroup float* red = tg;  // [M][SLICES][COLS]
-  threadgroup int32_t* cols = MB_TG_CAST(int32_t, tg + mb_qt_red_words(M));
+  threadgroup float* red = tg;  // dy's stage, then [M][COLS]
+  threadgroup int32_t* cols = MB_TG_CAST(int32_t, tg + mb_qt_red_words(M, 1));
   if (p.has_perm) {
     for (int c = int(lid); c < ncols; c += MB_QT_THREADS) cols[c] = perm[kc0 + c];
   }  // (read after mb_qt_finish's barrier)
   const int chunk = int(lid) % MB_QT_CHUNKS;
   const int slice = int(lid) / MB_QT_CHUNKS;
   const int col = block + MB_QT_CHUNK_COLS * chunk;  // first column, in the segment
-  const ushort base = ushort(simd_lid & ~uint(MB_QT_CHUNKS - 1));
+  const ushort quad = ushort(simd_lid & ~3u);         // its 32-column run's lanes
   float acc[MB_QT_MAX_M * MB_QT_CHUNK_COLS];
   float bsum[MB_QT_MAX_M];
   MB_UNROLL for (int i = 0; i < MB_QT_MAX_M * MB_QT_CHUNK_COLS; ++i) acc[i] = 0.0f;
   MB_UNROLL for (int m = 0; m < MB_QT_MAX_M; ++m) bsum[m] = 0.0f;
   {
-    const size_t row_bytes = size_t(kseg) * size_t(bits) / 8;
+    const size_t row_words = size_t(kseg) * size_t(bits) / 32;
     const size_t groups = size_t(kseg >> gshift);
-    const size_t mat_bytes = size_t(N) * row_bytes, mat_groups = size_t(N) * groups;
+    const size_t mat_words = size_t(N) * row_words, mat_groups = size_t(N) * groups;
     const bool on = col < kseg;
-    const device uint8_t* w0 = (const device uint8_t*)wqs[s] + size_t(on ? col : 0) * bits / 8;
+    const device uint32_t* w0 = wqs[s] + (on ? size_t(col & ~31) * bits / 32 : 0);
     const bool lead = mb_qt_group_lead(chunk, gshift);
     const ushort src = mb_qt_group_src(simd_lid, gshift);
     const size_t g = size_t(on ? col >> gshift : 0);
     for (int jj = j0; jj < j1; ++jj) {
       const size_t i = size_t(order[jj]), e = size_t(rhs[i]);
 #define MB_GT_ACC(B)                                                                    \
-  mb_qt_accumulate<IO, SC, B>(dy + i * mat, M, N, w0 + e * mat_bytes, row_bytes,       \
+  mb_qt_accumulate<IO, SC, B>(dy + i * mat, M, N, w0 + e * mat_words, row_words,       \
                               scs[s] + e * mat_groups, bis[s] + e * mat_groups, groups, g, \
-                              on, lead, src, base, chunk, slice, acc, bsum)
+                              on, lead, src, quad, slice, lid, MB_QT_THREADS, red, acc, bsum)
       MB_QMM_SWITCH_BITS(bits, MB_GT_ACC)
 #undef MB_GT_ACC
     }
   }
-  mb_qt_finish<IO>(red, acc, bsum, M, slice, chunk, lid, ncols, p.has_perm != 0, cols, kc0, K,
-                   row0, out);
+  mb_qt_finish<IO>(red, acc, bsum, M, 1, lid, ncols, p.has_perm != 0, cols, kc0, K, row0, out);
 }
 
 #define MB_GATHER_QMV_T_INST(name, io, sc) MB_INSTANTIATE_KERNEL(name, mb_gather_qmv_t, io, sc)

@@ -83,6 +83,7 @@ enum MbGatherTShape {
 constexpr int mb_gt_bounds_at() { return 1; }
 constexpr int mb_gt_order_at(int x_batches) { return 1 + x_batches + 1; }
 constexpr int mb_gt_inv_at(int x_batches, int pairs) { return 1 + x_batches + 1 + pairs; }
-// Threadgroup memory of the product, in 4-byte words: the slices' sums
-// [M][SLICES][COLS], then the block's perm entries.
-constexpr int mb_gt_tg_words(int M) { return mb_qt_red_words(M) + MB_QT_COLS; }
+// Threadgroup memory of the product (one set of the dense kernel's
+// roles), in 4-byte words: dy's stage, reused by the sums' reduction, then
+// the block's perm entries.
+constexpr int mb_gt_tg_words(int M) { return mb_qt_red_words(M, 1) + MB_QT_COLS; }

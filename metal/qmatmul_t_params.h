@@ -63,18 +63,27 @@ enum MbQmvTBuffer {
 
 enum MbQmvTShape {
   MB_QT_N_BUFFERS = 28,
-  // A threadgroup owns MB_QT_COLS columns of one segment for all M rows of
-  // dy: 16 chunks of 8 codes (`bits` bytes, byte-aligned for every width
-  // and inside one group) x 4 row slices. Thread t decodes chunk t % 16 of
+  // A threadgroup owns `sets` x MB_QT_COLS columns of one segment for all M
+  // rows of dy (sets = MbQmmFusedParams::qmv_sets, 1, 2 or 4: qt_sets in
+  // qmatmul_t_host.h; the gathered kernel runs 1). Set v (threads 64 v ..
+  // 64 v + 63, two simdgroups) owns columns 128 v .. 128 v + 127 of the
+  // block: 16 chunks of 8 codes (byte-aligned for every width and inside
+  // one group) x 4 row slices. Thread t of a set decodes chunk t % 16 of
   // rows n = t / 16 + 4 i once and applies it to every row of dy, so each
-  // packed byte of the block is read once per call; a slice's 16 lanes
-  // (half a simdgroup) share one load of each dy value (lane m loads row m)
-  // and of each group's scale and bias, by simd_shuffle.
+  // packed word of the block is read once per call. The 4 chunks of a
+  // 32-column run (`bits` aligned uint32 words of a row) load them as
+  // words, one or two per lane, and hand them round by simd_shuffle; a
+  // slice's 16 lanes (half a simdgroup) share one load of each group's
+  // scale and bias the same way. dy is staged in threadgroup memory,
+  // MB_QT_STAGE_ROWS rows of n at a time, for every set: read once per
+  // threadgroup however many columns it owns.
   MB_QT_CHUNK_COLS = 8,
   MB_QT_CHUNKS = 16,
   MB_QT_SLICES = 4,
-  MB_QT_THREADS = 64,
-  MB_QT_COLS = 128,
+  MB_QT_THREADS = 64,   // per set
+  MB_QT_COLS = 128,     // per set
+  MB_QT_MAX_SETS = 4,
+  MB_QT_STAGE_ROWS = 256,
   // Up to this many rows of dy, the gradient on a GPU stream runs this
   // kernel; above it, dequantize + MLX's GEMM (grad.cpp). Every row is in
   // registers (8 x 8 sums per thread).
@@ -83,13 +92,17 @@ enum MbQmvTShape {
   MB_QT_MAX_K = 65536,
 };
 
-// Threadgroup memory of the dense kernel, in 4-byte words: the slices'
-// sums [M][SLICES][COLS], the threads' check flags, the block's perm
-// entries, then (with a perm) the K-bit map.
-constexpr int mb_qt_red_words(int M) { return M * MB_QT_SLICES * MB_QT_COLS; }
+// Threadgroup memory of the dense kernel, in 4-byte words: dy's stage
+// [MB_QT_STAGE_ROWS][M] floats, which the sums' reduction [M][sets * COLS]
+// reuses once the products are done, the threads' check flags, the
+// block's perm entries, then (with a perm) the K-bit map.
+constexpr int mb_qt_max(int a, int b) { return a > b ? a : b; }
+constexpr int mb_qt_red_words(int M, int sets) {
+  return M * mb_qt_max(sets * MB_QT_COLS, MB_QT_STAGE_ROWS);
+}
 constexpr int mb_qt_map_words(int K) { return (K + 31) / 32; }
 // (Rounded up to 4 words: Metal takes threadgroup memory in 16-byte units.)
-constexpr int mb_qt_tg_words(int M, int K, int has_perm) {
-  return (mb_qt_red_words(M) + MB_QT_THREADS + MB_QT_COLS +
+constexpr int mb_qt_tg_words(int M, int K, int has_perm, int sets) {
+  return (mb_qt_red_words(M, sets) + sets * (MB_QT_THREADS + MB_QT_COLS) +
           (has_perm ? mb_qt_map_words(K) : 0) + 3) / 4 * 4;
 }

@@ -218,7 +218,10 @@ def test_bad_permutations_follow_the_cpu():
     rep = _Perm(qt, mx.array(perm))
     inputs, cpu, li, ri, dy = node(lambda s: rand(rng, s), x_shape, rep, lhs, rhs,
                                    perm=rep.perm)
-    got = emulate(inputs, rep, "float32", x_shape, True)
+    with E.counting() as rec:
+        got = emulate(inputs, rep, "float32", x_shape, True)
+    # The column-by-column path loads W by 4-byte words too (was bytes).
+    assert [r["device_read_by_width"]["1"] for r in rec] == [0, 0]
     W = dense_w(qt)
     d = np.array(dy, np.float64)
     want = np.zeros(x_shape)

@@ -329,28 +329,62 @@ def test_tiled_tiles_hold_2_byte_elements(M):
     ([(6, 32, 64), (4, 64, 128), (2, 128, 128)], False),
     ([(6, 32, 64), (4, 64, 128), (2, 128, 128)], True),
     ([(b, 32, 32) for b in (8, 6, 5, 4, 3, 2, 2, 2)], True),
+    ([(3, 32, 512), (6, 64, 512)], False),
+    ([(5, 32, 256), (2, 128, 512), (8, 64, 256)], True),
 ])
-def test_transposed_one_dispatch_reads_each_weight_byte_once(M, segs, perm):
+def test_transposed_one_dispatch_reads_each_weight_word_once(M, segs, perm):
     # dx = dy · W (MixedQMatmulT): up to 8 segments, with or without a
     # perm, one dispatch (no perm check or unpermute launch, no float32 z
     # written and read back) touching only the analytic minimum of distinct
-    # bytes, and every packed weight byte requested exactly once per call
+    # bytes, and every packed weight word requested exactly once per call
     # whatever M (each threadgroup decodes its block once for every row of
-    # dy; the kernel's only 1-byte loads are the weights').
+    # dy), by 4-byte loads: no 1-byte load at all (was one per packed
+    # byte), the kernel's only 4-byte loads are the weights and perm.
     K = sum(k for _, _, k in segs)
     c = {"op": "qmatmul_t", "M": M, "N": 40, "K": K, "segments": [list(s) for s in segs],
          "perm": perm, "x_dtype": "float16", "scale_dtype": "float16"}
-    s = T.summarize(c, T.run_case(c, np.random.default_rng(11)))
+    rec = T.run_case(c, np.random.default_rng(11))
+    s = T.summarize(c, rec)
     assert s["kernels"] == ["mixbits_qmv_t_float16_float16"]
     assert s["unique_ratio"] == 1.0
-    assert s["read_by_width"]["1"] == sum(40 * k * b // 8 for b, _, k in segs)
+    assert s["read_by_width"]["1"] == 0
     # Scales and biases once per threadgroup (a group's first lane loads
-    # them), dy once per threadgroup (lane m loads row m), perm (with one)
-    # once per threadgroup: the blocks of 128 columns.
-    blocks = sum((k + 127) // 128 for _, _, k in segs)
+    # them), dy once per threadgroup (staged in threadgroup memory for all
+    # its column sets), perm (with one) once per threadgroup: the blocks
+    # of 128 x sets columns.
+    sets = rec[0]["group"][0] // 64
+    assert rec[0]["group"][0] == 64 * sets and sets in (1, 2, 4)
+    blocks = sum((k + 128 * sets - 1) // (128 * sets) for _, _, k in segs)
+    assert rec[0]["grid"] == [blocks, 1, 1]
+    wbytes = sum(40 * k * b // 8 for b, _, k in segs)
+    assert s["read_by_width"]["4"] == wbytes + (blocks * 4 * K if perm else 0)
     sb = sum(2 * 40 * (k // g) * 2 for _, g, k in segs)
-    assert s["bytes_read"] == (s["read_by_width"]["1"] + sb + blocks * M * 40 * 2
-                               + (blocks * 4 * K if perm else 0))
+    assert s["read_by_width"]["2"] == sb + blocks * M * 40 * 2
+    assert s["bytes_read"] == s["read_by_width"]["4"] + s["read_by_width"]["2"]
+
+
+@pytest.mark.parametrize("perm", [False, True])
+@pytest.mark.parametrize("M", range(1, 9))
+def test_transposed_within_a_tenth_of_the_minimum(M, perm):
+    # Issue 45's GEMV goal for the transposed product (512 x 1024, two 4-bit
+    # g64 segments, float16): every threadgroup reads all of dy (and perm),
+    # so the host widens the blocks (1, 2 or 4 sets of 128 columns) until
+    # those re-reads are at most 1/16 of W's bytes. With 128-column blocks
+    # at every M: 1.103 / 1.162 at M = 8 here (1.212 / 1.265 at 4096 x 4096).
+    N, K = 512, 1024
+    c = {"op": "qmatmul_t", "M": M, "N": N, "K": K, "segments": [[4, 64, 512], [4, 64, 512]],
+         "perm": perm, "x_dtype": "float16", "scale_dtype": "float16"}
+    rec = T.run_case(c, np.random.default_rng(13))
+    s = T.summarize(c, rec)
+    assert s["dispatches"] == 1 and s["unique_ratio"] == 1.0
+    wbytes = N * K // 2 + 2 * N * (K // 64) * 2
+    tgs = rec[0]["grid"][0]
+    rereads = (tgs - 1) * (M * N * 2 + (4 * K if perm else 0))
+    assert s["bytes_read"] + s["bytes_written"] == s["analytic_min"] + rereads
+    assert rereads <= wbytes / 16
+    assert s["ratio"] <= 1.1
+    if M == 1 and not perm:  # the narrowest blocks where they suffice (parallelism)
+        assert rec[0]["group"][0] == 64 and tgs == 8
 
 
 @pytest.mark.parametrize("perm", [False, True])
@@ -365,7 +399,16 @@ def test_gathered_transposed_one_product_dispatch(perm):
          "tokens": 1, "sorted": False}
     s = T.summarize(c, T.run_case(c, np.random.default_rng(12)))
     assert s["kernels"] == ["mixbits_gather_t_group", "mixbits_gather_qmv_t_float16_float16"]
-    assert s["read_by_width"]["1"] == 4 * sum(24 * k * b // 8 for b, _, k in segs)
+    # Weights by 4-byte loads only (were 1-byte): twice the rows of W add
+    # exactly the 4 pairs' weight words to the product's 4-byte reads
+    # (indices, perm and scratch are the same at either N).
+    assert s["read_by_width"]["1"] == 0
+    c2 = dict(c, N=48)
+    rec2 = T.run_case(c2, np.random.default_rng(12))
+    assert T.summarize(c2, rec2)["read_by_width"]["1"] == 0
+    rec1 = T.run_case(c, np.random.default_rng(12))
+    assert (rec2[1]["device_read_by_width"]["4"] - rec1[1]["device_read_by_width"]["4"]
+            == 4 * sum(24 * k * b // 8 for b, _, k in segs))
     # Distinct bytes per dispatch: the minimum plus at most the index
     # scratch (status, bounds, order, the inverse with a perm) written and
     # read back (the grouping reads its bounds once more), rhs and perm read

@@ -139,6 +139,29 @@ def test_long_n_and_k():
     check(rand(rng, (1, 301)), qt)
 
 
+@pytest.mark.parametrize("M,N,specs,perm,sets", [
+    (1, 37, [(3, 32, 512), (6, 64, 512)], False, 1),
+    (4, 37, [(3, 32, 512), (6, 64, 512)], False, 2),
+    (3, 37, [(3, 32, 512), (6, 64, 512)], True, 4),
+    (8, 37, [(5, 32, 256), (2, 128, 512), (8, 64, 256)], True, 4),
+    (8, 37, [(4, 64, 2048), (8, 32, 64)], False, 4),
+    (6, 300, [(4, 64, 512), (5, 32, 512)], True, 4),
+])
+def test_wide_blocks_every_set_count(M, N, specs, perm, sets):
+    # The host widens a threadgroup to 2 or 4 sets of 128 columns when dy's
+    # (and perm's) re-reads per threadgroup would pass 1/16 of W's bytes
+    # (qt_sets): one block then spans several column sets, whose partial
+    # sums meet in threadgroup memory; segments narrower than the block
+    # leave sets idle. N = 37: a partial last 4-row slice in one stage of
+    # dy; N = 300: two stages (256 rows each), the second partial.
+    rng = np.random.default_rng(40 + 7 * M + sets)
+    qt = quantized(rng, N, specs, mx.float16, perm=perm)
+    dy = rand(rng, (M, N), mx.float16)
+    with E.counting() as rec:
+        check(dy, qt, seed=M)
+    assert [r["group"][0] for r in rec] == [64 * sets]
+
+
 class _Perm:
     """A QuantizedTensor with a perm it would refuse (the builder checks
     only its shape and dtype)."""
@@ -170,7 +193,11 @@ def test_repeated_entries_sum_like_the_cpu():
     perm[40] = perm[3]
     bad = _Perm(qt, mx.array(perm))
     dy = rand(rng, (2, 7), mx.bfloat16)
-    got, cpu = emulate(dy, bad, perm=bad.perm)
+    with E.counting() as rec:
+        got, cpu = emulate(dy, bad, perm=bad.perm)
+    # The column-by-column path loads W by 4-byte words too (was bytes).
+    assert [r["device_read_by_width"]["1"] for r in rec] == [0]
+    assert rec[0]["device_read_by_width"]["4"] > 0
     g = E.storage_to_f64(got, "bfloat16")
     z = np.array(dy.astype(mx.float32), np.float64) @ dense_w(qt)
     want = np.zeros_like(z)
