@@ -1,7 +1,10 @@
 // Pieces shared by the quantized-matmul kernels (qmatmul_gemv.metal,
-// qmatmul_tiled.metal, gather_qmv.metal, gather_qmm.metal): how a dispatch
+// qmatmul_tiled.metal, gather_qmv.metal, gather_qmm.metal, and the
+// transposed qmatmul_t.metal, gather_qmv_t.metal): how a dispatch
 // finishes an output, how it reads an activation through the permutation,
-// and the [[host_name]] instantiation ladders. Included by .metal sources only (after mixbits_metal.h).
+// the switch on a segment's bit width and the [[host_name]] instantiation
+// ladder (activation dtype x scale dtype). Included by .metal sources only
+// (after mixbits_metal.h).
 #pragma once
 #include "qmatmul_params.h"
 #include "quant_utils.h"
@@ -54,32 +57,3 @@ inline uint32_t mb_perm_col(const device int32_t* perm, int has_perm, int K, int
   MB_QMM_FUSED_SCALES(inst, kind, "float32", MbF32)      \
   MB_QMM_FUSED_SCALES(inst, kind, "float16", MbF16)      \
   MB_QMM_FUSED_SCALES(inst, kind, "bfloat16", MbBF16)
-
-// The per-segment kernels (transposed) are instantiated per
-// activation dtype x scale dtype x bits x
-// group size, under the name
-//   mixbits_<kind>_<activation dtype>_<scale dtype>_b<bits>_g<group size>
-// (ladder_kernel_name in qmatmul_host.h builds the same string). `inst` is a
-// macro (name, io, sc, bits, gs) that instantiates one kernel.
-#define MB_QMM_LADDER_GROUPS(inst, kind, tn, io, sn, sc, bits)                   \
-  inst("mixbits_" kind "_" tn "_" sn "_b" #bits "_g32", io, sc, bits, 32)       \
-  inst("mixbits_" kind "_" tn "_" sn "_b" #bits "_g64", io, sc, bits, 64)       \
-  inst("mixbits_" kind "_" tn "_" sn "_b" #bits "_g128", io, sc, bits, 128)
-
-#define MB_QMM_LADDER_BITS(inst, kind, tn, io, sn, sc)        \
-  MB_QMM_LADDER_GROUPS(inst, kind, tn, io, sn, sc, 2)         \
-  MB_QMM_LADDER_GROUPS(inst, kind, tn, io, sn, sc, 3)         \
-  MB_QMM_LADDER_GROUPS(inst, kind, tn, io, sn, sc, 4)         \
-  MB_QMM_LADDER_GROUPS(inst, kind, tn, io, sn, sc, 5)         \
-  MB_QMM_LADDER_GROUPS(inst, kind, tn, io, sn, sc, 6)         \
-  MB_QMM_LADDER_GROUPS(inst, kind, tn, io, sn, sc, 8)
-
-#define MB_QMM_LADDER_SCALES(inst, kind, tn, io)                      \
-  MB_QMM_LADDER_BITS(inst, kind, tn, io, "float32", MbF32)            \
-  MB_QMM_LADDER_BITS(inst, kind, tn, io, "float16", MbF16)            \
-  MB_QMM_LADDER_BITS(inst, kind, tn, io, "bfloat16", MbBF16)
-
-#define MB_QMM_LADDER(inst, kind)                                \
-  MB_QMM_LADDER_SCALES(inst, kind, "float32", MbF32)             \
-  MB_QMM_LADDER_SCALES(inst, kind, "float16", MbF16)             \
-  MB_QMM_LADDER_SCALES(inst, kind, "bfloat16", MbBF16)

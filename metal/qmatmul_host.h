@@ -148,15 +148,6 @@ inline ActType scale_act_type(int scale_type) {
                                       : ActType::BF16;
 }
 
-// mixbits_<kind>_<x dtype>_<scale dtype>_b<bits>_g<gs>, as instantiated by
-// MB_QMM_LADDER (qmatmul_common.h).
-inline std::string ladder_kernel_name(const char* kind, ActType t, int scale_type, int bits,
-                                      int gs) {
-  return std::string("mixbits_") + kind + "_" + act_type_name(t) + "_" +
-         act_type_name(scale_act_type(scale_type)) + "_b" + std::to_string(bits) + "_g" +
-         std::to_string(gs);
-}
-
 // The tiled kernel's block rows: 16 up to MB_QMM16_MAX_M rows of x, else 32.
 inline int qmm_block_rows(int M) { return M <= MB_QMM16_MAX_M ? MB_QMM16_BM : MB_QMM_BM; }
 
