@@ -163,24 +163,45 @@ def record(evaluators: dict, path, sets=None) -> dict:
 
 def calibration_text(tok, tokens: np.ndarray) -> str:
     """The text of the calibration windows, checked to tokenize back to them
-    with the model's own tokenizer (llama.cpp's is checked by check_tokens)."""
-    text = tok.decode([int(t) for t in np.asarray(tokens).ravel()])
-    if not np.array_equal(np.asarray(tok.encode(text)), np.asarray(tokens).ravel()):
+    with the model's own tokenizer (llama.cpp's is checked by check_tokens).
+    A leading BOS (Gemma's stream starts with one) is left out of the text:
+    llama.cpp adds it back when the GGUF asks for BOS, and spelled as text
+    it would be parsed as the characters '<bos>'."""
+    ids = np.asarray(tokens).ravel()
+    bos = getattr(tok, "bos_token_id", None)
+    body = ids[1:] if bos is not None and len(ids) and ids[0] == bos else ids
+    text = tok.decode([int(t) for t in body])
+    back = np.asarray(tok.encode(text))
+    if bos is not None and len(back) == len(body) + 1 and back[0] == bos:
+        back = back[1:]  # a tokenizer that prepends BOS to any text
+    if not np.array_equal(back, body):
         raise ValueError("the calibration windows do not tokenize back to themselves from their text")
     return text
 
 
+def gguf_adds_bos(model_gguf) -> bool:
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(model_gguf)).fields.get("tokenizer.ggml.add_bos_token")
+    return bool(field.parts[field.data[0]][0]) if field is not None else False
+
+
 def check_tokens(model_gguf, text_file, tokens: np.ndarray) -> dict:
     """llama.cpp's ids of ``text_file`` against ``tokens``: llama-tokenize
-    called as llama-imatrix tokenizes (special tokens not parsed; no BOS,
-    which SmolLM2's GGUF does not ask for: add_bos_token false)."""
+    called as llama-imatrix tokenizes (special tokens not parsed; BOS first
+    when the GGUF asks for it: SmolLM2's does not, Gemma's does)."""
+    add_bos = gguf_adds_bos(model_gguf)
     out = subprocess.run([str(tool("llama-tokenize")), "-m", str(model_gguf), "-f", str(text_file), "--ids",
-                          "--log-disable", "--no-bos", "--no-parse-special"], check=True, capture_output=True, text=True).stdout
+                          "--log-disable", *([] if add_bos else ["--no-bos"]), "--no-parse-special"],
+                         check=True, capture_output=True, text=True).stdout
     ids = json.loads(out.strip().splitlines()[-1])
     want = np.asarray(tokens).ravel().tolist()
     first_diff = next((i for i, (a, b) in enumerate(zip(ids, want)) if a != b), None)
+    # llama-imatrix also starts every later chunk at BOS when the GGUF asks
+    # for one, overwriting that window's first token: recorded, since its
+    # statistics then miss one token per window.
     return {"llama_cpp_tokens": len(ids), "protocol_tokens": len(want),
-            "equal": ids == want, "first_difference": first_diff}
+            "equal": ids == want, "first_difference": first_diff, "imatrix_chunks_start_at_bos": add_bos}
 
 
 def run_imatrix(model_gguf, text_file, out, n_ctx: int, n_chunks: int, threads: int = 2) -> float:

@@ -188,3 +188,31 @@ def test_calibration_text_tokenizes_back_to_the_protocols_tokens():
     pieces = [tok.encode(" th")[0], tok.encode("e")[0]]
     with pytest.raises(ValueError, match="tokenize back"):
         kquant.calibration_text(tok, np.array(pieces))
+
+
+class _BosFirst:
+    """A tokenizer that prepends BOS to every text, as Gemma's does; its
+    windows start with that BOS (the start of a document)."""
+
+    def __init__(self, tok, bos: int):
+        self.tok, self.bos_token_id = tok, bos
+
+    def encode(self, text):
+        return [self.bos_token_id, *self.tok.encode(text)]
+
+    def decode(self, ids):
+        return "".join("<bos>" if i == self.bos_token_id else self.tok.decode([i]) for i in ids)
+
+
+def test_calibration_text_of_a_bos_first_stream_leaves_the_bos_to_llama_cpp():
+    import mixbits
+
+    _, tok, _ = mixbits.load("smollm2")
+    body = tok.encode("The licence text, in words that tokenize back.")
+    bos = 0  # SmolLM2's <|endoftext|>, standing in for a BOS id
+    fake = _BosFirst(tok, bos)
+    text = kquant.calibration_text(fake, np.array([bos, *body]))
+    assert text == tok.decode(body)  # no '<bos>' spelled as characters
+    assert kquant.calibration_text(fake, np.array(body)) == tok.decode(body)
+    with pytest.raises(ValueError, match="tokenize back"):  # a BOS inside the stream cannot be written as text
+        kquant.calibration_text(fake, np.array([*body[:3], bos, *body[3:]]))
