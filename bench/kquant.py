@@ -139,14 +139,14 @@ def read_back(path, sites):
 def score_gguf(evaluators: dict, path, sets=None) -> dict[str, list[float]]:
     """{held-out name: per-sequence KL} of the model in ``path`` on the
     protocol's evaluators (one model: each run swaps its sites for the
-    GGUF's and puts them back). Through ``_kls_with``, not an assignment:
+    GGUF's and puts them back). Through ``token_kls_of``, not an assignment:
     the evaluator keys stored scores and block outputs by candidate names,
     which these layers have none of."""
     ev0 = next(iter(evaluators.values()))
     if ev0.pinned:
         raise ValueError("the model pins layers outside the sites: the read-back would not replace them")
     layers = read_back(path, list(ev0.sites))
-    return {k: ev._kls_with(layers, ev.n_chunks).mean(axis=1).tolist()
+    return {k: ev.token_kls_of(layers).mean(axis=1).tolist()
             for k, ev in evaluators.items() if sets is None or k in sets}
 
 
@@ -316,7 +316,7 @@ def crosscheck(names, work: Path, out: Path) -> dict:
                         "--kl-divergence-base", str(base)], check=True, capture_output=True)
     res = {"tokens": check, "positions": "n_ctx/2 .. n_ctx-2 of each 256-token window (llama-perplexity's)"}
     for name in names:
-        tk = ev._kls_with(read_back(work / f"{name}.gguf", list(ev.sites)), ev.n_chunks)
+        tk = ev.token_kls_of(read_back(work / f"{name}.gguf", list(ev.sites)))
         k = tk.shape[1]
         res[name] = {"ours_all_positions": float(tk.mean()), "ours": float(tk[:, k // 2 : k - 1].mean()),
                      "llama_perplexity": llama_kld(work / f"{name}.gguf", base)}

@@ -445,7 +445,7 @@ def score_model(evaluators: dict, qmodel, sets=None) -> dict[str, list[float]]:
     its site layers replace the evaluators' for the run (as kquant.score_gguf
     does), and every other parameter it changed (AWQ's norms, which take its
     input scales) is loaded for the run too; all put back after. The KL is
-    the evaluators' own (_kls_with), as for every plan."""
+    the evaluators' own (token_kls_of), as for every plan."""
     from mlx.utils import tree_flatten, tree_unflatten
 
     ev0 = next(iter(evaluators.values()))
@@ -470,7 +470,7 @@ def score_model(evaluators: dict, qmodel, sets=None) -> dict[str, list[float]]:
     try:
         if changed:
             ev0.model.update(tree_unflatten(changed))
-        return {k: ev._kls_with(layers, ev.n_chunks).mean(axis=1).tolist()
+        return {k: ev.token_kls_of(layers).mean(axis=1).tolist()
                 for k, ev in evaluators.items() if sets is None or k in sets}
     finally:
         if saved:

@@ -276,7 +276,7 @@ def _quantized_probe(ev, sites, cands, bpw=None) -> tuple[float, float]:
         modules[s.path] = built[key]
     if not modules:
         return 0.0, 0.0
-    joint = _timed(lambda: ev._kls_with(modules, 1))
+    joint = _timed(lambda: ev.token_kls_of(modules, 1))
     total_w = sum(s.nparams for s in sites if s.path in modules)
     return joint, build_s / build_w * total_w
 

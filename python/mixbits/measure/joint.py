@@ -283,6 +283,12 @@ class JointEvaluator:
         self._scores[key] = out
         return out.copy()
 
+    def token_kls_of(self, modules: dict, chunks: int | None = None) -> np.ndarray:
+        """Per-token KL [n_seq, seq_len] with ``modules`` ({site path: built
+        layer}, e.g. another quantizer's) in place of the sites' for the
+        run, put back after. Not stored: such layers have no candidate name."""
+        return self._kls_with(modules, self.n_chunks if chunks is None else chunks)
+
     def _kls_with(self, modules: dict, n_chunks: int, assignment: dict | None = None) -> np.ndarray:
         """Per-token KL [n_seq, seq_len] of the first ``n_chunks`` chunks
         with ``modules`` (tensor path -> module) in place of the loaded ones;
