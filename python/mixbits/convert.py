@@ -84,10 +84,15 @@ def settings(args) -> dict:
             calib["text_sha256_16"] = [_file_digest(p) for p in args.text]
         else:
             calib["corpus"] = args.corpus
-    out = {"model": str(args.model), "method": args.method, "candidates": list(args.candidates),
+    # The kinds added for the loaded model's stored grids are left out: they
+    # follow from the model, and the settings are checked before it loads.
+    added = getattr(args, "stored_added", None) or {}
+    out = {"model": str(args.model), "method": args.method,
+           "candidates": [c for c in args.candidates if c not in added.get("candidates", ())],
            "calibration": calib, "max_evals": args.max_evals}
     if getattr(args, "menus", None):  # absent for one menu: such a run's settings are as before menus
-        out["menus"] = {k: list(v) for k, v in args.menus.items()}
+        menus_added = added.get("menus", {})
+        out["menus"] = {k: [c for c in v if c not in menus_added.get(k, ())] for k, v in args.menus.items()}
     if args.method != "exact":
         out["fisher_samples"] = args.fisher_samples
     if args.method == "two-stage":

@@ -43,7 +43,10 @@ def menu_help(menus: dict) -> str:
             "logits, the built layers and the scores of plans both try) and the extended measurement "
             "~6-9%% more with grad (SmolLM2-135M at 4.5 and 5.0 bpw: ~1.3-1.5x the wall time of --menu "
             "default); with two-stage the exact stage grows with the pairs (1.7x as many): ~1.8x "
-            "projected (bench/results/convert_menu_cost_smollm2.json)")
+            "projected (bench/results/convert_menu_cost_smollm2.json). A model already quantized (a "
+            "GGUF's Q4_1 / Q5_0 / Q8_0 blocks, an mlx-lm quantized folder) also gets the kinds its "
+            "tensors are stored at in both menus (e.g. 5b_g32): a tensor at its own kind is kept as "
+            "stored, without error")
 
 
 def add_arguments(p) -> None:
@@ -98,9 +101,12 @@ def check(args) -> dict:
     from . import _checks
 
     args.menus = None
+    # convert's own menus also get the grids the model is stored on, once
+    # it is loaded (add_stored_kinds); --candidates is a menu as given.
+    args.stored_quantizer = None
     if args.candidates is None:
         menu = args.menu or "both"
-        q = args.quantizer or "search"
+        q = args.stored_quantizer = args.quantizer or "search"
         menus = {k: expand_candidates(with_quantizer(v, q)) for k, v in CONVERT_MENUS.items()}
         if menu == "both":  # measured over the union (the extended menu), refined with each
             args.menus = menus
@@ -155,6 +161,29 @@ def check(args) -> dict:
     return current
 
 
+def add_stored_kinds(args, model) -> None:
+    """Add the kinds the loaded model's tensors are stored at
+    (:func:`~mixbits.measure.candidates.stored_kinds`) to convert's own
+    menus, each that lacks them, and to the measured candidates;
+    --candidates stays as given. The same model gives the same kinds, so a
+    rerun's measurement matches; ``args.stored_added`` keeps what was added
+    for the work folder's settings to leave out (checked before a load)."""
+    from ..measure.candidates import stored_kinds
+
+    if getattr(args, "stored_quantizer", None) is None:
+        return
+    stored = stored_kinds(model, args.stored_quantizer)
+    added = {"candidates": [k for k in stored if k not in args.candidates]}
+    args.candidates = [*args.candidates, *added["candidates"]]
+    if args.menus:
+        added["menus"] = {name: [k for k in stored if k not in kinds] for name, kinds in args.menus.items()}
+        args.menus = {name: [*kinds, *added["menus"][name]] for name, kinds in args.menus.items()}
+    args.stored_added = added
+    if stored:
+        print(f"stored grids: {' '.join(stored)} in every menu (a tensor stored at one of these kinds "
+              "is kept exactly when the allocation chooses it)", flush=True)
+
+
 def _stage(i: int, name: str, what: str) -> None:
     print(f"[{i}/4] {name}: {what}", flush=True)
 
@@ -188,6 +217,7 @@ def dry_run(args) -> int:
     from ..measure.calib import calibration_tokens
 
     model, tokenizer = _load_measured_model(args)
+    add_stored_kinds(args, model)
     tokens = calibration_tokens(args, model, tokenizer)
     sites = ModelAdapter(model).sites
     probe = timing_probe(model, tokens, sites, args.candidates, min(args.bpw), _refines(args))
@@ -257,6 +287,7 @@ def convert(args, current: dict, work) -> int:
 
     t0 = time.perf_counter()
     model, tokenizer = _load_measured_model(args)
+    add_stored_kinds(args, model)
     tok_path = work / TOKENS
     if tok_path.exists():
         from ..measure.calib import load_tokens

@@ -207,6 +207,33 @@ CONVERT_MENUS = {"default": DEFAULT_CANDIDATES, "extended": EXTENDED_CANDIDATES}
 CONVERT_QUANTIZERS = ("search", "rtn")
 
 
+def stored_kinds(model, quantizer: str = "rtn") -> list[str]:
+    """The uniform kinds the model's quantizable tensors are already stored
+    at (a GGUF's Q5_0 tensors: ``5b_g32``; Q8_0: ``8b_g32``), built by
+    ``quantizer``, by storage cost. Convert adds them to its menus: a
+    tensor quantized at its own grid is kept as stored (:func:`stored_at`),
+    so keeping it is one of the choices the allocation weighs -- as
+    llama.cpp re-quantizing a quantized file finds its grid again. A float
+    model has none."""
+    from ..adapter import ModelAdapter, get_module, quantized_form
+
+    found = set()
+    for site in ModelAdapter(model).sites:
+        m = get_module(model, site.path)
+        if getattr(m, "mode", "affine") != "affine":
+            continue
+        try:
+            qt = quantized_form(m)
+        except ValueError:
+            continue
+        if qt is not None and qt.perm is None and len(qt.segments) == 1:
+            seg = qt.segments[0]
+            if seg.kind == "affine" and seg.bits in BITS and seg.group_size in GROUP_SIZES:
+                found.add(f"{seg.bits}b_g{seg.group_size}")
+    kinds = sorted(found, key=lambda k: (parse_candidate(k).storage_bpw, k))
+    return with_quantizer(kinds, quantizer)
+
+
 def with_quantizer(kinds, quantizer: str) -> list[str]:
     """``kinds`` (round-to-nearest names) built by ``quantizer`` ("rtn": as given)."""
     if quantizer not in QUANTIZERS:
@@ -353,6 +380,11 @@ def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None, dense=No
         return _fp_layer(module, cand, wn)
     segs = cand.segments(k)
     embedding = isinstance(module, (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding))
+    stored = stored_at(module, cand, scale_dtype)
+    if stored is not None and w.ndim == 2:
+        if embedding:
+            return MixedQuantizedEmbedding.from_tensor(stored)
+        return MixedQuantizedLinear.from_tensor(stored, module.get("bias"))
     if cand.calibrated:
         if w.ndim != 2 or (inputs is None and cand.quantizer != "search"):
             raise ValueError(f"candidate {cand.name!r} needs the layer input's X^T X (a linear "
@@ -374,7 +406,7 @@ def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None, dense=No
         qt = _scales_as(quantize_stack(wn, segs, perm=cand.perm(np.array(w)), dtype=native),
                         scale_dtype)
         return MixedQuantizedSwitchLinear.from_tensor(qt, module.get("bias"))
-    seg = _scales_as(quantize_stack(wn, segs, dtype=native), scale_dtype).segments[0]
+    seg = (stored or _scales_as(quantize_stack(wn, segs, dtype=native), scale_dtype)).segments[0]
     bits = seg.bits
     if isinstance(module, MixedQuantizedSwitchLinear):
         # Back to mlx-lm's class (MLX-loadable); its constructor's random
@@ -395,6 +427,36 @@ def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None, dense=No
         q.mode = "affine"
     q.freeze()
     return q
+
+
+def stored_at(module, cand: Candidate, scale_dtype):
+    """``module``'s own quantized tensor when it is already stored on
+    ``cand``'s grid -- one affine segment of the same bits and group size,
+    in the natural column order, its scales and biases exact in
+    ``scale_dtype`` -- else None. Re-quantizing such a tensor at that kind
+    keeps it as stored: zero error, the optimum of every quantizer (a
+    GGUF's Q5_0 tensor at 5b_g32, a Q4_1 one at 4b_g32), where min-max
+    rounding of the decoded weights would move codes of every group whose
+    values miss either end of the grid."""
+    import mlx.core as mx
+
+    from ..adapter import quantized_form
+
+    if cand.kind != "uniform" or getattr(module, "mode", "affine") != "affine":
+        return None
+    try:
+        qt = quantized_form(module)
+    except ValueError:  # a quantized layer without biases: nothing to keep
+        return None
+    if qt is None or qt.perm is not None or len(qt.segments) != 1:
+        return None
+    seg = qt.segments[0]
+    if (seg.bits, seg.group_size, seg.kind) != (cand.bits, cand.group_size, "affine"):
+        return None
+    for a in (seg.scales, seg.biases):
+        if a.dtype != scale_dtype and not mx.array_equal(a.astype(scale_dtype).astype(a.dtype), a).item():
+            return None
+    return _scales_as(qt, scale_dtype)
 
 
 def _fp_layer(module, cand: Candidate, wn):
