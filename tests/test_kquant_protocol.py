@@ -21,6 +21,7 @@ import gguf
 import mlx.core as mx
 from gguf import GGMLQuantizationType as T
 from gguf_build import write_model
+from protocol_models import float_llama_evaluator, kl64
 from test_gguf_models import bpe_vocab
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -118,19 +119,9 @@ def test_read_back_sites_are_gguf_py_decodes_in_hf_row_order(kq_model):
 def test_score_swaps_sites_in_and_back(kq_model, tmp_path):
     from mlx.utils import tree_flatten
 
-    from mixbits.measure.calib import cast_model
-    from mixbits.measure.joint import JointEvaluator
-    from mixbits.models.gguf import load_gguf
-    from mixbits.nn import patch
-
     kq_path, kq_ref = kq_model
     fpath = tmp_path / "float.gguf"
-    fref, _ = write_model(fpath, "llama", lambda p, s: T.F32, bpe_vocab("smollm"), tied=True, seed=4)
-    model, _, _ = load_gguf(fpath)
-    cast_model(model, "float32")
-    patch(model)
-    tokens = np.random.default_rng(0).integers(0, 200, size=(3, 16))
-    evs = {"a": JointEvaluator(model, tokens, chunk=2)}
+    _, fref, evs, tokens = float_llama_evaluator(fpath, (3, 16))
     got = np.array(kquant.score_gguf(evs, kq_path)["a"])
     # independent: mlx-lm's float model with the K-quant file's decoded sites, KL in float64
     sites = _sites(fref)
@@ -140,13 +131,7 @@ def test_score_swaps_sites_in_and_back(kq_model, tmp_path):
         assert v.dtype == mx.float32, p
     ref_logits = np.concatenate([np.array(lg) for lg in evs["a"].ref_logits]).astype(np.float64)
     q_logits = np.array(fref(mx.array(tokens))).astype(np.float64)
-
-    def logp(x):
-        x = x - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-    lp, lq = logp(ref_logits), logp(q_logits)
-    want = (np.exp(lp) * (lp - lq)).sum(-1).mean(-1)
+    want = kl64(ref_logits, q_logits)
     assert want.min() > 1e-3  # the swap changed the model
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-6)
     # the evaluator's own layers are back: the reference scores zero

@@ -21,9 +21,7 @@ import pytest
 
 import mlx.core as mx
 import mlx.nn as nn
-from gguf import GGMLQuantizationType as T
-from gguf_build import write_model
-from test_gguf_models import bpe_vocab
+from protocol_models import float_llama_evaluator, kl64
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import quality_protocol as qp  # noqa: E402
@@ -31,32 +29,11 @@ import quality_protocol as qp  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from mixbits.measure.calib import cast_model
-    from mixbits.measure.joint import JointEvaluator
-    from mixbits.models.gguf import load_gguf
-    from mixbits.nn import patch
-
-    path = tmp_path_factory.mktemp("mlxlm") / "f32.gguf"
-    ref, _ = write_model(path, "llama", lambda p, s: T.F32, bpe_vocab("smollm"), tied=True, seed=4)
-    model, _, _ = load_gguf(path)
-    cast_model(model, "float32")
-    patch(model)
-    tokens = np.random.default_rng(0).integers(0, 200, size=(4, 32))
-    evs = {"a": JointEvaluator(model, tokens, chunk=2)}
-    return model, ref, evs, tokens
+    return float_llama_evaluator(tmp_path_factory.mktemp("mlxlm") / "f32.gguf", (4, 32))
 
 
 def _sites(evs):
     return list(next(iter(evs.values())).sites)
-
-
-def _kl64(ref_logits, q_logits):
-    def logp(x):
-        x = x - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-    lp, lq = logp(ref_logits.astype(np.float64)), logp(q_logits.astype(np.float64))
-    return (np.exp(lp) * (lp - lq)).sum(-1).mean(-1)
 
 
 @pytest.mark.parametrize("bits,group,want", [(4, 64, 4 + 32 / 64), (3, 32, 3 + 32 / 32), (2, 64, 2 + 32 / 64)])
@@ -86,7 +63,7 @@ def test_score_model_of_rtn_is_the_plans_kl_and_a_float64_kl(tiny):
            for p in sites}
     ref.load_weights(list(deq.items()), strict=False)
     ref_logits = np.concatenate([np.array(lg) for lg in evs["a"].ref_logits])
-    want = _kl64(ref_logits, np.array(ref(mx.array(tokens))))
+    want = kl64(ref_logits, np.array(ref(mx.array(tokens))))
     assert want.min() > 1e-4  # quantizing changed the model
     patch(q)
     got = np.array(qp.score_model(evs, q)["a"])
