@@ -407,3 +407,40 @@ def test_awq_shared_scales_and_checks():
         awq(w, [(4, 64, 256)], xm[:5])
     with pytest.raises(ValueError, match="inv_scales must be > 0"):
         awq(w, [(4, 64, 256)], xm, inv_scales=np.zeros(256))
+
+
+@pytest.mark.parametrize("bits", [3, 4, 5, 6])
+def test_search_finds_the_grid_of_a_k_quant_block(bits):
+    """A weight decoded from K-quant blocks (per 32: d*sc*q - dmin*m, the
+    codes missing both ends of the grid) is held exactly by +search in
+    float32, to the step's float16 rounding in float16; min-max rounding
+    moves every group. Reference: the weight itself, numpy float64; in
+    float16, the blocks' own scales and biases rounded to float16."""
+    rng = np.random.default_rng(bits)
+    n, k, top = 48, 512, 2**bits - 1
+    d = rng.uniform(1e-3, 3e-3, (n, k // 256, 1, 1)).astype(np.float16).astype(np.float64)
+    dmin = rng.uniform(1e-3, 3e-3, (n, k // 256, 1, 1)).astype(np.float16).astype(np.float64)
+    sc, m = rng.integers(1, 64, (n, k // 256, 8, 1)), rng.integers(0, 64, (n, k // 256, 8, 1))
+    q = rng.integers(1, top, (n, k // 256, 8, 32))  # never 0 or 2**bits - 1
+    w64 = (d * sc * q - dmin * m).reshape(n, k)
+    w = w64.astype(np.float32)
+    segs = [(bits, 32, k)]
+
+    def f16(a):
+        return a.astype(np.float16).astype(np.float64)
+
+    def rel(qt):
+        return np.linalg.norm(np.array(qt.dequantize(dtype=mx.float32), np.float64) - w64) / np.linalg.norm(w64)
+
+    def rel_of(x):
+        return np.linalg.norm(x - w64) / np.linalg.norm(w64)
+
+    own16 = rel_of((f16(d * sc) * q + f16(-dmin * m)).reshape(n, k))
+    assert rel(search(w, segs, dtype=mx.float32)) < 1e-6
+    assert rel(search(w, segs, dtype=mx.float16)) <= 1.05 * own16
+    assert rel(rtn(w, segs, dtype=mx.float32)) > 20 * own16
+    # The grid is tried where the weight looks decoded from such blocks, not on a float weight.
+    from mixbits.quantizers._grid import on_a_grid
+
+    assert on_a_grid(w, bits, 32, mx.float16)
+    assert not on_a_grid(rng.standard_normal((n, k)).astype(np.float32), bits, 32, mx.float16)

@@ -5,6 +5,10 @@ sum_k h_k (w_k - what_k)^2 (h = diag(X^T X), or ones), measured with the
 parameters as stored (rounded to dtype):
   - RTN's own min-max parameters and codes (so no group gets worse);
   - a grid of clipped ranges (both ends shrunk towards zero by p);
+  - the group's own grid, where the weight looks decoded from blocks of
+    this width (``_grid.on_a_grid``, ``_grid.lattice_params``: a weight
+    decoded from K-quant blocks is held exactly, up to the storage dtype's
+    rounding of its step and minimum);
   - ``refine`` rounds of the weighted least-squares scale and bias for the
     best codes so far, then re-rounding (a Lloyd step: it can only help,
     and is kept only where it does).
@@ -50,8 +54,10 @@ def _keep(best, err, *cand):
         best[i] = np.where(m, c, best[i])
 
 
-def search_affine(t, h, bits, dtype, grid, refine):
-    """t [N, G, gs] float32 target, h [1, G, gs]; returns codes, scale, bias."""
+def search_affine(t, h, bits, dtype, grid, refine, lattice=False):
+    """t [N, G, gs] float32 target, h [1, G, gs]; returns codes, scale, bias.
+    ``lattice``: also try each group's own grid (the weight looks decoded
+    from blocks of this width: ``_grid.on_a_grid``)."""
     nb = 2**bits - 1
     td = G.to_dtype(t, dtype)  # RTN quantizes w as rounded to dtype
     s, b = G.minmax_params(td, bits)
@@ -70,6 +76,8 @@ def search_affine(t, h, bits, dtype, grid, refine):
     for p in np.linspace(1.0, 0.5, grid + 1, dtype=np.float32)[1:]:
         lo_p, hi_p = np.where(lo < 0, lo * p, lo), np.where(hi > 0, hi * p, hi)
         trial(((hi_p - lo_p) / np.float32(nb)).astype(G.F32), lo_p.astype(G.F32))
+    if lattice:
+        trial(*G.lattice_params(td, bits))
     h64, t64 = np.broadcast_to(h, t.shape).astype(np.float64), t.astype(np.float64)
     for _ in range(refine):
         q = best[1].astype(np.float64)
@@ -141,24 +149,29 @@ def _search(w, segments, perm, dtype, h_diag, grid, refine, fast, simd=True):
     fast = fast and hasattr(_ext, "search_trials")  # an extension built before the kernel
     segs, k0 = [], 0
     for bits, gs, k in specs:
+        # The group's own grid is a candidate where the weight looks decoded
+        # from blocks of this width (not with grid=0: no search, RTN itself).
+        lattice = bool(grid) and bits != TERNARY and G.on_a_grid(W[:, k0 : k0 + k], bits, gs, dtype)
         if fast:
-            codes, s, b = _search_fast(W[:, k0 : k0 + k], h[k0 : k0 + k], bits, gs, dtype, grid, refine, simd)
+            codes, s, b = _search_fast(W[:, k0 : k0 + k], h[k0 : k0 + k], bits, gs, dtype, grid, refine, simd,
+                                       lattice)
         else:
             t = W[:, k0 : k0 + k].reshape(N, k // gs, gs)
-            codes, s, b = _by_definition(t, h[k0 : k0 + k].reshape(1, k // gs, gs), bits, dtype, grid, refine)
+            codes, s, b = _by_definition(t, h[k0 : k0 + k].reshape(1, k // gs, gs), bits, dtype, grid, refine,
+                                         lattice)
         segs.append(G.segment(bits, gs, codes.reshape(N, k), s, b, dtype))
         k0 += k
     return G.tensor(segs, perm)
 
 
-def _by_definition(t, hg, bits, dtype, grid, refine):
+def _by_definition(t, hg, bits, dtype, grid, refine, lattice=False):
     """Groups t [N, G, gs] (weights hg [1, G, gs]) searched by the numpy definition."""
     if bits == TERNARY:
         return search_ternary(t, hg, dtype, grid, refine)
-    return search_affine(t, hg, bits, dtype, grid, refine)
+    return search_affine(t, hg, bits, dtype, grid, refine, lattice)
 
 
-def _search_fast(Wk, hk, bits, gs, dtype, grid, refine, simd):
+def _search_fast(Wk, hk, bits, gs, dtype, grid, refine, simd, lattice=False):
     """One segment's columns Wk [N, k] by the fused kernel, a block of rows
     at a time: codes uint8 [N, G, gs], scales and biases float32 [N, G]."""
     N, k = Wk.shape
@@ -174,9 +187,9 @@ def _search_fast(Wk, hk, bits, gs, dtype, grid, refine, simd):
         if bits == TERNARY:
             out = _ternary_fast(t, h, dtype, grid, refine, simd)
         else:
-            out = _affine_fast(t, h, bits, dtype, grid, refine, simd)
+            out = _affine_fast(t, h, bits, dtype, grid, refine, simd, lattice)
         if out is None:  # outside the storage dtype's range: the definition decides
-            out = _by_definition(t, h.reshape(1, ng, gs), bits, dtype, grid, refine)
+            out = _by_definition(t, h.reshape(1, ng, gs), bits, dtype, grid, refine, lattice)
             if not np.isfinite(out[0]).all():  # where the definition has no codes, neither has this
                 raise ValueError(f"w has values beyond {dtype}'s range: no {bits}-bit codes for them")
         codes[r0:r1], scales[r0:r1], biases[r0:r1] = out
@@ -219,7 +232,7 @@ class _Best:
         return out.T
 
 
-def _affine_fast(t, h, bits, dtype, grid, refine, simd):
+def _affine_fast(t, h, bits, dtype, grid, refine, simd, lattice=False):
     """search_affine on a block t [n, G, gs] through the fused kernel; the
     per-group parameters are computed exactly as there (elementwise, so the
     same float32/float64 values), or None where the dtype overflows."""
@@ -243,6 +256,9 @@ def _affine_fast(t, h, bits, dtype, grid, refine, simd):
         p = np.linspace(1.0, 0.5, grid + 1, dtype=np.float32)[1:, None]
         lo_p, hi_p = np.where(lo < 0, lo * p, lo), np.where(hi > 0, hi * p, hi)
         s_d, b_d = sanitize(((hi_p - lo_p) / np.float32(nb)).astype(G.F32), lo_p.astype(G.F32))
+        best.trials(s_d, b_d, s_d, b_d)
+    if lattice:
+        s_d, b_d = sanitize(*(a.reshape(1, -1) for a in G.lattice_params(td, bits)))
         best.trials(s_d, b_d, s_d, b_d)
     for _ in range(refine):
         b_s, b_b = best.chosen()
