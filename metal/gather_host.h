@@ -58,8 +58,9 @@ inline std::string gather_gpu_refusal(int64_t pairs, int64_t M, int64_t x_batche
 // over min(w_batches, pairs) experts), so a block's runs fill its MMAs.
 // With fewer rows per expert the GEMV reads each expert's weights once per
 // run of its (sorted) rows in an 8-row block, without the tiled kernel's
-// 32-row MMA passes over one or two real rows (64 pairs over 128 experts:
-// 4% of the MMA rows were real).
+// 32-row weight tiles and 8-row MMA fragments for one or two real rows
+// (64 pairs over 128 experts: 4% of the MMA rows were real when each run
+// was a 32-row pass; 1 or 2 of a fragment's 8 with runs packed).
 inline bool gather_tiled(int pairs, int M, bool sorted, int w_batches) {
   const int64_t rows = int64_t(pairs) * M;
   const int64_t experts = std::min<int64_t>(w_batches, pairs);
@@ -167,7 +168,8 @@ inline std::vector<GatherLaunch> plan_gather_qmv(int pairs, int M, int N, int x_
 // The tiled kernel's launches (for problems gather_tiled accepts), in
 // order: one per MB_QMM_MAX_SEGS segments, as plan_gather_qmv's. A
 // threadgroup owns a 32 x 32 block of the flat pairs·M output rows and N
-// outputs (the dense tiled kernel's 32-row blocks and threadgroup memory).
+// outputs (the dense tiled kernel's 32-row blocks and threadgroup memory,
+// plus the block's 2 x 32 index entries).
 // Arguments as plan_gather_qmv's, validated (cpp/gather/gather.cpp).
 inline std::vector<GatherLaunch> plan_gather(int pairs, int M, int N, int x_batches,
                                              int w_batches, const std::vector<QmmSegment>& segs,
@@ -189,7 +191,7 @@ inline std::vector<GatherLaunch> plan_gather(int pairs, int M, int N, int x_batc
     l.group[0] = MB_QMM_THREADS;
     l.group[1] = l.group[2] = 1;
     l.threadgroup_bytes =
-        size_t(mb_qmm_tg_floats(MB_QMM_BM, xt == ActType::F32 ? 4 : 2, half_w ? 2 : 4)) *
+        size_t(mb_gather_qmm_tg_floats(xt == ActType::F32 ? 4 : 2, half_w ? 2 : 4)) *
         sizeof(float);
   }
   return plan;

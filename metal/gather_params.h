@@ -27,6 +27,14 @@ struct MbGatherFusedParams {
                   // MB_QMM_BM (tiled)
 };
 
+// Threadgroup memory of the tiled gathered kernel (gather_qmm.metal), in
+// floats: the dense tiled kernel's with 32-row blocks (two tile buffers,
+// two steps' perm entries), then the block's rhs and lhs entries, one per
+// flat output row (staged once; its runs are walked from them).
+constexpr int mb_gather_qmm_tg_floats(int x_bytes, int w_bytes) {
+  return mb_qmm_tg_floats(MB_QMM_BM, x_bytes, w_bytes) + 2 * MB_QMM_BM;
+}
+
 // Both gathered kernels' buffer indices (gather_qmv.metal, the GEMV, and
 // gather_qmm.metal, the tiled one): the fixed slots, three per segment
 // (slots 6 .. 29), the parameter block last (Metal's 31 slots, all used).

@@ -11,10 +11,13 @@
 // weight tile is read once per 32 rows that use it. With the pairs sorted
 // by expert (mlx-lm sorts them for prefill) the 32 rows of a block mostly
 // share one expert; a block walks the runs of equal rhs among its rows in
-// order, each run one pass over every segment of the table with the other
-// rows' activations zeroed and only the run's rows stored. Unsorted
-// indices stay correct (more runs, more passes). Rows whose lhs or rhs is
-// out of range get NaN (the CPU primitive's rule), without reading x or W.
+// order (its lhs and rhs entries staged once in threadgroup memory), each
+// run one pass over every segment of the table with the run's rows packed
+// at the top of the x tile, so the pass multiplies only the 8-row fragments
+// that hold them (a run of 8 rows: 1 of the tile's 4, not all 4) and
+// stores each packed row to its place. Unsorted indices stay correct (more
+// runs, more passes). Rows whose lhs or rhs is out of range get NaN (the
+// CPU primitive's rule), without reading x or W.
 //
 // As the dense kernels and the gathered GEMV, ONE dispatch computes the
 // whole product: the kernel walks the segment table (MbGatherFusedParams,
@@ -31,7 +34,8 @@
 
 // Threadgroup = 4 simdgroups (128 threads); grid = (ceil(N / 32),
 // ceil(pairs·M / 32)). Threadgroup memory as the dense tiled kernel's with
-// 32-row blocks (mb_qmm_tg_floats). Buffers: gather_params.h
+// 32-row blocks, then the block's indices (mb_gather_qmm_tg_floats,
+// gather_params.h). Buffers: gather_params.h
 // (MbGatherQmvBuffer); slots of segments past q.nseg are bound to a
 // stand-in and never read.
 template <typename IO, typename SC>
@@ -84,46 +88,59 @@ template <typename IO, typename SC>
                                             sizeof(typename MbWTile<IO, SC>::type));
   constexpr int CS = BN + 4;
   static_assert(BM * CS <= TILE, "the output tile fits one tile buffer");
+  // After the two tile buffers and the perm entries: the block's rhs, then
+  // lhs entries, one per flat row (int bits), staged once.
+  constexpr int IDX = 2 * TILE + 2 * MB_QMM_BK;
+  static_assert(IDX + 2 * BM == mb_gather_qmm_tg_floats(sizeof(typename IO::storage),
+                                                        sizeof(typename MbWTile<IO, SC>::type)),
+                "gather_params.h sizes this kernel's threadgroup memory");
 
-  const int rows = gp.pairs * p.M;
   const int n0 = int(tid.x) * BN;
   const int r0 = int(tid.y) * BM;
-  const int r_end = min(r0 + BM, rows);
+  const int nr = min(BM, gp.pairs * p.M - r0);  // flat rows of this block
 
   // Loader role: row `lrow` of the x tile (mb_qmm_segment); the same thread
-  // stores output row r0 + lrow, columns n0 + lcol .. + 7.
+  // stores the output row in row lrow of the staged outputs, columns
+  // n0 + lcol .. + 7.
   const int lrow = int(lid) / 4;
   const int lcol = (int(lid) % 4) * 8;
-  const int r = r0 + lrow;
-  const bool r_in = r < rows;
-  const int pair = r_in ? r / p.M : 0;
-  const uint xi = r_in ? lhs[pair] : 0u;
-  const uint wi = r_in ? rhs[pair] : 0u;
-  const bool bad = r_in && (xi >= uint(gp.x_batches) || wi >= uint(gp.w_batches));
-  const device typename IO::storage* xrow =
-      x + (size_t(bad ? 0u : xi) * size_t(p.M) + size_t(r_in ? r % p.M : 0)) * size_t(p.K);
 
   // MMA role: this simdgroup's 16 x 16 block of the tile.
   const int sm = 16 * (int(simd_gid) / (BN / 16));
   const int sn = 16 * (int(simd_gid) % (BN / 16));
 
-  // The first step's perm entries (a run's later steps are staged a step
-  // ahead by mb_qmm_segment; each run restages them, below).
-  if (p.has_perm) {
-    if (lid < uint(MB_QMM_BK)) {
-      smem[2 * TILE + int(lid)] = as_type<float>(mb_perm_col(perm, 1, p.K, p.seg[0].k0 + int(lid)));
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+  // The block's indices, rhs then lhs of each flat row, read once (threads
+  // 0 .. 63), and the first step's perm entries (threads 64 .. 95; a run's
+  // later steps are staged a step ahead by mb_qmm_segment, each run
+  // restages them, below).
+  if (lid < uint(2 * BM)) {
+    const int t = int(lid) % BM;
+    const device uint32_t* ix = lid < uint(BM) ? rhs : lhs;
+    smem[IDX + int(lid)] = as_type<float>(t < nr ? ix[(r0 + t) / p.M] : 0u);
+  } else if (p.has_perm && lid < uint(2 * BM + MB_QMM_BK)) {
+    const int t = int(lid) - 2 * BM;
+    smem[2 * TILE + t] = as_type<float>(mb_perm_col(perm, 1, p.K, p.seg[0].k0 + t));
   }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+#define MB_GQMM_RHS(t) as_type<uint32_t>(smem[IDX + (t)])
+#define MB_GQMM_LHS(t) as_type<uint32_t>(smem[IDX + BM + (t)])
 
-  // The runs of equal rhs among rows [r0, r_end): the same walk in every
-  // thread (device reads only), so barriers stay uniform.
-  for (int start = r0; start < r_end;) {
-    const uint e = rhs[start / p.M];
+  // The runs of equal rhs among the block's rows: the same walk in every
+  // thread, so barriers stay uniform. A run's L rows are packed into rows
+  // 0 .. L - 1 of the x tile (thread row lrow holds the run's row lrow), so
+  // its MMAs cover ceil(L / 8) 8-row fragments, not the whole 32-row tile:
+  // mb_qmm_segment skips the fragments at or past L.
+  for (int start = 0; start < nr;) {
+    const uint e = MB_GQMM_RHS(start);
     int end = start + 1;
-    while (end < r_end && rhs[end / p.M] == e) ++end;
+    while (end < nr && MB_GQMM_RHS(end) == e) ++end;
     if (e < uint(gp.w_batches)) {
-      const bool mine = r >= start && r < end && !bad;
+      const int L = end - start;
+      const int frow = r0 + start + lrow;  // this thread's flat row (if lrow < L)
+      const uint xi = lrow < L ? MB_GQMM_LHS(start + lrow) : 0u;
+      const bool mine = lrow < L && xi < uint(gp.x_batches);
+      const device typename IO::storage* xrow =
+          x + (size_t(mine ? xi : 0u) * size_t(p.M) + size_t(mine ? frow % p.M : 0)) * size_t(p.K);
       simdgroup_float8x8 c[4];
       MB_UNROLL for (int i = 0; i < 4; ++i) {
         c[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
@@ -136,18 +153,20 @@ template <typename IO, typename SC>
 #define MB_GQMM_SEG(B)                                                                      \
   mb_qmm_segment<IO, SC, B, BM>(                                                            \
       xrow, mine, perm, (const device uint8_t*)wqs[s] + mat * (size_t(g.kseg) * B / 8),     \
-      scs[s] + mat * groups, bis[s] + mat * groups, p, g, smem, n0, lid, simd_gid, step, c)
+      scs[s] + mat * groups, bis[s] + mat * groups, p, g, smem, n0, lid, simd_gid, L, step, c)
         MB_QMM_SWITCH_BITS(g.bits, MB_GQMM_SEG)
 #undef MB_GQMM_SEG
       }
-      // Stage the outputs, [BM][CS], in the tile buffer the last step did
-      // not use (every thread finished reading it before the last step's
-      // barrier); each thread then stores its row's 8 outputs if the row
-      // belongs to this run.
+      // Stage the outputs of the run's fragments, [BM][CS], in the tile
+      // buffer the last step did not use (every thread finished reading it
+      // before the last step's barrier); each thread then stores its packed
+      // row's 8 outputs to the row's place.
       threadgroup float* ct = smem + (step & 1) * TILE;
       MB_UNROLL for (int i = 0; i < 2; ++i) {
-        MB_UNROLL for (int j = 0; j < 2; ++j) {
-          simdgroup_store(c[2 * i + j], ct, CS, ulong2(ulong(sn + 8 * j), ulong(sm + 8 * i)));
+        if (sm + 8 * i < L) {
+          MB_UNROLL for (int j = 0; j < 2; ++j) {
+            simdgroup_store(c[2 * i + j], ct, CS, ulong2(ulong(sn + 8 * j), ulong(sm + 8 * i)));
+          }
         }
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -155,7 +174,7 @@ template <typename IO, typename SC>
         MB_UNROLL for (int i = 0; i < 8; ++i) {
           const int n = n0 + lcol + i;
           if (n < p.N) {
-            mb_qmm_store<IO>(acc_buf, out, p, size_t(r) * size_t(p.N) + size_t(n),
+            mb_qmm_store<IO>(acc_buf, out, p, size_t(frow) * size_t(p.N) + size_t(n),
                              ct[lrow * CS + lcol + i]);
           }
         }
@@ -170,12 +189,19 @@ template <typename IO, typename SC>
     }
     start = end;
   }
-  if (bad) {
+  // Rows whose lhs or rhs is out of range: NaN (thread row lrow: flat row
+  // r0 + lrow), x and W never read for them.
+  if (lrow < nr && (MB_GQMM_RHS(lrow) >= uint(gp.w_batches) ||
+                    MB_GQMM_LHS(lrow) >= uint(gp.x_batches))) {
     MB_UNROLL for (int i = 0; i < 8; ++i) {
       const int n = n0 + lcol + i;
-      if (n < p.N) mb_qmm_store<IO>(acc_buf, out, p, size_t(r) * size_t(p.N) + size_t(n), NAN);
+      if (n < p.N) {
+        mb_qmm_store<IO>(acc_buf, out, p, size_t(r0 + lrow) * size_t(p.N) + size_t(n), NAN);
+      }
     }
   }
+#undef MB_GQMM_RHS
+#undef MB_GQMM_LHS
 }
 
 #define MB_GATHER_QMM_INST(name, io, sc) MB_INSTANTIATE_KERNEL(name, mb_gather_qmm, io, sc)

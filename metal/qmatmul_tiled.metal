@@ -14,12 +14,13 @@
 // Threadgroup = 4 simdgroups (128 threads); grid = (ceil(N / 32),
 // ceil(M / 32)); one 32 x 32 block of outputs per threadgroup, simdgroup
 // (simd_gid / 2, simd_gid % 2) owning a 16 x 16 block of it (2 x 2
-// simdgroup_float8x8 accumulators). Loader role of thread lid: row lid / 4
-// of both tiles, columns (lid % 4) * 8 .. + 7. At the end the accumulators
-// go through threadgroup memory (the x tile's space) so that each thread
-// stores 8 outputs with bounds checks. Buffers: qmatmul_params.h
-// (MbQmmBuffer); slots of segments past p.nseg are bound to a stand-in and
-// never read.
+// simdgroup_float8x8 accumulators; an 8-row fragment wholly past M, in
+// the last block, is neither multiplied nor stored). Loader role of thread
+// lid: row lid / 4 of both tiles, columns (lid % 4) * 8 .. + 7. At the end
+// the accumulators go through threadgroup memory (the x tile's space) so
+// that each thread stores 8 outputs with bounds checks. Buffers:
+// qmatmul_params.h (MbQmmBuffer); slots of segments past p.nseg are bound
+// to a stand-in and never read.
 template <typename IO, typename SC, int BM>
 [[kernel]] void mb_qmm(
     const device typename IO::storage* x [[buffer(0)]],
@@ -68,6 +69,7 @@ template <typename IO, typename SC, int BM>
   const int lrow = int(lid) / 4;
   const int xm = m0 + lrow;
   const bool x_in = lrow < BM && xm < p.M;
+  const int mrows = min(BM, p.M - m0);  // rows of x in this block (the last may be partial)
   const device typename IO::storage* xrow = x + size_t(x_in ? xm : 0) * size_t(p.K);
 
   simdgroup_float8x8 c[4];
@@ -88,7 +90,7 @@ template <typename IO, typename SC, int BM>
   for (int s = 0; s < p.nseg; ++s) {
 #define MB_QMM_SEG(B)                                                                          \
   mb_qmm_segment<IO, SC, B, BM>(xrow, x_in, perm, (const device uint8_t*)wqs[s], scs[s], bis[s], p, \
-                            p.seg[s], smem, n0, lid, simd_gid, step, c)
+                            p.seg[s], smem, n0, lid, simd_gid, mrows, step, c)
     MB_QMM_SWITCH_BITS(p.seg[s].bits, MB_QMM_SEG)
 #undef MB_QMM_SEG
   }
@@ -102,8 +104,10 @@ template <typename IO, typename SC, int BM>
   const int sm = 16 * (int(simd_gid) / (BN / 16));
   const int sn = 16 * (int(simd_gid) % (BN / 16));
   MB_UNROLL for (int i = 0; i < 2; ++i) {
-    MB_UNROLL for (int j = 0; j < 2; ++j) {
-      simdgroup_store(c[2 * i + j], ct, CS, ulong2(ulong(sn + 8 * j), ulong(sm + 8 * i)));
+    if (sm + 8 * i < mrows) {  // fragments past M: never multiplied, never stored
+      MB_UNROLL for (int j = 0; j < 2; ++j) {
+        simdgroup_store(c[2 * i + j], ct, CS, ulong2(ulong(sn + 8 * j), ulong(sm + 8 * i)));
+      }
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -27,7 +27,11 @@
 //    the last row: computed, never stored), the row's step read as `bits`
 //    uint32 words shared by its 4 loader threads through simd_shuffle;
 // then, after the barrier, simdgroup (sm, sn) accumulates its 16 x 16
-// block of outputs over the step's four 8-column slices: x fragments by
+// block of outputs over the step's four 8-column slices, skipping each of
+// its two 8-row x fragments that lies wholly at or past `rows` (the rows
+// of the x tile that hold x: a partial last block of the dense kernel, a
+// short run of one expert's rows in the gathered one; the fragment's
+// accumulators stay 0 and its MMAs are not issued): x fragments by
 // lane loads (each lane its two elements of the fragment, thread_elements,
 // converted to float), Wᵀ fragments the same way from W rows
 // (B(k, n) = wt[n][k]). Steps are contiguous across segments (the next
@@ -57,9 +61,10 @@ struct MbWTile<MbF16, MbF16> {
 };
 
 // xrow: this thread's row of x (read only where x_in); w, scales, biases:
-// the segment's N rows of W (the gathered kernel: its expert's); step: the
-// steps walked so far (picks the tile buffer, advanced); c: the simdgroup's
-// 2 x 2 accumulators.
+// the segment's N rows of W (the gathered kernel: its expert's); rows: the
+// x tile's rows that may hold x (1 .. BM; the same in every thread);
+// step: the steps walked so far (picks the tile buffer, advanced); c: the
+// simdgroup's 2 x 2 accumulators.
 template <typename IO, typename SC, int bits, int BM>
 inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
                            const device int32_t* perm, const device uint8_t* w,
@@ -67,7 +72,7 @@ inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
                            const device typename SC::storage* biases,
                            constant MbQmmFusedParams& p, constant MbQmmSeg& sg,
                            threadgroup float* smem, int n0, uint lid, uint simd_gid,
-                           thread int& step, thread simdgroup_float8x8* c) {
+                           int rows, thread int& step, thread simdgroup_float8x8* c) {
   constexpr int BN = mb_qmm_bn(BM);
   constexpr int WR = BN / 32;  // W rows per loader thread
   typedef typename IO::storage XT;
@@ -152,22 +157,30 @@ inline void mb_qmm_segment(const device typename IO::storage* xrow, bool x_in,
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    MB_UNROLL for (int kk = 0; kk < MB_QMM_BK; kk += 8) {
-      simdgroup_float8x8 a[2], bt[2];
-      MB_UNROLL for (int i = 0; i < 2; ++i) {
-        const int o = (sm + 8 * i + fr) * XS + kk + fc;
-        a[i].thread_elements()[0] = IO::load(xt[o]);
-        a[i].thread_elements()[1] = IO::load(xt[o + 1]);
-      }
-      // B(k, n) = wt[n][k]: this lane's row fr (k), columns fc, fc + 1 (n).
-      MB_UNROLL for (int j = 0; j < 2; ++j) {
-        const int o = (sn + 8 * j + fc) * S + kk + fr;
-        bt[j].thread_elements()[0] = float(wt[o]);
-        bt[j].thread_elements()[1] = float(wt[o + S]);
-      }
-      MB_UNROLL for (int i = 0; i < 2; ++i) {
+    // The simdgroup's x fragments that hold rows of x (uniform over it).
+    const bool live0 = sm < rows, live1 = sm + 8 < rows;
+    if (live0) {
+      MB_UNROLL for (int kk = 0; kk < MB_QMM_BK; kk += 8) {
+        simdgroup_float8x8 a[2], bt[2];
+        MB_UNROLL for (int i = 0; i < 2; ++i) {
+          if (i == 0 || live1) {
+            const int o = (sm + 8 * i + fr) * XS + kk + fc;
+            a[i].thread_elements()[0] = IO::load(xt[o]);
+            a[i].thread_elements()[1] = IO::load(xt[o + 1]);
+          }
+        }
+        // B(k, n) = wt[n][k]: this lane's row fr (k), columns fc, fc + 1 (n).
         MB_UNROLL for (int j = 0; j < 2; ++j) {
-          simdgroup_multiply_accumulate(c[2 * i + j], a[i], bt[j], c[2 * i + j]);
+          const int o = (sn + 8 * j + fc) * S + kk + fr;
+          bt[j].thread_elements()[0] = float(wt[o]);
+          bt[j].thread_elements()[1] = float(wt[o + S]);
+        }
+        MB_UNROLL for (int i = 0; i < 2; ++i) {
+          if (i == 0 || live1) {
+            MB_UNROLL for (int j = 0; j < 2; ++j) {
+              simdgroup_multiply_accumulate(c[2 * i + j], a[i], bt[j], c[2 * i + j]);
+            }
+          }
         }
       }
     }

@@ -1,7 +1,8 @@
 """Device-memory traffic of the Metal kernels, counted in the SIMT emulator.
 
 Every public op call of the case list (qmatmul at 1, 2 and 3 K-segments and
-with a permutation, M = 1, 4, 8, 9, 17, 512; MLX's own kernel for the one-segment
+with a permutation, M = 1, 4, 8, 9, 17, 512, and at one segment M = 10, 12,
+16, 18, 24, 25, 31 for the tiled kernel's MMA use; MLX's own kernel for the one-segment
 case (op mlx_qmatmul, mlx_emu.py); the gathered qmatmul at top-8 of 128
 experts, decode and sorted prefill, and a sorted prefill at top-2 of 8
 experts that takes the tiled kernel, each at 1, 2 and 3 K-segments; the
@@ -16,6 +17,7 @@ bytes to it.
 
     python tests/metal/metal_traffic.py --json          # quick sizes (default)
     python tests/metal/metal_traffic.py --full --json   # 4096 x 4096 GEMV etc.
+    python tests/metal/metal_traffic.py --full --op qmatmul --m 17   # some records
 
 The weights, scales and x are random: the kernels' access pattern does not
 depend on the values (indices excepted, which are valid and sorted as
@@ -55,6 +57,15 @@ SIZES = {
 }
 
 
+# The tiled kernel's MMA use between those rows (issue 45: >= 50% from
+# M = 9): 16-row blocks up to 16 rows, 32-row ones above, an 8-row fragment
+# wholly past M not multiplied; 10 and 18 just past the block changes, 25
+# past 24 (three fragments of a 32-row block). One segment: the MMA count
+# does not depend on the layout (the records of M = 9 and 17 agree).
+MMA_M = (10, 12, 16, 18, 24, 25, 31)
+MMA_SIZES = {False: (256, 256), True: (1024, 1024)}
+
+
 def qmatmul_cases(full: bool) -> list[dict]:
     """Equal bits (4-bit, group 64) for every layout, so the layouts differ
     only in how the product is split: one segment, two, three, and two with
@@ -68,6 +79,10 @@ def qmatmul_cases(full: bool) -> list[dict]:
                            ([[4, 64, h], [4, 64, h]], True)):
             cases.append({"op": "qmatmul", "M": M, "N": N, "K": K, "segments": segs,
                           "perm": perm, "x_dtype": "float16", "scale_dtype": "float16"})
+    N, K = MMA_SIZES[full]
+    for M in MMA_M:
+        cases.append({"op": "qmatmul", "M": M, "N": N, "K": K, "segments": [[4, 64, K]],
+                      "perm": False, "x_dtype": "float16", "scale_dtype": "float16"})
     return cases
 
 
@@ -328,6 +343,8 @@ def main(argv=None) -> int:
     ap.add_argument("--op", choices=("qmatmul", "mlx_qmatmul", "gather", "kl", "qmatmul_t",
                                      "gather_t"), action="append",
                     help="only these ops (repeatable)")
+    ap.add_argument("--m", type=int, action="append",
+                    help="only the cases of these M (repeatable)")
     ap.add_argument("--one-segment", action="store_true",
                     help="qmatmul: only the one-segment layout (the product MLX's kernels compute)")
     ap.add_argument("--per-dispatch", action="store_true",
@@ -339,7 +356,8 @@ def main(argv=None) -> int:
                              (gather_cases, "gather"), (qmatmul_t_cases, "qmatmul_t"),
                              (gather_t_cases, "gather_t"), (kl_cases, "kl"))
              if not a.op or op in a.op for c in f(full)
-             if not (a.one_segment and op == "qmatmul" and (len(c["segments"]) > 1 or c["perm"]))]
+             if not (a.one_segment and op == "qmatmul" and (len(c["segments"]) > 1 or c["perm"]))
+             and (not a.m or c["M"] in a.m)]
     rng = np.random.default_rng(0)
     records = []
     for c in cases:

@@ -201,12 +201,17 @@ def test_perm_entries_read_once_per_threadgroup_and_step(M):
     assert perm_bytes == groups * K * 4
 
 
-@pytest.mark.parametrize("M", [9, 12, 16, 17, 24, 31])
+@pytest.mark.parametrize("M", [9, 12, 16, 17, 24, 25, 31])
 def test_tiled_mma_utilisation_at_least_half_from_nine_rows(M):
     # 9 .. 16 rows run 16-row blocks, 17 .. 31 32-row ones: at least half of
     # the MMA rows are rows of x (32-row blocks alone gave 9 / 32 at M = 9).
-    c = qmm_case(M, [(4, 64, 128)], False, N=128)
+    # An 8-row fragment wholly past M is not multiplied: the MMAs are those
+    # of ceil(M / 8) fragments of 8 rows against every 8 columns, 8 deep
+    # (17 rows: 3 fragments, 17 / 24, not 17 / 32).
+    N, K = 128, 128
+    c = qmm_case(M, [(4, 64, K)], False, N=N)
     s = T.summarize(c, T.run_case(c, np.random.default_rng(4)))
+    assert s["mma"] == -(-M // 8) * (N // 8) * (K // 8)
     assert s["mma_utilisation"] >= 0.5
     assert s["unique_ratio"] == 1.0
 
@@ -260,7 +265,9 @@ def test_gather_tiled_one_dispatch_for_its_segments(segs):
     # float32 partial sum written and read back between per-segment
     # dispatches, as before); one barrier per 32-column step of each run of
     # equal expert in a 32-row block, two more per run (output staged,
-    # then stored).
+    # then stored), one per threadgroup (its indices staged). Each run's 8
+    # rows are packed into one 8-row fragment: every MMA is of real rows
+    # (a run was a 32-row pass: 1 / 4 of them).
     c = {"op": "gather", "M": 1, "N": 64, "K": 256, "segments": segs, "perm": False,
          "x_dtype": "float16", "scale_dtype": "float16", "experts": 8, "top_k": 8,
          "tokens": 8, "sorted": True}
@@ -269,7 +276,51 @@ def test_gather_tiled_one_dispatch_for_its_segments(segs):
     assert s["kernels"] == ["mixbits_gather_qmm_float16_float16"]
     assert s["unique_ratio"] == 1.0
     runs_per_block = 4  # 32 sorted rows, 8 per expert
-    assert s["barriers"] == rec[0]["grid"][0] * rec[0]["grid"][1] * runs_per_block * (256 // 32 + 2)
+    groups = rec[0]["grid"][0] * rec[0]["grid"][1]
+    assert s["barriers"] == groups * (1 + runs_per_block * (256 // 32 + 2))
+    assert s["mma_utilisation"] == 1.0
+
+
+@pytest.mark.parametrize("M", [1, 3])
+def test_gather_tiled_packs_runs_and_reads_indices_once(M):
+    # Sorted prefill at about 8 rows per expert (top-2 of 8 experts, 32
+    # tokens: issue 45's case, smaller N and K): each run of equal expert in
+    # a 32-row block is one pass whose rows sit in the top ceil(L / 8) 8-row
+    # fragments of the tile, so the MMAs are exactly those fragments
+    # against every 8 columns, 8 deep (was 4 fragments per run: 0.222 /
+    # 0.250 / 0.222 used at 1 / 2 / 3 segments); M = 3: a pair's rows split
+    # between blocks. The 4-byte loads are exactly the W words of each run's
+    # 32-row tiles and the block's lhs and rhs entries once per threadgroup
+    # (each thread walked rhs itself before: 4 bytes per row per thread).
+    N, K = 64, 128
+    c = {"op": "gather", "M": M, "N": N, "K": K, "segments": [[4, 64, K]], "perm": False,
+         "x_dtype": "float16", "scale_dtype": "float16", "experts": 8, "top_k": 2,
+         "tokens": 32, "sorted": True}
+    rng = np.random.default_rng(14 + M)
+    idx = np.stack([rng.choice(8, 2, replace=False) for _ in range(32)])
+    order = np.argsort(idx.ravel(), kind="stable")
+    rhs = idx.ravel()[order].astype(np.uint32)
+    lhs = np.arange(64, dtype=np.uint32)
+    x = T._storage(rng, (64, M, K), "float16")
+    packed = list(T._packed(rng, (8,), N, 4, 64, K, "float16"))
+    with E.counting() as rec:
+        E.gather([x, *packed, lhs, rhs], [[4, 64, K]], "float16", "float16", False,
+                 sorted_indices=True)
+    c["_experts_used"] = len(np.unique(rhs))
+    s = T.summarize(c, rec)
+    r = rec[0]
+    assert r["kernel"] == "mixbits_gather_qmm_float16_float16" and s["unique_ratio"] == 1.0
+    row_rhs = np.repeat(rhs, M)  # the flat rows' experts
+    runs = []
+    for b in range(0, 64 * M, 32):
+        blk = row_rhs[b:b + 32]
+        cuts = np.flatnonzero(np.diff(blk)) + 1
+        runs += [len(a) for a in np.split(blk, cuts)]
+    gx = N // 32
+    assert r["grid"] == [gx, 2 * M, 1] and sum(runs) == 64 * M
+    assert s["mma"] == gx * sum(-(-L // 8) for L in runs) * 4 * (K // 8)
+    assert s["mma_utilisation"] >= 0.5
+    assert r["device_read_by_width"]["4"] == gx * (len(runs) * 32 * K // 2 + 2 * 4 * 64 * M)
 
 
 @pytest.mark.parametrize("perm", [False, True])
@@ -308,16 +359,22 @@ def test_tiled_tiles_hold_2_byte_elements(M):
     bn = 32 * 32 // bm
     steps = K // 32
     # per step and tile: BM x 32 x-tile (BN x 32 W-tile) elements written;
-    # 4 simdgroups x 4 slices x 2 fragments x 64 elements read of each
-    frag_reads = groups * steps * 4 * 4 * 2 * 64 * 2
+    # 4 slices x 64 elements read of each fragment: 2 W fragments per
+    # simdgroup, 2 x fragments where both hold rows of x (simdgroups of
+    # rows 16 .. 31 at M = 17: one, rows 24 .. 31 are not multiplied).
+    sm = [0, 0, 0, 0] if bm == 16 else [0, 0, 16, 16]
+    x_frags = sum(m + 8 * i < M for m in sm for i in range(2))
+    assert x_frags == (8 if M == 12 else 6)
+    x_frag_reads = groups * steps * 4 * x_frags * 64 * 2
+    w_frag_reads = groups * steps * 4 * 4 * 2 * 64 * 2
     for r in (bf16, f16_f32s):
         assert f32["threadgroup_write_bytes"] - r["threadgroup_write_bytes"] == \
             groups * steps * bm * 32 * 2
-        assert f32["threadgroup_read_bytes"] - r["threadgroup_read_bytes"] == frag_reads
+        assert f32["threadgroup_read_bytes"] - r["threadgroup_read_bytes"] == x_frag_reads
     assert f16_f32s["threadgroup_write_bytes"] == bf16["threadgroup_write_bytes"]
     assert bf16["threadgroup_write_bytes"] - f16["threadgroup_write_bytes"] == \
         groups * steps * bn * 32 * 2
-    assert bf16["threadgroup_read_bytes"] - f16["threadgroup_read_bytes"] == frag_reads
+    assert bf16["threadgroup_read_bytes"] - f16["threadgroup_read_bytes"] == w_frag_reads
     for r in (f16, bf16, f16_f32s):
         assert r["mma"] == f32["mma"] and r["barriers"] == f32["barriers"]
         assert r["device_read_bytes"] + r["device_write_bytes"] > 0
