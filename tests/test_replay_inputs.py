@@ -4,7 +4,8 @@ inputs captured in the model's own forward, summed per call in float32
 as one linear's recording alone does, and close to numpy's float64
 X^T X of the same inputs; linears given one input (q/k/v, gate/up) share
 it, a site of another block replaces what is kept, and quantize records
-each block's inputs once."""
+each block's inputs once, with a Replayer that computes no logits
+(``logits=False``: the same recorded calls, checked on one block)."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,7 +16,7 @@ from mlx.utils import tree_flatten
 import tiny_models
 from mixbits.adapter import ModelAdapter
 from mixbits.measure.candidates import build_layer, parse_candidate, records_input
-from mixbits.measure.replay import Replayer
+from mixbits.measure.replay import BlockProxy, Replayer
 
 
 class _Capture(nn.Module):
@@ -127,6 +128,60 @@ def test_out_of_order_asks_and_sites_of_other_blocks(setup):
     assert rp._inputs == {}
 
 
+@pytest.mark.parametrize("replay", [True, False], ids=["block-replay", "whole-model"])
+def test_inputs_only_replayer_records_the_same_calls_and_matrices(setup, monkeypatch, replay):
+    """Replayer(logits=False), what quantize and the joint evaluator use:
+    no reference logits, the replay checked on one block instead of to the
+    logits, the same recorded block calls bit for bit, and every X^T X
+    the product of the inputs the model's own forward gave its linears."""
+    model, ad, chunks, sites, caps = setup
+    full = Replayer(model, chunks, ad)
+
+    def no_logits_check(self):
+        raise AssertionError("the check to the logits ran")
+
+    monkeypatch.setattr(Replayer, "_check_replay", no_logits_check)
+    rp = Replayer(model, chunks, ad, logits=False)
+    assert rp.replayable and rp.logits == [] and len(rp.records) == len(chunks)
+    for got, want in zip(rp.records, full.records):
+        assert len(got) == len(want) == 4
+        for (_, _, a), (_, _, b) in zip(got, want):
+            assert mx.array_equal(a, b).item()
+    with pytest.raises(ValueError, match="logits=False"):
+        rp.candidate_logits(0, sites[0], [ad.get(sites[0].path)])
+    rp.replayable = replay
+    for s in sites:
+        _check(s, rp.input_hessian(s, along=sites), caps)
+
+
+class _Drifting(BlockProxy):
+    """A block whose output moves with every call (state a replay cannot
+    reproduce from the recorded arguments)."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        object.__setattr__(self, "calls", 0)
+
+    def __call__(self, x, *args, **kwargs):
+        object.__setattr__(self, "calls", self.calls + 1)
+        return self._inner(x, *args, **kwargs) + 0.5 * self.calls
+
+
+def test_inputs_only_replayer_falls_back_when_a_block_does_not_replay():
+    """The one-block check: a block that does not give its recorded output
+    back means full forwards for the layer inputs, with the warning."""
+    model, _ = tiny_models.build("llama")
+    ad = ModelAdapter(model)
+    toks = mx.array(np.random.default_rng(5).integers(0, 160, (2, 8)))
+    blocks = ad.blocks
+    blocks[len(blocks) // 2] = _Drifting(blocks[len(blocks) // 2])
+    with pytest.warns(RuntimeWarning, match="recorded output back; recording layer inputs with full"):
+        rp = Replayer(model, [toks], ad, logits=False)
+    assert not rp.replayable and rp.records == []
+    h, n = rp.input_hessian(next(s for s in ad.sites if s.block == 0 and records_input(s)))
+    assert n == 16 and h.shape == (64, 64)
+
+
 def test_quantize_records_each_block_once_and_builds_from_its_own_inputs(setup, monkeypatch):
     """quantize_candidates at +search kinds: one pass per block, and every
     layer bit-identical to build_layer with X^T X of its captured inputs."""
@@ -150,9 +205,14 @@ def test_quantize_records_each_block_once_and_builds_from_its_own_inputs(setup, 
         return record(self, group)
 
     monkeypatch.setattr(Replayer, "_record_inputs", counted)
+    made = []
+    init = Replayer.__init__
+    monkeypatch.setattr(Replayer, "__init__", lambda self, *a, **k: made.append(self) or init(self, *a, **k))
     replaced = quantize_candidates(model, chosen, tokens=tokens)
     assert sorted(replaced) == sorted(chosen)
     assert passes == [7] * 4
+    # the layer inputs only: no reference logits computed
+    assert len(made) == 1 and not made[0].with_logits and made[0].logits == []
     for p, c in chosen.items():
         want = build_layer(originals[p], c, None, (_float32_sum(caps[p]), sum(map(len, caps[p]))))
         got, want = tree_flatten(ad.get(p).parameters()), tree_flatten(want.parameters())

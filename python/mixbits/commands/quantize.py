@@ -64,7 +64,7 @@ def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = 
         if tokens is None:
             raise ValueError("the allocation has calibrated candidates (+gptq/+search/+act): give the "
                              "calibration tokens they were measured with (--tokens or --text)")
-        rp = Replayer(model, token_chunks(tokens, 4), adapter)
+        rp = Replayer(model, token_chunks(tokens, 4), adapter, logits=False)  # X^T X only
     from mixbits import streaming
 
     # Hessians come from the unquantized model: all layers are built before

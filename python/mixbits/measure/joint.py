@@ -203,7 +203,7 @@ class JointEvaluator:
             return self._calibration.hessian(path, along)
         if getattr(self, "_replayer", None) is None:
             self._replayer = Replayer(self.model, token_chunks(self.tokens, self.chunk),
-                                      self.adapter)
+                                      self.adapter, logits=False)  # X^T X only: its own reference is ref_logits
         return self._replayer.input_hessian(self.sites[path], [self.sites[p] for p in along])
 
     def _forget_inputs(self) -> None:
