@@ -157,3 +157,20 @@ def test_the_probes_fisher_pass_covers_every_measured_tensor(monkeypatch):
     assert seen == [(measured, (1, 16), 1)]
     assert len(probe.rate_units) == probe.pairs == 2 * len(measured)
     assert probe.fisher_seq > 0 and all(r > 0 for r in probe.rate_units)
+
+
+def test_the_probe_times_calibrated_menus_too():
+    """convert's default menus are all +search kinds: the probe must still
+    time the exact pairs and the joint evaluation (on their round-to-
+    nearest twins, which run at the same speed). It dropped calibrated
+    kinds, so with the defaults both were 0 s and --time-budget took the
+    exact sweep as free."""
+    model, _ = build("llama", seed=2)
+    tokens = np.random.default_rng(0).integers(0, 160, size=(2, 16))
+    sites = ModelAdapter(model).sites
+    probe = timing_probe(model, tokens, sites, ["2b_g64+search", "4b_g64+search", "4b10_3b_g64+search"],
+                         bpw=4.5)
+    assert probe.joint_seq > 0 and probe.build_set > 0
+    assert probe.pair[0] + probe.pair[1] > 0
+    assert conv.timing_kinds([parse_candidate(k) for k in ("4b_g64+search", "4b_g64", "3b_g64+gptq")]) == \
+        [parse_candidate("4b_g64"), parse_candidate("3b_g64")]

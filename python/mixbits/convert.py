@@ -242,6 +242,23 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def timing_kinds(cands) -> list:
+    """``cands`` as round-to-nearest kinds, once each: what the probe builds
+    to time forwards with quantized layers. A layer runs at the same speed
+    whichever quantizer chose its codes, and a calibrated kind cannot be
+    built without the layer inputs the probe does not record; dropping them
+    instead left convert's default menus (all ``+search``) with nothing to
+    time -- refine and the exact pairs projected at 0 s, so --time-budget
+    picked the exact sweep. The search's own cost is in the rating probe."""
+    import dataclasses
+
+    out = {}
+    for c in cands:
+        base = c if not c.calibrated else dataclasses.replace(c, name=c.name.partition("+")[0], quantizer="rtn")
+        out.setdefault(base.name, base)
+    return list(out.values())
+
+
 def _quantized_probe(ev, sites, cands, bpw=None) -> tuple[float, float]:
     """(seconds of one joint evaluation with every tensor quantized, seconds
     to quantize every tensor once) on ``ev``'s one sequence.
@@ -260,7 +277,7 @@ def _quantized_probe(ev, sites, cands, bpw=None) -> tuple[float, float]:
     from . import streaming
     from .measure.candidates import build_layer, supports
 
-    plain = [c for c in cands if not c.calibrated]
+    plain = timing_kinds(cands)
     if bpw is not None:
         plain.sort(key=lambda c: abs(c.storage_bpw - bpw))
     built, modules, build_s, build_w = {}, {}, 0.0, 0
@@ -380,8 +397,9 @@ def timing_probe(model, tokens, sites, candidates, bpw=None, refines: int = 1) -
     cands = [parse_candidate(c) for c in candidates]
     cost = pair_costs([{"path": s.path, "layer": s.block} for s in sites])
     units = [cost[s.path] for s in sites for c in cands if supports(c, s)]
+    timed = timing_kinds(cands)
     linears = [s for s in sites if s.block is not None and s.form == "linear"
-               and any(supports(c, s) and not c.calibrated for c in cands)]
+               and any(supports(c, s) for c in timed)]
     measured = [s for s in sites if any(supports(c, s) for c in cands)]
 
     def fisher_pass():
@@ -395,9 +413,9 @@ def timing_probe(model, tokens, sites, candidates, bpw=None, refines: int = 1) -
     pair = (0.0, 0.0)
     if linears:
         rp = Replayer(model, token_chunks(one, 1), ModelAdapter(model))
-        cfg = SweepConfig([c.name for c in cands])
+        cfg = SweepConfig([c.name for c in timed])
         first, last = linears[0], linears[-1]
-        cand = next(c for c in cands if supports(c, first) and not c.calibrated)
+        cand = next(c for c in timed if supports(c, first))
         t_first = _timed(lambda: measure_site(rp, first, [cand], cfg))
         t_last = _timed(lambda: measure_site(rp, last, [cand], cfg))
         du = cost[first.path] - cost[last.path]
