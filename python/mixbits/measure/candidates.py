@@ -215,20 +215,14 @@ def stored_kinds(model, quantizer: str = "rtn") -> list[str]:
     so keeping it is one of the choices the allocation weighs -- as
     llama.cpp re-quantizing a quantized file finds its grid again. A float
     model has none."""
-    from ..adapter import ModelAdapter, get_module, quantized_form
+    from ..adapter import ModelAdapter, get_module
 
     found = set()
     for site in ModelAdapter(model).sites:
-        m = get_module(model, site.path)
-        if getattr(m, "mode", "affine") != "affine":
-            continue
-        try:
-            qt = quantized_form(m)
-        except ValueError:
-            continue
-        if qt is not None and qt.perm is None and len(qt.segments) == 1:
+        qt = _stored_tensor(get_module(model, site.path))
+        if qt is not None:
             seg = qt.segments[0]
-            if seg.kind == "affine" and seg.bits in BITS and seg.group_size in GROUP_SIZES:
+            if seg.bits in BITS and seg.group_size in GROUP_SIZES:
                 found.add(f"{seg.bits}b_g{seg.group_size}")
     kinds = sorted(found, key=lambda k: (parse_candidate(k).storage_bpw, k))
     return with_quantizer(kinds, quantizer)
@@ -369,6 +363,12 @@ def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None, dense=No
                       is_expert_stack, quantize_stack)
 
     scale_dtype = scale_dtype or mx.float16
+    embedding = isinstance(module, (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding))
+    stored = stored_at(module, cand, scale_dtype)
+    if stored is not None and not stored.batch_shape:  # kept as stored: nothing to decode
+        if embedding:
+            return MixedQuantizedEmbedding.from_tensor(stored)
+        return MixedQuantizedLinear.from_tensor(stored, module.get("bias"))
     w = dense_weight(module) if dense is None else dense
     k = w.shape[-1]
     # Codes as MLX's quantizer makes them: from the weight in its own dtype
@@ -379,12 +379,6 @@ def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None, dense=No
     if cand.kind == "fp":
         return _fp_layer(module, cand, wn)
     segs = cand.segments(k)
-    embedding = isinstance(module, (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding))
-    stored = stored_at(module, cand, scale_dtype)
-    if stored is not None and w.ndim == 2:
-        if embedding:
-            return MixedQuantizedEmbedding.from_tensor(stored)
-        return MixedQuantizedLinear.from_tensor(stored, module.get("bias"))
     if cand.calibrated:
         if w.ndim != 2 or (inputs is None and cand.quantizer != "search"):
             raise ValueError(f"candidate {cand.name!r} needs the layer input's X^T X (a linear "
@@ -440,23 +434,31 @@ def stored_at(module, cand: Candidate, scale_dtype):
     values miss either end of the grid."""
     import mlx.core as mx
 
+    qt = _stored_tensor(module) if cand.kind == "uniform" else None
+    if qt is None or (qt.segments[0].bits, qt.segments[0].group_size) != (cand.bits, cand.group_size):
+        return None
+    seg = qt.segments[0]
+    for a in (seg.scales, seg.biases):
+        if a.dtype != scale_dtype and not mx.array_equal(a.astype(scale_dtype).astype(a.dtype), a).item():
+            return None
+    return _scales_as(qt, scale_dtype)
+
+
+def _stored_tensor(module):
+    """``module``'s quantized tensor when it is one affine segment in the
+    natural column order (what :func:`stored_at` can keep and
+    :func:`stored_kinds` names), else None."""
     from ..adapter import quantized_form
 
-    if cand.kind != "uniform" or getattr(module, "mode", "affine") != "affine":
+    if getattr(module, "mode", "affine") != "affine":
         return None
     try:
         qt = quantized_form(module)
     except ValueError:  # a quantized layer without biases: nothing to keep
         return None
-    if qt is None or qt.perm is not None or len(qt.segments) != 1:
+    if qt is None or qt.perm is not None or len(qt.segments) != 1 or qt.segments[0].kind != "affine":
         return None
-    seg = qt.segments[0]
-    if (seg.bits, seg.group_size, seg.kind) != (cand.bits, cand.group_size, "affine"):
-        return None
-    for a in (seg.scales, seg.biases):
-        if a.dtype != scale_dtype and not mx.array_equal(a.astype(scale_dtype).astype(a.dtype), a).item():
-            return None
-    return _scales_as(qt, scale_dtype)
+    return qt
 
 
 def _fp_layer(module, cand: Candidate, wn):
