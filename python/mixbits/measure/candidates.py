@@ -26,9 +26,11 @@ An optional suffix names the quantizer (default: round-to-nearest min-max):
 Every quantizer stores the same layout, so kernels, layers and saved
 folders do not know which one ran. Calibrated quantizers need the layer
 inputs the sweep's reference pass records; they apply to linears inside
-decoder blocks -- except ``+search``, which weighs the error by the input's
-energy where it is recorded and otherwise (embeddings, a head outside the
-blocks) searches the plain squared error.
+decoder blocks -- except ``+search``, which also applies to a head outside
+the blocks and to embeddings: it weighs the error by the energy of what
+the tensor multiplies (a linear's input; for an embedding the model also
+calls as its head, ``as_linear``, the head's input) and searches the plain
+squared error of an embedding that is only looked up.
 """
 
 from __future__ import annotations
@@ -268,8 +270,15 @@ def records_input(site) -> bool:
 
 
 def needs_inputs(cand: Candidate, site) -> bool:
-    """Whether building ``cand`` at ``site`` takes the input's X^T X."""
-    return cand.calibrated and records_input(site)
+    """Whether building ``cand`` at ``site`` takes the input's X^T X: a
+    calibrated kind at a linear inside a block, and ``+search`` at a site
+    outside the blocks too (a head's input; an embedding's when the model
+    calls it as its head: the tied head of SmolLM2 and Gemma 3, where the
+    input's energy is 80x its mean in one of Gemma's 640 columns)."""
+    if not cand.calibrated:
+        return False
+    return records_input(site) or (cand.quantizer == "search" and site.block is None
+                                   and site.form in ("linear", "embedding"))
 
 
 def supports(cand: Candidate, site) -> bool:
@@ -553,7 +562,11 @@ def _calibrated(w, segs, cand: Candidate, inputs, scale_dtype):
     """The calibrated quantizers of :mod:`mixbits.quantizers`."""
     from .. import quantizers
 
-    if inputs is None:  # +search where no input is recorded: the plain squared error
+    if inputs is None or inputs[0] is None:
+        # +search where nothing was recorded (an embedding only looked up,
+        # never called as a head): the plain squared error
+        if cand.quantizer != "search":
+            raise ValueError(f"candidate {cand.name!r}: the layer received no input on the calibration set")
         perm = cand.perm(np.array(w)) if cand.kind == "mixed" else None
         return quantizers.search(w, segs, perm=perm, dtype=scale_dtype)
     hessian, n_tokens = inputs

@@ -201,8 +201,12 @@ class _InputPass:
         self._sums: dict = {}  # serials received so far -> (running X^T X, token count)
         self.recorders: dict = {}  # path -> _InputRecorder
 
-    def add(self, inner, path: str):
-        rec = self.recorders[path] = _InputRecorder(inner, self)
+    def add(self, inner, path: str, head_of_embedding: bool = False):
+        """A stand-in for ``inner`` that records its input. With
+        ``head_of_embedding`` (an embedding): what the model multiplies by
+        it as its head (``as_linear``), never the token ids it looks up."""
+        cls = _HeadInputRecorder if head_of_embedding else _InputRecorder
+        rec = self.recorders[path] = cls(inner, self)
         return rec
 
     def receive(self, rec, x) -> None:
@@ -250,6 +254,18 @@ class _InputRecorder(BlockProxy):
     def __call__(self, x, *args, **kwargs):
         self._pass.receive(self, x)
         return self._inner(x, *args, **kwargs)
+
+
+class _HeadInputRecorder(_InputRecorder):
+    """An embedding's stand-in: its lookups pass through unrecorded; what
+    the model multiplies by it as a tied head (``as_linear``) is recorded."""
+
+    def __call__(self, x, *args, **kwargs):
+        return self._inner(x, *args, **kwargs)
+
+    def as_linear(self, x):
+        self._pass.receive(self, x)
+        return self._inner.as_linear(x)
 
 
 def _concat(outs, axis=0):
@@ -556,9 +572,11 @@ class Replayer:
 
     def input_hessian(self, site: Site, along=()):
         """(X^T X [K, K] float32 numpy, read-only, token count) of what
-        ``site`` (a linear) receives on the calibration set. A replayable
-        model runs only the site's block on its recorded arguments;
-        otherwise the whole model.
+        ``site`` (a linear) receives on the calibration set; for an
+        embedding, what the model multiplies by it as its head ((None, 0)
+        when it is only looked up). A replayable model runs only the site's
+        block on its recorded arguments; otherwise (and for sites outside
+        the blocks) the whole model.
 
         ``along``: sites the caller will ask for next (e.g. every calibrated
         linear it builds); those in ``site``'s block are recorded in the
@@ -609,7 +627,7 @@ class Replayer:
             originals = [ad.get(s.path) for s in sites]
             try:
                 for s, o in zip(sites, originals):
-                    ad.set(s.path, rec.add(o, s.path))
+                    ad.set(s.path, rec.add(o, s.path, head_of_embedding=s.form == "embedding"))
                 for toks in self.chunks:
                     self._plain_model(toks)
                     rec.end_call()
