@@ -19,6 +19,10 @@ bytes to it.
     python tests/metal/metal_traffic.py --full --json   # 4096 x 4096 GEMV etc.
     python tests/metal/metal_traffic.py --full --op qmatmul --m 17   # some records
 
+A filtered run draws the inputs of the cases it leaves out all the same,
+so its records are those of the whole run (the gathered ones on the same
+routing).
+
 The weights, scales and x are random: the kernels' access pattern does not
 depend on the values (indices excepted, which are valid and sorted as
 mlx-lm sorts them). Counts are exact for what the kernel source asks
@@ -29,6 +33,7 @@ cache turns into DRAM traffic is not modelled.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -208,28 +213,33 @@ def _packed(rng, lead, N, bits, gs, k, sdt):
             _storage(rng, (*lead, N, k // gs), sdt, 0.01))
 
 
-def run_case(c: dict, rng) -> list[dict]:
-    """Runs one op call with counting on; returns its per-dispatch records."""
+def run_case(c: dict, rng, run: bool = True) -> list[dict]:
+    """Runs one op call with counting on; returns its per-dispatch records.
+    run=False draws the call's inputs from rng and runs nothing (returns
+    []): main does that for the cases a filter leaves out, so every case
+    sees the same inputs (the gathered ones their routing) whichever
+    cases run."""
     M, N, K = c["M"], c["N"], c["K"]
+    call = (lambda f, *a, **k: f(*a, **k)) if run else (lambda *a, **k: None)
     if c["op"] == "mlx_qmatmul":
         import mlx_emu as X
 
         gpu = c["gpu"].split(",")[0]
-        with X.counting() as rec:
+        with X.counting() if run else contextlib.nullcontext([]) as rec:
             x = _storage(rng, (M, K), c["x_dtype"])
-            X.run(x, *_packed(rng, (), N, 4, 64, K, c["scale_dtype"]), gpu=gpu,
-                  split_k=c.get("mlx_split_k"))
+            call(X.run, x, *_packed(rng, (), N, 4, 64, K, c["scale_dtype"]), gpu=gpu,
+                 split_k=c.get("mlx_split_k"))
         p = X.plan(M, N, K, gpu, c.get("mlx_split_k"))
-        if p["kind"] == "qmm_t_splitk":  # + MLX's reduce of the partials (not emulated)
+        if run and p["kind"] == "qmm_t_splitk":  # + MLX's reduce of the partials (not emulated)
             rec.append(X.reduce_record(M, N, p["split_k"]))
         return rec
-    with E.counting() as rec:
+    with E.counting() if run else contextlib.nullcontext([]) as rec:
         if c["op"] == "qmatmul":
             x = _storage(rng, (M, K), c["x_dtype"])
             segs = [(b, g, k, *_packed(rng, (), N, b, g, k, c["scale_dtype"]))
                     for b, g, k in c["segments"]]
             perm = rng.permutation(K).astype(np.int32) if c["perm"] else None
-            E.qmatmul(x, c["x_dtype"], segs, N, perm=perm, scale_type=c["scale_dtype"])
+            call(E.qmatmul, x, c["x_dtype"], segs, N, perm=perm, scale_type=c["scale_dtype"])
         elif c["op"] == "gather":
             T, top, nexp = c["tokens"], c["top_k"], c["experts"]
             idx = np.stack([rng.choice(nexp, top, replace=False) for _ in range(T)])
@@ -245,14 +255,14 @@ def run_case(c: dict, rng) -> list[dict]:
                 x = _storage(rng, (T, M, K), c["x_dtype"])
             packed = [a for b, g, k in c["segments"]
                       for a in _packed(rng, (nexp,), N, b, g, k, c["scale_dtype"])]
-            E.gather([x, *packed, lhs, rhs], c["segments"], c["x_dtype"], c["scale_dtype"],
+            call(E.gather, [x, *packed, lhs, rhs], c["segments"], c["x_dtype"], c["scale_dtype"],
                      False, sorted_indices=c["sorted"])
         elif c["op"] == "qmatmul_t":
             dy = _storage(rng, (M, N), c["x_dtype"])
             packed = [a for b, g, k in c["segments"]
                       for a in _packed(rng, (), N, b, g, k, c["scale_dtype"])]
             perm = [rng.permutation(K).astype(np.int32)] if c["perm"] else []
-            E.qmv_t([dy, *perm, *packed], c["segments"], c["x_dtype"], c["scale_dtype"],
+            call(E.qmv_t, [dy, *perm, *packed], c["segments"], c["x_dtype"], c["scale_dtype"],
                     c["perm"])
         elif c["op"] == "gather_t":
             T, top, nexp = c["tokens"], c["top_k"], c["experts"]
@@ -264,12 +274,12 @@ def run_case(c: dict, rng) -> list[dict]:
             packed = [a for b, g, k in c["segments"]
                       for a in _packed(rng, (nexp,), N, b, g, k, c["scale_dtype"])]
             perm = [rng.permutation(K).astype(np.int32)] if c["perm"] else []
-            E.gather_t([dy, *perm, *packed, lhs, rhs], c["segments"], c["x_dtype"],
+            call(E.gather_t, [dy, *perm, *packed, lhs, rhs], c["segments"], c["x_dtype"],
                        c["scale_dtype"], c["perm"], T)
         elif c["op"] == "kl":
             a = _storage(rng, (M, N), c["x_dtype"], 3.0)
             b = _storage(rng, (M, N), c["x_dtype"], 3.0)
-            E.kl(a, b, c["x_dtype"])
+            call(E.kl, a, b, c["x_dtype"])
         else:
             raise ValueError(f"unknown op {c['op']!r}")
     return rec
@@ -352,15 +362,20 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="also write {host, records} JSON here")
     a = ap.parse_args(argv)
     full = bool(a.full)
-    cases = [c for f, op in ((qmatmul_cases, "qmatmul"), (mlx_cases, "mlx_qmatmul"),
-                             (gather_cases, "gather"), (qmatmul_t_cases, "qmatmul_t"),
-                             (gather_t_cases, "gather_t"), (kl_cases, "kl"))
-             if not a.op or op in a.op for c in f(full)
-             if not (a.one_segment and op == "qmatmul" and (len(c["segments"]) > 1 or c["perm"]))
-             and (not a.m or c["M"] in a.m)]
+    cases = [(c, (not a.op or op in a.op)
+              and not (a.one_segment and op == "qmatmul"
+                       and (len(c["segments"]) > 1 or c["perm"]))
+              and (not a.m or c["M"] in a.m))
+             for f, op in ((qmatmul_cases, "qmatmul"), (mlx_cases, "mlx_qmatmul"),
+                           (gather_cases, "gather"), (qmatmul_t_cases, "qmatmul_t"),
+                           (gather_t_cases, "gather_t"), (kl_cases, "kl"))
+             for c in f(full)]
     rng = np.random.default_rng(0)
     records = []
-    for c in cases:
+    for c, chosen in cases:
+        if not chosen:  # its inputs still drawn: the chosen ones get the whole run's
+            run_case(c, rng, run=False)
+            continue
         t0 = time.perf_counter()
         rec = run_case(c, rng)
         r = summarize(c, rec)
