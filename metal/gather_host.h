@@ -16,7 +16,7 @@
 
 namespace mixbits::metal_host {
 
-static_assert(sizeof(MbGatherFusedParams) == sizeof(MbQmmFusedParams) + 4 * sizeof(int) &&
+static_assert(sizeof(MbGatherFusedParams) == sizeof(MbQmmFusedParams) + 5 * sizeof(int) &&
                   MB_GQMV_WQ0 == MB_GQMV_OUT + 1 && MB_GQMV_BIASES7 == MB_GQMV_WQ0 + 3 * 7 + 2 &&
                   MB_GQMV_PARAMS == MB_GQMV_BIASES7 + 1 && MB_GQMV_PARAMS <= 30,
               "the gathered kernels: three slots per segment after the fixed ones, the "
@@ -57,7 +57,7 @@ inline std::string gather_gpu_refusal(int64_t pairs, int64_t M, int64_t x_batche
 // and the experts average at least MB_QMV_MAX_M rows each (rows spread
 // over min(w_batches, pairs) experts), so a block's runs fill its MMAs.
 // With fewer rows per expert the GEMV reads each expert's weights once per
-// run of its (sorted) rows in an 8-row block, without the tiled kernel's
+// 8 of its (sorted) rows, without the tiled kernel's
 // 32-row weight tiles and 8-row MMA fragments for one or two real rows
 // (64 pairs over 128 experts: 4% of the MMA rows were real when each run
 // was a 32-row pass; 1 or 2 of a fragment's 8 with runs packed).
@@ -69,8 +69,10 @@ inline bool gather_tiled(int pairs, int M, bool sorted, int w_batches) {
 }
 
 // Flat output rows per threadgroup of the gathered GEMV: sorted pairs put
-// an expert's rows next to each other, so 8-row blocks catch runs of them;
-// otherwise one output matrix (its M rows share one expert).
+// an expert's rows next to each other, so 8-row blocks, chained (a run
+// belongs whole to the block it starts in: gather_qmv.metal), read each
+// expert's weights once per 8 of its rows; otherwise one output matrix
+// (its M rows share one expert).
 inline int gather_block_rows(int M, bool sorted) { return sorted ? int(MB_QMV_MAX_M) : M; }
 
 // What the two plans share: the problem's checks, K, and one launch per
@@ -152,14 +154,15 @@ inline std::vector<GatherLaunch> plan_gather_qmv(int pairs, int M, int N, int x_
   const int wrows = qmv_simdgroups(N, max_gemv_threads, blocks) * MB_QMV_ROWS_PER_SIMDGROUP;
   for (GatherLaunch& l : plan) {
     l.params.block_rows = br;
+    l.params.chained = sorted ? 1 : 0;
     l.grid[0] = uint32_t((N + wrows - 1) / wrows);
     l.grid[1] = uint32_t(blocks);
     l.grid[2] = 1;
     l.group[0] = uint32_t(wrows / MB_QMV_ROWS_PER_SIMDGROUP * 32);
     l.group[1] = l.group[2] = 1;
-    // The block's lhs and rhs entries, then x for its rows.
+    // Index entries (the rhs window, a pass's lhs), then x for a pass's rows.
     l.threadgroup_bytes =
-        (2 * size_t(MB_QMV_MAX_M) + size_t(std::min<int64_t>(br, rows)) * MB_QMV_BLOCK) *
+        (size_t(MB_GQMV_IDX_FLOATS) + size_t(std::min<int64_t>(br, rows)) * MB_QMV_BLOCK) *
         sizeof(float);
   }
   return plan;

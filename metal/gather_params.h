@@ -25,7 +25,20 @@ struct MbGatherFusedParams {
   int pairs;      // entries of lhs and rhs (output matrices)
   int block_rows; // flat output rows per threadgroup: <= MB_QMV_MAX_M (GEMV),
                   // MB_QMM_BM (tiled)
+  int chained;    // GEMV: a run of equal rhs belongs whole to the block it
+                  // starts in, past the block's end (the host sets it for
+                  // sorted pairs); 0: each block walks its own rows only.
+                  // The tiled kernel ignores it.
 };
+
+// The GEMV's threadgroup memory before x's staging, in floats: the rhs
+// window (MB_GQMV_RHS_WINDOW entries: the row before the block, its rows,
+// then as many again, where a run that starts in the block may go on),
+// then the lhs entries of one pass (MB_QMV_MAX_M rows), padded to 32.
+constexpr int MB_GQMV_RHS_WINDOW = 2 * MB_QMV_MAX_M + 1;
+constexpr int MB_GQMV_IDX_FLOATS = 32;
+static_assert(MB_GQMV_RHS_WINDOW + MB_QMV_MAX_M <= MB_GQMV_IDX_FLOATS,
+              "the GEMV's index staging fits before x's");
 
 // Threadgroup memory of the tiled gathered kernel (gather_qmm.metal), in
 // floats: the dense tiled kernel's with 32-row blocks (two tile buffers,

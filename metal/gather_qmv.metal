@@ -11,15 +11,21 @@
 //
 // A threadgroup takes a block of gp.block_rows (<= MB_QMV_MAX_M) flat rows
 // and 4S rows of W, like the dense GEMV (qmatmul_gemv.metal: x staged in
-// threadgroup memory, shared by all S simdgroups). The block's lhs and rhs
-// entries are read once, into threadgroup memory; the block is walked in
-// runs of equal rhs (one expert), and each run is one pass over the
-// segments (mb_qmv_segment, qmv_rows.h) for all its rows at once, so an
-// expert's weights are read once per run, not once per row. The host makes
-// the blocks 8 rows when the pairs are sorted by expert (a run is then
-// every row of the block with that expert) and one output matrix (M rows,
-// one expert) otherwise. Rows whose lhs or rhs is out of range get NaN (the
-// CPU primitive's rule) without reading x or W.
+// threadgroup memory, shared by all S simdgroups). Its rows are walked in
+// runs of equal rhs (one expert), each run in passes of up to MB_QMV_MAX_M
+// rows, and each pass is one walk of the segments (mb_qmv_segment,
+// qmv_rows.h) for all its rows at once, so an expert's weights are read
+// once per pass, not once per row. The host makes the blocks 8 rows when
+// the pairs are sorted by expert and then chains them (gp.chained): a run
+// belongs whole to the block it starts in, even past the block's end, so
+// the 8-row blocks never split an expert's rows between two reads of its
+// weights (they did: 64 sorted pairs over 47 experts read 50 experts'
+// weights). Unsorted, a block is one output matrix (M rows, one expert).
+// Index entries are staged in threadgroup memory, read once per
+// threadgroup: rhs of the block's rows, the row before and the 8 after
+// (chained; a longer run reads on), lhs of the rows a pass computes. Rows
+// whose lhs or rhs is out of range get NaN (the CPU primitive's rule)
+// without reading x or W.
 #include "mixbits_metal.h"
 #include "gather_params.h"
 #include "qmv_rows.h"
@@ -28,7 +34,7 @@
 // q.nseg are bound to a stand-in and never read.
 // Threadgroup = S simdgroups x 32 lanes (S = 8, 16, 32: qmv_simdgroups);
 // grid = (ceil(N / 4S), ceil(pairs·M / block_rows)). Threadgroup memory:
-// the block's lhs and rhs entries (16 uints), then x staged for
+// MB_GQMV_IDX_FLOATS of index entries (gather_params.h), then x staged for
 // min(block_rows, pairs·M) rows (gather_host.h sizes it).
 template <typename IO, typename SC>
 [[kernel]] void mb_gather_qmv(
@@ -76,10 +82,12 @@ template <typename IO, typename SC>
       biases0, biases1, biases2, biases3, biases4, biases5, biases6, biases7};
   constant MbQmmFusedParams& p = gp.q;
   constexpr int R = MB_QMV_ROWS_PER_SIMDGROUP;
-  // The block's lhs and rhs entries, as float bits (as_type).
-  threadgroup float* blk_x = smem;                  // [MB_QMV_MAX_M]
-  threadgroup float* blk_w = smem + MB_QMV_MAX_M;   // [MB_QMV_MAX_M]
-  threadgroup float* xt = smem + 2 * MB_QMV_MAX_M;  // [rows][MB_QMV_BLOCK]
+  constexpr int WIN = MB_GQMV_RHS_WINDOW;
+  // Index entries as float bits (as_type): the rhs window (rows wbase ..
+  // wbase + WIN - 1), then the lhs entries of a pass's rows.
+  threadgroup float* win = smem;                      // [WIN]
+  threadgroup float* pass_lhs = smem + WIN;           // [MB_QMV_MAX_M]
+  threadgroup float* xt = smem + MB_GQMV_IDX_FLOATS;  // [rows][MB_QMV_BLOCK]
 
   // A simdgroup past N still stages x and meets the barriers: it computes
   // row N - 1 and stores nothing.
@@ -88,66 +96,104 @@ template <typename IO, typename SC>
   const int r0 = active ? row0 : p.N - 1;
   const int last = min(R - 1, p.N - 1 - r0);
 
-  const int rows = gp.pairs * p.M;
+  const int M = p.M;
+  const int rows = gp.pairs * M;
   const int f0 = int(tid.y) * gp.block_rows;
   const int nb = min(gp.block_rows, rows - f0);
-  if (int(lid) < nb) {
-    const int pair = (f0 + int(lid)) / p.M;
-    blk_x[lid] = as_type<float>(lhs[pair]);
-    blk_w[lid] = as_type<float>(rhs[pair]);
+  const bool chained = gp.chained != 0;
+  // Chained, the block owns the runs that start in its rows f0 .. f0 + nb
+  // - 1, each whole (a run may go on past f0 + nb; one that started before
+  // f0 is the block before's), so one pass over an expert's weights serves
+  // up to MB_QMV_MAX_M rows of its run wherever the blocks split it. The
+  // window first holds row f0 - 1 (is f0 a run's start?), then the block's
+  // rows and MB_QMV_MAX_M more; a run that goes on past them moves it.
+  // Unchained, the block walks its own rows: the window holds them, and
+  // their lhs entries are staged with them (the pass staging below is for
+  // chained blocks).
+  int wbase = chained ? f0 - 1 : f0;
+  {
+    const int wlen = chained ? min(WIN, rows - wbase) : nb;
+    const int f = wbase + int(lid);
+    if (int(lid) < wlen && f >= 0) win[lid] = as_type<float>(rhs[f / M]);
+    if (!chained && int(lid) < nb) pass_lhs[lid] = as_type<float>(lhs[f / M]);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  // Runs of equal rhs, the same walk in every thread (threadgroup memory
-  // only), so the barriers inside mb_qmv_segment stay uniform.
-  for (int s = 0; s < nb;) {
-    const uint32_t e = as_type<uint32_t>(blk_w[s]);
-    int t = s + 1;
-    while (t < nb && as_type<uint32_t>(blk_w[t]) == e) ++t;
-    const int len = t - s;
-    if (e < uint32_t(gp.w_batches)) {
-      long xrow[MB_QMV_MAX_M];
-      MB_UNROLL for (int j = 0; j < MB_QMV_MAX_M; ++j) {
-        const uint32_t xi = j < len ? as_type<uint32_t>(blk_x[s + j]) : 0u;
-        xrow[j] = j < len && xi < uint32_t(gp.x_batches)
-                      ? (long(xi) * long(p.M) + long((f0 + s + j) % p.M)) * long(p.K)
-                      : -1;
+  // The walk reads threadgroup memory only and is the same in every thread,
+  // so the barriers inside it and inside mb_qmv_segment stay uniform.
+#define MB_GQMV_RHS_AT(f) as_type<uint32_t>(win[(f) - wbase])
+  int a = f0;  // the first run's start
+  if (chained) {
+    while (a < f0 + nb && a > 0 && MB_GQMV_RHS_AT(a) == MB_GQMV_RHS_AT(a - 1)) ++a;
+  }
+  const int run_limit = chained ? rows : f0 + nb;
+  while (a < f0 + nb) {
+    const uint32_t e = MB_GQMV_RHS_AT(a);
+    int t = a + 1;  // the run is rows a .. t - 1
+    while (t < run_limit) {
+      if (t - wbase >= WIN) {  // chained only: move the window to rows t ..
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        wbase = t;
+        if (int(lid) < min(WIN, rows - t)) win[lid] = as_type<float>(rhs[(t + int(lid)) / M]);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
       }
-      float acc[MB_QMV_MAX_M * R];
-      MB_UNROLL for (int i = 0; i < MB_QMV_MAX_M * R; ++i) acc[i] = 0.0f;
-      const size_t mat = size_t(e) * size_t(p.N);  // expert e's first row
-      for (int sg = 0; sg < p.nseg; ++sg) {
-        constant MbQmmSeg& g = p.seg[sg];
-        const size_t groups = size_t(g.kseg) >> g.group_shift;
+      if (MB_GQMV_RHS_AT(t) != e) break;
+      ++t;
+    }
+    // Passes of up to MB_QMV_MAX_M rows, each one walk of the segments.
+    for (int ps = a; ps < t; ps += MB_QMV_MAX_M) {
+      const int len = min(int(MB_QMV_MAX_M), t - ps);
+      if (e < uint32_t(gp.w_batches)) {
+        if (chained) {
+          // The last pass read pass_lhs before mb_qmv_segment's barriers.
+          if (int(lid) < len) pass_lhs[lid] = as_type<float>(lhs[(ps + int(lid)) / M]);
+          threadgroup_barrier(mem_flags::mem_threadgroup);
+        }
+        const int lbase = chained ? ps : f0;  // pass_lhs[j]: row lbase + j
+        long xrow[MB_QMV_MAX_M];
+        MB_UNROLL for (int j = 0; j < MB_QMV_MAX_M; ++j) {
+          const uint32_t xi = j < len ? as_type<uint32_t>(pass_lhs[ps - lbase + j]) : 0u;
+          xrow[j] = j < len && xi < uint32_t(gp.x_batches)
+                        ? (long(xi) * long(M) + long((ps + j) % M)) * long(p.K)
+                        : -1;
+        }
+        float acc[MB_QMV_MAX_M * R];
+        MB_UNROLL for (int i = 0; i < MB_QMV_MAX_M * R; ++i) acc[i] = 0.0f;
+        const size_t mat = size_t(e) * size_t(p.N);  // expert e's first row
+        for (int sg = 0; sg < p.nseg; ++sg) {
+          constant MbQmmSeg& g = p.seg[sg];
+          const size_t groups = size_t(g.kseg) >> g.group_shift;
 #define MB_GQMV_SEG(B)                                                                       \
   mb_qmv_segment<IO, SC, B>(x, xrow, perm, p.has_perm, p.K, g.k0, g.kseg, g.group_shift,      \
                             (const device uint8_t*)wqs[sg] + mat * (size_t(g.kseg) * B / 8), \
                             scs[sg] + mat * groups, bis[sg] + mat * groups, xt, len, r0, last, \
                             lid, simd_lid, int(nsimd) * 32, 1, acc)
-        MB_QMM_SWITCH_BITS(g.bits, MB_GQMV_SEG)
+          MB_QMM_SWITCH_BITS(g.bits, MB_GQMV_SEG)
 #undef MB_GQMV_SEG
-      }
-      MB_UNROLL for (int m = 0; m < MB_QMV_MAX_M; ++m) {
-        if (m < len) {
-          MB_UNROLL for (int r = 0; r < R; ++r) {
-            const float v = simd_sum(acc[m * R + r]);
-            if (active && simd_lid == 0 && r <= last) {
-              mb_qmm_store<IO>(acc_buf, out, p,
-                               size_t(f0 + s + m) * size_t(p.N) + size_t(row0 + r), v);
+        }
+        MB_UNROLL for (int m = 0; m < MB_QMV_MAX_M; ++m) {
+          if (m < len) {
+            MB_UNROLL for (int r = 0; r < R; ++r) {
+              const float v = simd_sum(acc[m * R + r]);
+              if (active && simd_lid == 0 && r <= last) {
+                mb_qmm_store<IO>(acc_buf, out, p,
+                                 size_t(ps + m) * size_t(p.N) + size_t(row0 + r), v);
+              }
             }
           }
         }
-      }
-    } else if (active && simd_lid == 0) {
-      for (int m = 0; m < len; ++m) {
-        for (int r = 0; r <= last; ++r) {
-          mb_qmm_store<IO>(acc_buf, out, p, size_t(f0 + s + m) * size_t(p.N) + size_t(row0 + r),
-                           NAN);
+      } else if (active && simd_lid == 0) {
+        for (int m = 0; m < len; ++m) {
+          for (int r = 0; r <= last; ++r) {
+            mb_qmm_store<IO>(acc_buf, out, p, size_t(ps + m) * size_t(p.N) + size_t(row0 + r),
+                             NAN);
+          }
         }
       }
     }
-    s = t;
+    a = t;
   }
+#undef MB_GQMV_RHS_AT
 }
 
 #define MB_GATHER_QMV_INST(name, io, sc) MB_INSTANTIATE_KERNEL(name, mb_gather_qmv, io, sc)

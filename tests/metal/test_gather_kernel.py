@@ -314,6 +314,45 @@ def test_gemv_sorted_runs_over_many_experts(M):
     check(x, qt, None, u32(idx), sorted_indices=True)
 
 
+# Runs of the sorted GEMV's chained 8-row blocks (a run belongs whole to
+# the block it starts in): a run of 5 starting on block 0's last row, runs
+# of exactly 8 and 9 rows (one pass, two), a run of 21 pairs that moves
+# its block's rhs window (17 rows) once at M = 1 and twice at M = 2, an
+# out-of-range lhs inside it, out-of-range experts as a long run at the
+# end (64 pairs).
+LONG_RUNS = [(0, 3), (1, 4), (2, 5), (3, 8), (4, 9), (5, 21), (6, 1), (7, 2), (9, 1),
+             (-1, 10)]
+
+
+@pytest.mark.parametrize("M", [1, 2])
+def test_gemv_sorted_long_runs_across_blocks(M):
+    rng = np.random.default_rng(70 + M)
+    qt = mixed_stack(rng, 32, 37, [(4, 64, 128), (3, 32, 96)], mx.float16)
+    rhs = np.concatenate([np.full(n, e, np.int64) for e, n in LONG_RUNS])
+    pairs = len(rhs)
+    x = rand(rng, (pairs, M, 224), mx.float16)
+    lhs = np.arange(pairs)
+    lhs[35] = pairs + 3  # inside expert 5's run
+    bad = (lhs >= pairs) | (rhs < 0)
+    assert E.gather_kernel(pairs, M, True, 32).startswith("mixbits_gather_qmv_")
+    y = E.storage_to_f64(emulate(x, qt, u32(lhs), u32(rhs), sorted_indices=True), "float16")
+    assert np.isnan(y[bad]).all() and np.isfinite(y[~bad]).all()
+    ok = mx.array(~bad)
+    ref, mag = reference(x, qt, mx.where(ok, mx.array(lhs), 0), mx.where(ok, mx.array(rhs), 0))
+    assert_close(y[~bad], "float16", ref[~bad], mag[~bad])
+
+
+def test_gemv_unsorted_indices_flagged_sorted_stays_correct():
+    # A caller that claims sorted without sorting: equal neighbours chain
+    # into runs anywhere, the same expert comes back in later runs.
+    rng = np.random.default_rng(75)
+    qt = mixed_stack(rng, 16, 21, [(4, 32, 64)], mx.float32)
+    rhs = rng.integers(0, 3, 45)
+    x = rand(rng, (45, 1, 64))
+    assert E.gather_kernel(45, 1, True, 16).startswith("mixbits_gather_qmv_")
+    check(x, qt, None, u32(rhs), sorted_indices=True)
+
+
 @pytest.mark.parametrize("nseg", [3, 8, 9])
 def test_gemv_one_dispatch_per_eight_segments(nseg):
     # The gathered GEMV walks up to 8 segments (each its own width, group

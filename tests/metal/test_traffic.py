@@ -216,13 +216,11 @@ def test_tiled_mma_utilisation_at_least_half_from_nine_rows(M):
     assert s["unique_ratio"] == 1.0
 
 
-@pytest.mark.parametrize("sort", [True, False])
-def test_gather_gemv_reads_an_experts_weights_once_per_run(sort):
-    # The gathered GEMV walks each block's runs of equal rhs (8-row blocks
-    # when sorted, one output matrix otherwise): W of an expert is read once
-    # per run of its rows in a block, not once per row; each block's lhs and
-    # rhs entries are read once per threadgroup (into threadgroup memory),
-    # not by every thread.
+def test_gather_gemv_unsorted_reads_an_experts_weights_once_per_pair():
+    # Unsorted, a block is one output matrix: W of its expert is read once
+    # for its rows (one per pair at M = 1), and the block's lhs and rhs
+    # entries once per threadgroup (into threadgroup memory), not by every
+    # thread.
     N, K, nexp, pairs = 64, 256, 16, 24
     rng = np.random.default_rng(7)
     rhs = np.sort(rng.integers(0, nexp, pairs)).astype(np.uint32)
@@ -231,15 +229,78 @@ def test_gather_gemv_reads_an_experts_weights_once_per_run(sort):
     packed = list(T._packed(rng, (nexp,), N, 4, 64, K, "float16"))
     with E.counting() as rec:
         E.gather([x, *packed, lhs, rhs], [[4, 64, K]], "float16", "float16", False,
-                 sorted_indices=sort)
+                 sorted_indices=False)
     r = rec[0]
     assert r["kernel"].startswith("mixbits_gather_qmv_")
-    B = 8 if sort else 1
-    runs = sum(len(np.unique(rhs[b:b + B])) for b in range(0, pairs, B))
-    assert r["grid"][1] == pairs // B
-    assert r["device_read_by_width"]["4"] == runs * N * K // 2 + r["grid"][0] * pairs * 2 * 4
-    if sort:
-        assert runs < pairs  # the sorted blocks share experts
+    assert r["grid"][1] == pairs
+    assert r["device_read_by_width"]["4"] == pairs * N * K // 2 + r["grid"][0] * pairs * 2 * 4
+
+
+def _sorted_gemv_reads(rhs, N, K):
+    """The sorted gathered GEMV on a routing (rows in expert order, M = 1,
+    4-bit, group 64, float16): its record, the passes over each expert's
+    weights the design allows (ceil(rows / 8) per run of equal expert), and
+    one expert's codes and scale + bias bytes."""
+    pairs = len(rhs)
+    rng = np.random.default_rng(int(rhs.sum()))
+    nexp = max(16, int(rhs.max()) + 1)  # 64 rows over 8 experts would take the tiled kernel
+    x = T._storage(rng, (pairs, 1, K), "float16")
+    packed = list(T._packed(rng, (nexp,), N, 4, 64, K, "float16"))
+    with E.counting() as rec:
+        E.gather([x, *packed, np.arange(pairs, dtype=np.uint32), rhs.astype(np.uint32)],
+                 [[4, 64, K]], "float16", "float16", False, sorted_indices=True)
+    cuts = np.flatnonzero(np.diff(rhs)) + 1
+    passes = sum(-(-len(run) // 8) for run in np.split(rhs, cuts))
+    return rec[0], passes, N * K // 2, 2 * N * (K // 64) * 2
+
+
+@pytest.mark.parametrize("tokens,top,nexp", [(8, 8, 128), (8, 8, 64), (7, 4, 16), (5, 6, 32),
+                                             (8, 2, 8)])
+def test_gather_gemv_sorted_reads_each_experts_weights_once(tokens, top, nexp):
+    # mlx-lm's sorted prefill (each token's top experts distinct, pairs
+    # sorted by expert: at most `tokens` <= 8 rows per expert) on several
+    # random routings: the 8-row blocks are chained (a run of one expert
+    # belongs whole to the block it starts in), so every expert's codes,
+    # scales and biases are read exactly once, wherever the blocks cut its
+    # rows (they were read once per block holding some of its rows: issue
+    # 45's 64 pairs over 47 experts read 50 experts' weights). What else is
+    # read more than once: x and lhs, once per threadgroup along N (grid
+    # x), and the rhs window (the block's 8 rows, the one before and the 8
+    # after: at most 9 entries beyond the block's own per threadgroup).
+    N, K = 64, 256
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        idx = np.stack([rng.choice(nexp, top, replace=False) for _ in range(tokens)])
+        rhs = np.sort(idx.ravel())
+        pairs = len(rhs)
+        r, passes, codes, sb = _sorted_gemv_reads(rhs, N, K)
+        assert r["kernel"].startswith("mixbits_gather_qmv_")
+        used = len(np.unique(rhs))
+        assert passes == used  # runs of <= 8 rows: one pass each
+        gx = r["grid"][0]
+        blocks = r["grid"][1]
+        assert blocks == -(-pairs // 8)
+        x_bytes = pairs * K * 2
+        # 2-byte loads: x (once per threadgroup along N), scales and biases.
+        assert r["device_read_by_width"]["2"] == gx * x_bytes + used * sb
+        # 4-byte loads: the codes, lhs per row and the rhs windows.
+        window = sum(min(f0 + 16, pairs) - max(f0 - 1, 0) for f0 in range(0, pairs, 8))
+        assert r["device_read_by_width"]["4"] == used * codes + gx * pairs * 4 + gx * window * 4
+        assert r["device_unique_read_bytes"] == used * (codes + sb) + x_bytes + pairs * 8
+        extra = r["device_read_bytes"] - r["device_unique_read_bytes"]
+        assert extra == (gx - 1) * (x_bytes + pairs * 8) + gx * (window - pairs) * 4
+        assert gx * (window - pairs) <= gx * blocks * 9
+
+
+def test_gather_gemv_sorted_long_runs_read_once_per_eight_rows():
+    # Runs longer than a pass's 8 rows: an expert's weights are read once
+    # per 8 of its rows (ceil(L / 8) passes), a run of 21 that crosses two
+    # block ends included.
+    rhs = np.repeat(np.arange(8), [3, 4, 5, 8, 9, 21, 1, 13])
+    r, passes, codes, sb = _sorted_gemv_reads(rhs, 64, 256)
+    assert r["kernel"].startswith("mixbits_gather_qmv_")
+    assert passes == 1 + 1 + 1 + 1 + 2 + 3 + 1 + 2
+    assert r["device_read_by_width"]["2"] == r["grid"][0] * len(rhs) * 256 * 2 + passes * sb
 
 
 @pytest.mark.parametrize("sort", [True, False])
