@@ -3,7 +3,7 @@
 //   out[i] = x[lhs[i]] · W[rhs[i]]ᵀ,
 // the output matrices' rows taken as one flat list of pairs·M rows (row
 // r = i·M + m). The gathered GEMV (gather_qmv.metal) reads an expert's
-// weights once per run of its rows in an 8-row block; here a threadgroup
+// weights once per pass over up to 8 of its rows; here a threadgroup
 // computes a 32 × 32 block of outputs with the dense tiled kernel's K walk
 // (mb_qmm_segment, qmm_tile_segment.h: double-buffered x and dequantized W
 // tiles in threadgroup memory, one barrier per 32-column step, the perm
