@@ -1,12 +1,13 @@
 // Gathered transposed product, the Metal kernels of MixedGatherQMMT (the
 // gradient of the gathered matmul wrt x on a GPU stream):
 //   dx[lhs[i]] += dy[i] · W[rhs[i]], un-permuted to x's column order
-// for few rows per matrix (M <= MB_QT_MAX_M: MoE layers have M = 1). Two
-// launches whatever the segment count (gather_t_params.h; the host plan in
-// gather_t_host.h): the grouping of the pairs, then ONE product dispatch
-// over every segment, whose decode, sums and stores are the dense
-// transposed kernel's (qmv_t_cols.h). Instantiated per dy dtype x scale
-// dtype.
+// for few rows per matrix (M <= MB_QT_MAX_M: MoE layers have M = 1).
+// Whatever the segment count (gather_t_params.h; the host plan in
+// gather_t_host.h): ONE product dispatch over every segment, whose decode,
+// sums and stores are the dense transposed kernel's (qmv_t_cols.h), after
+// a launch grouping the pairs by dx matrix, or, for few pairs, alone:
+// fused, each threadgroup groups them itself. Instantiated per dy dtype x
+// scale dtype.
 #include "mixbits_metal.h"
 #include "gather_t_params.h"
 #include "qmv_t_cols.h"
@@ -94,7 +95,12 @@ template <typename Index>
 
 // Threadgroup (t, b): one 128-column block of one segment (t as in the
 // dense kernel) of every row of dx matrix b, summed over the pairs of bin
-// b in order; grid = (sum over segments of ceil(kseg / 128), x_batches). A
+// b in order; grid = (sum over segments of ceil(kseg / 128), x_batches).
+// Fused (gp.fused), the threadgroup finds them itself: the perm's case by
+// the dense kernel's K-bit map, then every lhs and rhs, 64 pairs at a
+// time, the pairs with lhs = b listed in index order (the grouping's
+// order: the same sums to the bit) with their experts in threadgroup
+// memory; else from the grouping's bins and status. A
 // dx matrix no pair names gets zeros. The status's cases as the dense
 // kernel's: NaN over dx columns k0 + block .. for a bad index or perm
 // entry; a perm with repeats: the dx columns j = k0 + block + c computed
@@ -105,6 +111,7 @@ template <typename IO, typename SC>
     const device typename IO::storage* dy [[buffer(0)]],
     const device int32_t* perm [[buffer(1)]],
     device typename IO::storage* out [[buffer(2)]],
+    const device uint32_t* lhs [[buffer(3)]],
     const device uint32_t* rhs [[buffer(4)]],
     const device int32_t* index [[buffer(5)]],
     const device uint32_t* wq0 [[buffer(6)]],
@@ -151,10 +158,76 @@ template <typename IO, typename SC>
   const uint b = tid.y;
   const size_t row0 = size_t(b) * size_t(M);  // dx row of m = 0
   const size_t mat = size_t(M) * size_t(N);   // one dy matrix
+  threadgroup float* red = tg;  // dy's stage, then [M][COLS]
+  threadgroup int32_t* cols = MB_TG_CAST(int32_t, tg + mb_qt_red_words(M, 1));
+  // Fused: the threads' flags, the matrix's pairs and their experts, the map.
+  threadgroup int32_t* flags = cols + MB_QT_COLS;
+  threadgroup int32_t* mine = flags + MB_QT_THREADS;
+  threadgroup int32_t* mine_e = mine + MB_GT_FUSED_MAX_PAIRS;
+  threadgroup uint32_t* map = MB_TG_CAST(uint32_t, mine_e + MB_GT_FUSED_MAX_PAIRS);
+  const bool fused = gp.fused != 0;
   const device int32_t* bounds = index + mb_gt_bounds_at();
   const device int32_t* order = index + mb_gt_order_at(gp.x_batches);
-  const int j0 = b == 0 ? 0 : bounds[b - 1], j1 = bounds[b];
-  const int32_t status = index[0];
+  int j0 = 0, j1 = 0;
+  int32_t status = MB_PERM_BIJECTIVE;
+  if (fused) {
+    // The grouping's work for this threadgroup's matrix b, in it: the perm's
+    // case (the dense kernel's K-bit map), bad indices anywhere, and the
+    // pairs with lhs = b in index order (as the grouping orders them, so
+    // the sums are the same), listed in threadgroup memory with their
+    // experts.
+    int32_t st = MB_PERM_BIJECTIVE;
+    if (p.has_perm) {
+      const int words = mb_qt_map_words(K);
+      for (int w = int(lid); w < words; w += MB_QT_THREADS) map[w] = 0u;
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      for (int k = int(lid); k < K; k += MB_QT_THREADS) {
+        const uint32_t j = uint32_t(perm[k]);
+        if (j >= uint32_t(K)) {
+          st = MB_PERM_OUT_OF_RANGE;
+        } else {
+          const uint32_t bit = 1u << (j & 31u);
+          if (mb_tg_fetch_or(&map[j >> 5], bit) & bit) st = max(st, int32_t(MB_PERM_REPEATS));
+        }
+      }
+    }
+    const int P = gp.pairs;
+    int count = 0;
+    for (int c0 = 0; c0 < P; c0 += MB_QT_THREADS) {
+      const int i = c0 + int(lid);
+      int match = 0;
+      uint32_t e = 0;
+      if (i < P) {
+        const uint32_t l = lhs[i];
+        e = rhs[i];
+        if (l >= uint32_t(gp.x_batches) || e >= uint32_t(gp.w_batches))
+          st = MB_PERM_OUT_OF_RANGE;
+        match = l == b ? 1 : 0;
+      }
+      flags[lid] = match;
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      int before = 0, all = 0;
+      for (int t = 0; t < MB_QT_THREADS; ++t) {
+        const int f = flags[t];
+        before += t < int(lid) ? f : 0;
+        all += f;
+      }
+      if (match) {
+        mine[count + before] = i;
+        mine_e[count + before] = int32_t(e);
+      }
+      count += all;
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // flags is reused
+    }
+    flags[lid] = st;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int t = 0; t < MB_QT_THREADS; ++t) status = max(status, flags[t]);
+    j1 = count;
+  } else {
+    j0 = b == 0 ? 0 : bounds[b - 1];
+    j1 = bounds[b];
+    status = index[0];
+  }
 
   if (status == MB_PERM_OUT_OF_RANGE) {
     // A bad index or perm entry: NaN everywhere, as the CPU primitive;
@@ -179,7 +252,8 @@ template <typename IO, typename SC>
         float z[MB_QT_MAX_M];
         MB_UNROLL for (int m = 0; m < MB_QT_MAX_M; ++m) z[m] = 0.0f;
         for (int jj = j0; jj < j1; ++jj) {
-          const size_t i = size_t(order[jj]), e = size_t(rhs[i]);
+          const size_t i = size_t(fused ? mine[jj] : order[jj]);
+          const size_t e = size_t(fused ? uint32_t(mine_e[jj]) : rhs[i]);
 #define MB_GT_COLUMN(B)                                                                     \
   mb_qt_column<IO, SC, B>(dy + i * mat, M, N, wqs[ks] + e * size_t(N) * row_words,         \
                           row_words, scs[ks] + e * size_t(N) * groups,                      \
@@ -197,8 +271,6 @@ template <typename IO, typename SC>
     return;
   }
 
-  threadgroup float* red = tg;  // dy's stage, then [M][COLS]
-  threadgroup int32_t* cols = MB_TG_CAST(int32_t, tg + mb_qt_red_words(M, 1));
   if (p.has_perm) {
     for (int c = int(lid); c < ncols; c += MB_QT_THREADS) cols[c] = perm[kc0 + c];
   }  // (read after mb_qt_finish's barrier)
@@ -220,7 +292,8 @@ template <typename IO, typename SC>
     const ushort src = mb_qt_group_src(simd_lid, gshift);
     const size_t g = size_t(on ? col >> gshift : 0);
     for (int jj = j0; jj < j1; ++jj) {
-      const size_t i = size_t(order[jj]), e = size_t(rhs[i]);
+      const size_t i = size_t(fused ? mine[jj] : order[jj]);
+      const size_t e = size_t(fused ? uint32_t(mine_e[jj]) : rhs[i]);
 #define MB_GT_ACC(B)                                                                    \
   mb_qt_accumulate<IO, SC, B>(dy + i * mat, M, N, w0 + e * mat_words, row_words,       \
                               scs[s] + e * mat_groups, bis[s] + e * mat_groups, groups, g, \

@@ -10,8 +10,10 @@
 // for dy [pairs, M, N], x_batches dx matrices [M, K] and w_batches experts.
 // Several pairs may name one dx matrix (an MoE token's top-k experts), so
 // a threadgroup owns a block of one dx matrix and sums every pair that
-// targets it, in a fixed order: no atomics, the same sum on every run. Two
-// launches, whatever the segment count:
+// targets it, in a fixed order: no atomics, the same sum on every run.
+// Whatever the segment count, ONE launch for few pairs (fused: the product
+// groups them itself, each threadgroup reading all of lhs, rhs and perm,
+// gt_fused in gather_t_host.h), otherwise two:
 //   group    one threadgroup: the pairs grouped by lhs (order, bounds), bad
 //            indices and (with a perm) the perm's case (MbPermStatus, the
 //            dense product's three cases) in the status;
@@ -28,7 +30,9 @@ struct MbGatherTParams {
   int x_batches;       // dx matrices; lhs[i] >= x_batches: every dx element NaN
   int w_batches;       // experts; rhs[i] >= w_batches: every dx element NaN
   int pairs;           // entries of lhs and rhs (dy matrices)
-  int pad_;
+  int fused;           // the product groups the pairs itself (no grouping
+                       // launch): every threadgroup reads all of lhs, rhs
+                       // (and perm); the host's choice for few pairs
 };
 
 // Buffer indices, declaration order: the fixed slots, three per segment
@@ -83,7 +87,18 @@ enum MbGatherTShape {
 constexpr int mb_gt_bounds_at() { return 1; }
 constexpr int mb_gt_order_at(int x_batches) { return 1 + x_batches + 1; }
 constexpr int mb_gt_inv_at(int x_batches, int pairs) { return 1 + x_batches + 1 + pairs; }
+// Pairs a fused product takes (MbGatherTParams.fused): its threadgroups
+// keep the list of their dx matrix's pairs (index and expert) in
+// threadgroup memory.
+constexpr int MB_GT_FUSED_MAX_PAIRS = 256;
 // Threadgroup memory of the product (one set of the dense kernel's
 // roles), in 4-byte words: dy's stage, reused by the sums' reduction, then
-// the block's perm entries.
-constexpr int mb_gt_tg_words(int M) { return mb_qt_red_words(M, 1) + MB_QT_COLS; }
+// the block's perm entries; fused, then the threads' flags, the list of
+// the matrix's pairs and their experts and (with a perm) the dense
+// kernel's K-bit map (rounded up to 4 words: 16-byte units).
+constexpr int mb_gt_tg_words(int M, int K = 0, int fused = 0, int has_perm = 0) {
+  return (mb_qt_red_words(M, 1) + MB_QT_COLS +
+          (fused ? MB_QT_THREADS + 2 * MB_GT_FUSED_MAX_PAIRS +
+                       (has_perm ? mb_qt_map_words(K) : 0)
+                 : 0) + 3) / 4 * 4;
+}

@@ -135,8 +135,12 @@ void MixedGatherQMMT::eval_gpu(const std::vector<mx::array>& inputs, mx::array& 
                                             metal_scale_type(in[first + 1].dtype()), has_perm_);
 
   auto& enc = mx::metal::get_command_encoder(s);
-  auto index = metal_temporary(
-      enc, {int(host::gt_index_words(pairs, Bx, K, has_perm_))}, mx::int32);
+  // The grouping's scratch, when the plan has a grouping launch (a fused
+  // product groups the pairs itself).
+  std::optional<mx::array> index;
+  if (plan.front().kind == host::GtKind::Group)
+    index = metal_temporary(enc, {int(host::gt_index_words(pairs, Bx, K, has_perm_))},
+                            mx::int32);
 
   auto* lib = mixbits_metal_library(d);
   for (const host::GatherTLaunch& l : plan) {
@@ -147,7 +151,7 @@ void MixedGatherQMMT::eval_gpu(const std::vector<mx::array>& inputs, mx::array& 
     arrays[MB_GT_OUT] = &out;
     arrays[MB_GT_LHS] = &in[lhs];
     arrays[MB_GT_RHS] = &in[rhs];
-    arrays[MB_GT_INDEX] = &index;
+    if (index) arrays[MB_GT_INDEX] = &*index;
     if (l.kind == host::GtKind::Product) {
       for (int j = 0; j < l.params.q.nseg; ++j) {
         const size_t i = first + 3 * size_t(j);

@@ -17,7 +17,8 @@ using GroupFn = void(const int32_t*, const uint32_t*, const uint32_t*, int32_t*,
                      MbGatherTParams&, int32_t*, uint);
 #define MB_SEG_PARAMS(SC) const uint32_t*, const SC*, const SC*
 template <typename S, typename SC>
-using ProductFn = void(const S*, const int32_t*, S*, const uint32_t*, const int32_t*,
+using ProductFn = void(const S*, const int32_t*, S*, const uint32_t*, const uint32_t*,
+                       const int32_t*,
                        MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC),
                        MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC),
                        MB_SEG_PARAMS(SC), MB_SEG_PARAMS(SC), MbGatherTParams&, float*, uint3,
@@ -34,13 +35,14 @@ struct GtProblem {
   int scale_type;
   UserBuf dy, perm, lhs, rhs, out;
   std::vector<UserBuf> wq, scales, biases;
+  int fuse;  // plan_gather_qmv_t's: -1 the host's choice, 0 / 1 forced
 };
 
 template <typename S, typename SC>
 void run_gt(const GtProblem& t, const simt::Options& opt) {
   const bool has_perm = t.perm.in != nullptr;
   const auto plan = plan_gather_qmv_t(t.pairs, t.M, t.N, t.x_batches, t.w_batches, t.segs,
-                                      t.at, t.scale_type, has_perm);
+                                      t.at, t.scale_type, has_perm, t.fuse);
   int K = 0;
   for (const auto& s : t.segs) K += s.k;
   std::vector<int32_t> index(gt_index_words(t.pairs, t.x_batches, K, has_perm));
@@ -55,7 +57,8 @@ void run_gt(const GtProblem& t, const simt::Options& opt) {
     if (used(MB_GT_RHS)) user[MB_GT_RHS] = t.rhs;
     // The index scratch is eval_gpu's temporary: written by the grouping
     // (poisoned before it), read by the product.
-    user[MB_GT_INDEX] = {index.data(), index.data(), index.size() * sizeof(int32_t)};
+    if (used(MB_GT_INDEX))
+      user[MB_GT_INDEX] = {index.data(), index.data(), index.size() * sizeof(int32_t)};
     if (l.kind == GtKind::Product) {
       for (int j = 0; j < l.params.q.nseg; ++j) {
         user[size_t(gt_wq_slot(j))] = t.wq[size_t(j)];
@@ -90,7 +93,8 @@ void run_gt(const GtProblem& t, const simt::Options& opt) {
       }
       auto* fn = simt::find_kernel<ProductFn<S, SC>>(l.kernel);
       simt::dispatch_threadgroups(dim(l.grid), dim(l.group), [&](const simt::ThreadIds& i) {
-        fn(static_cast<const S*>(p[MB_GT_DY]), perm, static_cast<S*>(p[MB_GT_OUT]), rhs, idx,
+        fn(static_cast<const S*>(p[MB_GT_DY]), perm, static_cast<S*>(p[MB_GT_OUT]),
+           static_cast<const uint32_t*>(p[MB_GT_LHS]), rhs, idx,
            w[0], sc[0], bi[0], w[1], sc[1], bi[1], w[2], sc[2], bi[2], w[3], sc[3], bi[3],
            w[4], sc[4], bi[4], w[5], sc[5], bi[5], w[6], sc[6], bi[6], w[7], sc[7], bi[7],
            params, smem.as<float>(), u3(i.threadgroup_position_in_grid),
@@ -116,7 +120,8 @@ extern "C" {
 // of xtype; perm int32 [K] or null; per segment the stacked wq, scales,
 // biases (w_batches matrices of N rows); lhs, rhs uint32 [pairs]; out (dx)
 // [x_batches, M, K] of xtype. Sizes in bytes, checked against the
-// launches' buffer descriptions.
+// launches' buffer descriptions. fuse: -1 the plan's choice, 0 the
+// grouping launch and the product, 1 the fused product alone.
 int mbemu_gather_t(int pairs, int M, int N, int x_batches, int w_batches, int nseg,
                    const int* bits, const int* group_size, const int* k, int xtype,
                    const void* dy, size_t dy_bytes, const int32_t* perm, size_t perm_bytes,
@@ -124,12 +129,13 @@ int mbemu_gather_t(int pairs, int M, int N, int x_batches, int w_batches, int ns
                    const size_t* scales_bytes, const void* const* biases,
                    const size_t* biases_bytes, int scale_type, const uint32_t* lhs,
                    size_t lhs_bytes, const uint32_t* rhs, size_t rhs_bytes, void* out,
-                   size_t out_bytes, int order, uint64_t seed, char* err, int errlen) {
+                   size_t out_bytes, int fuse, int order, uint64_t seed, char* err,
+                   int errlen) {
   return guarded_call([&] {
     GtProblem t{pairs, M, N, x_batches, w_batches, {}, ActType(xtype), scale_type,
                 {dy, nullptr, dy_bytes}, {perm, nullptr, perm ? perm_bytes : 0},
                 {lhs, nullptr, lhs_bytes}, {rhs, nullptr, rhs_bytes},
-                {nullptr, out, out_bytes}, {}, {}, {}};
+                {nullptr, out, out_bytes}, {}, {}, {}, fuse};
     for (int i = 0; i < nseg; ++i) {
       t.segs.push_back({bits[i], group_size[i], k[i]});
       t.wq.push_back({wq[i], nullptr, wq_bytes[i]});

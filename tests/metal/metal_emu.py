@@ -154,7 +154,7 @@ def lib() -> ctypes.CDLL:
         L.mbemu_qmv_t.argtypes = [I, I, I, P, P, P, I, P, Z, P, Z, P, P, P, P, P, P, I, P, Z,
                                   I, U64, ctypes.c_char_p, I]
         L.mbemu_gather_t.argtypes = [I, I, I, I, I, I, P, P, P, I, P, Z, P, Z, P, P, P, P,
-                                     P, P, I, P, Z, P, Z, P, Z, I, U64, ctypes.c_char_p, I]
+                                     P, P, I, P, Z, P, Z, P, Z, I, I, U64, ctypes.c_char_p, I]
         L.mbemu_gather_t_applies.argtypes = [ctypes.c_int64] * 7
         L.mbemu_kl.argtypes = [I, I, I, I, I, I, P, P, I, U64, ctypes.c_char_p, I]
         L.mbemu_selftest.argtypes = [ctypes.c_char_p, I, I, P, P, I, I, U64,
@@ -335,7 +335,7 @@ def qmv_t(inputs, segments, act: str, scale_type: str, has_perm: bool,
 
 
 def gather_t(inputs, segments, act: str, scale_type: str, has_perm: bool, x_batches: int,
-             order: str = "shuffle", seed: int = 1) -> np.ndarray:
+             order: str = "shuffle", seed: int = 1, fused: bool | None = None) -> np.ndarray:
     """Run the Metal gathered transposed product dx[lhs[i]] += dy[i] · W[rhs[i]]
     (un-permuted) on the emulator with MixedGatherQMMT's own inputs, in the
     node's order: dy [pairs..., M, N], [perm [K]], (wq, scales, biases) per
@@ -343,7 +343,9 @@ def gather_t(inputs, segments, act: str, scale_type: str, has_perm: bool, x_batc
     storage arrays (bfloat16 as uint16 bits). x_batches: the dx matrices
     (the node's output shape, which no input carries). Shapes are read off
     the arrays as eval_gpu reads them; the harness refuses a buffer of
-    another size than a launch binds. Returns [x_batches, M, K] storage."""
+    another size than a launch binds. fused: None the host plan's choice
+    (gt_fused), False the grouping launch and the product, True the product
+    alone. Returns [x_batches, M, K] storage."""
     inputs = [np.ascontiguousarray(a) for a in inputs]
     first = 2 if has_perm else 1
     dy, lhs, rhs = inputs[0], inputs[-2], inputs[-1]
@@ -363,8 +365,8 @@ def gather_t(inputs, segments, act: str, scale_type: str, has_perm: bool, x_batc
         lhs.size, M, N, x_batches, Bw, len(segments), _ptr(bits), _ptr(gs), _ptr(ks),
         ACT_TYPES[act], _ptr(dy), dy.nbytes, _ptr(perm), 0 if perm is None else perm.nbytes,
         ptrs[0], sizes[0], ptrs[1], sizes[1], ptrs[2], sizes[2], ACT_TYPES[scale_type],
-        _ptr(lhs), lhs.nbytes, _ptr(rhs), rhs.nbytes, _ptr(out), out.nbytes, ORDERS[order],
-        seed, err, len(err))
+        _ptr(lhs), lhs.nbytes, _ptr(rhs), rhs.nbytes, _ptr(out), out.nbytes,
+        -1 if fused is None else int(fused), ORDERS[order], seed, err, len(err))
     _check(rc, err)
     return out
 

@@ -256,14 +256,14 @@ def run_case(c: dict, rng, run: bool = True) -> list[dict]:
             packed = [a for b, g, k in c["segments"]
                       for a in _packed(rng, (nexp,), N, b, g, k, c["scale_dtype"])]
             call(E.gather, [x, *packed, lhs, rhs], c["segments"], c["x_dtype"], c["scale_dtype"],
-                     False, sorted_indices=c["sorted"])
+                 False, sorted_indices=c["sorted"])
         elif c["op"] == "qmatmul_t":
             dy = _storage(rng, (M, N), c["x_dtype"])
             packed = [a for b, g, k in c["segments"]
                       for a in _packed(rng, (), N, b, g, k, c["scale_dtype"])]
             perm = [rng.permutation(K).astype(np.int32)] if c["perm"] else []
             call(E.qmv_t, [dy, *perm, *packed], c["segments"], c["x_dtype"], c["scale_dtype"],
-                    c["perm"])
+                 c["perm"])
         elif c["op"] == "gather_t":
             T, top, nexp = c["tokens"], c["top_k"], c["experts"]
             idx = np.stack([rng.choice(nexp, top, replace=False) for _ in range(T)])
@@ -275,7 +275,7 @@ def run_case(c: dict, rng, run: bool = True) -> list[dict]:
                       for a in _packed(rng, (nexp,), N, b, g, k, c["scale_dtype"])]
             perm = [rng.permutation(K).astype(np.int32)] if c["perm"] else []
             call(E.gather_t, [dy, *perm, *packed, lhs, rhs], c["segments"], c["x_dtype"],
-                       c["scale_dtype"], c["perm"], T)
+                 c["scale_dtype"], c["perm"], T, fused=c.get("fused"))
         elif c["op"] == "kl":
             a = _storage(rng, (M, N), c["x_dtype"], 3.0)
             b = _storage(rng, (M, N), c["x_dtype"], 3.0)

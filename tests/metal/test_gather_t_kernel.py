@@ -52,10 +52,18 @@ def node(dy_of, x_shape, qt, lhs, rhs, perm="qt"):
 
 
 def emulate(inputs, qt, act, x_shape, has_perm, order="shuffle", seed=1):
+    """Both plans: the grouping launch and the product, and (where it takes
+    the problem: up to 256 pairs) the fused product alone, which must agree
+    to the bit (each dx matrix sums the same pairs in the same order)."""
     Bx = int(np.prod(x_shape[:-2], dtype=np.int64))
     got = E.gather_t(inputs, qt.specs, act, ACT_OF[qt.dtype], has_perm, Bx,
-                     order=order, seed=seed)
+                     order=order, seed=seed, fused=False)
     assert got.dtype == E.storage_dtype(act)
+    if inputs[-1].size <= 256:
+        one = E.gather_t(inputs, qt.specs, act, ACT_OF[qt.dtype], has_perm, Bx,
+                         order=order, seed=seed, fused=True)
+        bits = np.uint32 if one.itemsize == 4 else np.uint16
+        np.testing.assert_array_equal(one.view(bits), got.view(bits))
     return got.reshape(x_shape)
 
 
@@ -220,8 +228,9 @@ def test_bad_permutations_follow_the_cpu():
                                    perm=rep.perm)
     with E.counting() as rec:
         got = emulate(inputs, rep, "float32", x_shape, True)
-    # The column-by-column path loads W by 4-byte words too (was bytes).
-    assert [r["device_read_by_width"]["1"] for r in rec] == [0, 0]
+    # The column-by-column path loads W by 4-byte words too (was bytes);
+    # both plans (grouping + product, the fused product).
+    assert [r["device_read_by_width"]["1"] for r in rec] == [0, 0, 0]
     W = dense_w(qt)
     d = np.array(dy, np.float64)
     want = np.zeros(x_shape)

@@ -506,17 +506,22 @@ def test_transposed_within_a_tenth_of_the_minimum(M, perm):
 
 
 @pytest.mark.parametrize("perm", [False, True])
-def test_gathered_transposed_one_product_dispatch(perm):
-    # dx[lhs[i]] += dy[i] · W[rhs[i]] (MixedGatherQMMT) over three segments:
-    # the grouping (which also checks the perm), then ONE product dispatch
-    # for every segment, storing dx through the perm (no z round trip, no
-    # unpermute launch); each pair's expert weights requested once.
+@pytest.mark.parametrize("fused", [True, False])
+def test_gathered_transposed_dispatches(fused, perm):
+    # dx[lhs[i]] += dy[i] · W[rhs[i]] (MixedGatherQMMT) over three segments,
+    # both plans: the fused product, ONE dispatch in which every
+    # threadgroup groups the pairs itself (reads all of lhs, rhs and perm),
+    # and the grouping launch (which also checks the perm) + ONE product
+    # dispatch for every segment. Either stores dx through the perm (no z
+    # round trip, no unpermute launch) and requests each pair's expert
+    # weights once.
     segs = [[4, 64, 128], [3, 32, 64], [6, 64, 64]]
     c = {"op": "gather_t", "M": 1, "N": 24, "K": 256, "segments": segs, "perm": perm,
          "x_dtype": "float16", "scale_dtype": "float16", "experts": 16, "top_k": 4,
-         "tokens": 1, "sorted": False}
+         "tokens": 1, "sorted": False, "fused": fused}
     s = T.summarize(c, T.run_case(c, np.random.default_rng(12)))
-    assert s["kernels"] == ["mixbits_gather_t_group", "mixbits_gather_qmv_t_float16_float16"]
+    product = "mixbits_gather_qmv_t_float16_float16"
+    assert s["kernels"] == ([product] if fused else ["mixbits_gather_t_group", product])
     # Weights by 4-byte loads only (were 1-byte): twice the rows of W add
     # exactly the 4 pairs' weight words to the product's 4-byte reads
     # (indices, perm and scratch are the same at either N).
@@ -525,13 +530,30 @@ def test_gathered_transposed_one_product_dispatch(perm):
     rec2 = T.run_case(c2, np.random.default_rng(12))
     assert T.summarize(c2, rec2)["read_by_width"]["1"] == 0
     rec1 = T.run_case(c, np.random.default_rng(12))
-    assert (rec2[1]["device_read_by_width"]["4"] - rec1[1]["device_read_by_width"]["4"]
+    assert (rec2[-1]["device_read_by_width"]["4"] - rec1[-1]["device_read_by_width"]["4"]
             == 4 * sum(24 * k * b // 8 for b, _, k in segs))
+    extra = s["unique_read"] + s["unique_written"] - s["analytic_min"]
+    if fused:  # exactly the minimum of distinct bytes: no scratch at all
+        assert extra == 0
+        return
     # Distinct bytes per dispatch: the minimum plus at most the index
     # scratch (status, bounds, order, the inverse with a perm) written and
     # read back (the grouping reads its bounds once more), rhs and perm read
     # by both dispatches -- not dy or W once per segment, nor a float32 z
     # written and read back.
     scratch = 4 * (1 + 2 + 4 + (256 if perm else 0))
-    extra = s["unique_read"] + s["unique_written"] - s["analytic_min"]
     assert 0 <= extra <= 2 * scratch + 4 * 2 + 4 * 4 + (4 * 256 if perm else 0)
+
+
+@pytest.mark.parametrize("tokens,dispatches", [(1, 1), (40, 2)])
+def test_gathered_transposed_host_fuses_few_pairs(tokens, dispatches):
+    # The host's plan (gt_fused): a decode token's top-8 of 16 experts at
+    # 256 x 512 with a perm is one dispatch (4 threadgroups re-read 64 index
+    # bytes and 2 KiB of perm: within 1/16 of the 8 pairs' 590 KB of
+    # weights); 40 tokens (320 pairs, over the 256 a threadgroup lists)
+    # take the grouping launch + the product.
+    c = {"op": "gather_t", "M": 1, "N": 256, "K": 512, "segments": [[4, 64, 512]],
+         "perm": True, "x_dtype": "float16", "scale_dtype": "float16", "experts": 16,
+         "top_k": 8, "tokens": tokens, "sorted": False}
+    s = T.summarize(c, T.run_case(c, np.random.default_rng(13)))
+    assert s["dispatches"] == dispatches
