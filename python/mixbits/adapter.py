@@ -69,10 +69,17 @@ def _mixbits_kinds():
     return MixedQuantizedLinear, MixedQuantizedEmbedding, MixedQuantizedSwitchLinear
 
 
+def _banded(m) -> bool:
+    """A mixbits embedding stored in row bands: one tensor, several QuantizedTensors."""
+    from .nn import RowBandEmbedding
+
+    return isinstance(m, RowBandEmbedding)
+
+
 def _is_quantizable(m) -> bool:
     """mlx-lm's rule: a module that can turn itself quantized, or one that
     already is (stock or mixbits)."""
-    if isinstance(m, _mixbits_kinds()):
+    if isinstance(m, _mixbits_kinds()) or _banded(m):
         return True
     if "weight" not in m or not isinstance(m["weight"], mx.array):
         return False
@@ -96,7 +103,7 @@ def _own_call(m) -> str | None:
 
 def _form(m) -> str:
     lin, emb, switch = _mixbits_kinds()
-    if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding, emb)):
+    if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding, emb)) or _banded(m):
         return "embedding"
     if isinstance(m, (nn.Linear, nn.QuantizedLinear, lin)):
         return "linear"
@@ -107,6 +114,8 @@ def _form(m) -> str:
 
 def weight_shape(m) -> tuple:
     """Dense weight shape of a quantizable module, whatever its storage."""
+    if _banded(m):
+        return (m.num_embeddings, m.dims)
     if isinstance(m, _mixbits_kinds()):
         qt = m.quantized_tensor()
         return (*qt.batch_shape, *qt.shape)
@@ -122,9 +131,13 @@ def weight_shape(m) -> tuple:
 def quantized_form(m):
     """The weight of a quantized module as a :class:`~mixbits.layout.QuantizedTensor`
     (a mixbits layer's own; a stock affine layer's arrays as one segment),
-    or None for a float module."""
+    or None for a float module. A row-banded embedding has one tensor per
+    band, not one: ValueError, as for a layer that cannot be re-quantized
+    from its codes (callers decode it with :func:`dense_weight`)."""
     from .layout import QuantizedTensor, Segment
 
+    if _banded(m):
+        raise ValueError("a row-banded embedding has one quantized tensor per band")
     if isinstance(m, _mixbits_kinds()):
         return m.quantized_tensor()
     if "scales" not in m:
@@ -155,6 +168,8 @@ def dense_weight(m) -> mx.array:
     """The float32 dense weight of a quantizable module (original column
     order); quantized ones as ``s*q + b`` in float32 (scales widened first),
     MLX's fp modes as ``mx.dequantize`` decodes them."""
+    if _banded(m):
+        return m.dense_weight()
     fp = _fp_mode_weight(m)
     if fp is not None:
         return fp
@@ -168,6 +183,8 @@ def weighted_weight_error(m, w: mx.array, weight: mx.array) -> float:
     """sum(weight * (dense_weight(m) - w)**2) as a Python float; for a
     quantized module in one pass over its codes (no dense copy), see
     :meth:`~mixbits.layout.QuantizedTensor.weighted_error`."""
+    if _banded(m):
+        return m.weighted_error(w, weight)
     qt = None if _fp_mode_weight(m) is not None else quantized_form(m)
     if qt is not None:
         return qt.weighted_error(w, weight)

@@ -38,7 +38,7 @@ from .formats.mlx_config import MlxQuantization, mixbits_layers, with_quantizati
 from .layout import QuantizedTensor, Segment
 from .mlx_lm_model_file import MODEL_FILE, with_model_file, write_model_file
 from .nn import (MixedQuantizedEmbedding, MixedQuantizedLinear, MixedQuantizedSwitchLinear, MixedWeight,
-                 is_expert_stack, repacked_layers, set_module)
+                 RowBandEmbedding, is_expert_stack, repacked_layers, set_module)
 from .nn import patch as _patch
 
 FORMAT_VERSION = 1
@@ -68,8 +68,14 @@ def quantization_config(model: nn.Module) -> tuple[MlxQuantization | None, dict]
     every quantized layer of ``model``. Every MLX-loadable layer gets its
     own override entry, so the block does not depend on the defaults."""
     mlx_entries, mixbits_layers = {}, {}
+    banded = ()  # a row-banded embedding is one entry; its bands are its storage
     for path, m in model.named_modules():
-        if isinstance(m, MixedWeight):
+        if path.startswith(banded):
+            continue
+        if isinstance(m, RowBandEmbedding):
+            mixbits_layers[path] = m.config()
+            banded = (*banded, path + ".")
+        elif isinstance(m, MixedWeight):
             mixbits_layers[path] = m.layout.config()
             if m.layout.is_mlx_affine:
                 bits, gs, _ = m.layout.specs[0]
@@ -178,6 +184,28 @@ def _tensor_from_weights(weights: dict, path: str, desc: dict) -> QuantizedTenso
     return QuantizedTensor(segs, perm)
 
 
+def _banded_from_weights(weights: dict, path: str, bands, placeholder) -> RowBandEmbedding:
+    """The RowBandEmbedding a ``{"bands": [...]}`` descriptor names, checked
+    against the placeholder embedding it replaces."""
+    if not isinstance(placeholder, (nn.Embedding, nn.QuantizedEmbedding)):
+        raise FormatError(f"config.json mixbits.layers[{path!r}] has row bands, but the model's "
+                          f"module there is a {type(placeholder).__name__}, not an embedding")
+    if not isinstance(bands, list) or len(bands) < 2 or not all(isinstance(b, dict) for b in bands):
+        raise FormatError(f"config.json mixbits.layers[{path!r}]['bands'] must be a list of two or "
+                          f"more layer descriptors, got {bands!r:.80}")
+    layers = []
+    for i, desc in enumerate(bands):
+        qt = _tensor_from_weights(weights, f"{path}.bands.{i}", desc)
+        layers.append(MixedQuantizedEmbedding.from_tensor(qt, desc.get("kinds")))
+    rows, dims = sum(b.num_embeddings for b in layers), {b.dims for b in layers}
+    want = tuple(placeholder.weight.shape) if "scales" not in placeholder else None
+    if len(dims) != 1 or (want is not None and (rows, dims.pop()) != want):
+        raise FormatError(f"config.json mixbits.layers[{path!r}]: bands of "
+                          f"{[(b.num_embeddings, b.dims) for b in layers]} rows x dims do not "
+                          f"make the model's embedding {want}")
+    return RowBandEmbedding(layers)
+
+
 def place_layers(model: nn.Module, layers: dict, weights: dict) -> None:
     """Swap each module named in config.json's ``mixbits.layers`` (path ->
     descriptor) for the mixbits layer holding its arrays from ``weights``
@@ -188,6 +216,9 @@ def place_layers(model: nn.Module, layers: dict, weights: dict) -> None:
         if path not in modules:
             raise ValueError(f"config.json mixbits.layers names {path!r}, which the model does not have")
         m = modules[path]
+        if isinstance(desc, dict) and "bands" in desc:
+            set_module(model, path, _banded_from_weights(weights, path, desc["bands"], m))
+            continue
         qt = _tensor_from_weights(weights, path, desc)
         kinds = desc.get("kinds")
         if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)):

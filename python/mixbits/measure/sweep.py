@@ -143,8 +143,10 @@ def measure_site(rp: Replayer, site: Site, cands: list[Candidate], cfg: SweepCon
 def storage_bits(layer, site: Site) -> int:
     """Exact storage bits of a quantized module's weight: codes, scales,
     biases and the permutation (not a float bias)."""
-    from ..nn import MixedWeight
+    from ..nn import MixedWeight, RowBandEmbedding
 
+    if isinstance(layer, RowBandEmbedding):
+        return layer.storage_bits()
     if isinstance(layer, MixedWeight):  # linears, embeddings and expert stacks
         return int(round(layer.quantized_tensor().bits_per_weight * site.nparams))
     return int(sum(layer[k].nbytes * 8 for k in ("weight", "scales", "biases") if k in layer))

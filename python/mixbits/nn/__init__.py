@@ -20,6 +20,7 @@ assignment of bits / group size / segments.
 """
 
 from .assignment import TensorSpec, parse_assignment_spec, quantize_model
+from .bands import RowBandEmbedding
 from .layers import MixedQuantizedEmbedding, MixedQuantizedLinear, MixedQuantizedSwitchLinear, quantize_stack
 from .model import (is_expert_stack, patch, quantized_layers, repack_layers, repacked_layers, set_module,
                     unrepack_layers, weight_layers)
@@ -29,6 +30,7 @@ __all__ = [
     "MixedQuantizedLinear",
     "MixedQuantizedEmbedding",
     "MixedQuantizedSwitchLinear",
+    "RowBandEmbedding",
     "MixedWeight",
     "TensorSpec",
     "is_expert_stack",

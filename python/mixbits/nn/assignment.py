@@ -11,6 +11,7 @@ import mlx.nn as nn
 
 from ..layout import DEFAULT_GROUP_SIZE, TERNARY, check_perm
 from ..layout import quantize as _quantize
+from .bands import RowBandEmbedding
 from .layers import MixedQuantizedEmbedding, MixedQuantizedLinear, MixedQuantizedSwitchLinear, quantize_stack
 from .model import EMBED_KINDS, LINEAR_KINDS, is_expert_stack, mlx_lm_switch_kinds, set_module
 from .weight import MixedWeight, normalize_specs
@@ -72,6 +73,8 @@ def _segment_list(segs, where: str) -> tuple:
 def _float_weight(m) -> mx.array:
     """The dense weight of a (possibly quantized) linear, embedding or
     expert stack, original column order."""
+    if isinstance(m, RowBandEmbedding):
+        return m.dense_weight()
     if isinstance(m, MixedWeight):
         return m.quantized_tensor().dequantize(unpermute=True)
     if "scales" in m:  # a stock quantized layer (QuantizedLinear/Embedding/SwitchLinear)
@@ -104,7 +107,8 @@ def quantize_model(model: nn.Module, assignment: Mapping, *, dtype=None) -> list
     if not isinstance(assignment, Mapping):
         raise TypeError(f"assignment must be a mapping of module path -> spec, got {type(assignment).__name__}")
     modules = dict(model.named_modules())
-    kinds = LINEAR_KINDS + EMBED_KINDS + sum(mlx_lm_switch_kinds(), ()) + (MixedQuantizedSwitchLinear,)
+    kinds = (LINEAR_KINDS + EMBED_KINDS + sum(mlx_lm_switch_kinds(), ())
+             + (MixedQuantizedSwitchLinear, RowBandEmbedding))
     unknown = [p for p in assignment if p not in modules]
     if unknown:
         known = [p for p, m in modules.items() if isinstance(m, kinds)]
@@ -138,8 +142,8 @@ def quantize_model(model: nn.Module, assignment: Mapping, *, dtype=None) -> list
         w = _float_weight(m)
         if dtype is not None:
             dt = dtype
-        elif isinstance(m, MixedWeight):
-            dt = m.quantized_tensor().dtype
+        elif isinstance(m, (MixedWeight, RowBandEmbedding)):
+            dt = (m.bands[0] if isinstance(m, RowBandEmbedding) else m).quantized_tensor().dtype
         elif "scales" in m:
             dt = m["scales"].dtype
         else:
