@@ -201,16 +201,20 @@ class Scorer:
 
     def bpw(self, plan: dict[str, str]) -> float:
         from mixbits.measure.baselines import entry_bpw
-        from mixbits.measure.candidates import parse_candidate
+        from mixbits.measure.candidates import parse_candidate, supports
         from mixbits.measure.sweep import storage_bits
 
         kinds = {c["kind"] for c in self.table["entries"][0]["candidates"]}
         for k in sorted(set(plan.values()) - kinds):
-            # a kind first seen here (mixbits' ternary, 4b10_3b ...): the built
-            # layer's codes, scales, biases and permutation, as measure counts them
-            uni = parse_candidate(k).kind == "uniform"
+            # a kind first seen here (mixbits' ternary, 4b10_3b, an embedding's
+            # row bands ...): the built layer's codes, scales, biases and
+            # permutation, as measure counts them, at the tensors it fits
+            cand = parse_candidate(k)
+            uni = cand.kind == "uniform" and cand.hot_rows is None
             ev = next(iter(self.evals.values()))
             for e, s in zip(self.table["entries"], self.sites):
+                if not supports(cand, s):
+                    continue
                 bits = kind_bits(k, s.shape) if uni else storage_bits(ev.layer(s.path, k), s)
                 e["candidates"].append({"kind": k, "storage_bits": bits})
         return entry_bpw(self.table, plan)

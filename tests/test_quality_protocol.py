@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import quality_protocol as qp  # noqa: E402
@@ -98,3 +99,29 @@ def test_summarize_only_writes_the_records_summary_without_a_model(tmp_path, mon
     assert r["protocol"]["mlx_lm_quantizers"]["methods"] == ["gptq"] and "DWQ" not in \
         r["protocol"]["mlx_lm_quantizers"]["calibration"]
     assert r["records"] == recs
+
+
+def test_bpw_counts_an_embeddings_row_bands_and_only_where_they_fit():
+    # The protocol's storage count of a mixbits plan with a banded embedding
+    # (8b@64_4b_g32) against the format's own count: hot rows at 8 bits,
+    # the rest at 4, an fp16 scale and bias per group of 32, every tensor.
+    import tiny_models
+    from mixbits.adapter import ModelAdapter
+    from mixbits.measure.candidates import build_layer, parse_candidate
+
+    model, _ = tiny_models.build("llama_tied")
+    ad = ModelAdapter(model)
+
+    class Layers:
+        def layer(self, path, kind):
+            return build_layer(ad.get(path), parse_candidate(kind))
+
+    sc = qp.Scorer.__new__(qp.Scorer)
+    sc.sites, sc.evals = list(ad.sites), {"held": Layers()}
+    sc.table = qp.size_table(sc.sites, ["4b_g32"])
+    emb = next(s for s in sc.sites if s.form == "embedding")
+    plan = {s.path: "4b_g32" for s in sc.sites} | {emb.path: "8b@64_4b_g32"}
+    vocab, dims = emb.shape
+    bits = sum(s.nparams * 5 for s in sc.sites if s is not emb)
+    bits += 64 * dims * 8 + (vocab - 64) * dims * 4 + vocab * dims // 32 * 32
+    assert sc.bpw(plan) == pytest.approx(bits / sum(s.nparams for s in sc.sites), rel=1e-12)
