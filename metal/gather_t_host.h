@@ -61,6 +61,17 @@ inline size_t gt_index_words(int pairs, int x_batches, int K, bool has_perm) {
   return size_t(mb_gt_inv_at(x_batches, pairs)) + (has_perm ? size_t(K) : 0);
 }
 
+// Whether the fused product can take the problem at all, whatever its
+// re-reads: its threadgroups list their dx matrix's pairs (index and
+// expert) in threadgroup memory, room for MB_GT_FUSED_MAX_PAIRS, and check
+// a perm with the dense kernel's K-bit map, room for MB_QT_MAX_K columns
+// (mb_gt_tg_words sizes both; past either the kernel would write past its
+// threadgroup memory). gt_fused asks it first; plan_gather_qmv_t refuses a
+// forced fuse past it.
+inline bool gt_fusable(int pairs, int K, bool has_perm) {
+  return pairs <= MB_GT_FUSED_MAX_PAIRS && !(has_perm && K > MB_QT_MAX_K);
+}
+
 // The fused product's re-reads (every threadgroup reads all of lhs and rhs,
 // and perm) may add at most 1 / kGtFusedShare of the weight bytes the
 // product reads (each pair's expert, every column).
@@ -75,7 +86,7 @@ constexpr int kGtFusedShare = 16;
 // pairs), and there is no barrier across a dispatch's threadgroups.
 inline bool gt_fused(int pairs, int N, int K, int x_batches, const std::vector<QmmSegment>& segs,
                      int scale_bytes, bool has_perm) {
-  if (pairs > MB_GT_FUSED_MAX_PAIRS || (has_perm && K > MB_QT_MAX_K)) return false;
+  if (!gt_fusable(pairs, K, has_perm)) return false;
   double w_row = 0;  // one expert row's bytes over every segment
   for (const auto& s : segs)
     w_row += double(s.k) * s.bits / 8 + 2.0 * (s.k / s.group_size) * scale_bytes;
@@ -107,7 +118,7 @@ inline std::vector<GatherTLaunch> plan_gather_qmv_t(int pairs, int M, int N, int
   const Elem xe = elem_of(xt), se = elem_of(scale_act_type(scale_type));
   // fuse: -1 the host's choice (gt_fused); 0 or 1 forced (the tests', to
   // run both plans on one problem).
-  if (fuse == 1 && (pairs > MB_GT_FUSED_MAX_PAIRS || (has_perm && K > MB_QT_MAX_K)))
+  if (fuse == 1 && !gt_fusable(pairs, K, has_perm))
     throw std::invalid_argument("plan_gather_qmv_t: too many pairs or perm entries to fuse");
   const bool fused = fuse < 0 ? gt_fused(pairs, N, K, x_batches, segs, int(elem_bytes(se)),
                                          has_perm)

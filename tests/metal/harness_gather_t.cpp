@@ -156,4 +156,11 @@ int mbemu_gather_t_applies(int64_t pairs, int64_t M, int64_t N, int64_t K, int64
   return gather_qmv_t_gpu_applies(pairs, M, N, K, x_batches, w_batches, nseg) ? 1 : 0;
 }
 
+// Whether the fused product can take the problem (gt_fusable: the pairs
+// its threadgroups list, the perm's K-bit map), what the tests ask before
+// forcing the fused plan.
+int mbemu_gather_t_fusable(int pairs, int K, int has_perm) {
+  return gt_fusable(pairs, K, has_perm != 0) ? 1 : 0;
+}
+
 }  // extern "C"

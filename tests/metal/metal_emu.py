@@ -156,6 +156,7 @@ def lib() -> ctypes.CDLL:
         L.mbemu_gather_t.argtypes = [I, I, I, I, I, I, P, P, P, I, P, Z, P, Z, P, P, P, P,
                                      P, P, I, P, Z, P, Z, P, Z, I, I, U64, ctypes.c_char_p, I]
         L.mbemu_gather_t_applies.argtypes = [ctypes.c_int64] * 7
+        L.mbemu_gather_t_fusable.argtypes = [I, I, I]
         L.mbemu_kl.argtypes = [I, I, I, I, I, I, P, P, I, U64, ctypes.c_char_p, I]
         L.mbemu_selftest.argtypes = [ctypes.c_char_p, I, I, P, P, I, I, U64,
                                      ctypes.c_char_p, I]
@@ -170,7 +171,8 @@ def lib() -> ctypes.CDLL:
         L.mbemu_traffic_record.argtypes = [I, P, I, ctypes.c_char_p, I]
         L.mbemu_traffic_begin.restype = L.mbemu_traffic_end.restype = None
         for f in (L.mbemu_qmm, L.mbemu_gather, L.mbemu_gather_kernel, L.mbemu_qmv_t,
-                  L.mbemu_gather_t, L.mbemu_gather_t_applies, L.mbemu_kl, L.mbemu_selftest,
+                  L.mbemu_gather_t, L.mbemu_gather_t_applies, L.mbemu_gather_t_fusable,
+                  L.mbemu_kl, L.mbemu_selftest,
                   L.mbemu_kernel_count, L.mbemu_traffic_records, L.mbemu_traffic_record):
             f.restype = I
         _LIB = L
@@ -376,6 +378,15 @@ def gather_t_applies(pairs: int, M: int, N: int, K: int, x_batches: int,
     """Whether the gathered transposed kernels take a problem (gather_t_host.h;
     on a GPU stream the gradient is dequantize + gather_mm otherwise)."""
     return bool(lib().mbemu_gather_t_applies(pairs, M, N, K, x_batches, w_batches, nseg))
+
+
+def gather_t_fusable(pairs: int, K: int, has_perm: bool) -> bool:
+    """Whether the fused product (one dispatch, fused=True) can take a
+    problem at all (gt_fusable in gather_t_host.h: the pairs its
+    threadgroups list, a perm within the dense kernel's K-bit map); the plan
+    refuses a forced fused=True otherwise, and the host's choice (gt_fused)
+    also weighs the re-reads."""
+    return bool(lib().mbemu_gather_t_fusable(pairs, K, int(has_perm)))
 
 
 KL_MODES = {"logits": 0, "fixed_shift": 1, "probs": 2}

@@ -53,17 +53,23 @@ def node(dy_of, x_shape, qt, lhs, rhs, perm="qt"):
 
 def emulate(inputs, qt, act, x_shape, has_perm, order="shuffle", seed=1):
     """Both plans: the grouping launch and the product, and (where it takes
-    the problem: up to 256 pairs) the fused product alone, which must agree
-    to the bit (each dx matrix sums the same pairs in the same order)."""
+    the problem: E.gather_t_fusable, the host's gt_fusable) the fused
+    product alone, which must agree to the bit (each dx matrix sums the same
+    pairs in the same order); where it does not, the plan refuses it."""
     Bx = int(np.prod(x_shape[:-2], dtype=np.int64))
     got = E.gather_t(inputs, qt.specs, act, ACT_OF[qt.dtype], has_perm, Bx,
                      order=order, seed=seed, fused=False)
     assert got.dtype == E.storage_dtype(act)
-    if inputs[-1].size <= 256:
+    K = sum(int(s[2]) for s in qt.specs)
+    if E.gather_t_fusable(inputs[-1].size, K, has_perm):
         one = E.gather_t(inputs, qt.specs, act, ACT_OF[qt.dtype], has_perm, Bx,
                          order=order, seed=seed, fused=True)
         bits = np.uint32 if one.itemsize == 4 else np.uint16
         np.testing.assert_array_equal(one.view(bits), got.view(bits))
+    else:
+        with pytest.raises(E.EmulatorError, match="too many pairs or perm entries to fuse"):
+            E.gather_t(inputs, qt.specs, act, ACT_OF[qt.dtype], has_perm, Bx,
+                       order=order, seed=seed, fused=True)
     return got.reshape(x_shape)
 
 
@@ -280,3 +286,18 @@ def test_which_problems_the_kernels_take():
     # Up to 8 segments: the one product dispatch binds them all.
     assert E.gather_t_applies(8, 1, 5, 32, 1, 3, nseg=8)
     assert not E.gather_t_applies(8, 1, 5, 32, 1, 3, nseg=9)
+
+
+def test_which_problems_the_fused_product_takes():
+    """Up to 256 pairs (MB_GT_FUSED_MAX_PAIRS: the list each threadgroup
+    keeps of its matrix's pairs) and, with a perm, K up to 65536
+    (MB_QT_MAX_K: the dense kernel's K-bit map); without a perm K is no
+    limit. The same rule decides gt_fused's first test and the forced plan's
+    refusal (emulate, above)."""
+    assert E.gather_t_fusable(1, 32, True)
+    assert E.gather_t_fusable(256, 65536, True)
+    assert not E.gather_t_fusable(257, 32, False)
+    assert not E.gather_t_fusable(257, 32, True)
+    assert not E.gather_t_fusable(8, 65537, True)
+    assert E.gather_t_fusable(8, 65537, False)
+    assert E.gather_t_fusable(256, 2**30, False)
