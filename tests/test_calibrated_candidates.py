@@ -144,6 +144,11 @@ def test_calibrated_allocation_quantizes_to_what_was_measured(tmp_path):
                  "--out", str(tmp_path / "q")]) == 0
     loaded, _, _ = mixbits.load(tmp_path / "q")
     ref_model, _, _ = mixbits.load(m)
-    quantize_candidates(ref_model, allocation_candidates(alloc, ref_model), tokens=toks)
+    from types import SimpleNamespace
+
+    from mixbits.measure.calib import load_model
+
+    measured, _ = load_model(SimpleNamespace(model=m))  # the layer inputs as measure saw them
+    quantize_candidates(ref_model, allocation_candidates(alloc, ref_model), tokens=toks, measured=measured)
     x = mx.array(toks)
     np.testing.assert_array_equal(np.array(loaded(x)), np.array(ref_model(x)))

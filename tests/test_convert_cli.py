@@ -43,12 +43,18 @@ def dense(tmp_path_factory):
 def _independent_logits(folder, allocation, tokens, calibration):
     """The allocation applied by `mixbits quantize`'s own functions to a
     fresh load of the source (``+search`` kinds fitted on the
-    ``calibration`` tokens convert used): what the converted folder must hold."""
+    ``calibration`` tokens convert used, their layer inputs from the model
+    as measure ran it): what the converted folder must hold."""
+    from types import SimpleNamespace
+
     import mixbits
     from mixbits.commands.quantize import allocation_candidates, quantize_candidates
+    from mixbits.measure.calib import load_model
 
     model, _, _ = mixbits.load(folder)
-    quantize_candidates(model, allocation_candidates(allocation, model), tokens=calibration)
+    measured, _ = load_model(SimpleNamespace(model=str(folder), dtype="float32"))
+    quantize_candidates(model, allocation_candidates(allocation, model), tokens=calibration,
+                        measured=measured)
     return model(mx.array(tokens))
 
 

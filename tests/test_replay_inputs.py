@@ -219,3 +219,63 @@ def test_quantize_records_each_block_once_and_builds_from_its_own_inputs(setup, 
         assert [k for k, _ in got] == [k for k, _ in want]
         for (k, a), (_, b) in zip(got, want):
             np.testing.assert_array_equal(np.array(a), np.array(b), err_msg=f"{p} {k}")
+
+
+def _quantized_llama():
+    """A tiny llama with MLX's 4-bit QuantizedLinear layers, as a GGUF or an
+    mlx-community folder loads: the blocks run MLX's CPU quantized matmul."""
+    model, _ = tiny_models.build("llama")
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: isinstance(m, nn.Linear))
+    mx.eval(model.parameters())
+    return model
+
+
+def test_quantize_with_the_measured_model_builds_the_joint_evaluators_layers(monkeypatch):
+    """quantize_candidates(measured=...): the layer inputs come from the
+    model as the sweep runs it (mixbits' kernels): each X^T X is the joint
+    evaluator's bit for bit, and every calibrated layer the one it built
+    and scored on that model; the model as loaded (MLX's quantized matmul)
+    gives its linears other last bits."""
+    from mixbits import patch
+    from mixbits.commands.quantize import quantize_candidates
+    from mixbits.measure import candidates
+    from mixbits.measure.joint import JointEvaluator
+
+    tokens = np.random.default_rng(4).integers(0, 160, (4, 12))
+    twin = _quantized_llama()
+    patch(twin)
+    ad_twin = ModelAdapter(twin)
+    assert type(ad_twin.get("model.layers.0.self_attn.q_proj")).__name__ == "MixedQuantizedLinear"
+    sites = [s for s in ad_twin.sites if records_input(s)]
+    kinds = ["4b_g64+search", "3b_g32+search", "4b10_3b_g64+search"]
+    chosen = {s.path: parse_candidate(kinds[i % 3]) for i, s in enumerate(sites)}
+    ev = JointEvaluator(twin, tokens, chunk=4)
+    want = {p: tree_flatten(ev.layer(p, c.name).parameters()) for p, c in chosen.items()}
+    want_h = {p: ev.hessian(p)[0] for p in chosen}
+
+    model = _quantized_llama()
+    ad = ModelAdapter(model)
+    assert type(ad.get(sites[0].path)) is nn.QuantizedLinear
+    path_of = {id(ad.get(p)): p for p in chosen}
+    given = {}
+    build = candidates.build_layer
+
+    def recording(module, cand, scale_dtype=None, inputs=None, **kw):
+        given[path_of[id(module)]] = inputs
+        return build(module, cand, scale_dtype, inputs, **kw)
+
+    monkeypatch.setattr(candidates, "build_layer", recording)
+    quantize_candidates(model, chosen, tokens=tokens, measured=twin)
+    assert sorted(given) == sorted(chosen)
+    for p in chosen:
+        np.testing.assert_array_equal(given[p][0], want_h[p], err_msg=p)
+        got = tree_flatten(ad.get(p).parameters())
+        assert [k for k, _ in got] == [k for k, _ in want[p]]
+        for (k, a), (_, b) in zip(got, want[p]):
+            np.testing.assert_array_equal(np.array(a), np.array(b), err_msg=f"{p} {k}")
+    # the model as loaded: its own forward's inputs differ in their last bits
+    own = Replayer(_quantized_llama(), [mx.array(tokens)], logits=False)
+    assert any(not np.array_equal(own.input_hessian(s)[0], want_h[s.path]) for s in sites)
+    other, _ = tiny_models.build("qwen3")
+    with pytest.raises(ValueError, match="same quantizable tensors"):
+        quantize_candidates(_quantized_llama(), chosen, tokens=tokens, measured=other)

@@ -452,7 +452,7 @@ def _quantize(args, r, table, tokens, timings, timed, step) -> None:
     from ..convert import card
     from ..folder import MANIFEST
     from ..measure.plot import plot_table
-    from .quantize import allocation_candidates, quantize_candidates
+    from .quantize import allocation_candidates, measured_twin, quantize_candidates
 
     text = json.dumps(r.allocation, indent=1)
     done = r.out / "allocation.json"
@@ -462,9 +462,11 @@ def _quantize(args, r, table, tokens, timings, timed, step) -> None:
     _stage(4, "quantize", f"{r.out} ({r.bpw:g} bpw, {step})")
     t0 = time.perf_counter()
     model, tokenizer, config = mixbits.load(args.model, lazy=True)  # each tensor read as it is quantized
-    # As `mixbits quantize` applies an allocation: tensors it leaves out at its embed_bits.
-    quantize_candidates(model, allocation_candidates(r.allocation, model), tokens=tokens,
-                        embed_bits=r.allocation.get("embed_bits"), progress=True)
+    # As `mixbits quantize` applies an allocation: tensors it leaves out at its embed_bits;
+    # calibrated layers' inputs from the model as measure and refine ran it.
+    chosen = allocation_candidates(r.allocation, model)
+    quantize_candidates(model, chosen, tokens=tokens, embed_bits=r.allocation.get("embed_bits"),
+                        progress=True, measured=measured_twin(args, chosen, model))
     png = io.BytesIO()
     plot_table(table, png, allocation=r.allocation, title=f"{Path(str(args.model)).name}, {r.bpw:g} bpw")
     r.seconds = _seconds(timings)

@@ -38,7 +38,8 @@ def allocation_candidates(alloc, model, *, group_size: int = DEFAULT_GROUP_SIZE,
 
 def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = True,
                         tokens=None, embed_bits: int | None = None,
-                        group_size: int = DEFAULT_GROUP_SIZE, progress: bool = False) -> list[str]:
+                        group_size: int = DEFAULT_GROUP_SIZE, progress: bool = False,
+                        measured=None) -> list[str]:
     """Replace every tensor in ``chosen`` ({path: Candidate}) by its
     candidate module -- the same constructor the sweep measured -- and,
     with ``fixed``, the tensors the model's own quant_predicate pins (e.g.
@@ -46,7 +47,14 @@ def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = 
     (``+gptq``, ``+search``) need the calibration ``tokens`` [n_seq, seq_len]
     their layer inputs come from (the sweep's). ``embed_bits``: embeddings
     and head not in ``chosen`` at that width (:func:`mixbits.measure.candidates.embed_candidates`).
-    ``progress``: a bar of the tensors built (stderr). Returns replaced paths."""
+    ``progress``: a bar of the tensors built (stderr). ``measured``: the same
+    weights as the sweep ran them (:func:`mixbits.measure.calib.load_model`:
+    quantized layers on mixbits' kernels, float weights at the calibration
+    dtype), whose forward gives the calibrated layers' inputs; default
+    ``model`` itself. Then each X^T X is the sweep's and the joint
+    evaluator's bit for bit (so a calibrated layer is the one they
+    measured), and the forward runs on mixbits' kernels, not MLX's CPU
+    quantized matmul. Returns replaced paths."""
     import mlx.core as mx
 
     from mixbits.adapter import ModelAdapter
@@ -64,7 +72,12 @@ def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = 
         if tokens is None:
             raise ValueError("the allocation has calibrated candidates (+gptq/+search/+act): give the "
                              "calibration tokens they were measured with (--tokens or --text)")
-        rp = Replayer(model, token_chunks(tokens, 4), adapter, logits=False)  # X^T X only
+        ref, ref_adapter = model, adapter
+        if measured is not None:
+            ref, ref_adapter = measured, ModelAdapter(measured)
+            if [(s.path, s.shape) for s in ref_adapter.sites] != [(s.path, s.shape) for s in adapter.sites]:
+                raise ValueError("measured must be the same model as model (the same quantizable tensors)")
+        rp = Replayer(ref, token_chunks(tokens, 4), ref_adapter, logits=False)  # X^T X only
     from mixbits import streaming
 
     # Hessians come from the unquantized model: all layers are built before
@@ -93,6 +106,20 @@ def quantize_candidates(model, chosen: dict, scale_dtype=None, *, fixed: bool = 
     for p, layer in built.items():
         adapter.set(p, layer)
     return list(built)
+
+
+def measured_twin(args, chosen: dict, model):
+    """The model as the sweep runs it (:func:`mixbits.measure.calib.load_model`,
+    weights on disk) when ``chosen`` has calibrated kinds, for their layer
+    inputs; None otherwise, and with --awq (the scales are searched on
+    ``model``, whose layer inputs they change)."""
+    if getattr(args, "awq", None) or not any(c.calibrated for c in chosen.values()):
+        return None
+    from mixbits.measure.calib import load_model
+
+    measured, _ = load_model(args)
+    return measured
+
 
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, metavar="PATH", help="'smollm2', 'gemma3', a .gguf file (llama, qwen2/3, gemma3, phi3) or an mlx-lm model folder")
@@ -174,7 +201,8 @@ def _run(args) -> int:
                                        strip_prefix=args.strip_prefix)
         embed = args.embed_bits if args.embed_bits is not None else alloc.embed_bits
         replaced = quantize_candidates(model, chosen, tokens=tokens, embed_bits=embed,
-                                       group_size=args.group_size, progress=True)
+                                       group_size=args.group_size, progress=True,
+                                       measured=measured_twin(args, chosen, model))
     except (KeyError, ValueError, TypeError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         raise FormatError(f"--allocation: {msg}") from None
