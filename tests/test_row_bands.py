@@ -198,3 +198,22 @@ def test_measure_allocate_quantize_load_with_a_banded_embedding(tmp_path):
     ref = mixbits.load(m)[0]
     quantize_candidates(ref, allocation_candidates(alloc, ref), tokens=toks)
     np.testing.assert_array_equal(np.array(loaded(mx.array(toks))), np.array(ref(mx.array(toks))))
+
+
+@pytest.mark.parametrize("kind", ["4b_g32", "3b_g32+search", "mxfp4"])
+def test_a_banded_embedding_requantizes_as_an_embedding(kind):
+    # A saved banded folder measured or converted again: each candidate of
+    # its embedding is built from the bands' decode, as an embedding.
+    from mixbits.nn import MixedQuantizedEmbedding
+
+    rng = np.random.default_rng(3)
+    emb = nn.Embedding(300, 64)
+    emb.weight = mx.array(rng.standard_normal((300, 64)).astype(np.float16))
+    banded = build_layer(emb, parse_candidate("8b@100_2b_g32"), mx.float16)
+    got = build_layer(banded, parse_candidate(kind), mx.float16)
+    plain = nn.Embedding(300, 64)
+    plain.weight = dense_weight(banded).astype(mx.float16)
+    want = build_layer(plain, parse_candidate(kind), mx.float16)
+    assert type(got) is type(want) and isinstance(got, (MixedQuantizedEmbedding, nn.QuantizedEmbedding))
+    ids = mx.array([[0, 99, 100, 299]])
+    np.testing.assert_array_equal(np.array(got(ids).astype(mx.float32)), np.array(want(ids).astype(mx.float32)))

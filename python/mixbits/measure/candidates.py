@@ -411,12 +411,12 @@ def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None, dense=No
     from ..adapter import dense_weight
     from ..layout import quantize as quantize_tensor
     from ..nn import (MixedQuantizedEmbedding, MixedQuantizedLinear, MixedQuantizedSwitchLinear,
-                      is_expert_stack, quantize_stack)
+                      RowBandEmbedding, is_expert_stack, quantize_stack)
 
     scale_dtype = scale_dtype or mx.float16
     if cand.hot_rows is not None:
         return _banded_layer(module, cand, scale_dtype, inputs, dense)
-    embedding = isinstance(module, (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding))
+    embedding = isinstance(module, (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding, RowBandEmbedding))
     stored = stored_at(module, cand, scale_dtype)
     if stored is not None and not stored.batch_shape:  # kept as stored: nothing to decode
         if embedding:
@@ -549,12 +549,12 @@ def _fp_layer(module, cand: Candidate, wn):
     import mlx.core as mx
     import mlx.nn as nn
 
-    from ..nn import MixedQuantizedEmbedding, is_expert_stack
+    from ..nn import MixedQuantizedEmbedding, RowBandEmbedding, is_expert_stack
 
     gs, bits, mode = cand.group_size, cand.bits, cand.mode
     wq, scales = mx.quantize(wn, gs, bits, mode=mode)
     n, k = wn.shape[-2], wn.shape[-1]
-    if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding)):
+    if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding, RowBandEmbedding)):
         q = nn.QuantizedEmbedding(n, k, gs, bits, mode=mode)
     elif wn.ndim == 2:
         q = nn.QuantizedLinear(k, n, bias=False, group_size=gs, bits=bits, mode=mode)
