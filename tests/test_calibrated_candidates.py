@@ -152,3 +152,37 @@ def test_calibrated_allocation_quantizes_to_what_was_measured(tmp_path):
     quantize_candidates(ref_model, allocation_candidates(alloc, ref_model), tokens=toks, measured=measured)
     x = mx.array(toks)
     np.testing.assert_array_equal(np.array(loaded(x)), np.array(ref_model(x)))
+
+
+def test_quantize_dtype_is_the_dtype_its_layer_inputs_run_in(tmp_path):
+    # `mixbits quantize --dtype` runs the model whose forward gives the
+    # calibrated layers' inputs in that dtype, as measure --dtype ran it:
+    # the folder equals quantize_candidates with that twin, and differs
+    # from the float32 one.
+    from types import SimpleNamespace
+
+    import mixbits
+    from mixbits.cli import main
+    from mixbits.commands.quantize import allocation_candidates, quantize_candidates
+    from mixbits.formats.allocation import Allocation, AllocationEntry
+    from mixbits.measure.calib import load_model
+
+    model, cfg = tiny_models.build("llama")
+    m = str(tmp_path / "m")
+    mixbits.save(model, m, cfg)
+    toks = np.random.default_rng(0).integers(0, 160, (2, 16))
+    np.save(tmp_path / "t.npy", toks)
+    ad = ModelAdapter(model)
+    entries = [AllocationEntry(s.path, s.block, s.nparams, 3, "3b_g32+search", 0.0, {}) for s in ad.sites]
+    alloc = tmp_path / "alloc.json"
+    Allocation.from_entries(entries).save(alloc)
+    outs = {}
+    for dt in ("float32", "bfloat16"):
+        assert main(["quantize", "--model", m, "--allocation", str(alloc), "--tokens", str(tmp_path / "t.npy"),
+                     "--dtype", dt, "--out", str(tmp_path / dt)]) == 0
+        outs[dt] = np.array(mixbits.load(tmp_path / dt)[0](mx.array(toks)))
+        ref = mixbits.load(m)[0]
+        twin, _ = load_model(SimpleNamespace(model=m, dtype=dt))
+        quantize_candidates(ref, allocation_candidates(alloc, ref), tokens=toks, measured=twin)
+        np.testing.assert_array_equal(outs[dt], np.array(ref(mx.array(toks))))
+    assert not np.array_equal(outs["float32"], outs["bfloat16"])

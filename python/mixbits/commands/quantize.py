@@ -135,9 +135,12 @@ def add_arguments(p) -> None:
     p.add_argument("--tokens", metavar="FILE",
                    help="calibration token ids (.npy/.json [n_seq, seq_len]) for calibrated candidates "
                         "(+gptq, +search, +act): the layer inputs they quantize against; use the sweep's")
+    from mixbits.measure.calib import add_dtype_argument
     from mixbits.measure.candidates import AWQ_HELP
 
     p.add_argument("--awq", metavar="KIND", help=AWQ_HELP + " (needs --tokens)")
+    add_dtype_argument(p, "; for calibrated candidates give measure's, so their layer inputs are the "
+                          "ones measure and refine saw")
 
 
 def run(args) -> int:

@@ -74,10 +74,15 @@ def add_calibration_arguments(p) -> None:
                    help="built-in calibration text when --text is not given")
     p.add_argument("--n-seq", type=int, default=8, help="calibration sequences (default 8)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    add_dtype_argument(p)
+
+
+def add_dtype_argument(p, why: str = "") -> None:
+    """``--dtype``: what measure, refine and quantize's calibrated layers run the model in."""
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="dtype the model's float weights and activations run in (default float32: "
                         "on the CPU the mixbits attention and SwiGLU kernels take float32 only, so "
-                        "half precision runs MLX's slower ops; quantized scales are kept)")
+                        "half precision runs MLX's slower ops; quantized scales are kept)" + why)
 
 
 def check_calibration_arguments(args):
