@@ -176,7 +176,7 @@ def parse_candidate(name: str) -> Candidate:
         if cand.kind == "fp":
             raise ValueError(f"candidate {name!r}: {base!r} is MLX's {cand.mode} mode, whose scales "
                              f"MLX computes; the {'+' + quantizer} quantizer makes affine kinds only")
-        if cand.hot_rows is not None and quantizer not in ("search",):
+        if cand.hot_rows is not None and quantizer != "search":
             raise ValueError(f"candidate {name!r}: row bands are for embeddings, whose "
                              "calibrated quantizer is +search")
         if quantizer == "act" and cand.kind != "mixed":
@@ -411,12 +411,12 @@ def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None, dense=No
     from ..adapter import dense_weight
     from ..layout import quantize as quantize_tensor
     from ..nn import (MixedQuantizedEmbedding, MixedQuantizedLinear, MixedQuantizedSwitchLinear,
-                      RowBandEmbedding, is_expert_stack, quantize_stack)
+                      is_expert_stack, quantize_stack)
 
     scale_dtype = scale_dtype or mx.float16
     if cand.hot_rows is not None:
         return _banded_layer(module, cand, scale_dtype, inputs, dense)
-    embedding = isinstance(module, (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding, RowBandEmbedding))
+    embedding = _is_embedding(module)
     stored = stored_at(module, cand, scale_dtype)
     if stored is not None and not stored.batch_shape:  # kept as stored: nothing to decode
         if embedding:
@@ -476,16 +476,25 @@ def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None, dense=No
     return q
 
 
+def _is_embedding(module) -> bool:
+    """An embedding table in any storage: float, MLX-quantized, mixbits, row bands."""
+    import mlx.nn as nn
+
+    from ..nn import MixedQuantizedEmbedding, RowBandEmbedding
+
+    return isinstance(module, (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding, RowBandEmbedding))
+
+
 def _banded_layer(module, cand: Candidate, scale_dtype, inputs, dense):
     """A RowBandEmbedding: each band built by :func:`build_layer` from its
-    rows of the dense weight (a band is never kept as stored: a stored
-    grid spans all rows, and the menus' kinds re-find it from the decode)."""
+    rows of the dense weight (a band is never kept as stored: a stored grid
+    spans all rows; ``+search`` finds a decoded grid again)."""
     import mlx.nn as nn
 
     from ..adapter import dense_weight
-    from ..nn import MixedQuantizedEmbedding, RowBandEmbedding
+    from ..nn import RowBandEmbedding
 
-    if not isinstance(module, (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding, RowBandEmbedding)):
+    if not _is_embedding(module):
         raise ValueError(f"candidate {cand.name!r}: row bands are for embeddings, "
                          f"not {type(module).__name__}")
     w = dense_weight(module) if dense is None else dense
@@ -549,12 +558,12 @@ def _fp_layer(module, cand: Candidate, wn):
     import mlx.core as mx
     import mlx.nn as nn
 
-    from ..nn import MixedQuantizedEmbedding, RowBandEmbedding, is_expert_stack
+    from ..nn import is_expert_stack
 
     gs, bits, mode = cand.group_size, cand.bits, cand.mode
     wq, scales = mx.quantize(wn, gs, bits, mode=mode)
     n, k = wn.shape[-2], wn.shape[-1]
-    if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding, MixedQuantizedEmbedding, RowBandEmbedding)):
+    if _is_embedding(module):
         q = nn.QuantizedEmbedding(n, k, gs, bits, mode=mode)
     elif wn.ndim == 2:
         q = nn.QuantizedLinear(k, n, bias=False, group_size=gs, bits=bits, mode=mode)
