@@ -406,7 +406,6 @@ def build_layer(module, cand: Candidate, scale_dtype=None, inputs=None, dense=No
     import copy
 
     import mlx.core as mx
-    import mlx.nn as nn
 
     from ..adapter import dense_weight
     from ..layout import quantize as quantize_tensor
