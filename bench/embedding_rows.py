@@ -71,19 +71,12 @@ def _kl(h_ref, w_ref, h, w) -> float:
     return float(np.concatenate(tot).mean())
 
 
-def _bpw(layer, n: int) -> float:
-    from mixbits.nn import RowBandEmbedding
-
-    bits = layer.storage_bits() if isinstance(layer, RowBandEmbedding) else \
-        layer.quantized_tensor().bits_per_weight * n
-    return float(bits / n)
-
-
 def main() -> int:
     import mixbits
-    from mixbits.adapter import dense_weight
+    from mixbits.adapter import ModelAdapter, dense_weight
     from mixbits.measure.calib import cast_model
     from mixbits.measure.candidates import build_layer, parse_candidate
+    from mixbits.measure.sweep import storage_bits
     from mixbits.nn import patch
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,6 +94,7 @@ def main() -> int:
     calib, held = token_sets(tok, [0])
     windows = held["licenses"][:args.windows]
     emb = model.model.embed_tokens
+    site = next(s for s in ModelAdapter(model).sites if s.form == "embedding")
     w = np.array(dense_weight(emb))
     ids_h, ids_c = np.array(windows).ravel(), np.array(calib[0]).ravel()
     coverage = {str(r): {"held_out": float((ids_h < r).mean()), "calibration": float((ids_c < r).mean())}
@@ -112,7 +106,7 @@ def main() -> int:
         layer = build_layer(emb, parse_candidate(kind))
         q = np.array(dense_weight(layer))
         h_q = _head_inputs(model, layer, windows)
-        rows.append({"kind": kind, "storage_bpw": _bpw(layer, w.size),
+        rows.append({"kind": kind, "storage_bpw": storage_bits(layer, site) / site.nparams,
             "kl_lookups": _kl(h_ref, w, h_q, w), "kl_head": _kl(h_ref, w, h_ref, q),
             "kl_both": _kl(h_ref, w, h_q, q), "seconds": round(time.perf_counter() - t, 1)})
         print(json.dumps(rows[-1]), flush=True)

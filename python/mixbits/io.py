@@ -35,6 +35,7 @@ from .folder import check_complete, write_folder
 from .formats.errors import FormatError, expect_dict, load_json
 from .formats.safetensors_header import read_header
 from .formats.mlx_config import MlxQuantization, mixbits_layers, with_quantization
+from .adapter import weight_shape
 from .layout import QuantizedTensor, Segment
 from .mlx_lm_model_file import MODEL_FILE, with_model_file, write_model_file
 from .nn import (MixedQuantizedEmbedding, MixedQuantizedLinear, MixedQuantizedSwitchLinear, MixedWeight,
@@ -198,8 +199,8 @@ def _banded_from_weights(weights: dict, path: str, bands, placeholder) -> RowBan
         qt = _tensor_from_weights(weights, f"{path}.bands.{i}", desc)
         layers.append(MixedQuantizedEmbedding.from_tensor(qt, desc.get("kinds")))
     rows, dims = sum(b.num_embeddings for b in layers), {b.dims for b in layers}
-    want = tuple(placeholder.weight.shape) if "scales" not in placeholder else None
-    if len(dims) != 1 or (want is not None and (rows, dims.pop()) != want):
+    want = tuple(weight_shape(placeholder))  # a quantized placeholder's too
+    if len(dims) != 1 or (rows, dims.pop()) != want:
         raise FormatError(f"config.json mixbits.layers[{path!r}]: bands of "
                           f"{[(b.num_embeddings, b.dims) for b in layers]} rows x dims do not "
                           f"make the model's embedding {want}")

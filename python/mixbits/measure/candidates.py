@@ -593,7 +593,6 @@ def _native_dtype(module):
 
     from ..adapter import quantized_form
     from ..layout import FLOAT_DTYPES
-
     from ..nn import RowBandEmbedding
 
     if getattr(module, "mode", "affine") != "affine":
