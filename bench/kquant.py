@@ -179,29 +179,46 @@ def calibration_text(tok, tokens: np.ndarray) -> str:
     return text
 
 
-def gguf_adds_bos(model_gguf) -> bool:
+def gguf_bos(model_gguf) -> int | None:
+    """The BOS id llama.cpp prepends to a text, or None when the GGUF does
+    not ask for one (SmolLM2's does not, Gemma's does)."""
     from gguf import GGUFReader
 
-    field = GGUFReader(str(model_gguf)).fields.get("tokenizer.ggml.add_bos_token")
-    return bool(field.parts[field.data[0]][0]) if field is not None else False
+    fields = GGUFReader(str(model_gguf)).fields
+    add, bos = fields.get("tokenizer.ggml.add_bos_token"), fields.get("tokenizer.ggml.bos_token_id")
+    if add is None or not bool(add.parts[add.data[0]][0]) or bos is None:
+        return None
+    return int(bos.parts[bos.data[0]][0])
+
+
+def compare_ids(ids: list[int], want: list[int], bos: int | None) -> dict:
+    """llama.cpp's ids of the calibration text against the protocol's.
+    ``bos``: what llama.cpp put in front (None: nothing). A seed whose first
+    window starts at the text's BOS (seed 0, convert's cut) gets it back from
+    llama.cpp; other seeds' windows start mid-text, so llama.cpp's stream
+    is that BOS and then exactly the protocol's ids."""
+    prepended = bos is not None and bool(want) and want[0] != bos and ids[:1] == [bos]
+    body = ids[1:] if prepended else ids
+    first_diff = next((i for i, (a, b) in enumerate(zip(body, want)) if a != b),
+                      None if len(body) == len(want) else min(len(body), len(want)))
+    # llama-imatrix also starts every chunk at BOS when the GGUF asks for
+    # one, overwriting that window's first token (or, with BOS prepended,
+    # shifting each window by one: it sees BOS then all but its last
+    # token): recorded, since its statistics then miss one token per window.
+    return {"llama_cpp_tokens": len(ids), "protocol_tokens": len(want), "equal": body == want,
+            "first_difference": first_diff, "bos_prepended": prepended,
+            "imatrix_chunks_start_at_bos": bos is not None}
 
 
 def check_tokens(model_gguf, text_file, tokens: np.ndarray) -> dict:
-    """llama.cpp's ids of ``text_file`` against ``tokens``: llama-tokenize
-    called as llama-imatrix tokenizes (special tokens not parsed; BOS first
-    when the GGUF asks for it: SmolLM2's does not, Gemma's does)."""
-    add_bos = gguf_adds_bos(model_gguf)
+    """llama.cpp's ids of ``text_file`` against ``tokens`` (compare_ids):
+    llama-tokenize called as llama-imatrix tokenizes (special tokens not
+    parsed; BOS first when the GGUF asks for it)."""
+    bos = gguf_bos(model_gguf)
     out = subprocess.run([str(tool("llama-tokenize")), "-m", str(model_gguf), "-f", str(text_file), "--ids",
-                          "--log-disable", *([] if add_bos else ["--no-bos"]), "--no-parse-special"],
+                          "--log-disable", *([] if bos is not None else ["--no-bos"]), "--no-parse-special"],
                          check=True, capture_output=True, text=True).stdout
-    ids = json.loads(out.strip().splitlines()[-1])
-    want = np.asarray(tokens).ravel().tolist()
-    first_diff = next((i for i, (a, b) in enumerate(zip(ids, want)) if a != b), None)
-    # llama-imatrix also starts every later chunk at BOS when the GGUF asks
-    # for one, overwriting that window's first token: recorded, since its
-    # statistics then miss one token per window.
-    return {"llama_cpp_tokens": len(ids), "protocol_tokens": len(want),
-            "equal": ids == want, "first_difference": first_diff, "imatrix_chunks_start_at_bos": add_bos}
+    return compare_ids(json.loads(out.strip().splitlines()[-1]), np.asarray(tokens).ravel().tolist(), bos)
 
 
 def run_imatrix(model_gguf, text_file, out, n_ctx: int, n_chunks: int, threads: int = 2) -> float:

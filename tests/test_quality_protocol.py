@@ -125,3 +125,24 @@ def test_bpw_counts_an_embeddings_row_bands_and_only_where_they_fit():
     bits = sum(s.nparams * 5 for s in sc.sites if s is not emb)
     bits += 64 * dims * 8 + (vocab - 64) * dims * 4 + vocab * dims // 32 * 32
     assert sc.bpw(plan) == pytest.approx(bits / sum(s.nparams for s in sc.sites), rel=1e-12)
+
+
+def test_llama_cpp_ids_compared_with_the_bos_it_prepends():
+    import kquant
+
+    want = [5, 6, 7, 8]
+    # SmolLM2: no BOS asked for; the same ids, or the first place they part
+    assert kquant.compare_ids([5, 6, 7, 8], want, None)["equal"]
+    r = kquant.compare_ids([5, 6, 9, 8], want, None)
+    assert not r["equal"] and r["first_difference"] == 2
+    r = kquant.compare_ids([5, 6, 7], want, None)
+    assert not r["equal"] and r["first_difference"] == 3
+    # Gemma, seed 0: the windows start at the text's own BOS, which llama.cpp gives back
+    r = kquant.compare_ids([2, 6, 7, 8], [2, 6, 7, 8], 2)
+    assert r["equal"] and not r["bos_prepended"] and r["imatrix_chunks_start_at_bos"]
+    # Gemma, seeds > 0: windows from mid-text; llama.cpp's stream is BOS, then the same ids
+    r = kquant.compare_ids([2, 5, 6, 7, 8], want, 2)
+    assert r["equal"] and r["bos_prepended"] and r["llama_cpp_tokens"] == 5
+    # a BOS only where none was asked for is a difference, not a prefix
+    assert not kquant.compare_ids([2, 5, 6, 7, 8], want, None)["equal"]
+    assert not kquant.compare_ids([2, 5, 6, 9, 8], want, 2)["equal"]
