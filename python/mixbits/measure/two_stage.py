@@ -220,7 +220,7 @@ def proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=N
     from ..adapter import ModelAdapter
     from ..formats.errors import load_json
     from .candidates import fitting, needs_inputs, parse_candidate
-    from .grad import GradCheckpoint, grad_entries
+    from .grad import POSITION_CLIP, GradCheckpoint, grad_entries
     from .replay import Replayer, token_chunks
     from .sweep import measure_site
 
@@ -243,7 +243,7 @@ def proxy_sweep(model, tokens, out, candidates, *, method: str = "grad", sites=N
     all_sites = [s for s in all_sites if s.path in site_cands]
     meta = table_meta(tokens, SweepConfig(list(candidates)), model_id, all_sites, model=model,
                       method=method)
-    meta.update({"fisher_samples": samples, "seed": seed})
+    meta.update({"fisher_samples": samples, "seed": seed, "fisher_position_clip": POSITION_CLIP})
     if method == "two-stage":
         meta.update({"targets_bpw": list(targets), "exact_budget": budget, "rounds": rounds})
     settings = dict(meta)  # what a resume must match; results are added below
