@@ -287,24 +287,25 @@ def _whole_model_fisher(model, tokens, sites, *, samples, seed, batch, progress,
 
 
 # A position's output gradient is held to this many times its sequence's
-# median (per tensor and call). On Gemma-3-270M's 16 calibration windows the
-# largest ratio of an ordinary window was 836 (its first token, a BOS); one
-# window cut mid-sentence reached 7,300 at its third token. Its Fisher totals
-# (one sample) against two other windows': unclipped, the layer-0 v_proj
-# 2.7e8 (others 0.8e6, 3.1e6) and the embedding 3.7e8 (0.4e7, 1.1e7);
-# clipped at 100, 1.1e7 and 1.3e8; at 30, 1.6e6 and 1.5e7, while the other
-# windows' totals of these and layer 8's down_proj moved by at most 4%.
+# median (per tensor and call). bench/fisher_windows.py, Gemma-3-270M's 16
+# calibration windows one at a time: the largest ratio of an ordinary window
+# was 836 (its first token, a BOS, in a middle layer's down_proj); one window
+# cut mid-sentence reached 7,300 at its third token (layer 1's v_proj) and
+# put 2.8e8 into layer 0's v_proj and 3.7e8 into the embedding, against
+# 0.8e6-5.8e6 and 4.2e6-1.7e7 from each other window. At 100x its embedding
+# still got 1.3e8; at 30x, 1.6e6 and 1.5e7, inside the others' range, while
+# the others moved by a median 0-9% (at most 3x lower: one window's v_proj).
 # The expert stacks' gradients are taken on their weights whole, unclipped.
 POSITION_CLIP = 30.0
 
 
-def clip_positions(rows: np.ndarray, clip: float = POSITION_CLIP) -> np.ndarray:
+def clip_positions(rows: np.ndarray, clip: float | None = None) -> np.ndarray:
     """``rows`` ([positions, outputs], one sample's output gradient) with
-    every row whose norm exceeds ``clip`` times the median row norm scaled
-    down to it (a Huber-like cap: the directions are kept); ``rows`` itself
-    when none does."""
+    every row whose norm exceeds ``clip`` (default POSITION_CLIP, read at
+    call time) times the median row norm scaled down to it (a Huber-like
+    cap: the directions are kept); ``rows`` itself when none does."""
     norms = np.sqrt(np.einsum("ij,ij->i", rows, rows, dtype=np.float64))
-    cap = clip * np.median(norms)
+    cap = (POSITION_CLIP if clip is None else clip) * np.median(norms)
     over = norms > cap
     if not over.any():
         return rows
