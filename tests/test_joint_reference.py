@@ -21,35 +21,43 @@ from tiny_models import build
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-# Tolerances, per-sequence mean KL relative to float64 numpy (measured
-# worst here: float32 ~1e-6, probs16 ~2e-5 on SmolLM2 and Gemma-3-270M,
+# Tolerances, per-sequence mean KL relative to float64 numpy on the same
+# batches (measured worst: float32 2e-8, probs16 8e-6 on Gemma-3-270M on an
+# AVX2-only EPYC; ~2e-5 on SmolLM2 and Gemma-3-270M on an AVX-512 Xeon,
 # bench/KL.md's 1e-5..1.5e-4 on the mean at KL 5e-3..4e-4): probs16 is
 # KL(P16 || Q), P16 the reference rounded to 11 significant bits.
 RTOL_F32, RTOL_P16 = 2e-5, 5e-5
 
 
 def float64_kls(ev: JointEvaluator, plan: dict[str, str]) -> np.ndarray:
-    """Per-sequence mean KL(P_float || Q_plan) in float64 numpy, a sequence
-    at a time: P from the model's own forward, Q from the forward with the
-    evaluator's built layer in place of each planned tensor (restored after)."""
+    """Per-sequence mean KL(P_float || Q_plan) in float64 numpy: P from the
+    model's own forward, Q from the forward with the evaluator's built layer
+    in place of each planned tensor (restored after). The forwards batch the
+    sequences as the evaluator does (``ev.chunk`` at a time): a float32
+    forward is not batch-invariant (a matmul's blocking depends on its row
+    count), and on Gemma-3-270M the same window alone and beside another
+    differs by 0.3% in its logits on an AVX2-only EPYC, 5e-5 in its KL --
+    the forward's rounding, not the reference form under test."""
     def logp(x):
         x = np.asarray(x, dtype=np.float64)
         x = x - x.max(-1, keepdims=True)
         return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
     model, out = ev.model, []
-    for seq in ev.tokens:
-        x = mx.array(seq[None])
-        lp = logp(np.array(model(x).astype(mx.float32))[0])
+    for i in range(0, len(ev.tokens), ev.chunk):
+        x = mx.array(ev.tokens[i : i + ev.chunk])
+        ps = np.array(model(x).astype(mx.float32))
         try:
             for path, cand in plan.items():
                 ev.adapter.set(path, ev.layer(path, cand))
-            lq = logp(np.array(model(x).astype(mx.float32))[0])
+            qs = np.array(model(x).astype(mx.float32))
         finally:
             for path in plan:
                 ev.adapter.set(path, ev.originals[path])
-        out.append((np.exp(lp) * (lp - lq)).sum(-1).mean())
-        del lp, lq
+        for p, q in zip(ps, qs):  # a sequence at a time in float64
+            lp, lq = logp(p), logp(q)
+            out.append((np.exp(lp) * (lp - lq)).sum(-1).mean())
+        del ps, qs, lp, lq
     return np.array(out)
 
 
